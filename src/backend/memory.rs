@@ -1,0 +1,474 @@
+//! `memory://`: every lease, queue and fence in this process.
+//!
+//! For development, tests and single-process use. It implements the whole
+//! [`Backend`] contract with one mutex over a map of keys, so it is also the
+//! reference the other backends are checked against. A key's fence counter is
+//! kept after the key goes idle (a few dozen bytes per name ever used), so
+//! fences never repeat.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::{
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Safety, StaleKey, State,
+    Status, Summary, Ticket, Turn, Waiter, Watch,
+};
+use crate::clock::{ms, now_ms};
+use crate::core::Wakeups;
+use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+
+/// The in-process backend.
+pub struct Memory {
+    keys: Mutex<BTreeMap<LockKey, Entry>>,
+    /// Source of ticket sequence numbers (global queue order).
+    seq: AtomicU64,
+    wakeups: Wakeups,
+}
+
+/// Everything known about one key.
+#[derive(Default)]
+struct Entry {
+    /// Highest fence granted so far.
+    fence: u64,
+    /// Permit count while a semaphore is in use.
+    limit: Option<u32>,
+    leases: Vec<Lease>,
+    /// Waiting tickets in queue order.
+    queue: Vec<Queued>,
+    /// Nothing is granted before this (lock-delay after an expiry or loss).
+    delay_until_ms: u64,
+}
+
+struct Lease {
+    token: Token,
+    owner: String,
+    sidecar: String,
+    mode: Mode,
+    fence: u64,
+    count: u32,
+    since_ms: u64,
+    expires_at_ms: u64,
+    /// Renewals stop here (`max_hold`).
+    cap_ms: Option<u64>,
+    /// The lease's own ttl, for renewals that do not name one.
+    ttl: Duration,
+    lock_delay: Duration,
+}
+
+struct Queued {
+    seq: u64,
+    owner: String,
+    sidecar: String,
+    mode: Mode,
+    since_ms: u64,
+}
+
+impl Entry {
+    /// Drops expired leases, starting their lock-delay. True if any was dropped.
+    fn prune(&mut self, now: u64) -> bool {
+        let before = self.leases.len();
+        let mut delay = self.delay_until_ms;
+        self.leases.retain(|l| {
+            let live = l.expires_at_ms > now;
+            if !live {
+                delay = delay.max(l.expires_at_ms + ms(l.lock_delay));
+            }
+            live
+        });
+        self.delay_until_ms = delay;
+        self.forget_idle_limit();
+        self.leases.len() != before
+    }
+
+    /// A semaphore with no holders and no waiters may be reused with another limit.
+    fn forget_idle_limit(&mut self) {
+        if self.leases.is_empty() && self.queue.is_empty() {
+            self.limit = None;
+        }
+    }
+
+    fn holders(&self) -> Vec<Holder> {
+        self.leases
+            .iter()
+            .map(|l| Holder {
+                owner: l.owner.clone(),
+                sidecar: l.sidecar.clone(),
+                mode: l.mode,
+                since_ms: l.since_ms,
+                expires_at_ms: l.expires_at_ms,
+                fence: l.fence,
+                count: l.count,
+            })
+            .collect()
+    }
+
+    fn lease_mut(&mut self, token: &Token) -> Option<&mut Lease> {
+        self.leases.iter_mut().find(|l| &l.token == token)
+    }
+
+    /// Checks the claim's `limit` against the semaphore's active one.
+    fn settle_limit(&mut self, claim: &Claim) -> Result<(), Error> {
+        if claim.key.kind != Kind::Semaphore {
+            return Ok(());
+        }
+        match (self.limit, claim.limit) {
+            (Some(active), Some(asked)) if active != asked => Err(Error::LimitMismatch { active }),
+            (Some(_), _) => Ok(()),
+            (None, Some(asked)) => {
+                self.limit = Some(asked);
+                Ok(())
+            }
+            (None, None) => Err(Error::LimitRequired),
+        }
+    }
+
+    /// Whether the held leases leave room for `claim`.
+    fn room_for(&self, claim: &Claim) -> bool {
+        match (claim.key.kind, claim.mode) {
+            (Kind::Semaphore, _) => (self.leases.len() as u64) < u64::from(self.limit.unwrap_or(0)),
+            (Kind::Lock, Mode::Exclusive) => self.leases.is_empty(),
+            (Kind::Lock, Mode::Shared) => self.leases.iter().all(|l| l.mode == Mode::Shared),
+        }
+    }
+
+    /// Whether the queue lets `claim` in now (FIFO fairness).
+    fn turn_has_come(&self, claim: &Claim, turn: Turn<'_>) -> bool {
+        let Turn::Queued(ticket) = turn else {
+            return self.queue.is_empty();
+        };
+        let Some(pos) = self.queue.iter().position(|q| q.seq == ticket.seq) else {
+            return false;
+        };
+        let ahead = &self.queue[..pos];
+        match (claim.key.kind, claim.mode) {
+            (Kind::Semaphore, _) => {
+                let free =
+                    u64::from(self.limit.unwrap_or(0)).saturating_sub(self.leases.len() as u64);
+                (pos as u64) < free
+            }
+            (Kind::Lock, Mode::Exclusive) => pos == 0,
+            (Kind::Lock, Mode::Shared) => ahead.iter().all(|q| q.mode == Mode::Shared),
+        }
+    }
+
+    /// When the state blocking `claim` can lapse by itself.
+    fn retry_at(&self, claim: &Claim, now: u64) -> Option<u64> {
+        if self.delay_until_ms > now {
+            return Some(self.delay_until_ms);
+        }
+        self.leases
+            .iter()
+            .filter(|l| claim.mode == Mode::Exclusive || l.mode == Mode::Exclusive)
+            .map(|l| l.expires_at_ms)
+            .min()
+    }
+
+    fn position(&self, seq: u64) -> Option<usize> {
+        self.queue.iter().position(|q| q.seq == seq).map(|p| p + 1)
+    }
+}
+
+impl Memory {
+    /// An empty store that wakes local waiters through `wakeups`.
+    pub fn new(wakeups: Wakeups) -> Self {
+        Self {
+            keys: Mutex::new(BTreeMap::new()),
+            seq: AtomicU64::new(0),
+            wakeups,
+        }
+    }
+
+    /// Runs `f` on the key's entry with expired leases pruned; wakes waiters
+    /// afterwards if `f` or the pruning says so.
+    fn with_entry<T>(&self, key: &LockKey, f: impl FnOnce(&mut Entry, u64) -> (T, bool)) -> T {
+        let now = now_ms();
+        let (out, wake) = {
+            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = keys.entry(key.clone()).or_default();
+            let pruned = entry.prune(now);
+            let (out, wake) = f(entry, now);
+            (out, wake || pruned)
+        };
+        if wake {
+            self.wakeups.wake(key);
+        }
+        out
+    }
+}
+
+#[async_trait]
+impl Backend for Memory {
+    fn describe(&self) -> Description {
+        Description {
+            kind: "memory",
+            url: "memory://".into(),
+            safety: Safety::SingleProcess,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        self.with_entry(&claim.key, |e, now| {
+            if let Err(err) = e.settle_limit(claim) {
+                return (Err(err), false);
+            }
+            let reentry = (claim.key.kind == Kind::Lock)
+                .then(|| {
+                    e.leases
+                        .iter_mut()
+                        .find(|l| l.owner == claim.owner && l.mode == claim.mode)
+                })
+                .flatten();
+            if let Some(l) = reentry {
+                l.count += 1;
+                l.expires_at_ms = l.expires_at_ms.max(now + ms(claim.ttl));
+                if let Some(cap) = l.cap_ms {
+                    l.expires_at_ms = l.expires_at_ms.min(cap);
+                }
+                let grant = Grant {
+                    token: l.token.clone(),
+                    fence: l.fence,
+                    count: l.count,
+                    since_ms: l.since_ms,
+                    expires_at_ms: l.expires_at_ms,
+                };
+                if let Turn::Queued(t) = turn {
+                    e.queue.retain(|q| q.seq != t.seq);
+                }
+                return (Ok(Attempt::Granted(grant)), false);
+            }
+            if now >= e.delay_until_ms && e.room_for(claim) && e.turn_has_come(claim, turn) {
+                e.fence += 1;
+                let cap_ms = claim.max_hold.map(|m| now + ms(m));
+                let mut expires_at_ms = now + ms(claim.ttl);
+                if let Some(cap) = cap_ms {
+                    expires_at_ms = expires_at_ms.min(cap);
+                }
+                let lease = Lease {
+                    token: Token::generate(),
+                    owner: claim.owner.clone(),
+                    sidecar: claim.sidecar.clone(),
+                    mode: claim.mode,
+                    fence: e.fence,
+                    count: 1,
+                    since_ms: now,
+                    expires_at_ms,
+                    cap_ms,
+                    ttl: claim.ttl,
+                    lock_delay: claim.lock_delay,
+                };
+                let grant = Grant {
+                    token: lease.token.clone(),
+                    fence: lease.fence,
+                    count: 1,
+                    since_ms: now,
+                    expires_at_ms,
+                };
+                e.leases.push(lease);
+                if let Turn::Queued(t) = turn {
+                    e.queue.retain(|q| q.seq != t.seq);
+                }
+                return (Ok(Attempt::Granted(grant)), false);
+            }
+            let mut busy = Busy {
+                holders: e.holders(),
+                queue_length: e.queue.len(),
+                position: None,
+                retry_at_ms: e.retry_at(claim, now),
+                ticket: None,
+            };
+            match turn {
+                Turn::Once => {}
+                Turn::Join => {
+                    let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+                    e.queue.push(Queued {
+                        seq,
+                        owner: claim.owner.clone(),
+                        sidecar: claim.sidecar.clone(),
+                        mode: claim.mode,
+                        since_ms: now,
+                    });
+                    busy.queue_length = e.queue.len();
+                    busy.position = Some(e.queue.len());
+                    busy.ticket = Some(Ticket {
+                        key: claim.key.clone(),
+                        seq,
+                    });
+                }
+                Turn::Queued(t) => busy.position = e.position(t.seq),
+            }
+            (Ok(Attempt::Busy(busy)), false)
+        })
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        self.with_entry(&ticket.key, |e, _| {
+            let before = e.queue.len();
+            e.queue.retain(|q| q.seq != ticket.seq);
+            e.forget_idle_limit();
+            ((), e.queue.len() != before)
+        });
+        Ok(())
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        Ok(self.with_entry(key, |e, now| {
+            let renewed = e.lease_mut(token).map(|l| {
+                let mut until = now + ms(ttl.unwrap_or(l.ttl));
+                if let Some(cap) = l.cap_ms {
+                    until = until.min(cap);
+                }
+                l.expires_at_ms = until;
+                until
+            });
+            (renewed, false)
+        }))
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        Ok(self.with_entry(key, |e, _| {
+            let Some(l) = e.lease_mut(token) else {
+                return (None, false);
+            };
+            l.count -= 1;
+            let remaining = l.count;
+            if remaining == 0 {
+                e.leases.retain(|l| &l.token != token);
+                e.forget_idle_limit();
+            }
+            (Some(remaining), remaining == 0)
+        }))
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        Ok(self.with_entry(key, |e, _| {
+            let status = match e.lease_mut(token) {
+                Some(l) => Status::Held {
+                    expires_at_ms: l.expires_at_ms,
+                },
+                None => Status::Gone(Loss::Expired),
+            };
+            (status, false)
+        }))
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        Ok(self.with_entry(key, |e, _| {
+            let waiters = e
+                .queue
+                .iter()
+                .enumerate()
+                .map(|(i, q)| Waiter {
+                    owner: q.owner.clone(),
+                    sidecar: q.sidecar.clone(),
+                    mode: q.mode,
+                    position: i + 1,
+                    since_ms: q.since_ms,
+                })
+                .collect();
+            let state = State {
+                fence: e.fence,
+                limit: e.limit,
+                holders: e.holders(),
+                waiters,
+            };
+            (state, false)
+        }))
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let now = now_ms();
+        let mut woken = Vec::new();
+        let rows = {
+            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
+            let mut rows = Vec::new();
+            for (key, e) in keys.range_mut((lower, Bound::Unbounded)) {
+                if rows.len() >= limit {
+                    break;
+                }
+                if !key.name.as_str().starts_with(prefix) {
+                    continue;
+                }
+                if e.prune(now) {
+                    woken.push(key.clone());
+                }
+                if e.leases.is_empty() && e.queue.is_empty() {
+                    continue;
+                }
+                rows.push(Summary {
+                    key: key.clone(),
+                    holders: e.leases.len(),
+                    waiters: e.queue.len(),
+                    fence: e.fence,
+                });
+            }
+            rows
+        };
+        for key in &woken {
+            self.wakeups.wake(key);
+        }
+        Ok(rows)
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        let now = now_ms();
+        let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(keys
+            .iter()
+            .flat_map(|(key, e)| {
+                e.leases
+                    .iter()
+                    .filter(move |l| l.expires_at_ms > now && now - l.since_ms > ms(stale_after))
+                    .map(move |l| StaleKey {
+                        key: key.to_string(),
+                        reason: "held-too-long",
+                        age_ms: now - l.since_ms,
+                        detail: format!(
+                            "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",
+                            l.owner,
+                            l.sidecar,
+                            l.fence,
+                            humantime::format_duration(stale_after)
+                        ),
+                    })
+            })
+            .collect())
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        Ok(self.with_entry(key, |e, now| {
+            let leases = std::mem::take(&mut e.leases);
+            for l in &leases {
+                e.delay_until_ms = e.delay_until_ms.max(now + ms(l.lock_delay));
+            }
+            e.forget_idle_limit();
+            let tokens: Vec<Token> = leases.into_iter().map(|l| l.token).collect();
+            let any = !tokens.is_empty();
+            (tokens, any)
+        }))
+    }
+
+    async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
+        // Every change happens in this process and wakes through `Wakeups` directly.
+        Ok(Box::new(()))
+    }
+}

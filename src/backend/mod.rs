@@ -1,0 +1,304 @@
+//! The backend seam: where leases, queues and fences live.
+//!
+//! Everything above this module — local queues, the watchdog, SSE, metrics,
+//! HTTP — is the same for every backend. A backend only has to keep the
+//! shared state consistent and say when it changed. [`open`] is the one place
+//! that maps a `--backend` URL to an implementation.
+
+pub mod memory;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::core::Wakeups;
+use crate::lock::{Claim, LockKey, Mode, Token};
+
+/// Errors a backend reports.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The backend cannot be reached or failed; the caller may retry later.
+    #[error("backend unavailable during {op}")]
+    Unavailable {
+        op: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A semaphore is in use with a different number of permits.
+    #[error("semaphore is in use with limit {active}")]
+    LimitMismatch { active: u32 },
+    /// A semaphore with no holders or waiters was used without `limit`.
+    #[error("semaphore limit is required")]
+    LimitRequired,
+}
+
+/// How much a backend's locks can be trusted; shown by `/v1/info` and the dashboard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Safety {
+    /// Locks exist in one process only.
+    SingleProcess,
+    /// Good for avoiding duplicate work; a failover or clock jump can break exclusion.
+    Efficiency,
+    /// Exclusion holds through failures; fences make writes safe.
+    Correctness,
+}
+
+/// Static facts about a backend.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Description {
+    /// `memory`, `redis`, `redlock`, `zookeeper` or `postgres`.
+    pub kind: &'static str,
+    /// The URL with any password removed.
+    pub url: String,
+    pub safety: Safety,
+}
+
+/// Where a queued claim stands in a backend's global FIFO queue.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub key: LockKey,
+    /// Global queue order: lower is earlier. Local queues sort by it.
+    pub seq: u64,
+}
+
+/// How a claim takes part in the queue for one attempt.
+#[derive(Debug, Clone, Copy)]
+pub enum Turn<'a> {
+    /// Try once; never queue. Busy while anyone waits (fairness), unless re-entering.
+    Once,
+    /// Try once; if busy, join the queue in the same atomic step and return a ticket.
+    Join,
+    /// Try as the holder of this ticket: granted only when the ticket's turn has come.
+    Queued(&'a Ticket),
+}
+
+/// A granted lease.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub token: Token,
+    pub fence: u64,
+    /// Hold count: above 1 after re-entry by the same owner.
+    pub count: u32,
+    pub since_ms: u64,
+    pub expires_at_ms: u64,
+}
+
+/// Why a claim was not granted.
+#[derive(Debug, Clone, Default)]
+pub struct Busy {
+    pub holders: Vec<Holder>,
+    pub queue_length: usize,
+    /// 1-based place in the queue of the attempt's ticket, when it has one.
+    pub position: Option<usize>,
+    /// The earliest moment the blocking state can lapse by itself (lease
+    /// expiry, end of a lock-delay): the waiter's timer, so that dead holders
+    /// are covered without polling.
+    pub retry_at_ms: Option<u64>,
+    /// The ticket issued by [`Turn::Join`].
+    pub ticket: Option<Ticket>,
+}
+
+/// Result of an acquire attempt.
+#[derive(Debug, Clone)]
+pub enum Attempt {
+    Granted(Grant),
+    Busy(Busy),
+}
+
+/// A current holder, as every sidecar sees it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Holder {
+    pub owner: String,
+    pub sidecar: String,
+    pub mode: Mode,
+    pub since_ms: u64,
+    pub expires_at_ms: u64,
+    pub fence: u64,
+    pub count: u32,
+}
+
+/// A queued claim, as every sidecar sees it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Waiter {
+    pub owner: String,
+    pub sidecar: String,
+    pub mode: Mode,
+    /// 1 is next in line.
+    pub position: usize,
+    pub since_ms: u64,
+}
+
+/// The global state of one lock or semaphore.
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    /// The highest fence ever granted on this key (0 if never).
+    pub fence: u64,
+    /// The active permit count of a semaphore in use.
+    pub limit: Option<u32>,
+    pub holders: Vec<Holder>,
+    pub waiters: Vec<Waiter>,
+}
+
+/// One row of the listing of held or contended keys.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub key: LockKey,
+    pub holders: usize,
+    pub waiters: usize,
+    pub fence: u64,
+}
+
+/// A key an operator should look at.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct StaleKey {
+    /// The backend's own key or path.
+    pub key: String,
+    /// `held-too-long`, `no-expiry`, `expired-not-cleaned`, `orphaned-waiter`, `empty-parent`.
+    pub reason: &'static str,
+    pub age_ms: u64,
+    pub detail: String,
+}
+
+/// Why a lease ended without its holder releasing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Loss {
+    /// The lease ran past its expiry.
+    Expired,
+    /// An operator force-released it.
+    ForceReleased,
+    /// The backend no longer has it and cannot say why (key deleted, session lost).
+    Backend,
+}
+
+/// The state of one lease, for the sidecar's expiry timer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Still held; expires then unless renewed.
+    Held { expires_at_ms: u64 },
+    /// Gone, and why.
+    Gone(Loss),
+}
+
+/// The storage of leases, queues and fences behind the sidecar.
+///
+/// # Contract
+///
+/// * **Atomicity.** [`try_acquire`](Backend::try_acquire), [`renew`](Backend::renew)
+///   and [`release`](Backend::release) are each one atomic step in the backend
+///   (a Lua script, a transaction, a znode operation): a grant is written with
+///   its expiry in the same step that checks for conflicts, and renew and
+///   release compare the token in the step that changes the lease. A lease
+///   whose expiry has passed counts as free in every check.
+/// * **Conflicts.** An exclusive lease excludes every other lease on the key;
+///   shared leases exclude only exclusive ones; a semaphore admits up to its
+///   `limit` leases. The same owner asking again for a lock in the mode it
+///   holds re-enters: same token, same fence, count + 1, regardless of queue.
+///   Semaphore permits never re-enter.
+/// * **Fairness.** Waiters form one FIFO queue per key across all sidecars. A
+///   [`Turn::Once`] or [`Turn::Join`] claim is busy while the queue is not
+///   empty; a [`Turn::Queued`] claim is granted only when every earlier ticket
+///   is compatible with it (for exclusive: it is first; for shared: only shared
+///   tickets are ahead; for semaphores: fewer tickets ahead than free permits).
+///   The grant removes the ticket in the same step.
+/// * **Fencing.** Every grant that is not a re-entry takes a fence strictly
+///   greater than every fence granted before on that key, by any sidecar,
+///   for the backend's whole life.
+/// * **Lock delay.** When a lease ends by expiry or loss (not release), the key
+///   grants nothing until the lease's expiry plus its claim's `lock_delay`.
+/// * **Wake-ups.** Whenever a change may let a waiter in — a release, an
+///   expiry noticed, a force-release, a ticket leaving the head of the queue —
+///   the backend calls [`Wakeups::wake`] for that key on every sidecar that
+///   [`watch`](Backend::watch)es it (pub/sub, watches, `NOTIFY`). Waiting never
+///   polls: between wake-ups a waiter sleeps until [`Busy::retry_at_ms`].
+///
+/// # Errors
+///
+/// [`Error::Unavailable`] when the backend cannot be reached; callers answer
+/// 503 and retry later. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
+/// are the client's mistakes with semaphores.
+///
+/// # Cancellation safety
+///
+/// A future dropped before completion may or may not have taken effect, as
+/// with any remote call. The core never drops `try_acquire` on the floor: it
+/// runs acquisitions in tasks of their own and releases grants nobody
+/// received. `release`, `dequeue` and `renew` may be retried.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// What this backend is.
+    fn describe(&self) -> Description;
+
+    /// Checks the backend is reachable (for `/readyz`).
+    async fn ping(&self) -> Result<(), Error>;
+
+    /// Attempts to grant `claim` now; see the contract for `turn`.
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error>;
+
+    /// Leaves the queue (timeout, disconnect). Idempotent.
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error>;
+
+    /// Extends the lease to `ttl` (default: the lease's own ttl) from now,
+    /// never past its claim's `max_hold` from acquisition.
+    /// `Some(expires_at_ms)`; `None`: the token holds nothing.
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error>;
+
+    /// Drops one hold of the lease. `Some(remaining)` hold count, `None`: the token holds nothing.
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error>;
+
+    /// Whether the lease still holds, for the holder's expiry timer.
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error>;
+
+    /// The global state of `key`.
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error>;
+
+    /// Held or contended keys whose name starts with `prefix`, ordered by
+    /// key, strictly after `after`, at most `limit`.
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error>;
+
+    /// Keys an operator should look at.
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error>;
+
+    /// Removes every lease of `key` (admin), returning their tokens.
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error>;
+
+    /// One more local waiter on `key`: deliver wake-ups for it until the
+    /// returned guard is dropped. Resolves once delivery is in place (e.g. the
+    /// subscription is confirmed), so an attempt made afterwards cannot miss
+    /// a release. Backends count watchers and subscribe once per key.
+    async fn watch(&self, key: &LockKey) -> Result<Watch, Error>;
+
+    /// Releases backend resources at shutdown.
+    async fn close(&self) {}
+}
+
+/// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
+pub type Watch = Box<dyn Send + Sync>;
+
+/// Opens the backend a `--backend` URL names.
+///
+/// # Errors
+/// A sentence for the operator when the URL's scheme is unknown or it is malformed.
+pub async fn open(url: &str, wakeups: Wakeups) -> Result<Arc<dyn Backend>, String> {
+    let parsed = url::Url::parse(url).map_err(|e| format!("backend URL {url:?}: {e}"))?;
+    match parsed.scheme() {
+        "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
+        other => Err(format!(
+            "backend URL scheme {other:?} is not supported by this build; use memory://"
+        )),
+    }
+}

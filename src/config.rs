@@ -1,0 +1,301 @@
+//! Configuration: flags, `SIDELOCK_*` environment variables and an optional
+//! TOML file, with that precedence (flag > env > file > default).
+//!
+//! The file uses the flags' names in snake_case (`max_ttl = "1h"`) and
+//! rejects unknown keys.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Deserializer};
+
+use crate::core::Limits;
+
+/// Parses `250ms`, `30s`, `5m`, `1h`, `1m30s`; a bare integer is milliseconds.
+///
+/// # Errors
+/// A sentence naming the accepted forms.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<u64>() {
+        return Ok(Duration::from_millis(n));
+    }
+    humantime::parse_duration(s).map_err(|_| {
+        format!("{s:?} is not a duration; use e.g. 250ms, 30s, 5m, 1h, or a number of milliseconds")
+    })
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Ms(u64),
+        Text(String),
+    }
+    match Option::<Raw>::deserialize(d)? {
+        None => Ok(None),
+        Some(Raw::Ms(n)) => Ok(Some(Duration::from_millis(n))),
+        Some(Raw::Text(s)) => parse_duration(&s)
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
+}
+
+/// `sidelock`: a distributed-lock sidecar.
+#[derive(Debug, Parser)]
+#[command(
+    name = "sidelock",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the sidecar (the default).
+    Serve(ServeArgs),
+    /// Hold a lock through a sidecar while a command runs.
+    Run(RunArgs),
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Settings of `sidelock serve`; every one optional so the sources can be layered.
+#[derive(Debug, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeArgs {
+    /// TOML file with the settings below (snake_case keys).
+    #[arg(long, env = "SIDELOCK_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:7070]; port 0 picks a free port.
+    #[arg(long, env = "SIDELOCK_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Backend URL: memory:// [default].
+    #[arg(long, env = "SIDELOCK_BACKEND")]
+    pub backend: Option<String>,
+    /// This sidecar's id in holder listings [default: hostname-<random>].
+    #[arg(long, env = "SIDELOCK_SIDECAR_ID")]
+    pub sidecar_id: Option<String>,
+    /// Lease ttl when a request gives none [default: 30s].
+    #[arg(long, env = "SIDELOCK_DEFAULT_TTL", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub default_ttl: Option<Duration>,
+    /// Longest ttl a request may ask for [default: 1h].
+    #[arg(long, env = "SIDELOCK_MAX_TTL", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub max_ttl: Option<Duration>,
+    /// Longest wait a request may ask for [default: 1h].
+    #[arg(long, env = "SIDELOCK_MAX_WAIT", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub max_wait: Option<Duration>,
+    /// Default lock-delay after a lease ends by expiry or loss [default: 0s].
+    #[arg(long, env = "SIDELOCK_LOCK_DELAY", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub lock_delay: Option<Duration>,
+    /// Holders older than this are listed by /v1/stale [default: 1h].
+    #[arg(long, env = "SIDELOCK_STALE_AFTER", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub stale_after: Option<Duration>,
+    /// Waiters per lock in this sidecar before acquires get 429 [default: 10000].
+    #[arg(long, env = "SIDELOCK_MAX_WAITERS")]
+    pub max_waiters: Option<usize>,
+    /// Label metrics with lock names (bounded to 500 names) [default: false].
+    #[arg(long, env = "SIDELOCK_METRICS_LOCK_LABELS", num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_lock_labels: Option<bool>,
+    /// Time allowed for releasing everything on SIGTERM [default: 10s].
+    #[arg(long, env = "SIDELOCK_SHUTDOWN_GRACE", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub shutdown_grace: Option<Duration>,
+    /// Log format [default: text].
+    #[arg(long, env = "SIDELOCK_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Bearer token every /v1 request must carry.
+    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// Bearer token of the admin API (force-release); without it the admin API answers 403.
+    #[arg(long, env = "SIDELOCK_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+/// Fills every unset setting of `$hi` from `$lo`.
+macro_rules! layer {
+    ($hi:expr, $lo:expr; $($field:ident),* $(,)?) => {
+        ServeArgs { $($field: $hi.$field.or($lo.$field),)* }
+    };
+}
+
+impl ServeArgs {
+    fn under(self, lower: ServeArgs) -> ServeArgs {
+        layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
+            lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
+            api_token, admin_token)
+    }
+}
+
+/// `sidelock run`: hold a lock while a command runs.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Lock name.
+    #[arg(long)]
+    pub lock: String,
+    /// Lease ttl, renewed by the sidecar's watchdog while the command runs.
+    #[arg(long)]
+    pub ttl: Option<String>,
+    /// How long to wait for the lock [default: 0, try once].
+    #[arg(long)]
+    pub wait: Option<String>,
+    /// Owner identity shown to operators.
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// Take the lock in shared (read) mode.
+    #[arg(long)]
+    pub shared: bool,
+    /// The sidecar's base URL.
+    #[arg(long, env = "SIDELOCK_URL", default_value = "http://127.0.0.1:7070")]
+    pub url: String,
+    /// Bearer token for the sidecar's API.
+    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// The resolved settings of a sidecar.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: SocketAddr,
+    pub backend: String,
+    pub sidecar_id: String,
+    pub limits: Limits,
+    pub metrics_lock_labels: bool,
+    pub shutdown_grace: Duration,
+    pub log_format: LogFormat,
+    pub api_token: Option<String>,
+    pub admin_token: Option<String>,
+}
+
+impl Settings {
+    /// Layers `args` (flags and env, as clap parsed them) over the config file
+    /// they name, then defaults, and checks the result.
+    ///
+    /// # Errors
+    /// A sentence for the operator naming the bad setting.
+    pub fn resolve(args: ServeArgs) -> Result<Self, String> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => ServeArgs::default(),
+        };
+        let a = args.under(file);
+        let limits = Limits {
+            default_ttl: a.default_ttl.unwrap_or(Duration::from_secs(30)),
+            max_ttl: a.max_ttl.unwrap_or(Duration::from_secs(3600)),
+            max_wait: a.max_wait.unwrap_or(Duration::from_secs(3600)),
+            lock_delay: a.lock_delay.unwrap_or(Duration::ZERO),
+            stale_after: a.stale_after.unwrap_or(Duration::from_secs(3600)),
+            max_waiters: a.max_waiters.unwrap_or(10_000),
+        };
+        if limits.max_ttl.is_zero() {
+            return Err("max_ttl must be above 0".into());
+        }
+        if limits.default_ttl.is_zero() || limits.default_ttl > limits.max_ttl {
+            return Err(format!(
+                "default_ttl ({}) must be above 0 and at most max_ttl ({})",
+                humantime::format_duration(limits.default_ttl),
+                humantime::format_duration(limits.max_ttl)
+            ));
+        }
+        if limits.max_waiters == 0 {
+            return Err("max_waiters must be at least 1".into());
+        }
+        let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
+            Some(id) if id.len() > 200 || id.chars().any(char::is_control) => {
+                return Err("sidecar_id must be at most 200 printable characters".into());
+            }
+            Some(id) => id,
+            None => default_sidecar_id(),
+        };
+        Ok(Self {
+            listen: a
+                .listen
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7070))),
+            backend: a.backend.unwrap_or_else(|| "memory://".into()),
+            sidecar_id,
+            limits,
+            metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
+            shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
+            log_format: a.log_format.unwrap_or(LogFormat::Text),
+            api_token: a.api_token.filter(|t| !t.is_empty()),
+            admin_token: a.admin_token.filter(|t| !t.is_empty()),
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<ServeArgs, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+}
+
+fn default_sidecar_id() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let suffix: u32 = rand::random();
+    format!("{host}-{:06x}", suffix & 0xff_ffff)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_accept_units_and_bare_milliseconds() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("soon").unwrap_err().contains("250ms"));
+        assert!(parse_duration("-5s").is_err());
+    }
+
+    #[test]
+    fn file_rejects_unknown_keys_and_reads_durations() {
+        let ok: ServeArgs = toml::from_str("max_ttl = \"2m\"\nmax_wait = 1500").unwrap();
+        assert_eq!(ok.max_ttl, Some(Duration::from_secs(120)));
+        assert_eq!(ok.max_wait, Some(Duration::from_millis(1500)));
+        let err = toml::from_str::<ServeArgs>("max_tll = \"2m\"").unwrap_err();
+        assert!(err.to_string().contains("max_tll"));
+    }
+
+    #[test]
+    fn flags_win_over_file() {
+        let flags = ServeArgs {
+            max_ttl: Some(Duration::from_secs(3)),
+            ..ServeArgs::default()
+        };
+        let file = ServeArgs {
+            max_ttl: Some(Duration::from_secs(1)),
+            max_wait: Some(Duration::from_secs(9)),
+            ..ServeArgs::default()
+        };
+        let merged = flags.under(file);
+        assert_eq!(merged.max_ttl, Some(Duration::from_secs(3)));
+        assert_eq!(merged.max_wait, Some(Duration::from_secs(9)));
+    }
+}

@@ -1,0 +1,806 @@
+//! The backend-agnostic lock service: queueing, leases, watchdog, events.
+//!
+//! [`Core`] turns HTTP-level requests into backend calls. It keeps this
+//! sidecar's waiters in local queues ([`Wakeups`]) so that a backend wake-up
+//! reaches one waiter, tracks every lease granted through this sidecar
+//! ([`Local`]) with a timer at its expiry, renews hold-stream leases
+//! (watchdog), and publishes [`Event`]s and metrics.
+
+pub mod event;
+mod queue;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio::time::sleep_until;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use event::{Event, EventType, LostReason};
+pub(crate) use queue::Place;
+pub use queue::Wakeups;
+
+use crate::backend::{self, Attempt, Backend, Busy, Grant, Loss, State, Status, Summary, Turn};
+use crate::clock::{instant_at, ms, now_ms};
+use crate::error::Error;
+use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+use crate::metrics::{Metrics, kind_label};
+
+/// Limits and defaults from the configuration.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub default_ttl: Duration,
+    pub max_ttl: Duration,
+    pub max_wait: Duration,
+    pub lock_delay: Duration,
+    pub stale_after: Duration,
+    /// Local waiters per key before acquires are refused with 429.
+    pub max_waiters: usize,
+}
+
+/// How a lease granted through this sidecar ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    Released,
+    Lost(LostReason),
+}
+
+/// A lease granted through this sidecar.
+pub struct Local {
+    pub key: LockKey,
+    pub token: Token,
+    pub owner: String,
+    pub mode: Mode,
+    pub fence: u64,
+    /// The ttl the watchdog renews to.
+    pub ttl: Duration,
+    pub since_ms: u64,
+    /// Renewals stop here (`max_hold`).
+    pub cap_ms: Option<u64>,
+    /// Current expiry and hold count, as last seen.
+    state: Mutex<(u64, u32)>,
+    /// Set once, when the lease ends.
+    end: watch::Sender<Option<End>>,
+}
+
+impl Local {
+    /// When the lease expires unless renewed.
+    pub fn expires_at_ms(&self) -> u64 {
+        self.lock_state().0
+    }
+
+    /// Hold count.
+    pub fn count(&self) -> u32 {
+        self.lock_state().1
+    }
+
+    fn set(&self, expires_at_ms: Option<u64>, count: Option<u32>) {
+        let mut s = self.lock_state();
+        if let Some(e) = expires_at_ms {
+            s.0 = e;
+        }
+        if let Some(c) = count {
+            s.1 = c;
+        }
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, (u64, u32)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn event(&self, event: EventType, sidecar: &str) -> Event {
+        Event {
+            event,
+            name: self.key.name.to_string(),
+            kind: self.key.kind,
+            owner: self.owner.clone(),
+            sidecar: sidecar.to_owned(),
+            mode: self.mode,
+            fence: Some(self.fence),
+            at_ms: now_ms(),
+            reason: None,
+            count: None,
+            waited_ms: None,
+            held_ms: None,
+            position: None,
+        }
+    }
+}
+
+/// A successful acquire.
+#[derive(Clone)]
+pub struct Granted {
+    pub lease: Arc<Local>,
+    pub count: u32,
+    pub expires_at_ms: u64,
+    pub waited: Duration,
+}
+
+/// The result of an acquire that did not fail.
+pub enum Outcome {
+    Granted(Granted),
+    /// Not granted within `wait` (`waited` is zero for try-once).
+    Busy {
+        busy: Busy,
+        waited: Duration,
+    },
+    /// The caller went away or the sidecar is shutting down.
+    Cancelled,
+}
+
+/// What a hold stream reports, in order.
+pub enum HoldEvent {
+    Queued {
+        position: usize,
+        queue_length: usize,
+    },
+    Acquired(Granted),
+    Renewed {
+        expires_at_ms: u64,
+        ttl_ms: u64,
+    },
+    Lost(LostReason),
+    Timeout {
+        busy: Busy,
+        waited: Duration,
+    },
+    Failed(Error),
+}
+
+/// The lock service of one sidecar.
+pub struct Core {
+    /// This core itself, for the tasks it spawns.
+    me: std::sync::Weak<Core>,
+    backend: Arc<dyn Backend>,
+    wakeups: Wakeups,
+    /// This sidecar's id, stored with its leases and waiters.
+    pub sidecar: String,
+    pub limits: Limits,
+    /// Leases granted through this sidecar and not ended, by token.
+    leases: Mutex<HashMap<Token, Arc<Local>>>,
+    events: broadcast::Sender<Event>,
+    pub metrics: Arc<Metrics>,
+    /// Cancelled on SIGTERM: ends waits, holds and event streams.
+    pub shutdown: CancellationToken,
+    /// Every background task, so shutdown can wait for them.
+    pub tasks: TaskTracker,
+}
+
+/// Decrements the waiters gauge when a waiter leaves, however it leaves.
+struct Waiting<'a> {
+    metrics: &'a Metrics,
+    kind: Kind,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .waiters
+            .with_label_values(&[kind_label(self.kind)])
+            .dec();
+    }
+}
+
+impl Core {
+    /// A lock service over `backend`, which wakes waiters through `wakeups`.
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        wakeups: Wakeups,
+        sidecar: String,
+        limits: Limits,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            backend,
+            wakeups,
+            sidecar,
+            limits,
+            leases: Mutex::new(HashMap::new()),
+            events: broadcast::channel(1024).0,
+            metrics,
+            shutdown,
+            tasks: TaskTracker::new(),
+        })
+    }
+
+    /// The backend, for its description.
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
+    /// A live feed of this sidecar's lock events.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    fn publish(&self, event: Event) {
+        // No subscribers is fine: events are for whoever watches.
+        let _ = self.events.send(event);
+    }
+
+    /// Runs one backend operation, counting it and its failure.
+    async fn op<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, backend::Error>>,
+    ) -> Result<T, Error> {
+        let started = Instant::now();
+        let result = fut.await;
+        let m = &self.metrics;
+        m.backend_ops.with_label_values(&[op]).inc();
+        m.backend_seconds
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(backend::Error::Unavailable { .. }) = &result {
+            m.backend_errors.with_label_values(&[op]).inc();
+        }
+        result.map_err(Error::from)
+    }
+
+    /// Checks the backend answers (for `/readyz`).
+    pub async fn ping(&self) -> Result<(), Error> {
+        let result = self.op("ping", self.backend.ping()).await;
+        self.metrics
+            .backend_up
+            .set(if result.is_ok() { 1.0 } else { 0.0 });
+        result
+    }
+
+    fn local(&self, token: &Token) -> Option<Arc<Local>> {
+        self.lock_leases().get(token).cloned()
+    }
+
+    fn lock_leases(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Arc<Local>>> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Number of leases held through this sidecar.
+    pub fn held(&self) -> usize {
+        self.lock_leases().len()
+    }
+
+    /// Number of requests of this sidecar waiting in queues.
+    pub fn waiting(&self) -> usize {
+        self.wakeups.total()
+    }
+
+    /// Acquires `claim`, waiting up to `wait` in FIFO order.
+    ///
+    /// `progress` receives `queued` updates for hold streams.
+    ///
+    /// # Errors
+    /// Backend outages, semaphore limit errors, and 429 when the local queue is full.
+    ///
+    /// # Cancellation safety
+    /// Not cancellation safe: a grant may be lost if the future is dropped.
+    /// Cancel through `cancel` instead, which dequeues cleanly.
+    pub async fn acquire(
+        &self,
+        claim: &Claim,
+        wait: Duration,
+        cancel: &CancellationToken,
+        progress: Option<&mpsc::Sender<HoldEvent>>,
+    ) -> Result<Outcome, Error> {
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(started) + wait;
+        let key = &claim.key;
+        let queueing = !wait.is_zero();
+        if queueing && self.wakeups.len(key) >= self.limits.max_waiters {
+            self.metrics.acquired(key, "rejected");
+            return Err(Error::TooManyWaiters {
+                limit: self.limits.max_waiters,
+            });
+        }
+        let turn = if queueing { Turn::Join } else { Turn::Once };
+        let busy = match self.attempt(claim, turn).await? {
+            Attempt::Granted(g) => return Ok(Outcome::Granted(self.granted(claim, g, started))),
+            Attempt::Busy(busy) => busy,
+        };
+        let Some(ticket) = busy.ticket.clone().filter(|_| queueing) else {
+            self.metrics.acquired(key, "busy");
+            return Ok(Outcome::Busy {
+                busy,
+                waited: Duration::ZERO,
+            });
+        };
+
+        let place = self.wakeups.join(key, ticket.seq);
+        let mut moves = place.moves();
+        self.metrics
+            .waiters
+            .with_label_values(&[kind_label(key.kind)])
+            .inc();
+        let _waiting = Waiting {
+            metrics: &self.metrics,
+            kind: key.kind,
+        };
+        let watch = match self.backend.watch(key).await {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                return Err(e.into());
+            }
+        };
+        let (local_pos, _) = place.position();
+        let mut offset = busy.position.unwrap_or(local_pos).saturating_sub(local_pos);
+        let mut reported = None;
+        self.report_position(&place, offset, &mut reported, busy.queue_length, progress);
+        let mut queued = self.claim_event(claim, EventType::Queued);
+        queued.position = busy.position;
+        self.publish(queued);
+
+        let mut retry_at = busy.retry_at_ms;
+        let mut last = busy;
+        let outcome = loop {
+            if place.is_head() {
+                match self.attempt(claim, Turn::Queued(&ticket)).await {
+                    Ok(Attempt::Granted(g)) => {
+                        let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
+                        place.leave_granted(pass_on);
+                        drop(watch);
+                        return Ok(Outcome::Granted(self.granted(claim, g, started)));
+                    }
+                    Ok(Attempt::Busy(b)) => {
+                        retry_at = b.retry_at_ms;
+                        if let Some(p) = b.position {
+                            offset = p.saturating_sub(place.position().0);
+                        }
+                        self.report_position(
+                            &place,
+                            offset,
+                            &mut reported,
+                            b.queue_length,
+                            progress,
+                        );
+                        last = b;
+                    }
+                    Err(e) => {
+                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        self.metrics.acquired(key, "error");
+                        return Err(e);
+                    }
+                }
+            }
+            let retry = retry_at.map(instant_at);
+            tokio::select! {
+                () = place.notified() => {}
+                () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => retry_at = None,
+                () = sleep_until(deadline) => break Outcome::Busy { busy: last, waited: started.elapsed() },
+                () = cancel.cancelled() => break Outcome::Cancelled,
+                () = self.shutdown.cancelled() => break Outcome::Cancelled,
+                Ok(()) = moves.changed(), if progress.is_some() => {
+                    self.report_position(&place, offset, &mut reported, 0, progress);
+                }
+            }
+        };
+        drop(place);
+        drop(watch);
+        // The grant may have raced with the timeout or cancel: the dequeue
+        // cannot undo it, so look once more and give a grant back if it came.
+        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+        let result = match &outcome {
+            Outcome::Busy { .. } => "timeout",
+            _ => "cancelled",
+        };
+        self.metrics.acquired(key, result);
+        Ok(outcome)
+    }
+
+    /// Sends a `queued` update when the position changed.
+    fn report_position(
+        &self,
+        place: &Place,
+        offset: usize,
+        reported: &mut Option<usize>,
+        queue_length: usize,
+        progress: Option<&mpsc::Sender<HoldEvent>>,
+    ) {
+        let Some(tx) = progress else { return };
+        let (local, local_len) = place.position();
+        let position = local + offset;
+        if *reported == Some(position) {
+            return;
+        }
+        *reported = Some(position);
+        let queue_length = queue_length.max(local_len + offset).max(position);
+        // A full channel only drops a position update; the next one follows.
+        let _ = tx.try_send(HoldEvent::Queued {
+            position,
+            queue_length,
+        });
+    }
+
+    async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let result = self
+            .op("try_acquire", self.backend.try_acquire(claim, turn))
+            .await;
+        if let Err(e) = &result
+            && !matches!(e, Error::Unavailable(_))
+        {
+            self.metrics.acquired(&claim.key, "rejected");
+        }
+        result
+    }
+
+    fn claim_event(&self, claim: &Claim, event: EventType) -> Event {
+        Event {
+            event,
+            name: claim.key.name.to_string(),
+            kind: claim.key.kind,
+            owner: claim.owner.clone(),
+            sidecar: self.sidecar.clone(),
+            mode: claim.mode,
+            fence: None,
+            at_ms: now_ms(),
+            reason: None,
+            count: None,
+            waited_ms: None,
+            held_ms: None,
+            position: None,
+        }
+    }
+
+    /// Records a grant: the local lease (new, or re-entered), its expiry
+    /// timer, metrics and the `acquired` event.
+    fn granted(&self, claim: &Claim, g: Grant, started: Instant) -> Granted {
+        let waited = started.elapsed();
+        let lease = {
+            let mut leases = self.lock_leases();
+            match leases.get(&g.token) {
+                Some(local) => {
+                    local.set(Some(g.expires_at_ms), Some(g.count));
+                    local.clone()
+                }
+                None => {
+                    let local = Arc::new(Local {
+                        key: claim.key.clone(),
+                        token: g.token.clone(),
+                        owner: claim.owner.clone(),
+                        mode: claim.mode,
+                        fence: g.fence,
+                        ttl: claim.ttl,
+                        since_ms: g.since_ms,
+                        cap_ms: claim.max_hold.map(|m| g.since_ms + ms(m)),
+                        state: Mutex::new((g.expires_at_ms, g.count)),
+                        end: watch::channel(None).0,
+                    });
+                    leases.insert(g.token.clone(), local.clone());
+                    self.metrics
+                        .held
+                        .with_label_values(&[kind_label(claim.key.kind)])
+                        .inc();
+                    if let Some(me) = self.me.upgrade() {
+                        self.tasks.spawn(me.supervise(local.clone()));
+                    }
+                    local
+                }
+            }
+        };
+        self.metrics.acquired(&claim.key, "granted");
+        self.metrics.observe(&self.metrics.wait, &claim.key, waited);
+        let mut event = lease.event(EventType::Acquired, &self.sidecar);
+        event.count = Some(g.count);
+        event.waited_ms = Some(ms(waited));
+        self.publish(event);
+        Granted {
+            lease,
+            count: g.count,
+            expires_at_ms: g.expires_at_ms,
+            waited,
+        }
+    }
+
+    /// Ends a local lease once: removes it, counts it, publishes the event.
+    /// Returns false if it had ended already.
+    fn end(&self, local: &Local, end: End) -> bool {
+        let first = local.end.send_if_modified(|slot| {
+            if slot.is_some() {
+                return false;
+            }
+            *slot = Some(end);
+            true
+        });
+        if !first {
+            return false;
+        }
+        self.lock_leases().remove(&local.token);
+        let m = &self.metrics;
+        m.held
+            .with_label_values(&[kind_label(local.key.kind)])
+            .dec();
+        let held = Duration::from_millis(now_ms().saturating_sub(local.since_ms));
+        m.observe(&m.hold, &local.key, held);
+        let mut event = match end {
+            End::Released => local.event(EventType::Released, &self.sidecar),
+            End::Lost(reason) => {
+                m.lost.with_label_values(&[reason.as_str()]).inc();
+                let kind = match reason {
+                    LostReason::Expired | LostReason::MaxHold => {
+                        m.expirations
+                            .with_label_values(&[kind_label(local.key.kind)])
+                            .inc();
+                        EventType::Expired
+                    }
+                    LostReason::ForceReleased => EventType::ForceReleased,
+                    _ => EventType::Lost,
+                };
+                let mut e = local.event(kind, &self.sidecar);
+                e.reason = Some(reason);
+                e
+            }
+        };
+        event.held_ms = Some(ms(held));
+        self.publish(event);
+        true
+    }
+
+    /// Releases one hold of a lease by its token.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<u32, Error> {
+        let result = self.op("release", self.backend.release(key, token)).await?;
+        let local = self.local(token);
+        match (result, local) {
+            (Some(0), Some(local)) => {
+                self.end(&local, End::Released);
+                Ok(0)
+            }
+            (Some(n), Some(local)) => {
+                local.set(None, Some(n));
+                Ok(n)
+            }
+            (Some(n), None) => Ok(n),
+            (None, local) => {
+                if let Some(local) = local {
+                    self.end(&local, End::Lost(LostReason::Expired));
+                }
+                Err(Error::LeaseLost)
+            }
+        }
+    }
+
+    /// Extends a lease to `ttl` (default: its own) from now.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
+    pub async fn keepalive(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<u64, Error> {
+        let renewed = self.op("renew", self.backend.renew(key, token, ttl)).await;
+        let local = self.local(token);
+        match renewed {
+            Ok(Some(expires_at_ms)) => {
+                self.metrics.renewals.with_label_values(&["ok"]).inc();
+                if let Some(local) = local {
+                    local.set(Some(expires_at_ms), None);
+                }
+                Ok(expires_at_ms)
+            }
+            Ok(None) => {
+                self.metrics.renewals.with_label_values(&["lost"]).inc();
+                if let Some(local) = local {
+                    let reason = lapse_reason(&local);
+                    self.end(&local, End::Lost(reason));
+                }
+                Err(Error::LeaseLost)
+            }
+            Err(e) => {
+                self.metrics.renewals.with_label_values(&["error"]).inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// The global state of a key.
+    ///
+    /// # Errors
+    /// Backend outages.
+    pub async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        self.op("inspect", self.backend.inspect(key)).await
+    }
+
+    /// Held or contended keys.
+    ///
+    /// # Errors
+    /// Backend outages.
+    pub async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        self.op("list", self.backend.list(prefix, after, limit))
+            .await
+    }
+
+    /// Keys an operator should look at.
+    ///
+    /// # Errors
+    /// Backend outages.
+    pub async fn stale(&self) -> Result<Vec<backend::StaleKey>, Error> {
+        let stale = self
+            .op("stale", self.backend.stale(self.limits.stale_after))
+            .await?;
+        self.metrics.stale.set(stale.len() as f64);
+        Ok(stale)
+    }
+
+    /// Removes every holder of `key`; `who` describes the caller for the log.
+    ///
+    /// # Errors
+    /// Backend outages.
+    pub async fn force_release(&self, key: &LockKey, who: &str) -> Result<usize, Error> {
+        let tokens = self
+            .op("force_release", self.backend.force_release(key))
+            .await?;
+        tracing::warn!(lock = %key, holders = tokens.len(), who, "force-released");
+        self.metrics.force_releases.inc();
+        for token in &tokens {
+            if let Some(local) = self.local(token) {
+                self.end(&local, End::Lost(LostReason::ForceReleased));
+            }
+        }
+        Ok(tokens.len())
+    }
+
+    /// Runs a hold stream: acquire, then renew every ttl/3 until the client
+    /// goes away (release), the lease is lost, or the sidecar shuts down.
+    /// Events go to `tx`; the stream ends when this returns.
+    pub async fn hold(&self, claim: Claim, wait: Duration, tx: mpsc::Sender<HoldEvent>) {
+        let cancel = CancellationToken::new();
+        let acquire = self.acquire(&claim, wait, &cancel, Some(&tx));
+        tokio::pin!(acquire);
+        let outcome = loop {
+            tokio::select! {
+                outcome = &mut acquire => break outcome,
+                () = tx.closed(), if !cancel.is_cancelled() => cancel.cancel(),
+            }
+        };
+        let granted = match outcome {
+            Ok(Outcome::Granted(g)) => g,
+            Ok(Outcome::Busy { busy, waited }) => {
+                let _ = tx.send(HoldEvent::Timeout { busy, waited }).await;
+                return;
+            }
+            Ok(Outcome::Cancelled) => {
+                if self.shutdown.is_cancelled() {
+                    let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
+                }
+                return;
+            }
+            Err(e) => {
+                let _ = tx.send(HoldEvent::Failed(e)).await;
+                return;
+            }
+        };
+        let lease = granted.lease.clone();
+        if tx.send(HoldEvent::Acquired(granted)).await.is_err() {
+            // The client left as the grant arrived.
+            let _ = self.release(&lease.key, &lease.token).await;
+            return;
+        }
+        self.watchdog(&lease, &tx).await;
+    }
+
+    async fn watchdog(&self, lease: &Arc<Local>, tx: &mpsc::Sender<HoldEvent>) {
+        let every = (lease.ttl / 3).max(Duration::from_millis(1));
+        let mut ended = lease.end.subscribe();
+        let mut next = tokio::time::Instant::now() + every;
+        loop {
+            let capped = lease.cap_ms.is_some_and(|cap| lease.expires_at_ms() >= cap);
+            tokio::select! {
+                () = sleep_until(next), if !capped => {
+                    next = tokio::time::Instant::now() + every;
+                    match self.keepalive(&lease.key, &lease.token, Some(lease.ttl)).await {
+                        Ok(expires_at_ms) => {
+                            let ttl_ms = expires_at_ms.saturating_sub(now_ms());
+                            let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
+                        }
+                        // Lost: `ended` fires next. Outage: the lease may still be
+                        // valid until its expiry; the expiry timer decides.
+                        Err(_) => {}
+                    }
+                }
+                changed = ended.changed() => {
+                    let end = if changed.is_ok() { *ended.borrow() } else { None };
+                    let reason = match end {
+                        Some(End::Lost(reason)) => reason,
+                        Some(End::Released) | None => LostReason::Released,
+                    };
+                    let _ = tx.send(HoldEvent::Lost(reason)).await;
+                    return;
+                }
+                () = tx.closed() => {
+                    let _ = self.release(&lease.key, &lease.token).await;
+                    return;
+                }
+                () = self.shutdown.cancelled() => {
+                    let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
+                    self.release_fully(lease).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Releases every hold count of a local lease and ends it as lost by shutdown.
+    async fn release_fully(&self, lease: &Local) {
+        for _ in 0..=lease.count() {
+            match self
+                .op("release", self.backend.release(&lease.key, &lease.token))
+                .await
+            {
+                Ok(Some(n)) if n > 0 => continue,
+                _ => break,
+            }
+        }
+        self.end(lease, End::Lost(LostReason::Shutdown));
+    }
+
+    /// Releases everything this sidecar holds (shutdown). Returns how many.
+    pub async fn release_everything(&self) -> usize {
+        let all: Vec<Arc<Local>> = self.lock_leases().values().cloned().collect();
+        for lease in &all {
+            self.release_fully(lease).await;
+        }
+        all.len()
+    }
+
+    /// The expiry timer of one local lease: at its expiry, asks the backend
+    /// whether it still holds (it may have been renewed through another
+    /// sidecar) and ends it as expired if not.
+    async fn supervise(self: Arc<Self>, lease: Arc<Local>) {
+        let mut ended = lease.end.subscribe();
+        loop {
+            tokio::select! {
+                () = sleep_until(instant_at(lease.expires_at_ms())) => {}
+                _ = ended.changed() => return,
+                // Shutdown releases everything itself.
+                () = self.shutdown.cancelled() => return,
+            }
+            if lease.expires_at_ms() > now_ms() {
+                continue;
+            }
+            match self
+                .op("status", self.backend.status(&lease.key, &lease.token))
+                .await
+            {
+                Ok(Status::Held { expires_at_ms }) => {
+                    // Renewed through another sidecar. The floor stops a backend
+                    // whose clock runs behind ours from making this loop spin.
+                    lease.set(Some(expires_at_ms.max(now_ms() + 10)), None);
+                }
+                Ok(Status::Gone(loss)) => return self.lapsed(&lease, loss),
+                // Past its expiry by our clock and unconfirmable: nobody here renewed it.
+                Err(_) => return self.lapsed(&lease, Loss::Expired),
+            }
+        }
+    }
+
+    /// Marks a lease that the expiry timer found gone.
+    fn lapsed(&self, lease: &Local, loss: Loss) {
+        let reason = match loss {
+            Loss::Expired => lapse_reason(lease),
+            Loss::ForceReleased => LostReason::ForceReleased,
+            Loss::Backend => LostReason::Backend,
+        };
+        self.end(lease, End::Lost(reason));
+    }
+}
+
+/// Why a lease that ran out of time ended: `max_hold` if renewals had reached its cap.
+fn lapse_reason(lease: &Local) -> LostReason {
+    match lease.cap_ms {
+        Some(cap) if lease.expires_at_ms() >= cap && now_ms() >= cap => LostReason::MaxHold,
+        _ => LostReason::Expired,
+    }
+}

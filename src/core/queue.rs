@@ -1,0 +1,155 @@
+//! Local waiter queues: who in this sidecar waits for which key, in order.
+//!
+//! The backend keeps the global FIFO queue; this sidecar keeps its own
+//! waiters sorted by their global ticket order, so a wake-up for a key goes to
+//! the local head only (no herd inside the sidecar). The head attempts; when
+//! it leaves — granted, timed out, gone — it passes the turn on.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{Notify, watch};
+
+use crate::lock::LockKey;
+
+/// The handle backends use to wake this sidecar's waiters. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Wakeups {
+    queues: Arc<Mutex<HashMap<LockKey, LocalQueue>>>,
+}
+
+/// One key's local waiters, sorted by ticket sequence.
+struct LocalQueue {
+    slots: Vec<Slot>,
+    /// Bumped whenever a waiter leaves, so the rest can report new positions.
+    moved: watch::Sender<u64>,
+}
+
+struct Slot {
+    seq: u64,
+    notify: Arc<Notify>,
+}
+
+impl Wakeups {
+    /// Something changed on `key` that may let a waiter in: wake the local head.
+    pub fn wake(&self, key: &LockKey) {
+        let queues = self.lock();
+        if let Some(head) = queues.get(key).and_then(|q| q.slots.first()) {
+            head.notify.notify_one();
+        }
+    }
+
+    /// Number of local waiters on `key`.
+    pub fn len(&self, key: &LockKey) -> usize {
+        self.lock().get(key).map_or(0, |q| q.slots.len())
+    }
+
+    /// Number of local waiters on all keys.
+    pub fn total(&self) -> usize {
+        self.lock().values().map(|q| q.slots.len()).sum()
+    }
+
+    /// Adds a waiter holding ticket `seq` in its global order.
+    pub(crate) fn join(&self, key: &LockKey, seq: u64) -> Place {
+        let notify = Arc::new(Notify::new());
+        let mut queues = self.lock();
+        let q = queues.entry(key.clone()).or_insert_with(|| LocalQueue {
+            slots: Vec::new(),
+            moved: watch::channel(0).0,
+        });
+        let at = q.slots.partition_point(|s| s.seq < seq);
+        q.slots.insert(
+            at,
+            Slot {
+                seq,
+                notify: notify.clone(),
+            },
+        );
+        Place {
+            wakeups: self.clone(),
+            key: key.clone(),
+            seq,
+            notify,
+            moved: q.moved.subscribe(),
+            pass_on: true,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, LocalQueue>> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A waiter's place in its key's local queue. Dropping it leaves the queue
+/// and, if it was the head, wakes the next waiter.
+pub(crate) struct Place {
+    wakeups: Wakeups,
+    key: LockKey,
+    seq: u64,
+    notify: Arc<Notify>,
+    moved: watch::Receiver<u64>,
+    /// Whether leaving wakes the next waiter (false after an exclusive grant,
+    /// which the next waiter cannot follow).
+    pass_on: bool,
+}
+
+impl Place {
+    /// Whether this waiter is first among the local ones.
+    pub fn is_head(&self) -> bool {
+        let queues = self.wakeups.lock();
+        queues
+            .get(&self.key)
+            .and_then(|q| q.slots.first())
+            .is_some_and(|s| s.seq == self.seq)
+    }
+
+    /// 1-based local position and local queue length.
+    pub fn position(&self) -> (usize, usize) {
+        let queues = self.wakeups.lock();
+        queues.get(&self.key).map_or((1, 1), |q| {
+            let at = q.slots.partition_point(|s| s.seq < self.seq);
+            (at + 1, q.slots.len())
+        })
+    }
+
+    /// Resolves when this waiter is woken (a permit is kept if it is not waiting yet).
+    pub async fn notified(&self) {
+        self.notify.notified().await;
+    }
+
+    /// A receiver that changes whenever a waiter of this key leaves, i.e.
+    /// positions moved.
+    pub fn moves(&self) -> watch::Receiver<u64> {
+        self.moved.clone()
+    }
+
+    /// Leaves after a grant; `pass_on` says whether the next waiter might be
+    /// granted too (shared locks, semaphore permits).
+    pub fn leave_granted(mut self, pass_on: bool) {
+        self.pass_on = pass_on;
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut queues = self.wakeups.lock();
+        let Some(q) = queues.get_mut(&self.key) else {
+            return;
+        };
+        let Some(at) = q.slots.iter().position(|s| s.seq == self.seq) else {
+            return;
+        };
+        q.slots.remove(at);
+        if q.slots.is_empty() {
+            queues.remove(&self.key);
+            return;
+        }
+        q.moved.send_modify(|n| *n += 1);
+        if self.pass_on
+            && at == 0
+            && let Some(next) = q.slots.first()
+        {
+            next.notify.notify_one();
+        }
+    }
+}

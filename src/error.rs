@@ -1,0 +1,179 @@
+//! One error type for the whole request path, mapped to RFC 9457
+//! `application/problem+json` in one place ([`IntoResponse`]).
+//!
+//! Client errors say what was wrong and what is allowed. 5xx bodies carry no
+//! internals: the cause goes to the log.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
+
+use crate::backend::{self, Busy};
+
+/// Seconds a client should wait before retrying after a 429 or 503.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// Everything a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    InvalidName(String),
+    #[error("{0}")]
+    InvalidParameter(String),
+    #[error("{detail}")]
+    OutOfRange {
+        parameter: &'static str,
+        detail: String,
+        max_ms: Option<u64>,
+    },
+    #[error("this semaphore is in use with limit {active}; give limit={active} or leave it out")]
+    LimitMismatch { active: u32 },
+    #[error("request body is larger than {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("no such route: {0}")]
+    NotFound(String),
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("lock is held")]
+    Busy { busy: Box<Busy>, waited_ms: u64 },
+    #[error(
+        "the token does not hold this lock: the lease expired, was released, or was force-released"
+    )]
+    LeaseLost,
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("{0}")]
+    Forbidden(&'static str),
+    #[error("{limit} requests already wait for this lock here")]
+    TooManyWaiters { limit: usize },
+    #[error("the lock backend is unavailable")]
+    Unavailable(#[source] backend::Error),
+    #[error("the sidecar is shutting down")]
+    ShuttingDown,
+}
+
+impl From<backend::Error> for Error {
+    fn from(e: backend::Error) -> Self {
+        match e {
+            backend::Error::LimitMismatch { active } => Error::LimitMismatch { active },
+            backend::Error::LimitRequired => Error::InvalidParameter(
+                "limit is required: this semaphore is not in use, so its number of permits must be given (limit=N, 1 or more)".into(),
+            ),
+            e @ backend::Error::Unavailable { .. } => Error::Unavailable(e),
+        }
+    }
+}
+
+/// The body of every error response (RFC 9457), plus extension members.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// `urn:sidelock:problem:<slug>`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// Extension members: `holders`, `queue_length`, `parameter`, `max_ms`, `limit`.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub extensions: Map<String, Value>,
+}
+
+impl Error {
+    /// Status code and problem slug.
+    pub fn status_slug(&self) -> (StatusCode, &'static str) {
+        use StatusCode as S;
+        match self {
+            Error::InvalidName(_) => (S::BAD_REQUEST, "invalid-name"),
+            Error::InvalidParameter(_) => (S::BAD_REQUEST, "invalid-parameter"),
+            Error::OutOfRange { .. } => (S::BAD_REQUEST, "out-of-range"),
+            Error::LimitMismatch { .. } => (S::BAD_REQUEST, "limit-mismatch"),
+            Error::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body-too-large"),
+            Error::UnsupportedMediaType(_) => (S::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type"),
+            Error::NotFound(_) => (S::NOT_FOUND, "not-found"),
+            Error::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method-not-allowed"),
+            Error::Busy { .. } => (S::CONFLICT, "lock-busy"),
+            Error::LeaseLost => (S::GONE, "lease-lost"),
+            Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
+            Error::Forbidden(_) => (S::FORBIDDEN, "forbidden"),
+            Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
+            Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
+            Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
+        }
+    }
+
+    /// The problem document for this error.
+    pub fn problem(&self) -> Problem {
+        let (status, slug) = self.status_slug();
+        let mut extensions = Map::new();
+        match self {
+            Error::OutOfRange {
+                parameter, max_ms, ..
+            } => {
+                extensions.insert("parameter".into(), json!(parameter));
+                if let Some(max) = max_ms {
+                    extensions.insert("max_ms".into(), json!(max));
+                }
+            }
+            Error::LimitMismatch { active } => {
+                extensions.insert("limit".into(), json!(active));
+            }
+            Error::Busy { busy, waited_ms } => {
+                extensions.insert("holders".into(), json!(busy.holders));
+                extensions.insert("queue_length".into(), json!(busy.queue_length));
+                extensions.insert("waited_ms".into(), json!(waited_ms));
+            }
+            Error::Unavailable(cause) => {
+                tracing::error!(error = %cause, source = ?std::error::Error::source(cause), "backend unavailable");
+            }
+            _ => {}
+        }
+        let detail = match self {
+            Error::Busy { waited_ms: 0, .. } => {
+                "the lock is held and wait=0 (try once); give wait=<duration> to queue for it"
+                    .into()
+            }
+            Error::Busy { waited_ms, .. } => {
+                format!("the lock was not granted within the wait of {waited_ms} ms")
+            }
+            other => other.to_string(),
+        };
+        Problem {
+            kind: format!("urn:sidelock:problem:{slug}"),
+            title: status.canonical_reason().unwrap_or("Error").to_owned(),
+            status: status.as_u16(),
+            detail,
+            extensions,
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let (status, _) = self.status_slug();
+        let body = serde_json::to_vec(&self.problem()).unwrap_or_default();
+        let mut response = (status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        match status {
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            StatusCode::UNAUTHORIZED => {
+                headers.insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"sidelock\""),
+                );
+            }
+            _ => {}
+        }
+        response
+    }
+}

@@ -1,0 +1,812 @@
+//! Lock and semaphore routes: acquire, release, keepalive, hold, inspect,
+//! listing, stale keys, events and admin force-release.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{ConnectInfo, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures::Stream;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use utoipa::{IntoParams, ToSchema};
+
+use super::params::{LockName, Params, count, duration};
+use super::{App, auth};
+use crate::backend::{Holder, StaleKey, Waiter};
+use crate::clock::ms;
+use crate::core::{Granted, HoldEvent, Outcome};
+use crate::error::{Error, Problem};
+use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+
+/// Keep-alive comments on SSE streams: at least this often.
+const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// Longest accepted owner identity.
+const MAX_OWNER_LEN: usize = 200;
+
+/// Parameters of acquiring or holding a lock (query string, JSON or form body).
+#[derive(Debug, Deserialize, IntoParams, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct LockParams {
+    /// Lease duration, e.g. `30s` (default `--default-ttl`, at most `--max-ttl`).
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "30s")]
+    #[schema(value_type = Option<String>, example = "30s")]
+    pub ttl: Option<Duration>,
+    /// How long to wait in the queue if the lock is busy (default 0: try once; at most `--max-wait`).
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "10s")]
+    #[schema(value_type = Option<String>, example = "10s")]
+    pub wait: Option<Duration>,
+    /// Caller identity; the same owner acquiring again in the same mode re-enters.
+    pub owner: Option<String>,
+    /// `exclusive` (default) or `shared`.
+    pub mode: Option<Mode>,
+    /// Cap on the total time keepalives and the watchdog may keep the lease alive.
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "10m")]
+    #[schema(value_type = Option<String>, example = "10m")]
+    pub max_hold: Option<Duration>,
+    /// After a lease ends by expiry or loss, nobody is granted for this long (default `--lock-delay`).
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "0s")]
+    #[schema(value_type = Option<String>, example = "0s")]
+    pub lock_delay: Option<Duration>,
+}
+
+/// Parameters of acquiring or holding a semaphore permit.
+#[derive(Debug, Deserialize, IntoParams, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct SemaphoreParams {
+    /// Number of permits: required while the semaphore is idle, must match while it is in use.
+    #[serde(default, deserialize_with = "count")]
+    #[param(value_type = Option<u32>, minimum = 1)]
+    #[schema(value_type = Option<u32>, minimum = 1)]
+    pub limit: Option<u32>,
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "30s")]
+    #[schema(value_type = Option<String>, example = "30s")]
+    pub ttl: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "10s")]
+    #[schema(value_type = Option<String>, example = "10s")]
+    pub wait: Option<Duration>,
+    pub owner: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "10m")]
+    #[schema(value_type = Option<String>, example = "10m")]
+    pub max_hold: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "0s")]
+    #[schema(value_type = Option<String>, example = "0s")]
+    pub lock_delay: Option<Duration>,
+}
+
+/// Parameters naming a lease by its token.
+#[derive(Debug, Deserialize, IntoParams, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct TokenParams {
+    /// The token from the acquire response.
+    pub token: Option<String>,
+}
+
+/// Parameters of a keepalive.
+#[derive(Debug, Deserialize, IntoParams, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct KeepaliveParams {
+    /// The token from the acquire response.
+    pub token: Option<String>,
+    /// New lease duration from now (default: the lease's own ttl).
+    #[serde(default, deserialize_with = "duration")]
+    #[param(value_type = Option<String>, example = "30s")]
+    #[schema(value_type = Option<String>, example = "30s")]
+    pub ttl: Option<Duration>,
+}
+
+/// No parameters accepted.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+/// Parameters of the listing.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListParams {
+    /// Only names starting with this.
+    pub prefix: Option<String>,
+    /// Page size, 1 to 1000 (default 100).
+    #[serde(default, deserialize_with = "count")]
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
+    pub limit: Option<u32>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// Parameters of a force-release.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct AdminParams {
+    /// Why, for the log.
+    pub reason: Option<String>,
+}
+
+/// A granted lease (acquire's 200 and the hold stream's `acquired` event).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Acquired {
+    pub name: String,
+    pub kind: Kind,
+    /// Secret needed to release or renew; keep it private.
+    pub token: String,
+    /// Strictly increasing per name across all grants; pass it to the protected resource.
+    pub fence: u64,
+    pub mode: Mode,
+    pub owner: String,
+    /// Hold count (above 1 after re-entry).
+    pub count: u32,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+    pub waited_ms: u64,
+}
+
+/// Release result.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Released {
+    /// False while a re-entrant hold count is still above zero.
+    pub released: bool,
+    /// Remaining hold count.
+    pub count: u32,
+}
+
+/// Keepalive result (also the hold stream's `renewed` event).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Renewed {
+    pub expires_at_ms: u64,
+    pub ttl_ms: u64,
+}
+
+/// The global state of one lock or semaphore.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockView {
+    pub name: String,
+    pub kind: Kind,
+    /// Highest fence granted so far (0 if never).
+    pub fence: u64,
+    /// Permits of a semaphore in use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    pub holders: Vec<Holder>,
+    pub waiters: Vec<Waiter>,
+}
+
+/// One held or contended lock.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockRow {
+    pub name: String,
+    pub kind: Kind,
+    pub holders: usize,
+    pub waiters: usize,
+    pub fence: u64,
+}
+
+/// A page of held or contended locks and semaphores.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockList {
+    pub locks: Vec<LockRow>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// Stale keys.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StaleList {
+    pub stale: Vec<StaleKey>,
+}
+
+/// Force-release result.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForceReleased {
+    /// Number of leases removed.
+    pub released: usize,
+}
+
+/// The parameters every acquire shares, whichever kind.
+struct Ask {
+    ttl: Option<Duration>,
+    wait: Option<Duration>,
+    owner: Option<String>,
+    mode: Option<Mode>,
+    max_hold: Option<Duration>,
+    lock_delay: Option<Duration>,
+    limit: Option<u32>,
+}
+
+impl From<LockParams> for Ask {
+    fn from(p: LockParams) -> Self {
+        Ask {
+            ttl: p.ttl,
+            wait: p.wait,
+            owner: p.owner,
+            mode: p.mode,
+            max_hold: p.max_hold,
+            lock_delay: p.lock_delay,
+            limit: None,
+        }
+    }
+}
+
+impl From<SemaphoreParams> for Ask {
+    fn from(p: SemaphoreParams) -> Self {
+        Ask {
+            ttl: p.ttl,
+            wait: p.wait,
+            owner: p.owner,
+            mode: None,
+            max_hold: p.max_hold,
+            lock_delay: p.lock_delay,
+            limit: p.limit,
+        }
+    }
+}
+
+fn out_of_range(parameter: &'static str, value: Duration, max: Duration, flag: &str) -> Error {
+    Error::OutOfRange {
+        parameter,
+        detail: format!(
+            "{parameter} {} is above the maximum of {} ({flag})",
+            humantime::format_duration(value),
+            humantime::format_duration(max)
+        ),
+        max_ms: Some(ms(max)),
+    }
+}
+
+impl Ask {
+    /// Checks the parameters against the limits and builds the claim and its wait.
+    fn into_claim(self, key: LockKey, app: &App) -> Result<(Claim, Duration), Error> {
+        let limits = &app.core.limits;
+        let ttl = self.ttl.unwrap_or(limits.default_ttl);
+        if ttl.is_zero() {
+            return Err(Error::OutOfRange {
+                parameter: "ttl",
+                detail: "ttl must be above 0".into(),
+                max_ms: Some(ms(limits.max_ttl)),
+            });
+        }
+        if ttl > limits.max_ttl {
+            return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
+        }
+        let wait = self.wait.unwrap_or(Duration::ZERO);
+        if wait > limits.max_wait {
+            return Err(out_of_range("wait", wait, limits.max_wait, "--max-wait"));
+        }
+        let lock_delay = self.lock_delay.unwrap_or(limits.lock_delay);
+        if lock_delay > limits.max_ttl {
+            return Err(out_of_range(
+                "lock_delay",
+                lock_delay,
+                limits.max_ttl,
+                "--max-ttl",
+            ));
+        }
+        if self.max_hold.is_some_and(|m| m.is_zero()) {
+            return Err(Error::OutOfRange {
+                parameter: "max_hold",
+                detail: "max_hold must be above 0 (leave it out for no cap)".into(),
+                max_ms: None,
+            });
+        }
+        if self.limit == Some(0) {
+            return Err(Error::OutOfRange {
+                parameter: "limit",
+                detail: "limit must be at least 1".into(),
+                max_ms: None,
+            });
+        }
+        let owner = match self.owner {
+            Some(o) => check_owner(o)?,
+            None => format!("anonymous-{}", &Token::generate().expose()[..12]),
+        };
+        let claim = Claim {
+            key,
+            mode: self.mode.unwrap_or(Mode::Exclusive),
+            owner,
+            sidecar: app.core.sidecar.clone(),
+            ttl,
+            limit: self.limit,
+            lock_delay,
+            max_hold: self.max_hold,
+        };
+        Ok((claim, wait))
+    }
+}
+
+fn check_owner(owner: String) -> Result<String, Error> {
+    let len = owner.chars().count();
+    if len == 0 || len > MAX_OWNER_LEN || owner.chars().any(char::is_control) {
+        return Err(Error::InvalidParameter(format!(
+            "owner must be 1 to {MAX_OWNER_LEN} characters without control characters"
+        )));
+    }
+    Ok(owner)
+}
+
+fn require_token(token: Option<String>) -> Result<Token, Error> {
+    match token {
+        Some(t) if !t.is_empty() && t.len() <= 200 => Ok(Token::from_client(t)),
+        Some(_) => Err(Error::InvalidParameter(
+            "token must be the token string from the acquire response".into(),
+        )),
+        None => Err(Error::InvalidParameter(
+            "token is required: give the token from the acquire response (?token=...)".into(),
+        )),
+    }
+}
+
+fn acquired(g: &Granted) -> Acquired {
+    let lease = &g.lease;
+    Acquired {
+        name: lease.key.name.to_string(),
+        kind: lease.key.kind,
+        token: lease.token.expose().to_owned(),
+        fence: lease.fence,
+        mode: lease.mode,
+        owner: lease.owner.clone(),
+        count: g.count,
+        ttl_ms: ms(lease.ttl),
+        expires_at_ms: g.expires_at_ms,
+        waited_ms: ms(g.waited),
+    }
+}
+
+fn key(kind: Kind, name: Name) -> LockKey {
+    LockKey { kind, name }
+}
+
+/// Acquires in a task of its own, so that a client that disconnects while
+/// waiting cancels cleanly and a grant that races the disconnect is released.
+async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>, Error> {
+    let (claim, wait) = ask.into_claim(key, &app)?;
+    if app.core.shutdown.is_cancelled() {
+        return Err(Error::ShuttingDown);
+    }
+    let cancel = CancellationToken::new();
+    let _cancel_on_drop = cancel.clone().drop_guard();
+    let (tx, rx) = oneshot::channel();
+    let core = app.core.clone();
+    app.core.tasks.spawn(async move {
+        let outcome = core.acquire(&claim, wait, &cancel, None).await;
+        if let Err(Ok(Outcome::Granted(g))) = tx.send(outcome) {
+            tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
+            let _ = core.release(&g.lease.key, &g.lease.token).await;
+        }
+    });
+    match rx.await.map_err(|_| Error::ShuttingDown)?? {
+        Outcome::Granted(g) => Ok(Json(acquired(&g))),
+        Outcome::Busy { busy, waited } => Err(Error::Busy {
+            busy: Box::new(busy),
+            waited_ms: ms(waited),
+        }),
+        Outcome::Cancelled => Err(Error::ShuttingDown),
+    }
+}
+
+fn sse_json(name: &str, data: &impl Serialize) -> SseEvent {
+    SseEvent::default()
+        .event(name)
+        .json_data(data)
+        .unwrap_or_else(|_| SseEvent::default().comment("unserialisable event"))
+}
+
+fn hold_event(event: HoldEvent) -> SseEvent {
+    match event {
+        HoldEvent::Queued {
+            position,
+            queue_length,
+        } => sse_json(
+            "queued",
+            &serde_json::json!({ "position": position, "queue_length": queue_length }),
+        ),
+        HoldEvent::Acquired(g) => sse_json("acquired", &acquired(&g)),
+        HoldEvent::Renewed {
+            expires_at_ms,
+            ttl_ms,
+        } => sse_json(
+            "renewed",
+            &Renewed {
+                expires_at_ms,
+                ttl_ms,
+            },
+        ),
+        HoldEvent::Lost(reason) => sse_json("lost", &serde_json::json!({ "reason": reason })),
+        HoldEvent::Timeout { busy, waited } => sse_json(
+            "timeout",
+            &serde_json::json!({
+                "waited_ms": ms(waited),
+                "queue_length": busy.queue_length,
+                "holders": busy.holders,
+            }),
+        ),
+        HoldEvent::Failed(e) => sse_json("error", &e.problem()),
+    }
+}
+
+/// Starts a hold: the lease lives as long as the returned stream is open.
+fn hold(
+    app: Arc<App>,
+    key: LockKey,
+    ask: Ask,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Error> {
+    let (claim, wait) = ask.into_claim(key, &app)?;
+    if app.core.shutdown.is_cancelled() {
+        return Err(Error::ShuttingDown);
+    }
+    let (tx, rx) = mpsc::channel(16);
+    let core = app.core.clone();
+    app.core
+        .tasks
+        .spawn(async move { core.hold(claim, wait, tx).await });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        let event = rx.recv().await?;
+        Some((Ok(hold_event(event)), rx))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE)))
+}
+
+async fn release(app: &App, key: LockKey, token: Option<String>) -> Result<Json<Released>, Error> {
+    let token = require_token(token)?;
+    let count = app.core.release(&key, &token).await?;
+    Ok(Json(Released {
+        released: count == 0,
+        count,
+    }))
+}
+
+async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<Renewed>, Error> {
+    let token = require_token(p.token)?;
+    let limits = &app.core.limits;
+    if let Some(ttl) = p.ttl {
+        if ttl.is_zero() {
+            return Err(Error::OutOfRange {
+                parameter: "ttl",
+                detail: "ttl must be above 0".into(),
+                max_ms: Some(ms(limits.max_ttl)),
+            });
+        }
+        if ttl > limits.max_ttl {
+            return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
+        }
+    }
+    let expires_at_ms = app.core.keepalive(&key, &token, p.ttl).await?;
+    Ok(Json(Renewed {
+        expires_at_ms,
+        ttl_ms: expires_at_ms.saturating_sub(crate::clock::now_ms()),
+    }))
+}
+
+async fn inspect(app: &App, key: LockKey) -> Result<Json<LockView>, Error> {
+    let state = app.core.inspect(&key).await?;
+    Ok(Json(LockView {
+        name: key.name.to_string(),
+        kind: key.kind,
+        fence: state.fence,
+        limit: state.limit,
+        holders: state.holders,
+        waiters: state.waiters,
+    }))
+}
+
+/// Stamps out the five routes of one kind (`locks` or `semaphores`), each
+/// with its own OpenAPI operation.
+macro_rules! kind_routes {
+    ($kind:expr, $tag:literal, $path:literal, $params:ty,
+     $acquire:ident, $release:ident, $keepalive:ident, $hold:ident, $inspect:ident) => {
+        #[utoipa::path(post, path = concat!($path, "/{name}"), tag = $tag,
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), $params),
+            request_body(content = $params, content_type = "application/json", description = "Parameters may also be given in the query string or as a form body"),
+            responses(
+                (status = 200, body = Acquired, description = "Granted"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 409, body = Problem, content_type = "application/problem+json", description = "lock-busy: not granted within wait"),
+                (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
+                (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "Too many waiters"),
+                (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
+            ))]
+        /// Acquire: try once, or wait in the FIFO queue up to `wait`.
+        pub async fn $acquire(
+            State(app): State<Arc<App>>,
+            LockName(name): LockName,
+            Params(p): Params<$params>,
+        ) -> Result<Json<Acquired>, Error> {
+            acquire(app, key($kind, name), p.into()).await
+        }
+
+        #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams),
+            responses(
+                (status = 200, body = Released),
+                (status = 400, body = Problem, content_type = "application/problem+json"),
+                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost: the token no longer holds the lock"),
+                (status = 413, body = Problem, content_type = "application/problem+json"),
+                (status = 415, body = Problem, content_type = "application/problem+json"),
+                (status = 503, body = Problem, content_type = "application/problem+json"),
+            ))]
+        /// Release one hold of a lease.
+        pub async fn $release(
+            State(app): State<Arc<App>>,
+            LockName(name): LockName,
+            Params(p): Params<TokenParams>,
+        ) -> Result<Json<Released>, Error> {
+            release(&app, key($kind, name), p.token).await
+        }
+
+        #[utoipa::path(post, path = concat!($path, "/{name}/keepalive"), tag = $tag,
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), KeepaliveParams),
+            responses(
+                (status = 200, body = Renewed),
+                (status = 400, body = Problem, content_type = "application/problem+json"),
+                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost"),
+                (status = 413, body = Problem, content_type = "application/problem+json"),
+                (status = 415, body = Problem, content_type = "application/problem+json"),
+                (status = 503, body = Problem, content_type = "application/problem+json"),
+            ))]
+        /// Extend a lease to `ttl` from now.
+        pub async fn $keepalive(
+            State(app): State<Arc<App>>,
+            LockName(name): LockName,
+            Params(p): Params<KeepaliveParams>,
+        ) -> Result<Json<Renewed>, Error> {
+            keepalive(&app, key($kind, name), p).await
+        }
+
+        #[utoipa::path(get, path = concat!($path, "/{name}/hold"), tag = $tag,
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), $params),
+            responses(
+                (status = 200, content_type = "text/event-stream", description = "SSE: queued, acquired, renewed, lost, timeout (and error). The lease lives while the stream is open."),
+                (status = 400, body = Problem, content_type = "application/problem+json"),
+                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 413, body = Problem, content_type = "application/problem+json"),
+                (status = 415, body = Problem, content_type = "application/problem+json"),
+                (status = 503, body = Problem, content_type = "application/problem+json"),
+            ))]
+        /// Hold: acquire and keep the lease while the stream is open (watchdog renewal).
+        pub async fn $hold(
+            State(app): State<Arc<App>>,
+            LockName(name): LockName,
+            Params(p): Params<$params>,
+        ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Error> {
+            hold(app, key($kind, name), p.into())
+        }
+
+        #[utoipa::path(get, path = concat!($path, "/{name}"), tag = $tag,
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$")),
+            responses(
+                (status = 200, body = LockView),
+                (status = 400, body = Problem, content_type = "application/problem+json"),
+                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 503, body = Problem, content_type = "application/problem+json"),
+            ))]
+        /// The global state: holders and waiters across all sidecars.
+        pub async fn $inspect(
+            State(app): State<Arc<App>>,
+            LockName(name): LockName,
+            Params(_none): Params<NoParams>,
+        ) -> Result<Json<LockView>, Error> {
+            inspect(&app, key($kind, name)).await
+        }
+    };
+}
+
+kind_routes!(
+    Kind::Lock,
+    "locks",
+    "/v1/locks",
+    LockParams,
+    acquire_lock,
+    release_lock,
+    keepalive_lock,
+    hold_lock,
+    inspect_lock
+);
+kind_routes!(
+    Kind::Semaphore,
+    "semaphores",
+    "/v1/semaphores",
+    SemaphoreParams,
+    acquire_semaphore,
+    release_semaphore,
+    keepalive_semaphore,
+    hold_semaphore,
+    inspect_semaphore
+);
+
+fn parse_cursor(cursor: &str) -> Result<LockKey, Error> {
+    let bad =
+        || Error::InvalidParameter("cursor is not a next_cursor value from this listing".into());
+    let (kind, name) = cursor.split_once('/').ok_or_else(bad)?;
+    let kind = match kind {
+        "locks" => Kind::Lock,
+        "semaphores" => Kind::Semaphore,
+        _ => return Err(bad()),
+    };
+    Ok(LockKey {
+        kind,
+        name: Name::parse(name).map_err(|_| bad())?,
+    })
+}
+
+#[utoipa::path(get, path = "/v1/locks", tag = "locks", params(ListParams),
+    responses(
+        (status = 200, body = LockList),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ))]
+/// Held or contended locks and semaphores, by kind and name, paginated.
+pub async fn list_locks(
+    State(app): State<Arc<App>>,
+    Params(p): Params<ListParams>,
+) -> Result<Json<LockList>, Error> {
+    let limit = p.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(Error::OutOfRange {
+            parameter: "limit",
+            detail: format!("limit {limit} is outside 1 to 1000"),
+            max_ms: None,
+        });
+    }
+    let prefix = p.prefix.unwrap_or_default();
+    if !prefix.is_empty() {
+        Name::parse(&prefix).map_err(|e| Error::InvalidParameter(format!("prefix: {e}")))?;
+    }
+    let after = p.cursor.as_deref().map(parse_cursor).transpose()?;
+    let rows = app
+        .core
+        .list(&prefix, after.as_ref(), limit as usize)
+        .await?;
+    let next_cursor = (rows.len() == limit as usize)
+        .then(|| rows.last().map(|r| r.key.to_string()))
+        .flatten();
+    Ok(Json(LockList {
+        locks: rows
+            .into_iter()
+            .map(|r| LockRow {
+                name: r.key.name.to_string(),
+                kind: r.key.kind,
+                holders: r.holders,
+                waiters: r.waiters,
+                fence: r.fence,
+            })
+            .collect(),
+        next_cursor,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/stale", tag = "operations",
+    responses(
+        (status = 200, body = StaleList),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ))]
+/// Keys an operator should look at, with the reason.
+pub async fn stale(
+    State(app): State<Arc<App>>,
+    Params(_none): Params<NoParams>,
+) -> Result<Json<StaleList>, Error> {
+    Ok(Json(StaleList {
+        stale: app.core.stale().await?,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/events", tag = "operations",
+    responses(
+        (status = 200, content_type = "text/event-stream", description = "SSE of this sidecar's lock events; event name = type"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+    ))]
+/// Live lock events of this sidecar.
+pub async fn events(
+    State(app): State<Arc<App>>,
+    Params(_none): Params<NoParams>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let rx = app.core.subscribe();
+    let shutdown = app.core.shutdown.clone();
+    let stream = futures::stream::unfold((rx, shutdown), |(mut rx, shutdown)| async move {
+        loop {
+            let received = tokio::select! {
+                () = shutdown.cancelled() => return None,
+                received = rx.recv() => received,
+            };
+            let event = match received {
+                Ok(e) => {
+                    let name = serde_json::to_value(e.event)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default();
+                    sse_json(&name, &e)
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    SseEvent::default().comment(format!("skipped {n} events"))
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            };
+            return Some((Ok(event), (rx, shutdown)));
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
+}
+
+async fn force_release(
+    app: &App,
+    key: LockKey,
+    headers: &HeaderMap,
+    peer: std::net::SocketAddr,
+    reason: Option<String>,
+) -> Result<Json<ForceReleased>, Error> {
+    auth::require_admin(&app.settings, headers)?;
+    let agent = headers
+        .get(axum::http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    let who = format!(
+        "admin from {peer} (user-agent {agent:?}, reason {:?})",
+        reason.as_deref().unwrap_or("-")
+    );
+    let released = app.core.force_release(&key, &who).await?;
+    Ok(Json(ForceReleased { released }))
+}
+
+#[utoipa::path(delete, path = "/v1/admin/locks/{name}", tag = "admin",
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), AdminParams),
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, body = ForceReleased),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 403, body = Problem, content_type = "application/problem+json", description = "No admin token configured, or not the admin token"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ))]
+/// Force-release every holder of a lock (admin token required).
+pub async fn force_release_lock(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    LockName(name): LockName,
+    Params(p): Params<AdminParams>,
+) -> Result<Json<ForceReleased>, Error> {
+    force_release(&app, key(Kind::Lock, name), &headers, peer, p.reason).await
+}
+
+#[utoipa::path(delete, path = "/v1/admin/semaphores/{name}", tag = "admin",
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), AdminParams),
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, body = ForceReleased),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 403, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ))]
+/// Force-release every holder of a semaphore (admin token required).
+pub async fn force_release_semaphore(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    LockName(name): LockName,
+    Params(p): Params<AdminParams>,
+) -> Result<Json<ForceReleased>, Error> {
+    force_release(&app, key(Kind::Semaphore, name), &headers, peer, p.reason).await
+}

@@ -1,0 +1,198 @@
+//! Request parameters: the same names from the query string, a JSON body or
+//! a form body, checked strictly (unknown or repeated parameters are errors).
+
+use std::fmt;
+use std::time::Duration;
+
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
+use serde_json::{Map, Value};
+
+use crate::config::parse_duration;
+use crate::error::Error;
+use crate::lock::Name;
+
+/// Largest accepted request body.
+pub const MAX_BODY: usize = 64 * 1024;
+
+/// Parameters of type `T` gathered from the query string and the body.
+pub struct Params<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
+    type Rejection = Error;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Error> {
+        let (parts, body) = req.into_parts();
+        let mut params = Map::new();
+        if let Some(query) = parts.uri.query() {
+            let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query)
+                .map_err(|e| Error::InvalidParameter(format!("query string: {e}")))?;
+            merge(
+                &mut params,
+                pairs.into_iter().map(|(k, v)| (k, Value::String(v))),
+                "query string",
+            )?;
+        }
+        let bytes = match Limited::new(body, MAX_BODY).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err(Error::BodyTooLarge { limit: MAX_BODY });
+            }
+            Err(_) => {
+                return Err(Error::InvalidParameter(
+                    "the request body could not be read".into(),
+                ));
+            }
+        };
+        if !bytes.iter().all(u8::is_ascii_whitespace) {
+            let body = parse_body(&parts, &bytes)?;
+            merge(&mut params, body, "body")?;
+        }
+        let de = Value::Object(params);
+        serde_path_to_error::deserialize(de)
+            .map(Params)
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner().to_string();
+                if path == "." || path.is_empty() {
+                    Error::InvalidParameter(inner)
+                } else {
+                    Error::InvalidParameter(format!("{path}: {inner}"))
+                }
+            })
+    }
+}
+
+fn parse_body(parts: &Parts, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error> {
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json");
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match essence.as_str() {
+        "application/json" => match serde_json::from_slice::<Value>(bytes) {
+            Ok(Value::Object(map)) => Ok(map.into_iter().collect()),
+            Ok(_) => Err(Error::InvalidParameter(
+                "the JSON body must be an object of parameters, e.g. {\"ttl\":\"30s\"}".into(),
+            )),
+            Err(e) => Err(Error::InvalidParameter(format!(
+                "the body is not valid JSON: {e}"
+            ))),
+        },
+        "application/x-www-form-urlencoded" => {
+            let pairs: Vec<(String, String)> = serde_urlencoded::from_bytes(bytes)
+                .map_err(|e| Error::InvalidParameter(format!("form body: {e}")))?;
+            Ok(pairs
+                .into_iter()
+                .map(|(k, v)| (k, Value::String(v)))
+                .collect())
+        }
+        _ => Err(Error::UnsupportedMediaType(format!(
+            "content type {content_type:?} is not accepted; send application/json or application/x-www-form-urlencoded, or no body"
+        ))),
+    }
+}
+
+fn merge(
+    params: &mut Map<String, Value>,
+    more: impl IntoIterator<Item = (String, Value)>,
+    source: &str,
+) -> Result<(), Error> {
+    for (key, value) in more {
+        if params.contains_key(&key) {
+            return Err(Error::InvalidParameter(format!(
+                "parameter {key:?} is given more than once (second time in the {source}); give each parameter once"
+            )));
+        }
+        params.insert(key, value);
+    }
+    Ok(())
+}
+
+/// The `{name}` path segment, validated as a lock name.
+pub struct LockName(pub Name);
+
+impl<S: Send + Sync> FromRequestParts<S> for LockName {
+    type Rejection = Error;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Error> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| {
+                Error::InvalidName(
+                    "lock name is not valid UTF-8; use 1 to 200 characters of A-Z a-z 0-9 . _ : -"
+                        .into(),
+                )
+            })?;
+        Name::parse(&raw).map(LockName).map_err(Error::InvalidName)
+    }
+}
+
+/// Deserializes a duration given as text (`30s`) or a number of milliseconds.
+pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    struct V;
+    impl Visitor<'_> for V {
+        type Value = Option<Duration>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a duration such as 250ms, 30s, 5m, 1h, or a whole number of milliseconds")
+        }
+        fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
+            Ok(Some(Duration::from_millis(n)))
+        }
+        fn visit_i64<E: de::Error>(self, n: i64) -> Result<Self::Value, E> {
+            u64::try_from(n)
+                .map(|n| Some(Duration::from_millis(n)))
+                .map_err(|_| E::custom(format!("{n} is negative; durations are 0 or more")))
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            parse_duration(s).map(Some).map_err(E::custom)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(V)
+}
+
+/// Deserializes a positive whole number given as text or a number.
+pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    struct V;
+    impl Visitor<'_> for V {
+        type Value = Option<u32>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a whole number from 1 to 4294967295")
+        }
+        fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
+            u32::try_from(n)
+                .map(Some)
+                .map_err(|_| E::custom(format!("{n} is too large; at most 4294967295")))
+        }
+        fn visit_i64<E: de::Error>(self, n: i64) -> Result<Self::Value, E> {
+            u64::try_from(n)
+                .map_err(|_| {
+                    E::custom(format!("{n} is negative; give a whole number of 1 or more"))
+                })
+                .and_then(|n| self.visit_u64(n))
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            let n: u64 = s
+                .trim()
+                .parse()
+                .map_err(|_| E::custom(format!("{s:?} is not a whole number")))?;
+            self.visit_u64(n)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(V)
+}

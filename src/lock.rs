@@ -1,0 +1,144 @@
+//! The nouns every layer shares: lock names, keys, modes, tokens and claims.
+
+use std::fmt;
+use std::time::Duration;
+
+use rand::RngExt;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Longest accepted lock name, in characters.
+pub const MAX_NAME_LEN: usize = 200;
+
+/// A validated lock or semaphore name: 1–200 characters of `A-Z a-z 0-9 . _ : -`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Name(String);
+
+impl Name {
+    /// Checks `s` against the naming rule.
+    ///
+    /// # Errors
+    /// A sentence saying what is wrong and what is allowed.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s.is_empty() {
+            return Err(
+                "lock name is empty; use 1 to 200 characters of A-Z a-z 0-9 . _ : -".into(),
+            );
+        }
+        let len = s.chars().count();
+        if len > MAX_NAME_LEN {
+            return Err(format!(
+                "lock name is {len} characters long; at most {MAX_NAME_LEN} are allowed"
+            ));
+        }
+        if let Some(bad) = s
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')))
+        {
+            return Err(format!(
+                "lock name contains {bad:?}; only A-Z a-z 0-9 . _ : - are allowed"
+            ));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Whether a key is a lock (exclusive/shared) or a counting semaphore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Lock,
+    Semaphore,
+}
+
+impl Kind {
+    /// The path segment and key prefix: `locks` or `semaphores`.
+    pub fn plural(self) -> &'static str {
+        match self {
+            Kind::Lock => "locks",
+            Kind::Semaphore => "semaphores",
+        }
+    }
+}
+
+/// A lock's identity in a backend: its kind and name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockKey {
+    pub kind: Kind,
+    pub name: Name,
+}
+
+impl fmt::Display for LockKey {
+    /// `locks/<name>` or `semaphores/<name>`: the form used in events, stale keys and cursors.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.kind.plural(), self.name)
+    }
+}
+
+/// How a lock is held. Semaphore permits are always `Exclusive` (each permit is one holder's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One holder at a time (write lock).
+    Exclusive,
+    /// Any number of shared holders, none while an exclusive holder exists (read lock).
+    Shared,
+}
+
+/// The secret that proves a lease: 128 random bits from the OS generator, as hex.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Token(String);
+
+impl Token {
+    /// A fresh unguessable token.
+    pub fn generate() -> Self {
+        let bytes: [u8; 16] = rand::rng().random();
+        Self(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Wraps a token a client presented.
+    pub fn from_client(s: String) -> Self {
+        Self(s)
+    }
+
+    /// The secret itself, for the one response that hands it out.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Token {
+    /// Never prints the secret, so tokens cannot leak into logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+/// What a client asks a backend for: everything needed to grant one lease.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub key: LockKey,
+    pub mode: Mode,
+    /// Caller-chosen identity; the same owner re-acquiring re-enters.
+    pub owner: String,
+    /// The sidecar that asks (shown to operators).
+    pub sidecar: String,
+    pub ttl: Duration,
+    /// Number of permits; semaphores only.
+    pub limit: Option<u32>,
+    /// After this lease ends by expiry or loss, nobody is granted for this long.
+    pub lock_delay: Duration,
+    /// Renewals never extend the lease past acquisition + this.
+    pub max_hold: Option<Duration>,
+}

@@ -1,0 +1,240 @@
+//! `sidelock run --lock NAME -- CMD…`: hold a lock through a sidecar while a
+//! command runs, like `flock`, `consul lock` or `etcdctl lock`.
+//!
+//! The hold stream keeps the lease alive (the sidecar's watchdog renews it)
+//! and releases it the moment this process exits, however it exits.
+
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use futures::StreamExt;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::config::RunArgs;
+
+/// The lock was not acquired within `--wait`.
+pub const EXIT_NOT_ACQUIRED: i32 = 75;
+/// The lease was lost while the command ran; the command got SIGTERM.
+pub const EXIT_LEASE_LOST: i32 = 76;
+/// The sidecar could not be reached or refused the request.
+pub const EXIT_UNAVAILABLE: i32 = 69;
+/// The command could not be started.
+pub const EXIT_CANNOT_EXEC: i32 = 127;
+
+/// How long the command gets between SIGTERM and SIGKILL after a lost lease.
+const KILL_GRACE: Duration = Duration::from_secs(10);
+
+/// One server-sent event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseMessage {
+    pub event: String,
+    pub data: String,
+}
+
+/// Splits a byte stream into server-sent events.
+pub struct SseReader<S> {
+    stream: S,
+    buf: Vec<u8>,
+}
+
+impl<S, B, E> SseReader<S>
+where
+    S: futures::Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]>,
+{
+    /// Reads events from `stream`.
+    pub fn new(stream: S) -> Self {
+        Self {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next event; `None` when the stream ends or fails. Comments are skipped.
+    pub async fn next(&mut self) -> Option<SseMessage> {
+        loop {
+            if let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let block: Vec<u8> = self.buf.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&block);
+                let mut msg = SseMessage {
+                    event: "message".into(),
+                    data: String::new(),
+                };
+                let mut any = false;
+                for line in text.lines() {
+                    if let Some(v) = line.strip_prefix("event:") {
+                        msg.event = v.trim().to_owned();
+                        any = true;
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        if !msg.data.is_empty() {
+                            msg.data.push('\n');
+                        }
+                        msg.data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                        any = true;
+                    }
+                }
+                if any {
+                    return Some(msg);
+                }
+                continue;
+            }
+            let chunk = self.stream.next().await?.ok()?;
+            self.buf
+                .extend(chunk.as_ref().iter().copied().filter(|&b| b != b'\r'));
+        }
+    }
+}
+
+fn field(data: &str, name: &str) -> Option<serde_json::Value> {
+    serde_json::from_str::<serde_json::Value>(data)
+        .ok()?
+        .get(name)
+        .cloned()
+}
+
+/// Runs `args.command` under the lock; returns the process exit code.
+pub async fn run(args: RunArgs) -> i32 {
+    let base = args.url.trim_end_matches('/');
+    let mut url = match reqwest::Url::parse(&format!("{base}/v1/locks/")) {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("sidelock run: bad --url {base:?}: {e}");
+            return EXIT_UNAVAILABLE;
+        }
+    };
+    if let Ok(mut segments) = url.path_segments_mut() {
+        segments.pop_if_empty().push(&args.lock).push("hold");
+    }
+    {
+        let mut q = url.query_pairs_mut();
+        for (k, v) in [
+            ("ttl", &args.ttl),
+            ("wait", &args.wait),
+            ("owner", &args.owner),
+        ] {
+            if let Some(v) = v {
+                q.append_pair(k, v);
+            }
+        }
+        if args.shared {
+            q.append_pair("mode", "shared");
+        }
+    }
+    let client = reqwest::Client::new();
+    let mut request = client.get(url).header("accept", "text/event-stream");
+    if let Some(token) = &args.api_token {
+        request = request.bearer_auth(token);
+    }
+    let response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("sidelock run: cannot reach the sidecar at {base}: {e}");
+            return EXIT_UNAVAILABLE;
+        }
+    };
+    if !response.status().is_success() {
+        let status = response.status();
+        let body = response.text().await.unwrap_or_default();
+        let detail = field(&body, "detail")
+            .and_then(|d| d.as_str().map(str::to_owned))
+            .unwrap_or(body);
+        eprintln!("sidelock run: the sidecar answered {status}: {detail}");
+        return EXIT_UNAVAILABLE;
+    }
+    let mut events = SseReader::new(response.bytes_stream());
+    let acquired = loop {
+        let Some(msg) = events.next().await else {
+            eprintln!("sidelock run: the sidecar closed the stream before the lock was granted");
+            return EXIT_UNAVAILABLE;
+        };
+        match msg.event.as_str() {
+            "acquired" => break msg.data,
+            "queued" => {}
+            "timeout" => {
+                eprintln!(
+                    "sidelock run: lock {:?} is busy; not acquired within the wait",
+                    args.lock
+                );
+                return EXIT_NOT_ACQUIRED;
+            }
+            other => {
+                eprintln!("sidelock run: {other} before the grant: {}", msg.data);
+                return EXIT_UNAVAILABLE;
+            }
+        }
+    };
+    let token = field(&acquired, "token").and_then(|t| t.as_str().map(str::to_owned));
+    let fence = field(&acquired, "fence").map(|f| f.to_string());
+    let mut command = Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .env("SIDELOCK_LOCK", &args.lock)
+        .env("SIDELOCK_TOKEN", token.unwrap_or_default())
+        .env("SIDELOCK_FENCE", fence.unwrap_or_default());
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sidelock run: cannot start {:?}: {e}", args.command[0]);
+            return EXIT_CANNOT_EXEC;
+        }
+    };
+    supervise(&mut child, &mut events).await
+}
+
+/// Waits for the command while watching the hold stream and forwarding
+/// SIGTERM/SIGINT to the command.
+async fn supervise<S, B, E>(child: &mut Child, events: &mut SseReader<S>) -> i32
+where
+    S: futures::Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]>,
+{
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return exit_code(child.wait().await);
+    };
+    let pid = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .map(Pid::from_raw);
+    let send = |sig: Signal| {
+        if let Some(pid) = pid {
+            let _ = kill(pid, sig);
+        }
+    };
+    loop {
+        tokio::select! {
+            status = child.wait() => return exit_code(status),
+            _ = term.recv() => send(Signal::SIGTERM),
+            _ = int.recv() => send(Signal::SIGINT),
+            msg = events.next() => match msg {
+                Some(m) if m.event == "renewed" => {}
+                other => {
+                    let why = other.map_or_else(|| "the hold stream ended".to_owned(), |m| format!("{}: {}", m.event, m.data));
+                    eprintln!("sidelock run: lease lost ({why}); stopping the command");
+                    send(Signal::SIGTERM);
+                    if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_err() {
+                        send(Signal::SIGKILL);
+                        let _ = child.wait().await;
+                    }
+                    return EXIT_LEASE_LOST;
+                }
+            }
+        }
+    }
+}
+
+fn exit_code(status: std::io::Result<ExitStatus>) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Ok(s) => s
+            .code()
+            .or_else(|| s.signal().map(|sig| 128 + sig))
+            .unwrap_or(1),
+        Err(_) => 1,
+    }
+}

@@ -1,0 +1,99 @@
+//! The sidecar process: open the backend, serve HTTP, shut down cleanly.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backend;
+use crate::clock::now_ms;
+use crate::config::Settings;
+use crate::core::{Core, Wakeups};
+use crate::http::{self, App};
+use crate::metrics::Metrics;
+use crate::shutdown;
+
+/// How often the backend's health is checked for `sidelock_backend_up`, and
+/// stale keys counted for `sidelock_stale_locks`.
+const HEALTH_EVERY: Duration = Duration::from_secs(10);
+const STALE_EVERY: Duration = Duration::from_secs(60);
+
+/// Runs a sidecar until SIGTERM/SIGINT, then releases everything it holds.
+///
+/// # Errors
+/// A sentence for the operator when the backend URL is bad or the listen
+/// address cannot be bound.
+pub async fn serve(settings: Settings) -> Result<(), String> {
+    let token = CancellationToken::new();
+    shutdown::on_signal(token.clone());
+    let wakeups = Wakeups::default();
+    let backend = backend::open(&settings.backend, wakeups.clone()).await?;
+    let description = backend.describe();
+    let metrics = Arc::new(Metrics::new(description.kind, settings.metrics_lock_labels));
+    let core = Core::new(
+        backend,
+        wakeups,
+        settings.sidecar_id.clone(),
+        settings.limits.clone(),
+        metrics,
+        token.clone(),
+    );
+    let app = Arc::new(App {
+        core: core.clone(),
+        settings: settings.clone(),
+        started_at_ms: now_ms(),
+    });
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", settings.listen))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    tracing::info!(
+        sidecar = %settings.sidecar_id,
+        backend = %description.url,
+        safety = ?description.safety,
+        "listening on {local}"
+    );
+    core.tasks.spawn(monitor(core.clone()));
+
+    let router = http::router(app).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let stop = token.clone();
+    let server =
+        axum::serve(listener, router).with_graceful_shutdown(async move { stop.cancelled().await });
+    let grace = settings.shutdown_grace;
+    let drained = async { server.await.map_err(|e| format!("HTTP server failed: {e}")) };
+    // The server stops when every connection is done; holds and event streams
+    // end on the token, but a client that never reads must not keep us past the grace.
+    let served = tokio::select! {
+        r = drained => r,
+        () = async { token.cancelled().await; tokio::time::sleep(grace).await } => {
+            tracing::warn!("connections still open after the grace period; closing them");
+            Ok(())
+        }
+    };
+    let released = core.release_everything().await;
+    core.tasks.close();
+    if tokio::time::timeout(grace, core.tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("background tasks still running after the grace period");
+    }
+    core.backend().close().await;
+    tracing::info!(released, "stopped");
+    served
+}
+
+/// Keeps `sidelock_backend_up` and `sidelock_stale_locks` current.
+async fn monitor(core: Arc<Core>) {
+    let mut health = tokio::time::interval(HEALTH_EVERY);
+    let mut stale = tokio::time::interval(STALE_EVERY);
+    loop {
+        tokio::select! {
+            () = core.shutdown.cancelled() => return,
+            _ = health.tick() => { let _ = core.ping().await; }
+            _ = stale.tick() => { let _ = core.stale().await; }
+        }
+    }
+}
