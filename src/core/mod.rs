@@ -380,8 +380,6 @@ impl Core {
         };
         drop(place);
         drop(watch);
-        // The grant may have raced with the timeout or cancel: the dequeue
-        // cannot undo it, so look once more and give a grant back if it came.
         let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
         let result = match &outcome {
             Outcome::Busy { .. } => "timeout",
@@ -696,6 +694,15 @@ impl Core {
         let mut ended = lease.end.subscribe();
         let mut next = tokio::time::Instant::now() + every;
         loop {
+            let end = *ended.borrow_and_update();
+            if let Some(end) = end {
+                let reason = match end {
+                    End::Lost(reason) => reason,
+                    End::Released => LostReason::Released,
+                };
+                let _ = tx.send(HoldEvent::Lost(reason)).await;
+                return;
+            }
             let capped = lease.cap_ms.is_some_and(|cap| lease.expires_at_ms() >= cap);
             tokio::select! {
                 () = sleep_until(next), if !capped => {
@@ -710,15 +717,9 @@ impl Core {
                         Err(_) => {}
                     }
                 }
-                changed = ended.changed() => {
-                    let end = if changed.is_ok() { *ended.borrow() } else { None };
-                    let reason = match end {
-                        Some(End::Lost(reason)) => reason,
-                        Some(End::Released) | None => LostReason::Released,
-                    };
-                    let _ = tx.send(HoldEvent::Lost(reason)).await;
-                    return;
-                }
+                // The sender lives in `lease`, so this only fires on an end,
+                // which the top of the loop reports.
+                _ = ended.changed() => {}
                 () = tx.closed() => {
                     let _ = self.release(&lease.key, &lease.token).await;
                     return;
@@ -761,6 +762,9 @@ impl Core {
     async fn supervise(self: Arc<Self>, lease: Arc<Local>) {
         let mut ended = lease.end.subscribe();
         loop {
+            if ended.borrow_and_update().is_some() {
+                return;
+            }
             tokio::select! {
                 () = sleep_until(instant_at(lease.expires_at_ms())) => {}
                 _ = ended.changed() => return,

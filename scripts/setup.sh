@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs and starts, when missing, everything the test suite needs on a
+# fresh Debian machine (run as root): Redis and Sentinel, ZooKeeper (Java)
+# and the Curator recipes, PostgreSQL (started), Chromium with its driver,
+# cargo-nextest, and the Python tools in ./.venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+for pkg in redis-server redis-sentinel redis-tools zookeeper libcurator-recipes-java \
+           postgresql postgresql-contrib chromium chromium-driver iproute2 procps; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # Package scripts may try to start services; the tests start their own servers.
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# PostgreSQL: the tests create their own schemas in the machine's cluster.
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+  echo "setup: starting PostgreSQL"
+  cluster=$(ls /etc/postgresql | sort -V | tail -n 1)
+  pg_ctlcluster --skip-systemctl-redirect "$cluster" main start
+  for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+fi
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-nextest"
+  cargo install --locked cargo-nextest
+fi
+
+# The venv is rebuilt whenever the pinned requirements change.
+if ! cmp -s tests/helm/requirements.txt .venv/requirements.txt 2>/dev/null; then
+  echo "setup: creating .venv"
+  rm -rf .venv
+  python3 -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check -r tests/helm/requirements.txt
+  cp tests/helm/requirements.txt .venv/requirements.txt
+fi
