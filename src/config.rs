@@ -203,9 +203,13 @@ impl Settings {
             None => ServeArgs::default(),
         };
         let a = args.under(file);
+        let max_ttl = a.max_ttl.unwrap_or(Duration::from_secs(3600));
         let limits = Limits {
-            default_ttl: a.default_ttl.unwrap_or(Duration::from_secs(30)),
-            max_ttl: a.max_ttl.unwrap_or(Duration::from_secs(3600)),
+            // An unset default follows a lowered max_ttl instead of contradicting it.
+            default_ttl: a
+                .default_ttl
+                .unwrap_or(Duration::from_secs(30).min(max_ttl)),
+            max_ttl,
             max_wait: a.max_wait.unwrap_or(Duration::from_secs(3600)),
             lock_delay: a.lock_delay.unwrap_or(Duration::ZERO),
             stale_after: a.stale_after.unwrap_or(Duration::from_secs(3600)),

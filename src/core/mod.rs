@@ -707,14 +707,13 @@ impl Core {
             tokio::select! {
                 () = sleep_until(next), if !capped => {
                     next = tokio::time::Instant::now() + every;
-                    match self.keepalive(&lease.key, &lease.token, Some(lease.ttl)).await {
-                        Ok(expires_at_ms) => {
-                            let ttl_ms = expires_at_ms.saturating_sub(now_ms());
-                            let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
-                        }
-                        // Lost: `ended` fires next. Outage: the lease may still be
-                        // valid until its expiry; the expiry timer decides.
-                        Err(_) => {}
+                    // On an error, `ended` fires next if the lease is lost; in an
+                    // outage the lease may still be valid and the expiry timer decides.
+                    if let Ok(expires_at_ms) =
+                        self.keepalive(&lease.key, &lease.token, Some(lease.ttl)).await
+                    {
+                        let ttl_ms = expires_at_ms.saturating_sub(now_ms());
+                        let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                 }
                 // The sender lives in `lease`, so this only fires on an end,

@@ -725,26 +725,24 @@ pub async fn events(
     let rx = app.core.subscribe();
     let shutdown = app.core.shutdown.clone();
     let stream = futures::stream::unfold((rx, shutdown), |(mut rx, shutdown)| async move {
-        loop {
-            let received = tokio::select! {
-                () = shutdown.cancelled() => return None,
-                received = rx.recv() => received,
-            };
-            let event = match received {
-                Ok(e) => {
-                    let name = serde_json::to_value(e.event)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default();
-                    sse_json(&name, &e)
-                }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    SseEvent::default().comment(format!("skipped {n} events"))
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
-            };
-            return Some((Ok(event), (rx, shutdown)));
-        }
+        let received = tokio::select! {
+            () = shutdown.cancelled() => return None,
+            received = rx.recv() => received,
+        };
+        let event = match received {
+            Ok(e) => {
+                let name = serde_json::to_value(e.event)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                sse_json(&name, &e)
+            }
+            Err(broadcast::error::RecvError::Lagged(n)) => {
+                SseEvent::default().comment(format!("skipped {n} events"))
+            }
+            Err(broadcast::error::RecvError::Closed) => return None,
+        };
+        Some((Ok(event), (rx, shutdown)))
     });
     Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
 }

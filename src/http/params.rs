@@ -79,9 +79,9 @@ fn parse_body(parts: &Parts, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error
         .trim()
         .to_ascii_lowercase();
     match essence.as_str() {
-        "application/json" => match serde_json::from_slice::<Value>(bytes) {
-            Ok(Value::Object(map)) => Ok(map.into_iter().collect()),
-            Ok(_) => Err(Error::InvalidParameter(
+        "application/json" => match serde_json::from_slice::<Pairs>(bytes) {
+            Ok(Pairs(pairs)) => Ok(pairs),
+            Err(e) if e.is_data() => Err(Error::InvalidParameter(
                 "the JSON body must be an object of parameters, e.g. {\"ttl\":\"30s\"}".into(),
             )),
             Err(e) => Err(Error::InvalidParameter(format!(
@@ -99,6 +99,29 @@ fn parse_body(parts: &Parts, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error
         _ => Err(Error::UnsupportedMediaType(format!(
             "content type {content_type:?} is not accepted; send application/json or application/x-www-form-urlencoded, or no body"
         ))),
+    }
+}
+
+/// A JSON object's members in order, duplicates kept (so they can be refused).
+struct Pairs(Vec<(String, Value)>);
+
+impl<'de> serde::Deserialize<'de> for Pairs {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Pairs;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object of parameters")
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Pairs, A::Error> {
+                let mut pairs = Vec::new();
+                while let Some(entry) = map.next_entry::<String, Value>()? {
+                    pairs.push(entry);
+                }
+                Ok(Pairs(pairs))
+            }
+        }
+        d.deserialize_map(V)
     }
 }
 

@@ -1,0 +1,111 @@
+//! The backends the conformance suite runs against.
+//!
+//! To add a backend: add a variant to [`TestBackend`], start its server in
+//! [`TestBackend::start`] (keeping the server's guard in
+//! [`BackendGuard::server`]), answer its capabilities, and add one
+//! `#[case::…]` line to the [`backends`] template.
+
+use std::any::Any;
+
+use rstest_reuse::template;
+
+use super::sidecar::{SidecarBuilder, SidecarGuard};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestBackend {
+    /// `memory://`: in-process, one sidecar only.
+    Memory,
+}
+
+impl TestBackend {
+    /// Starts whatever server the backend needs and returns its URL holder.
+    pub async fn start(self) -> BackendGuard {
+        match self {
+            TestBackend::Memory => BackendGuard {
+                backend: self,
+                url: "memory://".to_owned(),
+                server: None,
+            },
+        }
+    }
+
+    /// Whether two sidecars on the same backend URL see the same locks.
+    /// Tests that exercise several sidecars run with one when this is false.
+    pub fn two_sidecars_share_state(self) -> bool {
+        match self {
+            TestBackend::Memory => false,
+        }
+    }
+
+    /// `backend.kind` in `GET /v1/info`.
+    pub fn info_kind(self) -> &'static str {
+        match self {
+            TestBackend::Memory => "memory",
+        }
+    }
+
+    /// `backend.safety` in `GET /v1/info`.
+    pub fn safety(self) -> &'static str {
+        match self {
+            TestBackend::Memory => "single-process",
+        }
+    }
+}
+
+/// A started backend. Declare it before the sidecars that use it, so it is
+/// dropped after them.
+pub struct BackendGuard {
+    backend: TestBackend,
+    url: String,
+    /// The guard of a backend server started for this test (none for memory).
+    server: Option<Box<dyn Any + Send>>,
+}
+
+impl BackendGuard {
+    pub fn backend(&self) -> TestBackend {
+        self.backend
+    }
+
+    /// The URL passed to `--backend`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A sidecar builder on this backend, for tests that need extra flags.
+    pub fn sidecar(&self) -> SidecarBuilder {
+        SidecarBuilder::new(&self.url)
+    }
+
+    /// A sidecar with default settings.
+    pub async fn start_sidecar(&self) -> SidecarGuard {
+        self.sidecar().start().await
+    }
+
+    /// `wanted` sidecars sharing this backend, or just one if the backend
+    /// cannot share state between sidecars. Tests spread their clients over
+    /// whatever this returns.
+    pub async fn sidecars(&self, wanted: usize) -> Vec<SidecarGuard> {
+        let count = if self.backend.two_sidecars_share_state() {
+            wanted
+        } else {
+            1
+        };
+        let mut sidecars = Vec::with_capacity(count);
+        for _ in 0..count {
+            sidecars.push(self.start_sidecar().await);
+        }
+        sidecars
+    }
+}
+
+/// Every conformance test runs once per case here:
+///
+/// ```ignore
+/// #[apply(backends)]
+/// #[tokio::test]
+/// async fn some_test(#[case] backend: TestBackend) { … }
+/// ```
+#[template]
+#[rstest]
+#[case::memory(crate::common::TestBackend::Memory)]
+pub fn backends(#[case] backend: crate::common::TestBackend) {}
