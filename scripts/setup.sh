@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 for pkg in redis-server redis-sentinel redis-tools zookeeper libcurator-recipes-java \
-           postgresql postgresql-contrib chromium chromium-driver iproute2 procps; do
+           postgresql postgresql-contrib chromium chromium-driver iproute2 procps curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
