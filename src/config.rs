@@ -125,6 +125,12 @@ pub struct ServeArgs {
     /// Log format [default: text].
     #[arg(long, env = "SIDELOCK_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Prefix of every Redis key sidelock writes [default: sidelock:].
+    #[arg(long, env = "SIDELOCK_REDIS_PREFIX")]
+    pub redis_prefix: Option<String>,
+    /// Redis key pattern of hand-written locks (e.g. `lock:*`) listed by /v1/stale when they have no expiry.
+    #[arg(long, env = "SIDELOCK_LEGACY_PATTERN")]
+    pub legacy_pattern: Option<String>,
     /// Bearer token every /v1 request must carry.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -144,7 +150,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
-            api_token, admin_token)
+            redis_prefix, legacy_pattern, api_token, admin_token)
     }
 }
 
@@ -189,6 +195,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub api_token: Option<String>,
     pub admin_token: Option<String>,
+    pub backend_options: crate::backend::Options,
 }
 
 impl Settings {
@@ -247,6 +254,10 @@ impl Settings {
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),
             admin_token: a.admin_token.filter(|t| !t.is_empty()),
+            backend_options: crate::backend::Options {
+                redis_prefix: a.redis_prefix.unwrap_or_else(|| "sidelock:".into()),
+                legacy_pattern: a.legacy_pattern.filter(|p| !p.is_empty()),
+            },
         })
     }
 }

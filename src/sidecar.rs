@@ -27,7 +27,12 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let token = CancellationToken::new();
     shutdown::on_signal(token.clone());
     let wakeups = Wakeups::default();
-    let backend = backend::open(&settings.backend, wakeups.clone()).await?;
+    let backend = backend::open(
+        &settings.backend,
+        &settings.backend_options,
+        wakeups.clone(),
+    )
+    .await?;
     let description = backend.describe();
     let metrics = Arc::new(Metrics::new(description.kind, settings.metrics_lock_labels));
     let core = Core::new(

@@ -6,6 +6,7 @@
 //! that maps a `--backend` URL to an implementation.
 
 pub mod memory;
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -289,16 +290,40 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
+/// Backend settings from the configuration.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Prefix of every Redis key sidelock writes (`--redis-prefix`).
+    pub redis_prefix: String,
+    /// Keys of hand-written locks to report when they have no expiry (`--legacy-pattern`).
+    pub legacy_pattern: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            redis_prefix: "sidelock:".into(),
+            legacy_pattern: None,
+        }
+    }
+}
+
 /// Opens the backend a `--backend` URL names.
 ///
 /// # Errors
 /// A sentence for the operator when the URL's scheme is unknown or it is malformed.
-pub async fn open(url: &str, wakeups: Wakeups) -> Result<Arc<dyn Backend>, String> {
-    let parsed = url::Url::parse(url).map_err(|e| format!("backend URL {url:?}: {e}"))?;
-    match parsed.scheme() {
+pub async fn open(
+    url: &str,
+    options: &Options,
+    wakeups: Wakeups,
+) -> Result<Arc<dyn Backend>, String> {
+    let scheme = url.split_once("://").map_or(url, |(s, _)| s);
+    match scheme {
         "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
+        "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
+        | "rediss+cluster" => Ok(Arc::new(redis::Redis::open(url, options, wakeups)?)),
         other => Err(format!(
-            "backend URL scheme {other:?} is not supported by this build; use memory://"
+            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel:// or redis+cluster://"
         )),
     }
 }

@@ -15,6 +15,8 @@ use super::sidecar::{SidecarBuilder, SidecarGuard};
 pub enum TestBackend {
     /// `memory://`: in-process, one sidecar only.
     Memory,
+    /// `redis://`: a real `redis-server` started for the test.
+    Redis,
 }
 
 impl TestBackend {
@@ -26,6 +28,14 @@ impl TestBackend {
                 url: "memory://".to_owned(),
                 server: None,
             },
+            TestBackend::Redis => {
+                let server = super::redis::RedisServer::start().await;
+                BackendGuard {
+                    backend: self,
+                    url: server.url(),
+                    server: Some(Box::new(server)),
+                }
+            }
         }
     }
 
@@ -34,6 +44,7 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
+            TestBackend::Redis => true,
         }
     }
 
@@ -41,6 +52,7 @@ impl TestBackend {
     pub fn info_kind(self) -> &'static str {
         match self {
             TestBackend::Memory => "memory",
+            TestBackend::Redis => "redis",
         }
     }
 
@@ -48,6 +60,7 @@ impl TestBackend {
     pub fn safety(self) -> &'static str {
         match self {
             TestBackend::Memory => "single-process",
+            TestBackend::Redis => "efficiency",
         }
     }
 }
@@ -108,4 +121,5 @@ impl BackendGuard {
 #[template]
 #[rstest]
 #[case::memory(crate::common::TestBackend::Memory)]
+#[case::redis(crate::common::TestBackend::Redis)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

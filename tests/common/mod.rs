@@ -9,6 +9,7 @@
 //! * [`sse`]: a small Server-Sent-Events reader with deadlines.
 //! * [`problem`]: [`assert_problem`] for RFC 9457 error responses.
 //! * [`cli`]: a guard for `sidelock run … -- CMD`.
+//! * [`redis`]: real `redis-server` processes on free ports.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
@@ -18,6 +19,7 @@ pub mod backend;
 pub mod cli;
 pub mod problem;
 pub mod process;
+pub mod redis;
 pub mod sidecar;
 pub mod sse;
 

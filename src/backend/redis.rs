@@ -1,0 +1,1188 @@
+//! `redis://`, `rediss://`, `redis+sentinel://`, `redis+cluster://`: leases in Redis.
+//!
+//! Every operation is one Lua script (`redis/*.lua`, sharing `prelude.lua`),
+//! atomic on the node that owns the lock's slot. An exclusive lock is the
+//! plain string key `<prefix><name>` holding the token with a PX expiry —
+//! the classic `SET key token NX PX ttl` protocol — so hand-written clients
+//! using that protocol and sidelock exclude each other. Holder metadata,
+//! expiries, the fence counter and the queue live in side keys tagged
+//! `{<prefix><name>}` so a Cluster keeps them in the main key's slot.
+//!
+//! Waiting never polls: scripts `PUBLISH` on the lock's channel whenever a
+//! waiter may get in, each sidecar subscribes once per contended lock on one
+//! pub/sub connection and wakes its local queue head, and waiters keep a
+//! timer at the blocking lease's expiry for holders that die. Queued tickets
+//! carry a heartbeat, refreshed for all of a sidecar's tickets on a lock by
+//! one script call every [`HEARTBEAT_EVERY`]; tickets of a dead sidecar lapse
+//! and are pruned by the next script that touches the lock.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{AsyncConnectionConfig, Cmd, ErrorKind, RedisError, RedisFuture, Script, Value};
+use serde::Deserialize;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Options, Safety, StaleKey,
+    State, Status, Summary, Ticket, Turn, Waiter, Watch,
+};
+use crate::clock::{ms, now_ms};
+use crate::core::Wakeups;
+use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+
+/// How often this sidecar refreshes its waiters' heartbeats.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+/// A waiter whose sidecar has not refreshed it for this long is dropped.
+const HEARTBEAT_TTL: Duration = Duration::from_secs(15);
+/// Connect and response timeout of every Redis call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+const PRELUDE: &str = include_str!("redis/prelude.lua");
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{PRELUDE}\n{body}"))
+}
+
+/// The compiled scripts.
+struct Scripts {
+    acquire: Script,
+    release: Script,
+    renew: Script,
+    status: Script,
+    inspect: Script,
+    force_release: Script,
+    dequeue: Script,
+    heartbeat: Script,
+    stale: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            acquire: script(include_str!("redis/acquire.lua")),
+            release: script(include_str!("redis/release.lua")),
+            renew: script(include_str!("redis/renew.lua")),
+            status: script(include_str!("redis/status.lua")),
+            inspect: script(include_str!("redis/inspect.lua")),
+            force_release: script(include_str!("redis/force_release.lua")),
+            dequeue: script(include_str!("redis/dequeue.lua")),
+            heartbeat: script(include_str!("redis/heartbeat.lua")),
+            stale: script(include_str!("redis/stale.lua")),
+        }
+    }
+}
+
+/// How to reach the Redis deployment.
+enum Target {
+    Single(redis::Client),
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    Cluster {
+        client: ClusterClient,
+        /// The seed nodes, for the pub/sub connection.
+        seeds: Vec<redis::Client>,
+    },
+}
+
+/// A live connection of either shape.
+#[derive(Clone)]
+enum Conn {
+    Plain(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Plain(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Plain(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Plain(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+fn config() -> AsyncConnectionConfig {
+    AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CALL_TIMEOUT))
+        .set_response_timeout(Some(CALL_TIMEOUT))
+}
+
+/// One logical Redis (a server, a Sentinel-managed master, or a Cluster)
+/// with sidelock's key layout and scripts. Redlock runs several of these.
+pub struct Node {
+    target: Target,
+    /// The cached connection; dropped after a connection-level error so the
+    /// next call reconnects (and, with Sentinel, asks for the master again).
+    conn: tokio::sync::Mutex<Option<Conn>>,
+    scripts: Scripts,
+    prefix: String,
+    /// Where this node's URL is shown (without password).
+    pub url: String,
+}
+
+/// Converts a URL error into the operator's sentence.
+fn bad_url(url: &str, e: impl std::fmt::Display) -> String {
+    format!("backend URL {url:?}: {e}")
+}
+
+/// The URL with any password replaced.
+pub fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// `scheme://a:1,b:2/rest` → (["a:1","b:2"], "rest"), keeping user info on every host.
+fn split_hosts(url: &str) -> Result<(String, Vec<String>, String), String> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| bad_url(url, "missing ://"))?;
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (format!("{u}@"), r),
+        None => (String::new(), rest),
+    };
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let hosts: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{userinfo}{h}"))
+        .collect();
+    if hosts.is_empty() {
+        return Err(bad_url(url, "no host given"));
+    }
+    Ok((scheme.to_owned(), hosts, path.to_owned()))
+}
+
+impl Node {
+    /// A node for `url`: `redis://host:port/db`, `rediss://…`,
+    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`.
+    ///
+    /// # Errors
+    /// A sentence naming what is wrong with the URL.
+    pub fn open(url: &str, prefix: &str) -> Result<Self, String> {
+        let (scheme, hosts, path) = split_hosts(url)?;
+        let base = if scheme.starts_with("rediss") {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let target = match scheme.as_str() {
+            "redis" | "rediss" => {
+                Target::Single(redis::Client::open(url).map_err(|e| bad_url(url, e))?)
+            }
+            "redis+sentinel" | "rediss+sentinel" => {
+                let mut parts = path.split('/').filter(|p| !p.is_empty());
+                let master = parts.next().ok_or_else(|| {
+                    bad_url(
+                        url,
+                        "name the master: redis+sentinel://host:port,host:port/<master>[/db]",
+                    )
+                })?;
+                let db: i64 = match parts.next() {
+                    Some(d) => d
+                        .parse()
+                        .map_err(|_| bad_url(url, "the database must be a number"))?,
+                    None => 0,
+                };
+                let sentinels: Vec<String> =
+                    hosts.iter().map(|h| format!("{base}://{h}")).collect();
+                let node_info = redis::sentinel::SentinelNodeConnectionInfo::default()
+                    .set_redis_connection_info(redis::RedisConnectionInfo::default().set_db(db));
+                let client = SentinelClient::build(
+                    sentinels,
+                    master,
+                    Some(node_info),
+                    SentinelServerType::Master,
+                )
+                .map_err(|e| bad_url(url, e))?;
+                Target::Sentinel(tokio::sync::Mutex::new(client))
+            }
+            "redis+cluster" | "rediss+cluster" => {
+                let nodes: Vec<String> = hosts.iter().map(|h| format!("{base}://{h}")).collect();
+                let client = ClusterClient::builder(nodes.clone())
+                    .connection_timeout(CALL_TIMEOUT)
+                    .response_timeout(CALL_TIMEOUT)
+                    .build()
+                    .map_err(|e| bad_url(url, e))?;
+                let seeds = nodes
+                    .iter()
+                    .map(|n| redis::Client::open(n.as_str()).map_err(|e| bad_url(url, e)))
+                    .collect::<Result<_, _>>()?;
+                Target::Cluster { client, seeds }
+            }
+            other => return Err(bad_url(url, format!("unknown scheme {other:?}"))),
+        };
+        if prefix.contains(['{', '}']) {
+            return Err(format!(
+                "--redis-prefix {prefix:?} must not contain braces (they are Cluster hash tags)"
+            ));
+        }
+        Ok(Self {
+            target,
+            conn: tokio::sync::Mutex::new(None),
+            scripts: Scripts::new(),
+            prefix: prefix.to_owned(),
+            url: redact(url),
+        })
+    }
+
+    fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster { .. })
+    }
+
+    async fn connect(&self) -> Result<Conn, RedisError> {
+        match &self.target {
+            Target::Single(c) => Ok(Conn::Plain(
+                c.get_multiplexed_async_connection_with_config(&config())
+                    .await?,
+            )),
+            Target::Sentinel(s) => {
+                let client = s.lock().await.async_get_client().await?;
+                Ok(Conn::Plain(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config())
+                        .await?,
+                ))
+            }
+            Target::Cluster { client, .. } => {
+                Ok(Conn::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+
+    /// A client for the pub/sub connection: the server, the current master,
+    /// or a reachable Cluster node (Cluster PUBLISH reaches every node).
+    async fn pubsub_client(&self) -> Result<redis::Client, RedisError> {
+        match &self.target {
+            Target::Single(c) => Ok(c.clone()),
+            Target::Sentinel(s) => s.lock().await.async_get_client().await,
+            Target::Cluster { seeds, .. } => {
+                let mut last = None;
+                for seed in seeds {
+                    match seed
+                        .get_multiplexed_async_connection_with_config(&config())
+                        .await
+                    {
+                        Ok(_) => return Ok(seed.clone()),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.unwrap_or_else(|| RedisError::from((ErrorKind::Io, "no cluster node"))))
+            }
+        }
+    }
+
+    /// Runs `f` on the cached connection, reconnecting first if needed, and
+    /// forgets the connection after a connection-level failure.
+    async fn with_conn<T, F>(&self, op: &'static str, f: F) -> Result<T, Error>
+    where
+        F: AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    {
+        let mut conn = {
+            let mut cached = self.conn.lock().await;
+            match cached.as_ref() {
+                Some(c) => c.clone(),
+                None => {
+                    let c = tokio::time::timeout(CALL_TIMEOUT, self.connect())
+                        .await
+                        .map_err(|_| {
+                            unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out")))
+                        })?
+                        .map_err(|e| unavailable(op, e))?;
+                    *cached = Some(c.clone());
+                    c
+                }
+            }
+        };
+        match f(&mut conn).await {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                if e.is_connection_dropped()
+                    || e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_refusal()
+                    || e.kind() == ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+                {
+                    *self.conn.lock().await = None;
+                }
+                Err(unavailable(op, e))
+            }
+        }
+    }
+
+    fn base(&self, key: &LockKey) -> String {
+        match key.kind {
+            Kind::Lock => format!("{}{}", self.prefix, key.name),
+            // '/' cannot occur in lock names, so semaphores never collide with locks.
+            Kind::Semaphore => format!("{}semaphores/{}", self.prefix, key.name),
+        }
+    }
+
+    /// The key a lock's exclusive holder is stored under.
+    pub fn main_key(&self, key: &LockKey) -> String {
+        self.base(key)
+    }
+
+    fn index_key(&self) -> String {
+        format!("{}index", self.prefix)
+    }
+
+    fn channel(&self, key: &LockKey) -> String {
+        format!("{}wake:{key}", self.prefix)
+    }
+
+    /// Prepares a script invocation with the lock's keys and the common arguments.
+    fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> redis::ScriptInvocation<'a> {
+        let base = self.base(key);
+        let tag = format!("{{{base}}}");
+        let mut inv = script.prepare_invoke();
+        inv.key(&base);
+        for suffix in [
+            "holders",
+            "expiry",
+            "fence",
+            "queue",
+            "waiters",
+            "heartbeat",
+            "delay",
+            "limit",
+            "seq",
+        ] {
+            inv.key(format!("{tag}:{suffix}"));
+        }
+        // A Cluster cannot touch a global index from a lock's slot.
+        inv.key(if self.is_cluster() {
+            String::new()
+        } else {
+            self.index_key()
+        });
+        inv.arg(match key.kind {
+            Kind::Lock => "l",
+            Kind::Semaphore => "s",
+        });
+        inv.arg(self.channel(key));
+        inv.arg(key.to_string());
+        inv
+    }
+
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, Error> {
+        self.with_conn(op, async |c| inv.invoke_async(c).await)
+            .await
+    }
+
+    /// Records a key in use in the Cluster index (single nodes do it in the scripts).
+    async fn index(&self, key: &LockKey) {
+        if self.is_cluster() {
+            let index = self.index_key();
+            let member = key.to_string();
+            let _ = self
+                .with_conn("index", async |c| {
+                    redis::cmd("ZADD")
+                        .arg(&index)
+                        .arg("NX")
+                        .arg(0)
+                        .arg(&member)
+                        .query_async::<i64>(c)
+                        .await
+                })
+                .await;
+        }
+    }
+
+    /// One acquire attempt; see the `Backend` contract.
+    pub async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let token = Token::generate();
+        let mut inv = self.invocation(&self.scripts.acquire, &claim.key);
+        let (turn_arg, seq) = match turn {
+            Turn::Once => ("once", String::new()),
+            Turn::Join => ("join", String::new()),
+            Turn::Queued(t) => ("queued", t.seq.to_string()),
+        };
+        inv.arg(turn_arg)
+            .arg(seq)
+            .arg(token.expose())
+            .arg(&claim.owner)
+            .arg(&claim.sidecar)
+            .arg(mode_arg(claim.mode))
+            .arg(ms(claim.ttl))
+            .arg(claim.max_hold.map_or(0, ms))
+            .arg(ms(claim.lock_delay))
+            .arg(claim.limit.unwrap_or(0))
+            .arg(ms(HEARTBEAT_TTL));
+        let reply: Vec<Value> = self.run("try_acquire", inv).await?;
+        let clock = Clock::at(&reply, 1);
+        let attempt = match int(&reply, 0) {
+            1 => Attempt::Granted(Grant {
+                token: Token::from_client(text(&reply, 2)),
+                fence: int(&reply, 3) as u64,
+                count: int(&reply, 4) as u32,
+                since_ms: clock.local(int(&reply, 5)),
+                expires_at_ms: clock.local(int(&reply, 6)),
+            }),
+            0 => {
+                let seq = int(&reply, 6);
+                let position = int(&reply, 4);
+                let retry = int(&reply, 5);
+                Attempt::Busy(Busy {
+                    holders: holders(&text(&reply, 2), &clock),
+                    queue_length: int(&reply, 3) as usize,
+                    position: (position > 0).then_some(position as usize),
+                    retry_at_ms: (retry > 0).then(|| clock.local(retry)),
+                    ticket: (seq > 0).then(|| Ticket {
+                        key: claim.key.clone(),
+                        seq: seq as u64,
+                    }),
+                })
+            }
+            2 => {
+                return Err(Error::LimitMismatch {
+                    active: int(&reply, 2) as u32,
+                });
+            }
+            _ => return Err(Error::LimitRequired),
+        };
+        let fresh = matches!(&attempt, Attempt::Granted(g) if g.count == 1)
+            || matches!(&attempt, Attempt::Busy(b) if b.ticket.is_some());
+        if fresh {
+            self.index(&claim.key).await;
+        }
+        Ok(attempt)
+    }
+
+    /// Leaves the queue.
+    pub async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.dequeue, &ticket.key);
+        inv.arg(ticket.seq);
+        self.run::<i64>("dequeue", inv).await.map(|_| ())
+    }
+
+    /// Renews; `Some(local expiry)` or `None` when the token holds nothing.
+    pub async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        let mut inv = self.invocation(&self.scripts.renew, key);
+        inv.arg(token.expose()).arg(ttl.map_or(0, ms));
+        let reply: Vec<Value> = self.run("renew", inv).await?;
+        let clock = Clock::at(&reply, 0);
+        let e = int(&reply, 1);
+        Ok((e >= 0).then(|| clock.local(e)))
+    }
+
+    /// Releases one hold.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let mut inv = self.invocation(&self.scripts.release, key);
+        inv.arg(token.expose());
+        let reply: Vec<Value> = self.run("release", inv).await?;
+        let n = int(&reply, 1);
+        Ok((n >= 0).then_some(n as u32))
+    }
+
+    /// Whether the lease still holds.
+    pub async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        let mut inv = self.invocation(&self.scripts.status, key);
+        inv.arg(token.expose());
+        let reply: Vec<Value> = self.run("status", inv).await?;
+        let clock = Clock::at(&reply, 0);
+        let e = int(&reply, 1);
+        Ok(if e >= 0 {
+            Status::Held {
+                expires_at_ms: clock.local(e),
+            }
+        } else {
+            Status::Gone(Loss::Expired)
+        })
+    }
+
+    /// The global state of one key.
+    pub async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        let inv = self.invocation(&self.scripts.inspect, key);
+        let reply: Vec<Value> = self.run("inspect", inv).await?;
+        let clock = Clock::at(&reply, 0);
+        let limit = int(&reply, 2);
+        Ok(State {
+            fence: int(&reply, 1) as u64,
+            limit: (limit > 0).then_some(limit as u32),
+            holders: holders(&text(&reply, 3), &clock),
+            waiters: waiters(&text(&reply, 4), &clock),
+        })
+    }
+
+    /// Removes every lease of a key, returning their tokens.
+    pub async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        let inv = self.invocation(&self.scripts.force_release, key);
+        let tokens: Vec<String> = self.run("force_release", inv).await?;
+        Ok(tokens.into_iter().map(Token::from_client).collect())
+    }
+
+    /// Refreshes the heartbeat of this sidecar's tickets on one key.
+    async fn heartbeat(&self, key: &LockKey, seqs: &[u64]) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.heartbeat, key);
+        inv.arg(ms(HEARTBEAT_TTL));
+        for s in seqs {
+            inv.arg(*s);
+        }
+        self.run::<i64>("heartbeat", inv).await.map(|_| ())
+    }
+
+    /// Answers PING.
+    pub async fn ping(&self) -> Result<(), Error> {
+        self.with_conn("ping", async |c| {
+            redis::cmd("PING").query_async::<String>(c).await
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Keys in the index after `after`, in order, `chunk` at a time.
+    async fn indexed(&self, after: Option<&str>, chunk: usize) -> Result<Vec<String>, Error> {
+        let index = self.index_key();
+        let min = after.map_or_else(|| "-".to_owned(), |a| format!("({a}"));
+        self.with_conn("list", async |c| {
+            redis::cmd("ZRANGEBYLEX")
+                .arg(&index)
+                .arg(&min)
+                .arg("+")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(chunk)
+                .query_async::<Vec<String>>(c)
+                .await
+        })
+        .await
+    }
+
+    async fn unindex(&self, member: &str) {
+        let index = self.index_key();
+        let _ = self
+            .with_conn("list", async |c| {
+                redis::cmd("ZREM")
+                    .arg(&index)
+                    .arg(member)
+                    .query_async::<i64>(c)
+                    .await
+            })
+            .await;
+    }
+
+    /// Held or contended keys, from the index.
+    pub async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let mut rows = Vec::new();
+        let mut cursor = after.map(ToString::to_string);
+        loop {
+            let chunk = self.indexed(cursor.as_deref(), 200).await?;
+            let Some(last) = chunk.last() else { break };
+            cursor = Some(last.clone());
+            for member in &chunk {
+                let Some(key) = parse_member(member) else {
+                    self.unindex(member).await;
+                    continue;
+                };
+                if !key.name.as_str().starts_with(prefix) {
+                    continue;
+                }
+                let state = self.inspect(&key).await?;
+                if state.holders.is_empty() && state.waiters.is_empty() {
+                    self.unindex(member).await;
+                    continue;
+                }
+                rows.push(Summary {
+                    key,
+                    holders: state.holders.len(),
+                    waiters: state.waiters.len(),
+                    fence: state.fence,
+                });
+                if rows.len() >= limit {
+                    return Ok(rows);
+                }
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Stale entries of the keys in use (holders too old, expired but not
+    /// cleaned, orphaned waiters), plus keys without expiry among lock keys
+    /// and keys matching `legacy`.
+    pub async fn stale(
+        &self,
+        stale_after: Duration,
+        legacy: Option<&str>,
+    ) -> Result<Vec<StaleKey>, Error> {
+        let mut out = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let chunk = self.indexed(cursor.as_deref(), 200).await?;
+            let Some(last) = chunk.last() else { break };
+            cursor = Some(last.clone());
+            for member in &chunk {
+                let Some(key) = parse_member(member) else {
+                    continue;
+                };
+                let mut inv = self.invocation(&self.scripts.stale, &key);
+                inv.arg(ms(stale_after));
+                let found: Vec<Vec<Value>> = self.run("stale", inv).await?;
+                for entry in found {
+                    out.push(StaleKey {
+                        key: text(&entry, 0),
+                        reason: reason_of(&text(&entry, 1)),
+                        age_ms: int(&entry, 2).max(0) as u64,
+                        detail: text(&entry, 3),
+                    });
+                }
+            }
+        }
+        if !self.is_cluster() {
+            let mut patterns = vec![format!("{}*", glob_escape(&self.prefix))];
+            patterns.extend(legacy.map(str::to_owned));
+            for pattern in patterns {
+                for k in self.scan_without_expiry(&pattern).await? {
+                    let legacy_key = !k.starts_with(&self.prefix);
+                    out.push(StaleKey {
+                        detail: if legacy_key {
+                            format!("key {k:?} matches --legacy-pattern and has no expiry: a lock left by hand-written SETNX code blocks forever")
+                        } else {
+                            format!("lock key {k:?} has no expiry: whoever set it never set PX, so it will never be freed")
+                        },
+                        key: k,
+                        reason: "no-expiry",
+                        age_ms: 0,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn scan_without_expiry(&self, pattern: &str) -> Result<Vec<String>, Error> {
+        let pattern = pattern.to_owned();
+        self.with_conn("stale", async |c| {
+            let mut found = Vec::new();
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .arg("TYPE")
+                    .arg("string")
+                    .query_async(c)
+                    .await?;
+                for k in keys {
+                    let pttl: i64 = redis::cmd("PTTL").arg(&k).query_async(c).await?;
+                    if pttl == -1 {
+                        found.push(k);
+                    }
+                }
+                if next == 0 {
+                    return Ok(found);
+                }
+                cursor = next;
+            }
+        })
+        .await
+    }
+}
+
+/// Server time of a reply, to translate server timestamps into this sidecar's clock.
+struct Clock {
+    /// Server milliseconds minus local milliseconds.
+    skew: i64,
+}
+
+impl Clock {
+    /// The clock of a reply whose element `at` is the server time.
+    fn at(reply: &[Value], at: usize) -> Self {
+        let server = match reply.get(at) {
+            Some(Value::Int(n)) => *n,
+            _ => now_ms() as i64,
+        };
+        Self {
+            skew: server - now_ms() as i64,
+        }
+    }
+
+    fn local(&self, server_ms: i64) -> u64 {
+        (server_ms - self.skew).max(0) as u64
+    }
+}
+
+fn int(reply: &[Value], i: usize) -> i64 {
+    match reply.get(i) {
+        Some(Value::Int(n)) => *n,
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).parse().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn text(reply: &[Value], i: usize) -> String {
+    match reply.get(i) {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(Value::SimpleString(s)) => s.clone(),
+        Some(Value::Int(n)) => n.to_string(),
+        _ => String::new(),
+    }
+}
+
+fn mode_arg(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Exclusive => "x",
+        Mode::Shared => "s",
+    }
+}
+
+/// Holder metadata as the scripts return it.
+#[derive(Deserialize)]
+struct RawHolder {
+    o: String,
+    s: String,
+    m: String,
+    f: u64,
+    c: u32,
+    t0: i64,
+    e: i64,
+}
+
+/// Waiter metadata as the scripts return it.
+#[derive(Deserialize)]
+struct RawWaiter {
+    o: String,
+    s: String,
+    m: String,
+    t0: i64,
+}
+
+fn mode_of(m: &str) -> Mode {
+    if m == "s" {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    }
+}
+
+fn holders(json: &str, clock: &Clock) -> Vec<Holder> {
+    // cjson encodes an empty table as {}; both mean no holders.
+    serde_json::from_str::<Vec<RawHolder>>(json)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|h| Holder {
+            owner: h.o,
+            sidecar: h.s,
+            mode: mode_of(&h.m),
+            since_ms: if h.t0 > 0 { clock.local(h.t0) } else { 0 },
+            expires_at_ms: if h.e > 0 { clock.local(h.e) } else { 0 },
+            fence: h.f,
+            count: h.c,
+        })
+        .collect()
+}
+
+fn waiters(json: &str, clock: &Clock) -> Vec<Waiter> {
+    serde_json::from_str::<Vec<RawWaiter>>(json)
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .map(|(i, w)| Waiter {
+            owner: w.o,
+            sidecar: w.s,
+            mode: mode_of(&w.m),
+            position: i + 1,
+            since_ms: clock.local(w.t0),
+        })
+        .collect()
+}
+
+fn parse_member(member: &str) -> Option<LockKey> {
+    let (kind, name) = member.split_once('/')?;
+    let kind = match kind {
+        "locks" => Kind::Lock,
+        "semaphores" => Kind::Semaphore,
+        _ => return None,
+    };
+    Some(LockKey {
+        kind,
+        name: Name::parse(name).ok()?,
+    })
+}
+
+fn reason_of(s: &str) -> &'static str {
+    match s {
+        "held-too-long" => "held-too-long",
+        "expired-not-cleaned" => "expired-not-cleaned",
+        "orphaned-waiter" => "orphaned-waiter",
+        _ => "no-expiry",
+    }
+}
+
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn unavailable(op: &'static str, e: RedisError) -> Error {
+    Error::Unavailable {
+        op,
+        source: Box::new(e),
+    }
+}
+
+/// Requests to the pub/sub task.
+enum Sub {
+    Subscribe(String, oneshot::Sender<Result<(), RedisError>>),
+    Unsubscribe(String),
+}
+
+/// The `redis://` family backend: one [`Node`], one pub/sub connection,
+/// and the heartbeat of this sidecar's waiters.
+pub struct Redis {
+    node: Arc<Node>,
+    legacy_pattern: Option<String>,
+    /// Local watchers per channel; the subscription lives while above zero.
+    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
+    subs: mpsc::UnboundedSender<Sub>,
+    /// This sidecar's queued tickets per key, for the heartbeat.
+    tickets: Arc<Mutex<HashMap<LockKey, BTreeSet<u64>>>>,
+    stop: CancellationToken,
+}
+
+impl Redis {
+    /// Opens `url` (no network traffic yet: calls connect on first use, so
+    /// the sidecar starts while Redis is down and reports not-ready).
+    ///
+    /// # Errors
+    /// A sentence naming what is wrong with the URL or options.
+    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let node = Arc::new(Node::open(url, &options.redis_prefix)?);
+        let watchers = Arc::new(Mutex::new(HashMap::new()));
+        let (subs, rx) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        tokio::spawn(pubsub(
+            node.clone(),
+            rx,
+            watchers.clone(),
+            wakeups,
+            stop.clone(),
+        ));
+        let tickets = Arc::new(Mutex::new(HashMap::new()));
+        tokio::spawn(heartbeats(node.clone(), tickets.clone(), stop.clone()));
+        Ok(Self {
+            node,
+            legacy_pattern: options.legacy_pattern.clone(),
+            watchers,
+            subs,
+            tickets,
+            stop,
+        })
+    }
+
+    fn track(&self, ticket: &Ticket, queued: bool) {
+        let mut tickets = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        if queued {
+            tickets
+                .entry(ticket.key.clone())
+                .or_default()
+                .insert(ticket.seq);
+        } else if let Some(set) = tickets.get_mut(&ticket.key) {
+            set.remove(&ticket.seq);
+            if set.is_empty() {
+                tickets.remove(&ticket.key);
+            }
+        }
+    }
+}
+
+/// Keeps one subscription per watched channel on one pub/sub connection;
+/// a message wakes the local queue head of its lock. After a reconnect it
+/// resubscribes and wakes every watched lock, catching up releases missed
+/// while disconnected.
+async fn pubsub(
+    node: Arc<Node>,
+    mut rx: mpsc::UnboundedReceiver<Sub>,
+    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
+    wakeups: Wakeups,
+    stop: CancellationToken,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let connected = async {
+            let client = node.pubsub_client().await?;
+            client.get_async_pubsub().await
+        };
+        let ps = tokio::select! {
+            () = stop.cancelled() => return,
+            r = tokio::time::timeout(CALL_TIMEOUT, connected) => r,
+        };
+        let Ok(Ok(ps)) = ps else {
+            // Fail waiting subscribers now rather than at their timeout.
+            while let Ok(sub) = rx.try_recv() {
+                if let Sub::Subscribe(_, ack) = sub {
+                    let down = RedisError::from((ErrorKind::Io, "pub/sub connection down"));
+                    let _ = ack.send(Err(down));
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            continue;
+        };
+        backoff = Duration::from_millis(50);
+        let (mut sink, mut stream) = ps.split();
+        let current: Vec<(String, LockKey)> = watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(c, (k, _))| (c.clone(), k.clone()))
+            .collect();
+        let mut healthy = true;
+        for (channel, _) in &current {
+            if sink.subscribe(channel).await.is_err() {
+                healthy = false;
+            }
+        }
+        if !healthy {
+            continue;
+        }
+        for (_, key) in &current {
+            wakeups.wake(key);
+        }
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                sub = rx.recv() => match sub {
+                    None => return,
+                    Some(Sub::Subscribe(channel, ack)) => {
+                        let r = sink.subscribe(&channel).await;
+                        let failed = r.is_err();
+                        let _ = ack.send(r);
+                        if failed { break; }
+                    }
+                    Some(Sub::Unsubscribe(channel)) => {
+                        if sink.unsubscribe(&channel).await.is_err() { break; }
+                    }
+                },
+                msg = stream.next() => {
+                    let Some(msg) = msg else { break };
+                    let channel = msg.get_channel_name().to_owned();
+                    let key = watchers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&channel)
+                        .map(|(k, _)| k.clone());
+                    if let Some(key) = key {
+                        wakeups.wake(&key);
+                    }
+                }
+            }
+        }
+        tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
+    }
+}
+
+/// Refreshes the heartbeat of this sidecar's queued tickets: one script call
+/// per contended lock every [`HEARTBEAT_EVERY`], however many wait on it.
+async fn heartbeats(
+    node: Arc<Node>,
+    tickets: Arc<Mutex<HashMap<LockKey, BTreeSet<u64>>>>,
+    stop: CancellationToken,
+) {
+    let mut every = tokio::time::interval(HEARTBEAT_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = every.tick() => {}
+        }
+        let batch: Vec<(LockKey, Vec<u64>)> = tickets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, s)| (k.clone(), s.iter().copied().collect()))
+            .collect();
+        for (key, seqs) in batch {
+            if let Err(e) = node.heartbeat(&key, &seqs).await {
+                tracing::debug!(lock = %key, error = %e, "heartbeat failed");
+            }
+        }
+    }
+}
+
+/// Unsubscribes when the last local watcher of a channel goes.
+struct WatchGuard {
+    channel: String,
+    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
+    subs: mpsc::UnboundedSender<Sub>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let mut watchers = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = watchers.get_mut(&self.channel) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                watchers.remove(&self.channel);
+                let _ = self.subs.send(Sub::Unsubscribe(self.channel.clone()));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for Redis {
+    fn describe(&self) -> Description {
+        Description {
+            kind: "redis",
+            url: self.node.url.clone(),
+            safety: Safety::Efficiency,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        self.node.ping().await
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let attempt = self.node.try_acquire(claim, turn).await?;
+        match (&attempt, turn) {
+            (
+                Attempt::Busy(Busy {
+                    ticket: Some(t), ..
+                }),
+                _,
+            ) => self.track(t, true),
+            (Attempt::Granted(_), Turn::Queued(t)) => self.track(t, false),
+            _ => {}
+        }
+        Ok(attempt)
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        self.track(ticket, false);
+        self.node.dequeue(ticket).await
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        self.node.renew(key, token, ttl).await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        self.node.release(key, token).await
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        self.node.status(key, token).await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        self.node.inspect(key).await
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        self.node.list(prefix, after, limit).await
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        self.node
+            .stale(stale_after, self.legacy_pattern.as_deref())
+            .await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        self.node.force_release(key).await
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Watch, Error> {
+        let channel = self.node.channel(key);
+        let first = {
+            let mut watchers = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = watchers
+                .entry(channel.clone())
+                .or_insert_with(|| (key.clone(), 0));
+            entry.1 += 1;
+            entry.1 == 1
+        };
+        let guard = WatchGuard {
+            channel: channel.clone(),
+            watchers: self.watchers.clone(),
+            subs: self.subs.clone(),
+        };
+        if first {
+            let (ack, done) = oneshot::channel();
+            let _ = self.subs.send(Sub::Subscribe(channel, ack));
+            match tokio::time::timeout(CALL_TIMEOUT, done).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => return Err(unavailable("subscribe", e)),
+                _ => {
+                    return Err(unavailable(
+                        "subscribe",
+                        RedisError::from((ErrorKind::Io, "subscription not confirmed")),
+                    ));
+                }
+            }
+        }
+        Ok(Box::new(guard))
+    }
+
+    async fn close(&self) {
+        self.stop.cancel();
+    }
+}

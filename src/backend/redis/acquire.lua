@@ -1,0 +1,149 @@
+-- ARGV: 1 kind, 2 channel, 3 index member, 4 turn ("once"|"join"|"queued"),
+-- 5 ticket seq, 6 new token, 7 owner, 8 sidecar, 9 mode ("x"|"s"),
+-- 10 ttl ms, 11 max_hold ms (0: none), 12 lock_delay ms, 13 limit (0: none),
+-- 14 heartbeat ms.
+-- Returns {1, now, token, fence, count, since, expires} when granted,
+-- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
+-- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required.
+local turn, seq, token, owner, sidecar, mode = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local ttl, max_hold, lock_delay, asked, beat =
+  tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+
+prune()
+local was_idle = idle()
+
+local limit = 0
+if not IS_LOCK then
+  local active = tonumber(redis.call("GET", LIMIT) or "0")
+  if active > 0 and not was_idle then
+    if asked > 0 and asked ~= active then return {2, NOW, active} end
+    limit = active
+  else
+    if asked == 0 then return {3, NOW} end
+    redis.call("SET", LIMIT, asked)
+    limit = asked
+  end
+end
+
+local function leave_queue()
+  if turn == "queued" then
+    redis.call("ZREM", QUEUE, seq)
+    redis.call("HDEL", WAITERS, seq)
+    redis.call("ZREM", BEAT, seq)
+  end
+end
+
+local function cap(e, m)
+  if m.cap > 0 and e > m.cap then return m.cap end
+  return e
+end
+
+-- Re-entry: the same owner asking again in the mode it holds.
+if IS_LOCK then
+  local all = redis.call("HGETALL", HOLDERS)
+  for i = 1, #all, 2 do
+    local m = cjson.decode(all[i + 1])
+    if m.o == owner and m.m == mode then
+      m.c = m.c + 1
+      m.e = cap(math.max(m.e, NOW + ttl), m)
+      redis.call("HSET", HOLDERS, all[i], cjson.encode(m))
+      redis.call("ZADD", EXPIRY, m.e, all[i])
+      if mode == "x" then
+        redis.call("PEXPIRE", MAIN, m.e - NOW)
+      else
+        sync_shared()
+      end
+      leave_queue()
+      return {1, NOW, all[i], m.f, m.c, m.t0, m.e}
+    end
+  end
+end
+
+local delayed = redis.call("PTTL", DELAY)
+local room
+if not IS_LOCK then
+  room = redis.call("ZCARD", EXPIRY) < limit
+elseif mode == "x" then
+  room = redis.call("EXISTS", MAIN) == 0
+else
+  local main = redis.call("GET", MAIN)
+  room = (not main) or main == SHARED
+end
+
+local position = 0
+local turn_ok
+if turn == "queued" then
+  local rank = redis.call("ZRANK", QUEUE, seq)
+  if not rank then
+    -- Pruned while this sidecar could not heartbeat: rejoin at the same place.
+    local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
+    redis.call("ZADD", QUEUE, tonumber(seq), seq)
+    redis.call("HSET", WAITERS, seq, cjson.encode(w))
+    redis.call("ZADD", BEAT, NOW + beat, seq)
+    rank = redis.call("ZRANK", QUEUE, seq)
+  end
+  position = rank + 1
+  if not IS_LOCK then
+    turn_ok = rank < limit - redis.call("ZCARD", EXPIRY)
+  elseif mode == "x" then
+    turn_ok = rank == 0
+  else
+    turn_ok = true
+    if rank > 0 then
+      for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, rank - 1)) do
+        local w = cjson.decode(redis.call("HGET", WAITERS, s) or '{"m":"x"}')
+        if w.m ~= "s" then turn_ok = false break end
+      end
+    end
+  end
+else
+  turn_ok = redis.call("ZCARD", QUEUE) == 0
+end
+
+if delayed <= 0 and room and turn_ok then
+  local fence = redis.call("INCR", FENCE)
+  local m = {o = owner, s = sidecar, m = mode, f = fence, c = 1, t0 = NOW,
+             ttl = ttl, cap = 0, dl = lock_delay}
+  if max_hold > 0 then m.cap = NOW + max_hold end
+  m.e = cap(NOW + ttl, m)
+  redis.call("HSET", HOLDERS, token, cjson.encode(m))
+  redis.call("ZADD", EXPIRY, m.e, token)
+  if IS_LOCK then
+    if mode == "x" then
+      redis.call("SET", MAIN, token, "PX", m.e - NOW)
+    else
+      sync_shared()
+    end
+  end
+  leave_queue()
+  if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
+  return {1, NOW, token, fence, 1, NOW, m.e}
+end
+
+-- Busy: when can the blocking state lapse by itself?
+local retry = 0
+if delayed > 0 then
+  retry = NOW + delayed
+elseif not room then
+  local first = redis.call("ZRANGE", EXPIRY, 0, 0, "WITHSCORES")
+  if #first > 0 then retry = tonumber(first[2]) end
+  if IS_LOCK then
+    local main = redis.call("GET", MAIN)
+    if main and main ~= SHARED and redis.call("HEXISTS", HOLDERS, main) == 0 then
+      local pttl = redis.call("PTTL", MAIN)
+      if pttl > 0 then retry = NOW + pttl else retry = 0 end
+    end
+  end
+end
+
+local ticket = 0
+if turn == "join" then
+  ticket = redis.call("INCR", SEQ)
+  local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
+  redis.call("ZADD", QUEUE, ticket, ticket)
+  redis.call("HSET", WAITERS, ticket, cjson.encode(w))
+  redis.call("ZADD", BEAT, NOW + beat, ticket)
+  position = redis.call("ZCARD", QUEUE)
+  if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
+end
+return {0, NOW, holders_json(), redis.call("ZCARD", QUEUE), position, retry, ticket}

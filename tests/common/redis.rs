@@ -1,0 +1,160 @@
+//! Real `redis-server` processes for tests: each on a free loopback port in
+//! its own temp dir, killed and reaped on drop, its log printed when the
+//! test fails. Servers can be killed and restarted on the same port for
+//! fault tests.
+
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::process::ChildGuard;
+
+/// How long a server may take to answer PING.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A free loopback port (the listener is closed before the server binds it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral loopback port")
+}
+
+fn require(binary: &str) {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {binary}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "{binary} is not installed: run scripts/setup.sh (it installs Debian's redis-server, redis-sentinel and redis-tools)"
+    );
+}
+
+/// One `redis-server`.
+pub struct RedisServer {
+    dir: TempDir,
+    port: u16,
+    extra: Vec<String>,
+    child: Option<ChildGuard>,
+}
+
+impl RedisServer {
+    /// Starts a server with no persistence on a free port.
+    pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts a server with extra `redis-server` arguments.
+    pub async fn start_with(extra: &[&str]) -> Self {
+        require("redis-server");
+        let dir = tempfile::tempdir().expect("temp dir for redis-server");
+        let mut server = Self {
+            dir,
+            port: free_port(),
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            child: None,
+        };
+        server.launch().await;
+        server
+    }
+
+    async fn launch(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.extra);
+        let log = self.dir.path().join(format!("redis-{}.log", self.port));
+        let label = format!("redis-server :{}", self.port);
+        self.child = Some(ChildGuard::spawn(cmd, &label, &log, false));
+        self.wait_ready().await;
+    }
+
+    async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Ok(mut c) = self.connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .is_ok()
+            {
+                return;
+            }
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_status()
+            {
+                panic!(
+                    "{} exited with {status} before it was ready:\n{}",
+                    child.label(),
+                    child.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server :{} not ready after {READY_TIMEOUT:?}",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// A fresh connection for test commands.
+    pub async fn connection(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        redis::Client::open(self.url())?
+            .get_multiplexed_async_connection()
+            .await
+    }
+
+    /// Runs one command and returns its reply.
+    pub async fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = self.connection().await.expect("connect to test redis");
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query_async(&mut c)
+            .await
+            .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
+    }
+
+    /// Total commands the server has run (`INFO commandstats`), less the
+    /// `INFO` calls themselves.
+    pub async fn commands_run(&self) -> u64 {
+        let info: String = self.cmd(&["INFO", "commandstats"]).await;
+        info.lines()
+            .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+            .filter_map(|l| {
+                l.split_once("calls=")
+                    .and_then(|(_, rest)| rest.split(',').next())
+                    .and_then(|n| n.parse::<u64>().ok())
+            })
+            .sum()
+    }
+
+    /// Kills the server (SIGKILL), keeping its port and directory.
+    pub fn kill(&mut self) {
+        drop(self.child.take());
+    }
+
+    /// Starts the server again on the same port (empty dataset).
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.launch().await;
+    }
+}
