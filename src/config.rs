@@ -247,7 +247,7 @@ impl Settings {
                 .listen
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7070))),
             backend: a.backend.unwrap_or_else(|| "memory://".into()),
-            sidecar_id,
+            sidecar_id: sidecar_id.clone(),
             limits,
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
             shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
@@ -257,6 +257,7 @@ impl Settings {
             backend_options: crate::backend::Options {
                 redis_prefix: a.redis_prefix.unwrap_or_else(|| "sidelock:".into()),
                 legacy_pattern: a.legacy_pattern.filter(|p| !p.is_empty()),
+                sidecar: sidecar_id.clone(),
             },
         })
     }

@@ -297,6 +297,8 @@ pub struct Options {
     pub redis_prefix: String,
     /// Keys of hand-written locks to report when they have no expiry (`--legacy-pattern`).
     pub legacy_pattern: Option<String>,
+    /// This sidecar's id, as its waiters carry it.
+    pub sidecar: String,
 }
 
 impl Default for Options {
@@ -304,6 +306,7 @@ impl Default for Options {
         Self {
             redis_prefix: "sidelock:".into(),
             legacy_pattern: None,
+            sidecar: String::new(),
         }
     }
 }

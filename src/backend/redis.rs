@@ -16,7 +16,7 @@
 //! one script call every [`HEARTBEAT_EVERY`]; tickets of a dead sidecar lapse
 //! and are pruned by the next script that touches the lock.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -62,6 +62,7 @@ struct Scripts {
     force_release: Script,
     dequeue: Script,
     heartbeat: Script,
+    reconcile: Script,
     stale: Script,
 }
 
@@ -76,6 +77,7 @@ impl Scripts {
             force_release: script(include_str!("redis/force_release.lua")),
             dequeue: script(include_str!("redis/dequeue.lua")),
             heartbeat: script(include_str!("redis/heartbeat.lua")),
+            reconcile: script(include_str!("redis/reconcile.lua")),
             stale: script(include_str!("redis/stale.lua")),
         }
     }
@@ -551,14 +553,21 @@ impl Node {
         Ok(tokens.into_iter().map(Token::from_client).collect())
     }
 
-    /// Refreshes the heartbeat of this sidecar's tickets on one key.
-    async fn heartbeat(&self, key: &LockKey, seqs: &[u64]) -> Result<(), Error> {
+    /// Keeps this sidecar's waiters on one key alive.
+    async fn heartbeat(&self, key: &LockKey, sidecar: &str) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.heartbeat, key);
-        inv.arg(ms(HEARTBEAT_TTL));
-        for s in seqs {
-            inv.arg(*s);
-        }
+        inv.arg(ms(HEARTBEAT_TTL)).arg(sidecar);
         self.run::<i64>("heartbeat", inv).await.map(|_| ())
+    }
+
+    /// Drops `sidecar`'s queued tickets on `key` other than `live`.
+    async fn reconcile(&self, key: &LockKey, sidecar: &str, live: &[u64]) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.reconcile, key);
+        inv.arg(sidecar);
+        for seq in live {
+            inv.arg(*seq);
+        }
+        self.run::<i64>("reconcile", inv).await.map(|_| ())
     }
 
     /// Answers PING.
@@ -874,6 +883,9 @@ fn unavailable(op: &'static str, e: RedisError) -> Error {
     }
 }
 
+/// This sidecar's queued tickets per key.
+type Tickets = HashMap<LockKey, BTreeSet<u64>>;
+
 /// Requests to the pub/sub task.
 enum Sub {
     Subscribe(String, oneshot::Sender<Result<(), RedisError>>),
@@ -889,7 +901,12 @@ pub struct Redis {
     watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
     subs: mpsc::UnboundedSender<Sub>,
     /// This sidecar's queued tickets per key, for the heartbeat.
-    tickets: Arc<Mutex<HashMap<LockKey, BTreeSet<u64>>>>,
+    tickets: Arc<Mutex<Tickets>>,
+    /// Keys where a call failed, so Redis may hold tickets of this sidecar
+    /// that it no longer waits on; reconciled on the next heartbeat tick or
+    /// acquire of the key.
+    suspect: Arc<Mutex<HashSet<LockKey>>>,
+    sidecar: String,
     stop: CancellationToken,
 }
 
@@ -912,19 +929,42 @@ impl Redis {
             stop.clone(),
         ));
         let tickets = Arc::new(Mutex::new(HashMap::new()));
-        tokio::spawn(heartbeats(node.clone(), tickets.clone(), stop.clone()));
-        Ok(Self {
+        let suspect = Arc::new(Mutex::new(HashSet::new()));
+        let me = Self {
             node,
             legacy_pattern: options.legacy_pattern.clone(),
             watchers,
             subs,
             tickets,
+            suspect,
+            sidecar: options.sidecar.clone(),
             stop,
-        })
+        };
+        tokio::spawn(heartbeats(me.shared()));
+        Ok(me)
     }
 
+    fn shared(&self) -> Shared {
+        Shared {
+            node: self.node.clone(),
+            tickets: self.tickets.clone(),
+            suspect: self.suspect.clone(),
+            sidecar: self.sidecar.clone(),
+            stop: self.stop.clone(),
+        }
+    }
+
+    /// Notes a failed call on `key` and passes the error on.
+    fn failed<T>(&self, key: &LockKey, result: Result<T, Error>) -> Result<T, Error> {
+        if let Err(Error::Unavailable { .. }) = &result {
+            lock(&self.suspect).insert(key.clone());
+        }
+        result
+    }
+
+    /// Records a ticket as queued, or as gone.
     fn track(&self, ticket: &Ticket, queued: bool) {
-        let mut tickets = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tickets = lock(&self.tickets);
         if queued {
             tickets
                 .entry(ticket.key.clone())
@@ -1028,28 +1068,63 @@ async fn pubsub(
     }
 }
 
-/// Refreshes the heartbeat of this sidecar's queued tickets: one script call
-/// per contended lock every [`HEARTBEAT_EVERY`], however many wait on it.
-async fn heartbeats(
+/// What the heartbeat task shares with the backend.
+struct Shared {
     node: Arc<Node>,
-    tickets: Arc<Mutex<HashMap<LockKey, BTreeSet<u64>>>>,
+    tickets: Arc<Mutex<Tickets>>,
+    suspect: Arc<Mutex<HashSet<LockKey>>>,
+    sidecar: String,
     stop: CancellationToken,
-) {
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// This sidecar's live tickets on `key`.
+    fn live(&self, key: &LockKey) -> Vec<u64> {
+        lock(&self.tickets)
+            .get(key)
+            .map(|seqs| seqs.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Reconciles one suspect key; it stays suspect if Redis is still away.
+    async fn reconcile(&self, key: &LockKey) {
+        if !lock(&self.suspect).remove(key) {
+            return;
+        }
+        let live = self.live(key);
+        if self
+            .node
+            .reconcile(key, &self.sidecar, &live)
+            .await
+            .is_err()
+        {
+            lock(&self.suspect).insert(key.clone());
+        }
+    }
+}
+
+/// Refreshes the heartbeat of this sidecar's waiters — one script call per
+/// contended lock every [`HEARTBEAT_EVERY`], however many wait on it — and
+/// reconciles keys where calls failed.
+async fn heartbeats(shared: Shared) {
     let mut every = tokio::time::interval(HEARTBEAT_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = stop.cancelled() => return,
+            () = shared.stop.cancelled() => return,
             _ = every.tick() => {}
         }
-        let batch: Vec<(LockKey, Vec<u64>)> = tickets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(k, s)| (k.clone(), s.iter().copied().collect()))
-            .collect();
-        for (key, seqs) in batch {
-            if let Err(e) = node.heartbeat(&key, &seqs).await {
+        let suspects: Vec<LockKey> = lock(&shared.suspect).iter().cloned().collect();
+        for key in suspects {
+            shared.reconcile(&key).await;
+        }
+        let keys: Vec<LockKey> = lock(&shared.tickets).keys().cloned().collect();
+        for key in keys {
+            if let Err(e) = shared.node.heartbeat(&key, &shared.sidecar).await {
                 tracing::debug!(lock = %key, error = %e, "heartbeat failed");
             }
         }
@@ -1091,7 +1166,10 @@ impl Backend for Redis {
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
-        let attempt = self.node.try_acquire(claim, turn).await?;
+        if lock(&self.suspect).contains(&claim.key) {
+            self.shared().reconcile(&claim.key).await;
+        }
+        let attempt = self.failed(&claim.key, self.node.try_acquire(claim, turn).await)?;
         match (&attempt, turn) {
             (
                 Attempt::Busy(Busy {
@@ -1107,7 +1185,8 @@ impl Backend for Redis {
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
         self.track(ticket, false);
-        self.node.dequeue(ticket).await
+        let result = self.node.dequeue(ticket).await;
+        self.failed(&ticket.key, result)
     }
 
     async fn renew(

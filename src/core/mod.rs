@@ -800,10 +800,14 @@ impl Core {
     }
 }
 
-/// Why a lease that ran out of time ended: `max_hold` if renewals had reached its cap.
+/// Why a lease the backend no longer has ended: `max_hold` if renewals had
+/// reached its cap, `expired` if its time was up, else `backend` (it
+/// vanished while still valid: key deleted, token overwritten, data lost).
 fn lapse_reason(lease: &Local) -> LostReason {
+    let now = now_ms();
     match lease.cap_ms {
-        Some(cap) if lease.expires_at_ms() >= cap && now_ms() >= cap => LostReason::MaxHold,
+        Some(cap) if lease.expires_at_ms() >= cap && now >= cap => LostReason::MaxHold,
+        _ if now < lease.expires_at_ms() => LostReason::Backend,
         _ => LostReason::Expired,
     }
 }

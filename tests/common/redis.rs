@@ -3,6 +3,7 @@
 //! test fails. Servers can be killed and restarted on the same port for
 //! fault tests.
 
+use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -36,10 +37,11 @@ fn require(binary: &str) {
 
 /// One `redis-server`.
 pub struct RedisServer {
+    /// Dropped first, so it can still print its log from `dir`.
+    child: Option<ChildGuard>,
     dir: TempDir,
     port: u16,
     extra: Vec<String>,
-    child: Option<ChildGuard>,
 }
 
 impl RedisServer {
@@ -133,18 +135,27 @@ impl RedisServer {
             .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
     }
 
-    /// Total commands the server has run (`INFO commandstats`), less the
-    /// `INFO` calls themselves.
-    pub async fn commands_run(&self) -> u64 {
+    /// Calls per command so far (`INFO commandstats`; commands run inside
+    /// scripts count too), without the `INFO` calls themselves.
+    pub async fn command_counts(&self) -> BTreeMap<String, u64> {
         let info: String = self.cmd(&["INFO", "commandstats"]).await;
         info.lines()
-            .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
             .filter_map(|l| {
-                l.split_once("calls=")
-                    .and_then(|(_, rest)| rest.split(',').next())
-                    .and_then(|n| n.parse::<u64>().ok())
+                let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest
+                    .strip_prefix("calls=")?
+                    .split(',')
+                    .next()?
+                    .parse()
+                    .ok()?;
+                (name != "info").then(|| (name.to_owned(), calls))
             })
-            .sum()
+            .collect()
+    }
+
+    /// Total calls so far, as [`Self::command_counts`] counts them.
+    pub async fn commands_run(&self) -> u64 {
+        self.command_counts().await.values().sum()
     }
 
     /// Kills the server (SIGKILL), keeping its port and directory.
@@ -157,4 +168,19 @@ impl RedisServer {
         self.kill();
         self.launch().await;
     }
+}
+
+/// The calls made between two [`RedisServer::command_counts`] readings,
+/// largest first: what an assertion on command counts prints.
+pub fn command_diff(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> String {
+    let mut diff: Vec<(u64, &str)> = after
+        .iter()
+        .map(|(name, n)| (n - before.get(name).copied().unwrap_or(0), name.as_str()))
+        .filter(|(n, _)| *n > 0)
+        .collect();
+    diff.sort_unstable_by(|a, b| b.cmp(a));
+    diff.iter()
+        .map(|(n, name)| format!("{name}={n}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

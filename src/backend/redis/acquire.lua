@@ -29,7 +29,6 @@ local function leave_queue()
   if turn == "queued" then
     redis.call("ZREM", QUEUE, seq)
     redis.call("HDEL", WAITERS, seq)
-    redis.call("ZREM", BEAT, seq)
   end
 end
 
@@ -79,7 +78,7 @@ if turn == "queued" then
     local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
     redis.call("ZADD", QUEUE, tonumber(seq), seq)
     redis.call("HSET", WAITERS, seq, cjson.encode(w))
-    redis.call("ZADD", BEAT, NOW + beat, seq)
+    redis.call("HSET", BEAT, sidecar, NOW + beat)
     rank = redis.call("ZRANK", QUEUE, seq)
   end
   position = rank + 1
@@ -136,13 +135,23 @@ elseif not room then
   end
 end
 
+-- Blocked by the queue: a waiter ahead whose sidecar died lapses at its
+-- heartbeat deadline, which nobody would otherwise notice.
+if not turn_ok then
+  local lapse = first_lapse()
+  if lapse > 0 then
+    lapse = lapse + 1
+    if retry == 0 or lapse < retry then retry = lapse end
+  end
+end
+
 local ticket = 0
 if turn == "join" then
   ticket = redis.call("INCR", SEQ)
   local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
   redis.call("ZADD", QUEUE, ticket, ticket)
   redis.call("HSET", WAITERS, ticket, cjson.encode(w))
-  redis.call("ZADD", BEAT, NOW + beat, ticket)
+  redis.call("HSET", BEAT, sidecar, NOW + beat)
   position = redis.call("ZCARD", QUEUE)
   if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
 end

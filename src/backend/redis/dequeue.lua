@@ -3,7 +3,6 @@ local seq = ARGV[4]
 local was_head = redis.call("ZRANK", QUEUE, seq) == 0
 local removed = redis.call("ZREM", QUEUE, seq)
 redis.call("HDEL", WAITERS, seq)
-redis.call("ZREM", BEAT, seq)
 tidy_if_idle()
 if removed == 1 and was_head then redis.call("PUBLISH", CHANNEL, "d") end
 return removed

@@ -1,7 +1,6 @@
--- ARGV: 1 kind, 2 channel, 3 index member, 4 heartbeat ms, 5.. ticket seqs.
--- Extends this sidecar's waiters' heartbeat deadlines (only those still queued).
-local deadline = NOW + tonumber(ARGV[4])
-for i = 5, #ARGV do
-  redis.call("ZADD", BEAT, "XX", deadline, ARGV[i])
+-- ARGV: 1 kind, 2 channel, 3 index member, 4 heartbeat ms, 5 sidecar.
+-- Keeps this sidecar's waiters on the lock alive, however many there are.
+if redis.call("ZCARD", QUEUE) > 0 then
+  redis.call("HSET", BEAT, ARGV[5], NOW + tonumber(ARGV[4]))
 end
 return 1

@@ -6,7 +6,8 @@
 -- exist; the classic SET NX PX key), 2 holders (hash token -> JSON meta),
 -- 3 expiry (zset token -> expires ms), 4 fence (counter, never expires),
 -- 5 queue (zset seq -> seq), 6 waiters (hash seq -> JSON meta), 7 heartbeat
--- (zset seq -> deadline ms), 8 delay (lock-delay end, with PX), 9 limit
+-- (hash sidecar -> deadline ms: one entry per sidecar with waiters, so
+-- keeping waiters alive costs the same for one waiter as for thousands), 8 delay (lock-delay end, with PX), 9 limit
 -- (semaphore permits while in use), 10 seq (ticket counter), 11 index (zset
 -- of keys in use, or "" when the deployment is a Cluster).
 -- ARGV[1] is the kind: "l" (lock) or "s" (semaphore); ARGV[2] the wake channel.
@@ -57,9 +58,20 @@ local function idle()
   return redis.call("ZCARD", EXPIRY) == 0 and redis.call("ZCARD", QUEUE) == 0
 end
 
+-- The earliest heartbeat deadline of a sidecar with waiters here.
+local function first_lapse()
+  local first = 0
+  local beats = redis.call("HGETALL", BEAT)
+  for i = 2, #beats, 2 do
+    local d = tonumber(beats[i])
+    if first == 0 or d < first then first = d end
+  end
+  return first
+end
+
 local function tidy_if_idle()
   if idle() then
-    redis.call("DEL", LIMIT)
+    redis.call("DEL", LIMIT, BEAT)
     if INDEX ~= "" then redis.call("ZREM", INDEX, ARGV[3] or "") end
   end
 end
@@ -88,11 +100,25 @@ local function prune()
       end
     end
   end
-  for _, s in ipairs(redis.call("ZRANGEBYSCORE", BEAT, "-inf", NOW)) do
-    redis.call("ZREM", QUEUE, s)
-    redis.call("HDEL", WAITERS, s)
-    redis.call("ZREM", BEAT, s)
-    changed = true
+  local lapsed = {}
+  local any_lapsed = false
+  local beats = redis.call("HGETALL", BEAT)
+  for i = 1, #beats, 2 do
+    if tonumber(beats[i + 1]) <= NOW then
+      lapsed[beats[i]] = true
+      any_lapsed = true
+      redis.call("HDEL", BEAT, beats[i])
+    end
+  end
+  if any_lapsed then
+    for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do
+      local raw = redis.call("HGET", WAITERS, s)
+      if (not raw) or lapsed[cjson.decode(raw).s] then
+        redis.call("ZREM", QUEUE, s)
+        redis.call("HDEL", WAITERS, s)
+        changed = true
+      end
+    end
   end
   if changed then
     sync_shared()

@@ -13,11 +13,19 @@ for i = 1, #all, 2 do
       "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. m.f}
   end
 end
-for _, s in ipairs(redis.call("ZRANGEBYSCORE", BEAT, "-inf", NOW)) do
+local lapsed = {}
+local beats = redis.call("HGETALL", BEAT)
+for i = 1, #beats, 2 do
+  if tonumber(beats[i + 1]) <= NOW then lapsed[beats[i]] = tonumber(beats[i + 1]) end
+end
+for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do
   local raw = redis.call("HGET", WAITERS, s)
-  local w = {o = "?", s = "?", t0 = NOW}
-  if raw then w = cjson.decode(raw) end
-  out[#out + 1] = {MAIN, "orphaned-waiter", NOW - w.t0,
-    "waiter " .. w.o .. " of sidecar " .. w.s .. " stopped heartbeating"}
+  if raw then
+    local w = cjson.decode(raw)
+    if lapsed[w.s] then
+      out[#out + 1] = {MAIN, "orphaned-waiter", NOW - w.t0,
+        "waiter " .. w.o .. " of sidecar " .. w.s .. " stopped heartbeating " .. (NOW - lapsed[w.s]) .. " ms ago"}
+    end
+  end
 end
 return out
