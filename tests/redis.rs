@@ -474,3 +474,93 @@ async fn stale_keys_are_listed_for_every_reason() {
     assert!(has("orphaned-waiter", &orphan), "{stale:#?}");
     assert!(has("expired-not-cleaned", &orphan), "{stale:#?}");
 }
+
+#[tokio::test]
+async fn locks_keep_working_through_a_sentinel_failover() {
+    let mut servers = common::redis::RedisSentinel::start().await;
+    let sidecar = SidecarBuilder::new(&servers.url()).start().await;
+    let api = sidecar.api();
+    let before = unique_name("before");
+    // The ttl outlasts the failover (about 1 s to notice, 1-3 s to promote);
+    // a shorter lease would end with `lost`, as it must.
+    let mut hold = api.lock(&before).hold(&[("ttl", "10s")]).await;
+    let held = hold.expect_acquired().await;
+    // Let the replica catch up, as it usually has in production.
+    common::eventually("the replica acknowledges", Duration::from_secs(10), async || {
+        let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
+        (acked == 1).then_some(())
+    })
+    .await;
+
+    let old_master = servers.master.port();
+    servers.master.kill();
+    common::eventually(
+        "the sentinel promotes the replica",
+        Duration::from_secs(30),
+        async || (servers.master_port().await == Some(servers.replica.port())).then_some(()),
+    )
+    .await;
+    assert_ne!(servers.replica.port(), old_master);
+
+    // New locks work through the same URL once the sidecar follows the master.
+    let after = unique_name("after");
+    let grant = common::eventually(
+        "acquire after failover",
+        Duration::from_secs(20),
+        async || {
+            let r = api.lock(&after).acquire_raw(&[]).await;
+            match r.status() {
+                StatusCode::OK => Some(r.json::<Value>().await.expect("grant")),
+                StatusCode::SERVICE_UNAVAILABLE => None,
+                other => panic!("acquire after failover answered {other}"),
+            }
+        },
+    )
+    .await;
+    assert_eq!(grant["fence"], 1);
+
+    // The lease held across the failover was replicated: the watchdog keeps
+    // renewing it on the new master, and the holder is told nothing is wrong.
+    let state = api.lock(&before).inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, held.fence);
+    let renewed = hold.collect_for(Duration::from_secs(4)).await;
+    assert!(
+        renewed.iter().all(|e| e.name() == "renewed"),
+        "only renewals after the failover: {renewed:?}"
+    );
+    assert!(!renewed.is_empty(), "the watchdog renews on the new master");
+}
+
+#[tokio::test]
+async fn a_locks_keys_share_one_cluster_slot() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let name = unique_name("slot");
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[("ttl", "30s")]).await;
+    let node = &cluster.nodes[0];
+    let slot = |key: String| async move {
+        let slot: i64 = node.cmd(&["CLUSTER", "KEYSLOT", &key]).await;
+        slot
+    };
+    let main = slot(format!("sidelock:{name}")).await;
+    for suffix in ["holders", "expiry", "fence", "queue", "waiters"] {
+        assert_eq!(slot(format!("{{sidelock:{name}}}:{suffix}")).await, main);
+    }
+    // Whichever node owns the slot, the main key holds the token.
+    let client = redis::cluster::ClusterClient::new(
+        cluster.nodes.iter().map(|n| n.url()).collect::<Vec<_>>(),
+    )
+    .expect("cluster client");
+    let mut c = client
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    let value: String = redis::cmd("GET")
+        .arg(format!("sidelock:{name}"))
+        .query_async(&mut c)
+        .await
+        .expect("GET main key");
+    assert_eq!(value, grant.token);
+}

@@ -383,11 +383,9 @@ impl Node {
             inv.key(format!("{tag}:{suffix}"));
         }
         // A Cluster cannot touch a global index from a lock's slot.
-        inv.key(if self.is_cluster() {
-            String::new()
-        } else {
-            self.index_key()
-        });
+        if !self.is_cluster() {
+            inv.key(self.index_key());
+        }
         inv.arg(match key.kind {
             Kind::Lock => "l",
             Kind::Semaphore => "s",

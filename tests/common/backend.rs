@@ -17,6 +17,10 @@ pub enum TestBackend {
     Memory,
     /// `redis://`: a real `redis-server` started for the test.
     Redis,
+    /// `redis+sentinel://`: master, replica and `redis-sentinel`.
+    RedisSentinel,
+    /// `redis+cluster://`: a three-master Redis Cluster.
+    RedisCluster,
 }
 
 impl TestBackend {
@@ -36,6 +40,22 @@ impl TestBackend {
                     server: Some(Box::new(server)),
                 }
             }
+            TestBackend::RedisSentinel => {
+                let servers = super::redis::RedisSentinel::start().await;
+                BackendGuard {
+                    backend: self,
+                    url: servers.url(),
+                    server: Some(Box::new(servers)),
+                }
+            }
+            TestBackend::RedisCluster => {
+                let cluster = super::redis::RedisCluster::start().await;
+                BackendGuard {
+                    backend: self,
+                    url: cluster.url(),
+                    server: Some(Box::new(cluster)),
+                }
+            }
         }
     }
 
@@ -44,7 +64,7 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
-            TestBackend::Redis => true,
+            TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => true,
         }
     }
 
@@ -52,7 +72,7 @@ impl TestBackend {
     pub fn info_kind(self) -> &'static str {
         match self {
             TestBackend::Memory => "memory",
-            TestBackend::Redis => "redis",
+            TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => "redis",
         }
     }
 
@@ -60,7 +80,9 @@ impl TestBackend {
     pub fn safety(self) -> &'static str {
         match self {
             TestBackend::Memory => "single-process",
-            TestBackend::Redis => "efficiency",
+            TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => {
+                "efficiency"
+            }
         }
     }
 }
@@ -122,4 +144,6 @@ impl BackendGuard {
 #[rstest]
 #[case::memory(crate::common::TestBackend::Memory)]
 #[case::redis(crate::common::TestBackend::Redis)]
+#[case::redis_sentinel(crate::common::TestBackend::RedisSentinel)]
+#[case::redis_cluster(crate::common::TestBackend::RedisCluster)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

@@ -184,3 +184,144 @@ pub fn command_diff(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// A master, one replica and one `redis-sentinel` watching them as `mymaster`.
+pub struct RedisSentinel {
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    /// Dropped first, so it can still print its log from `dir`.
+    sentinel: ChildGuard,
+    dir: TempDir,
+    port: u16,
+}
+
+/// The master name the sentinel monitors.
+pub const SENTINEL_MASTER: &str = "mymaster";
+
+impl RedisSentinel {
+    /// Starts master, replica and sentinel, and waits until the sentinel
+    /// knows the master.
+    pub async fn start() -> Self {
+        require("redis-sentinel");
+        let master = RedisServer::start().await;
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()])
+                .await;
+        let dir = tempfile::tempdir().expect("temp dir for redis-sentinel");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                 sentinel failover-timeout {SENTINEL_MASTER} 5000\n",
+                dir.path().display(),
+                master.port()
+            ),
+        )
+        .expect("write sentinel.conf");
+        let mut cmd = Command::new("redis-sentinel");
+        cmd.arg(&conf);
+        let sentinel = ChildGuard::spawn(
+            cmd,
+            &format!("redis-sentinel :{port}"),
+            &dir.path().join("sentinel.log"),
+            false,
+        );
+        let me = Self {
+            master,
+            replica,
+            sentinel,
+            dir,
+            port,
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while me.master_port().await != Some(me.master.port()) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-sentinel did not report the master:\n{}",
+                me.sentinel.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        me
+    }
+
+    /// `redis+sentinel://127.0.0.1:<sentinel port>/mymaster`.
+    pub fn url(&self) -> String {
+        format!("redis+sentinel://127.0.0.1:{}/{SENTINEL_MASTER}", self.port)
+    }
+
+    /// The port the sentinel currently names as master.
+    pub async fn master_port(&self) -> Option<u16> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).ok()?;
+        let mut c = client.get_multiplexed_async_connection().await.ok()?;
+        let addr: Vec<String> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(SENTINEL_MASTER)
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
+
+/// A Redis Cluster of three masters built with `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub async fn start() -> Self {
+        require("redis-cli");
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+                .await,
+            );
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port()));
+        }
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = create.output().expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + READY_TIMEOUT;
+        for n in &nodes {
+            loop {
+                let info: String = n.cmd(&["CLUSTER", "INFO"]).await;
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "cluster not ok: {info}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Self { nodes }
+    }
+
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+}

@@ -9,12 +9,13 @@
 -- (hash sidecar -> deadline ms: one entry per sidecar with waiters, so
 -- keeping waiters alive costs the same for one waiter as for thousands), 8 delay (lock-delay end, with PX), 9 limit
 -- (semaphore permits while in use), 10 seq (ticket counter), 11 index (zset
--- of keys in use, or "" when the deployment is a Cluster).
+-- of keys in use; absent in a Cluster, where it lives in another slot).
 -- ARGV[1] is the kind: "l" (lock) or "s" (semaphore); ARGV[2] the wake channel.
 
 local SHARED = "sidelock:shared"
-local MAIN, HOLDERS, EXPIRY, FENCE, QUEUE, WAITERS, BEAT, DELAY, LIMIT, SEQ, INDEX =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local MAIN, HOLDERS, EXPIRY, FENCE, QUEUE, WAITERS, BEAT, DELAY, LIMIT, SEQ =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local INDEX = KEYS[11] or ""
 local IS_LOCK = ARGV[1] == "l"
 local CHANNEL = ARGV[2]
 
