@@ -267,7 +267,9 @@ async fn redis_restarted_under_load_gives_503s_then_recovers_without_double_gran
         RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]).await;
     let sidecars = [sidecar(&server).await, sidecar(&server).await];
     let name = unique_name("outage");
-    let stop = Instant::now() + Duration::from_secs(6);
+    // Clients run until well after the restart: a grant whose reply was lost
+    // in the crash has no client to release it and ends only at its ttl.
+    let stop = Arc::new(Mutex::new(Instant::now() + Duration::from_secs(60)));
     let intervals = Arc::new(Mutex::new(Vec::<Interval>::new()));
     let unavailable = Arc::new(Mutex::new(0u32));
 
@@ -276,9 +278,10 @@ async fn redis_restarted_under_load_gives_503s_then_recovers_without_double_gran
         let lock = sidecars[c % 2].api().lock(&name);
         let intervals = intervals.clone();
         let unavailable = unavailable.clone();
+        let stop = stop.clone();
         clients.spawn(async move {
-            while Instant::now() < stop {
-                let response = lock.acquire_raw(&[("wait", "1s"), ("ttl", "5s")]).await;
+            while Instant::now() < *stop.lock().await {
+                let response = lock.acquire_raw(&[("wait", "1s"), ("ttl", "3s")]).await;
                 match response.status() {
                     StatusCode::OK => {}
                     StatusCode::CONFLICT => continue,
@@ -325,6 +328,7 @@ async fn redis_restarted_under_load_gives_503s_then_recovers_without_double_gran
     tokio::time::sleep(Duration::from_millis(1500)).await;
     server.restart().await;
     let recovered_from = Instant::now();
+    *stop.lock().await = recovered_from + Duration::from_secs(5);
     within("clients finish", Duration::from_secs(60), async {
         while let Some(r) = clients.join_next().await {
             r.expect("client task");
@@ -486,10 +490,14 @@ async fn locks_keep_working_through_a_sentinel_failover() {
     let mut hold = api.lock(&before).hold(&[("ttl", "10s")]).await;
     let held = hold.expect_acquired().await;
     // Let the replica catch up, as it usually has in production.
-    common::eventually("the replica acknowledges", Duration::from_secs(10), async || {
-        let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
-        (acked == 1).then_some(())
-    })
+    common::eventually(
+        "the replica acknowledges",
+        Duration::from_secs(10),
+        async || {
+            let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
+            (acked == 1).then_some(())
+        },
+    )
     .await;
 
     let old_master = servers.master.port();

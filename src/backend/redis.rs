@@ -423,14 +423,20 @@ impl Node {
         }
     }
 
-    /// One acquire attempt; see the `Backend` contract.
-    pub async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
-        let token = Token::generate();
+    /// One acquire attempt with `token` as the new lease's token; see the
+    /// `Backend` contract. With `fifo` off the queue is shown but not enforced.
+    pub async fn try_acquire(
+        &self,
+        claim: &Claim,
+        step: Step,
+        token: &Token,
+        fifo: bool,
+    ) -> Result<Attempt, Error> {
         let mut inv = self.invocation(&self.scripts.acquire, &claim.key);
-        let (turn_arg, seq) = match turn {
-            Turn::Once => ("once", String::new()),
-            Turn::Join => ("join", String::new()),
-            Turn::Queued(t) => ("queued", t.seq.to_string()),
+        let (turn_arg, seq) = match step {
+            Step::Once => ("once", String::new()),
+            Step::Join => ("join", String::new()),
+            Step::Queued(seq) => ("queued", seq.to_string()),
         };
         inv.arg(turn_arg)
             .arg(seq)
@@ -442,7 +448,8 @@ impl Node {
             .arg(claim.max_hold.map_or(0, ms))
             .arg(ms(claim.lock_delay))
             .arg(claim.limit.unwrap_or(0))
-            .arg(ms(HEARTBEAT_TTL));
+            .arg(ms(HEARTBEAT_TTL))
+            .arg(if fifo { "1" } else { "0" });
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
         let clock = Clock::at(&reply, 1);
         let attempt = match int(&reply, 0) {
@@ -484,9 +491,9 @@ impl Node {
     }
 
     /// Leaves the queue.
-    pub async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
-        let mut inv = self.invocation(&self.scripts.dequeue, &ticket.key);
-        inv.arg(ticket.seq);
+    pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.dequeue, key);
+        inv.arg(seq);
         self.run::<i64>("dequeue", inv).await.map(|_| ())
     }
 
@@ -733,6 +740,15 @@ impl Node {
     }
 }
 
+/// How one node takes part in the queue for one attempt (a [`Turn`] with
+/// the node's own ticket number).
+#[derive(Debug, Clone, Copy)]
+pub enum Step {
+    Once,
+    Join,
+    Queued(u64),
+}
+
 /// Server time of a reply, to translate server timestamps into this sidecar's clock.
 struct Clock {
     /// Server milliseconds minus local milliseconds.
@@ -881,100 +897,211 @@ fn unavailable(op: &'static str, e: RedisError) -> Error {
     }
 }
 
-/// This sidecar's queued tickets per key.
+/// This sidecar's queued tickets per key, by the node's ticket numbers.
 type Tickets = HashMap<LockKey, BTreeSet<u64>>;
 
-/// Requests to the pub/sub task.
-enum Sub {
-    Subscribe(String, oneshot::Sender<Result<(), RedisError>>),
-    Unsubscribe(String),
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The `redis://` family backend: one [`Node`], one pub/sub connection,
-/// and the heartbeat of this sidecar's waiters.
-pub struct Redis {
-    node: Arc<Node>,
-    legacy_pattern: Option<String>,
-    /// Local watchers per channel; the subscription lives while above zero.
-    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
-    subs: mpsc::UnboundedSender<Sub>,
-    /// This sidecar's queued tickets per key, for the heartbeat.
-    tickets: Arc<Mutex<Tickets>>,
-    /// Keys where a call failed, so Redis may hold tickets of this sidecar
-    /// that it no longer waits on; reconciled on the next heartbeat tick or
-    /// acquire of the key.
-    suspect: Arc<Mutex<HashSet<LockKey>>>,
+/// One node as a backend uses it: the node, this sidecar's tickets on it
+/// (kept alive by a heartbeat task), keys to reconcile after failed calls,
+/// and its pub/sub task.
+pub struct Member {
+    pub node: Arc<Node>,
+    tickets: Mutex<Tickets>,
+    /// Keys where a call failed, so the node may hold tickets of this
+    /// sidecar that it no longer waits on; reconciled on the next heartbeat
+    /// tick or acquire of the key.
+    suspect: Mutex<HashSet<LockKey>>,
     sidecar: String,
-    stop: CancellationToken,
+    subs: mpsc::UnboundedSender<Sub>,
 }
 
-impl Redis {
-    /// Opens `url` (no network traffic yet: calls connect on first use, so
-    /// the sidecar starts while Redis is down and reports not-ready).
-    ///
-    /// # Errors
-    /// A sentence naming what is wrong with the URL or options.
-    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let node = Arc::new(Node::open(url, &options.redis_prefix)?);
-        let watchers = Arc::new(Mutex::new(HashMap::new()));
+impl Member {
+    /// Starts the member's heartbeat and pub/sub tasks.
+    pub fn start(
+        node: Node,
+        sidecar: &str,
+        watchers: &Watchers,
+        wakeups: &Wakeups,
+        stop: &CancellationToken,
+    ) -> Arc<Self> {
         let (subs, rx) = mpsc::unbounded_channel();
-        let stop = CancellationToken::new();
+        let member = Arc::new(Self {
+            node: Arc::new(node),
+            tickets: Mutex::new(HashMap::new()),
+            suspect: Mutex::new(HashSet::new()),
+            sidecar: sidecar.to_owned(),
+            subs,
+        });
         tokio::spawn(pubsub(
-            node.clone(),
+            member.node.clone(),
             rx,
             watchers.clone(),
-            wakeups,
+            wakeups.clone(),
             stop.clone(),
         ));
-        let tickets = Arc::new(Mutex::new(HashMap::new()));
-        let suspect = Arc::new(Mutex::new(HashSet::new()));
-        let me = Self {
-            node,
-            legacy_pattern: options.legacy_pattern.clone(),
-            watchers,
-            subs,
-            tickets,
-            suspect,
-            sidecar: options.sidecar.clone(),
-            stop,
-        };
-        tokio::spawn(heartbeats(me.shared()));
-        Ok(me)
+        tokio::spawn(heartbeats(Arc::downgrade(&member), stop.clone()));
+        member
     }
 
-    fn shared(&self) -> Shared {
-        Shared {
-            node: self.node.clone(),
-            tickets: self.tickets.clone(),
-            suspect: self.suspect.clone(),
-            sidecar: self.sidecar.clone(),
-            stop: self.stop.clone(),
-        }
-    }
-
-    /// Notes a failed call on `key` and passes the error on.
-    fn failed<T>(&self, key: &LockKey, result: Result<T, Error>) -> Result<T, Error> {
+    /// Notes a failed call on `key` and passes the result on.
+    fn check<T>(&self, key: &LockKey, result: Result<T, Error>) -> Result<T, Error> {
         if let Err(Error::Unavailable { .. }) = &result {
             lock(&self.suspect).insert(key.clone());
         }
         result
     }
 
-    /// Records a ticket as queued, or as gone.
-    fn track(&self, ticket: &Ticket, queued: bool) {
+    fn track(&self, key: &LockKey, seq: u64, queued: bool) {
         let mut tickets = lock(&self.tickets);
         if queued {
-            tickets
-                .entry(ticket.key.clone())
-                .or_default()
-                .insert(ticket.seq);
-        } else if let Some(set) = tickets.get_mut(&ticket.key) {
-            set.remove(&ticket.seq);
+            tickets.entry(key.clone()).or_default().insert(seq);
+        } else if let Some(set) = tickets.get_mut(key) {
+            set.remove(&seq);
             if set.is_empty() {
-                tickets.remove(&ticket.key);
+                tickets.remove(key);
             }
         }
     }
+
+    /// Reconciles one suspect key; it stays suspect if the node is still away.
+    async fn reconcile(&self, key: &LockKey) {
+        if !lock(&self.suspect).remove(key) {
+            return;
+        }
+        let live: Vec<u64> = lock(&self.tickets)
+            .get(key)
+            .map(|seqs| seqs.iter().copied().collect())
+            .unwrap_or_default();
+        if self
+            .node
+            .reconcile(key, &self.sidecar, &live)
+            .await
+            .is_err()
+        {
+            lock(&self.suspect).insert(key.clone());
+        }
+    }
+
+    /// An acquire attempt that keeps the ticket bookkeeping.
+    pub async fn try_acquire(
+        &self,
+        claim: &Claim,
+        step: Step,
+        token: &Token,
+        fifo: bool,
+    ) -> Result<Attempt, Error> {
+        if lock(&self.suspect).contains(&claim.key) {
+            self.reconcile(&claim.key).await;
+        }
+        let result = self.node.try_acquire(claim, step, token, fifo).await;
+        let attempt = self.check(&claim.key, result)?;
+        match (&attempt, step) {
+            (
+                Attempt::Busy(Busy {
+                    ticket: Some(t), ..
+                }),
+                _,
+            ) => self.track(&claim.key, t.seq, true),
+            (Attempt::Granted(_), Step::Queued(seq)) => self.track(&claim.key, seq, false),
+            _ => {}
+        }
+        Ok(attempt)
+    }
+
+    /// Leaves the queue; a failure is reconciled later.
+    pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
+        self.track(key, seq, false);
+        let result = self.node.dequeue(key, seq).await;
+        self.check(key, result)
+    }
+}
+
+/// Refreshes the heartbeat of this sidecar's waiters on one node — one
+/// script call per contended lock every [`HEARTBEAT_EVERY`], however many
+/// wait on it — and reconciles keys where calls failed.
+async fn heartbeats(member: std::sync::Weak<Member>, stop: CancellationToken) {
+    let mut every = tokio::time::interval(HEARTBEAT_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = every.tick() => {}
+        }
+        let Some(member) = member.upgrade() else {
+            return;
+        };
+        let suspects: Vec<LockKey> = lock(&member.suspect).iter().cloned().collect();
+        for key in suspects {
+            member.reconcile(&key).await;
+        }
+        let keys: Vec<LockKey> = lock(&member.tickets).keys().cloned().collect();
+        for key in keys {
+            if let Err(e) = member.node.heartbeat(&key, &member.sidecar).await {
+                tracing::debug!(lock = %key, error = %e, "heartbeat failed");
+            }
+        }
+    }
+}
+
+/// Requests to a pub/sub task.
+enum Sub {
+    Subscribe(String, oneshot::Sender<Result<(), RedisError>>),
+    Unsubscribe(String),
+}
+
+/// Local watchers per wake channel; subscriptions live while above zero.
+pub type Watchers = Arc<Mutex<HashMap<String, (LockKey, usize)>>>;
+
+/// Subscribes `key`'s channel on every member (once per channel however many
+/// local waiters watch it) and resolves when `quorum` members confirmed.
+///
+/// # Errors
+/// [`Error::Unavailable`] when fewer than `quorum` members could subscribe.
+pub async fn watch(
+    members: &[Arc<Member>],
+    watchers: &Watchers,
+    key: &LockKey,
+    quorum: usize,
+) -> Result<Watch, Error> {
+    let channel = members[0].node.channel(key);
+    let first = {
+        let mut w = lock(watchers);
+        let entry = w.entry(channel.clone()).or_insert_with(|| (key.clone(), 0));
+        entry.1 += 1;
+        entry.1 == 1
+    };
+    let guard = WatchGuard {
+        channel: channel.clone(),
+        watchers: watchers.clone(),
+        subs: members.iter().map(|m| m.subs.clone()).collect(),
+    };
+    if first {
+        let acks = members.iter().map(|m| {
+            let (ack, done) = oneshot::channel();
+            let _ = m.subs.send(Sub::Subscribe(channel.clone(), ack));
+            async move {
+                matches!(
+                    tokio::time::timeout(CALL_TIMEOUT, done).await,
+                    Ok(Ok(Ok(())))
+                )
+            }
+        });
+        let confirmed = futures::future::join_all(acks)
+            .await
+            .into_iter()
+            .filter(|ok| *ok)
+            .count();
+        if confirmed < quorum {
+            return Err(unavailable(
+                "subscribe",
+                RedisError::from((ErrorKind::Io, "subscription not confirmed")),
+            ));
+        }
+    }
+    Ok(Box::new(guard))
 }
 
 /// Keeps one subscription per watched channel on one pub/sub connection;
@@ -984,7 +1111,7 @@ impl Redis {
 async fn pubsub(
     node: Arc<Node>,
     mut rx: mpsc::UnboundedReceiver<Sub>,
-    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
+    watchers: Watchers,
     wakeups: Wakeups,
     stop: CancellationToken,
 ) {
@@ -1015,9 +1142,7 @@ async fn pubsub(
         };
         backoff = Duration::from_millis(50);
         let (mut sink, mut stream) = ps.split();
-        let current: Vec<(String, LockKey)> = watchers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let current: Vec<(String, LockKey)> = lock(&watchers)
             .iter()
             .map(|(c, (k, _))| (c.clone(), k.clone()))
             .collect();
@@ -1050,11 +1175,8 @@ async fn pubsub(
                 },
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
-                    let channel = msg.get_channel_name().to_owned();
-                    let key = watchers
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get(&channel)
+                    let key = lock(&watchers)
+                        .get(msg.get_channel_name())
                         .map(|(k, _)| k.clone());
                     if let Some(key) = key {
                         wakeups.wake(&key);
@@ -1066,86 +1188,57 @@ async fn pubsub(
     }
 }
 
-/// What the heartbeat task shares with the backend.
-struct Shared {
-    node: Arc<Node>,
-    tickets: Arc<Mutex<Tickets>>,
-    suspect: Arc<Mutex<HashSet<LockKey>>>,
-    sidecar: String,
-    stop: CancellationToken,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Shared {
-    /// This sidecar's live tickets on `key`.
-    fn live(&self, key: &LockKey) -> Vec<u64> {
-        lock(&self.tickets)
-            .get(key)
-            .map(|seqs| seqs.iter().copied().collect())
-            .unwrap_or_default()
-    }
-
-    /// Reconciles one suspect key; it stays suspect if Redis is still away.
-    async fn reconcile(&self, key: &LockKey) {
-        if !lock(&self.suspect).remove(key) {
-            return;
-        }
-        let live = self.live(key);
-        if self
-            .node
-            .reconcile(key, &self.sidecar, &live)
-            .await
-            .is_err()
-        {
-            lock(&self.suspect).insert(key.clone());
-        }
-    }
-}
-
-/// Refreshes the heartbeat of this sidecar's waiters — one script call per
-/// contended lock every [`HEARTBEAT_EVERY`], however many wait on it — and
-/// reconciles keys where calls failed.
-async fn heartbeats(shared: Shared) {
-    let mut every = tokio::time::interval(HEARTBEAT_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = shared.stop.cancelled() => return,
-            _ = every.tick() => {}
-        }
-        let suspects: Vec<LockKey> = lock(&shared.suspect).iter().cloned().collect();
-        for key in suspects {
-            shared.reconcile(&key).await;
-        }
-        let keys: Vec<LockKey> = lock(&shared.tickets).keys().cloned().collect();
-        for key in keys {
-            if let Err(e) = shared.node.heartbeat(&key, &shared.sidecar).await {
-                tracing::debug!(lock = %key, error = %e, "heartbeat failed");
-            }
-        }
-    }
-}
-
 /// Unsubscribes when the last local watcher of a channel goes.
 struct WatchGuard {
     channel: String,
-    watchers: Arc<Mutex<HashMap<String, (LockKey, usize)>>>,
-    subs: mpsc::UnboundedSender<Sub>,
+    watchers: Watchers,
+    subs: Vec<mpsc::UnboundedSender<Sub>>,
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
-        let mut watchers = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut watchers = lock(&self.watchers);
         if let Some(entry) = watchers.get_mut(&self.channel) {
             entry.1 -= 1;
             if entry.1 == 0 {
                 watchers.remove(&self.channel);
-                let _ = self.subs.send(Sub::Unsubscribe(self.channel.clone()));
+                for subs in &self.subs {
+                    let _ = subs.send(Sub::Unsubscribe(self.channel.clone()));
+                }
             }
         }
+    }
+}
+
+/// The `redis://` family backend: one [`Member`].
+pub struct Redis {
+    member: Arc<Member>,
+    legacy_pattern: Option<String>,
+    watchers: Watchers,
+    stop: CancellationToken,
+}
+
+impl Redis {
+    /// Opens `url` (no network traffic yet: calls connect on first use, so
+    /// the sidecar starts while Redis is down and reports not-ready).
+    ///
+    /// # Errors
+    /// A sentence naming what is wrong with the URL or options.
+    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let node = Node::open(url, &options.redis_prefix)?;
+        let watchers = Watchers::default();
+        let stop = CancellationToken::new();
+        let member = Member::start(node, &options.sidecar, &watchers, &wakeups, &stop);
+        Ok(Self {
+            member,
+            legacy_pattern: options.legacy_pattern.clone(),
+            watchers,
+            stop,
+        })
+    }
+
+    fn node(&self) -> &Node {
+        &self.member.node
     }
 }
 
@@ -1154,37 +1247,28 @@ impl Backend for Redis {
     fn describe(&self) -> Description {
         Description {
             kind: "redis",
-            url: self.node.url.clone(),
+            url: self.node().url.clone(),
             safety: Safety::Efficiency,
         }
     }
 
     async fn ping(&self) -> Result<(), Error> {
-        self.node.ping().await
+        self.node().ping().await
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
-        if lock(&self.suspect).contains(&claim.key) {
-            self.shared().reconcile(&claim.key).await;
-        }
-        let attempt = self.failed(&claim.key, self.node.try_acquire(claim, turn).await)?;
-        match (&attempt, turn) {
-            (
-                Attempt::Busy(Busy {
-                    ticket: Some(t), ..
-                }),
-                _,
-            ) => self.track(t, true),
-            (Attempt::Granted(_), Turn::Queued(t)) => self.track(t, false),
-            _ => {}
-        }
-        Ok(attempt)
+        let step = match turn {
+            Turn::Once => Step::Once,
+            Turn::Join => Step::Join,
+            Turn::Queued(t) => Step::Queued(t.seq),
+        };
+        self.member
+            .try_acquire(claim, step, &Token::generate(), true)
+            .await
     }
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
-        self.track(ticket, false);
-        let result = self.node.dequeue(ticket).await;
-        self.failed(&ticket.key, result)
+        self.member.dequeue(&ticket.key, ticket.seq).await
     }
 
     async fn renew(
@@ -1193,19 +1277,19 @@ impl Backend for Redis {
         token: &Token,
         ttl: Option<Duration>,
     ) -> Result<Option<u64>, Error> {
-        self.node.renew(key, token, ttl).await
+        self.node().renew(key, token, ttl).await
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
-        self.node.release(key, token).await
+        self.node().release(key, token).await
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
-        self.node.status(key, token).await
+        self.node().status(key, token).await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
-        self.node.inspect(key).await
+        self.node().inspect(key).await
     }
 
     async fn list(
@@ -1214,49 +1298,21 @@ impl Backend for Redis {
         after: Option<&LockKey>,
         limit: usize,
     ) -> Result<Vec<Summary>, Error> {
-        self.node.list(prefix, after, limit).await
+        self.node().list(prefix, after, limit).await
     }
 
     async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
-        self.node
+        self.node()
             .stale(stale_after, self.legacy_pattern.as_deref())
             .await
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
-        self.node.force_release(key).await
+        self.node().force_release(key).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch, Error> {
-        let channel = self.node.channel(key);
-        let first = {
-            let mut watchers = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
-            let entry = watchers
-                .entry(channel.clone())
-                .or_insert_with(|| (key.clone(), 0));
-            entry.1 += 1;
-            entry.1 == 1
-        };
-        let guard = WatchGuard {
-            channel: channel.clone(),
-            watchers: self.watchers.clone(),
-            subs: self.subs.clone(),
-        };
-        if first {
-            let (ack, done) = oneshot::channel();
-            let _ = self.subs.send(Sub::Subscribe(channel, ack));
-            match tokio::time::timeout(CALL_TIMEOUT, done).await {
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => return Err(unavailable("subscribe", e)),
-                _ => {
-                    return Err(unavailable(
-                        "subscribe",
-                        RedisError::from((ErrorKind::Io, "subscription not confirmed")),
-                    ));
-                }
-            }
-        }
-        Ok(Box::new(guard))
+        watch(std::slice::from_ref(&self.member), &self.watchers, key, 1).await
     }
 
     async fn close(&self) {
