@@ -7,6 +7,7 @@
 
 pub mod memory;
 pub mod redis;
+pub mod redlock;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -325,8 +326,9 @@ pub async fn open(
         "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
         "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
         | "rediss+cluster" => Ok(Arc::new(redis::Redis::open(url, options, wakeups)?)),
+        "redlock" | "redlocks" => Ok(Arc::new(redlock::Redlock::open(url, options, wakeups)?)),
         other => Err(format!(
-            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel:// or redis+cluster://"
+            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster:// or redlock://"
         )),
     }
 }

@@ -63,6 +63,7 @@ struct Scripts {
     dequeue: Script,
     heartbeat: Script,
     reconcile: Script,
+    raise_fence: Script,
     stale: Script,
 }
 
@@ -78,6 +79,7 @@ impl Scripts {
             dequeue: script(include_str!("redis/dequeue.lua")),
             heartbeat: script(include_str!("redis/heartbeat.lua")),
             reconcile: script(include_str!("redis/reconcile.lua")),
+            raise_fence: script(include_str!("redis/raise_fence.lua")),
             stale: script(include_str!("redis/stale.lua")),
         }
     }
@@ -165,7 +167,7 @@ pub fn redact(url: &str) -> String {
 }
 
 /// `scheme://a:1,b:2/rest` → (["a:1","b:2"], "rest"), keeping user info on every host.
-fn split_hosts(url: &str) -> Result<(String, Vec<String>, String), String> {
+pub fn split_hosts(url: &str) -> Result<(String, Vec<String>, String), String> {
     let (scheme, rest) = url
         .split_once("://")
         .ok_or_else(|| bad_url(url, "missing ://"))?;
@@ -573,6 +575,13 @@ impl Node {
             inv.arg(*seq);
         }
         self.run::<i64>("reconcile", inv).await.map(|_| ())
+    }
+
+    /// Raises the key's fence counter to at least `fence`.
+    pub async fn raise_fence(&self, key: &LockKey, fence: u64) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.raise_fence, key);
+        inv.arg(fence);
+        self.run::<i64>("raise_fence", inv).await.map(|_| ())
     }
 
     /// Answers PING.

@@ -703,7 +703,9 @@ impl Core {
                 let _ = tx.send(HoldEvent::Lost(reason)).await;
                 return;
             }
-            let capped = lease.cap_ms.is_some_and(|cap| lease.expires_at_ms() >= cap);
+            let capped = lease
+                .cap_ms
+                .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
             tokio::select! {
                 () = sleep_until(next), if !capped => {
                     next = tokio::time::Instant::now() + every;
@@ -800,13 +802,20 @@ impl Core {
     }
 }
 
+/// The clock-drift allowance of a lease with `ttl`: 1% plus 2 ms, as
+/// Redlock subtracts it from a lease's validity. A lease whose expiry came
+/// within this of its `max_hold` cap has reached the cap.
+pub fn drift_ms(ttl: Duration) -> u64 {
+    ms(ttl) / 100 + 2
+}
+
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had
 /// reached its cap, `expired` if its time was up, else `backend` (it
 /// vanished while still valid: key deleted, token overwritten, data lost).
 fn lapse_reason(lease: &Local) -> LostReason {
     let now = now_ms();
     match lease.cap_ms {
-        Some(cap) if lease.expires_at_ms() >= cap && now >= cap => LostReason::MaxHold,
+        Some(cap) if now + drift_ms(lease.ttl) >= cap => LostReason::MaxHold,
         _ if now < lease.expires_at_ms() => LostReason::Backend,
         _ => LostReason::Expired,
     }

@@ -21,6 +21,8 @@ pub enum TestBackend {
     RedisSentinel,
     /// `redis+cluster://`: a three-master Redis Cluster.
     RedisCluster,
+    /// `redlock://`: three independent Redis masters.
+    Redlock,
 }
 
 impl TestBackend {
@@ -56,6 +58,14 @@ impl TestBackend {
                     server: Some(Box::new(cluster)),
                 }
             }
+            TestBackend::Redlock => {
+                let nodes = super::redis::RedisNodes::start(3).await;
+                BackendGuard {
+                    backend: self,
+                    url: nodes.url(),
+                    server: Some(Box::new(nodes)),
+                }
+            }
         }
     }
 
@@ -64,7 +74,20 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
-            TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => true,
+            TestBackend::Redis
+            | TestBackend::RedisSentinel
+            | TestBackend::RedisCluster
+            | TestBackend::Redlock => true,
+        }
+    }
+
+    /// How much shorter than `ttl_ms` a reported lease may be: Redlock
+    /// subtracts a clock-drift allowance (1% + 2 ms) and the time the
+    /// attempt took from every validity (50 ms covers that on loopback).
+    pub fn drift_ms(self, ttl_ms: u64) -> u64 {
+        match self {
+            TestBackend::Redlock => ttl_ms / 100 + 2 + 50,
+            _ => 0,
         }
     }
 
@@ -73,6 +96,7 @@ impl TestBackend {
         match self {
             TestBackend::Memory => "memory",
             TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => "redis",
+            TestBackend::Redlock => "redlock",
         }
     }
 
@@ -80,9 +104,10 @@ impl TestBackend {
     pub fn safety(self) -> &'static str {
         match self {
             TestBackend::Memory => "single-process",
-            TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => {
-                "efficiency"
-            }
+            TestBackend::Redis
+            | TestBackend::RedisSentinel
+            | TestBackend::RedisCluster
+            | TestBackend::Redlock => "efficiency",
         }
     }
 }
@@ -146,4 +171,5 @@ impl BackendGuard {
 #[case::redis(crate::common::TestBackend::Redis)]
 #[case::redis_sentinel(crate::common::TestBackend::RedisSentinel)]
 #[case::redis_cluster(crate::common::TestBackend::RedisCluster)]
+#[case::redlock(crate::common::TestBackend::Redlock)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

@@ -325,3 +325,28 @@ impl RedisCluster {
         format!("redis+cluster://{}", hosts.join(","))
     }
 }
+
+/// Independent Redis masters for Redlock.
+pub struct RedisNodes {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisNodes {
+    pub async fn start(count: usize) -> Self {
+        let mut nodes = Vec::with_capacity(count);
+        for _ in 0..count {
+            nodes.push(RedisServer::start().await);
+        }
+        Self { nodes }
+    }
+
+    /// `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        format!("redlock://{}", hosts.join(","))
+    }
+}

@@ -1,8 +1,9 @@
 -- ARGV: 1 kind, 2 channel, 3 index member, 4 turn ("once"|"join"|"queued"),
 -- 5 ticket seq, 6 new token, 7 owner, 8 sidecar, 9 mode ("x"|"s"),
 -- 10 ttl ms, 11 max_hold ms (0: none), 12 lock_delay ms, 13 limit (0: none),
--- 14 heartbeat ms, 15 fifo ("1": grants follow the queue; "0": the queue is
--- only shown, as in Redlock, where each node's order may differ).
+-- 14 heartbeat ms, 15 fifo ("1": grants follow the queue; "0": newcomers
+-- still wait behind the queue, but queued claims are not ordered among
+-- themselves, as in Redlock, where each node may see joins in another order).
 -- Returns {1, now, token, fence, count, since, expires} when granted,
 -- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
 -- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required.
@@ -100,7 +101,7 @@ if turn == "queued" then
 else
   turn_ok = redis.call("ZCARD", QUEUE) == 0
 end
-if not fifo then turn_ok = true end
+if not fifo and turn == "queued" then turn_ok = true end
 
 if delayed <= 0 and room and turn_ok then
   local fence = redis.call("INCR", FENCE)

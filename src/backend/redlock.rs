@@ -1,0 +1,514 @@
+//! `redlock://h1:p,h2:p,h3:p[/db]`: Redlock over N independent Redis masters.
+//!
+//! As specified by its author: every attempt runs the single-node acquire
+//! script on all N nodes in parallel with a short per-node timeout, with the
+//! same token; it succeeds only when a majority granted it and time is left
+//! (validity = ttl − elapsed − clock drift); otherwise it is released on every
+//! node. Renewals, releases and status checks also need a majority.
+//!
+//! Each node keeps its own queue, so a global FIFO order cannot be enforced
+//! (nodes may see joins in different orders): queues are shown, and grants
+//! follow the local FIFO order inside each sidecar; across sidecars,
+//! contention is resolved by notification-driven retries with a random
+//! delay after a split vote.
+//!
+//! Fences: each node counts its own; a grant takes the highest count of its
+//! majority and raises the other granting nodes' counters to it, so any later
+//! majority (which shares a node with this one) continues above it — as long
+//! as no node loses its data. A node restarted without persistence can break
+//! that, as it can break Redlock's exclusion itself: use persistence with
+//! fsync, or delayed restarts, or prefer ZooKeeper or PostgreSQL where
+//! correctness matters (see the README).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use futures::future::join_all;
+use rand::RngExt;
+use tokio_util::sync::CancellationToken;
+
+use super::redis::{Member, Node, Step, Watchers, redact, split_hosts, watch};
+use super::{
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Options, Safety, StaleKey, State,
+    Status, Summary, Ticket, Turn, Watch,
+};
+use crate::clock::{ms, now_ms};
+use crate::core::{Wakeups, drift_ms as drift};
+use crate::lock::{Claim, LockKey, Token};
+
+/// The Redlock backend.
+pub struct Redlock {
+    members: Vec<Arc<Member>>,
+    /// Nodes that must agree: N/2 + 1.
+    quorum: usize,
+    watchers: Watchers,
+    url: String,
+    legacy_pattern: Option<String>,
+    /// This sidecar's tickets: local number → each node's ticket number.
+    tickets: Mutex<HashMap<(LockKey, u64), Vec<Option<u64>>>>,
+    next_seq: AtomicU64,
+    stop: CancellationToken,
+}
+
+/// What one node answered, within its time limit.
+type Answer<T> = Result<T, Error>;
+
+fn timed_out(op: &'static str) -> Error {
+    Error::Unavailable {
+        op,
+        source: "node did not answer in time".into(),
+    }
+}
+
+impl Redlock {
+    /// Opens one node per host of `url`.
+    ///
+    /// # Errors
+    /// A sentence naming what is wrong with the URL.
+    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let (scheme, hosts, path) = split_hosts(url)?;
+        let base = if scheme == "redlocks" {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let watchers = Watchers::default();
+        let stop = CancellationToken::new();
+        let members = hosts
+            .iter()
+            .map(|h| {
+                let node = Node::open(&format!("{base}://{h}/{path}"), &options.redis_prefix)?;
+                Ok(Member::start(
+                    node,
+                    &options.sidecar,
+                    &watchers,
+                    &wakeups,
+                    &stop,
+                ))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(Self {
+            quorum: members.len() / 2 + 1,
+            members,
+            watchers,
+            url: redact(url),
+            legacy_pattern: options.legacy_pattern.clone(),
+            tickets: Mutex::new(HashMap::new()),
+            next_seq: AtomicU64::new(1),
+            stop,
+        })
+    }
+
+    /// Runs `f` on every node in parallel, each within `limit`.
+    async fn all<'a, T, F, Fut>(&'a self, op: &'static str, limit: Duration, f: F) -> Vec<Answer<T>>
+    where
+        F: Fn(&'a Arc<Member>, usize) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
+        join_all(self.members.iter().enumerate().map(|(i, m)| {
+            let fut = f(m, i);
+            async move {
+                tokio::time::timeout(limit, fut)
+                    .await
+                    .unwrap_or_else(|_| Err(timed_out(op)))
+            }
+        }))
+        .await
+    }
+
+    fn node_tickets(&self, ticket: &Ticket) -> Vec<Option<u64>> {
+        self.lock_tickets()
+            .get(&(ticket.key.clone(), ticket.seq))
+            .cloned()
+            .unwrap_or_else(|| vec![None; self.members.len()])
+    }
+
+    fn lock_tickets(&self) -> std::sync::MutexGuard<'_, HashMap<(LockKey, u64), Vec<Option<u64>>>> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gives back a failed attempt's grants (spec: release on every node).
+    async fn undo(&self, key: &LockKey, grants: &[(usize, Grant)]) {
+        let undo = grants
+            .iter()
+            .map(|(i, g)| self.members[*i].node.release(key, &g.token));
+        join_all(undo).await;
+    }
+
+    /// Unavailable unless a majority of nodes answered.
+    fn need_quorum<T>(&self, op: &'static str, answers: &[Answer<T>]) -> Result<(), Error> {
+        if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum {
+            return Ok(());
+        }
+        Err(answers
+            .iter()
+            .find_map(|a| match a {
+                Err(Error::Unavailable { op, source }) => Some(Error::Unavailable {
+                    op,
+                    source: source.to_string().into(),
+                }),
+                _ => None,
+            })
+            .unwrap_or_else(|| timed_out(op)))
+    }
+}
+
+#[async_trait]
+impl Backend for Redlock {
+    fn describe(&self) -> Description {
+        Description {
+            kind: "redlock",
+            url: self.url.clone(),
+            safety: Safety::Efficiency,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        let answers = self
+            .all("ping", Duration::from_secs(1), |m, _| m.node.ping())
+            .await;
+        self.need_quorum("ping", &answers)
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let token = Token::generate();
+        let started = Instant::now();
+        let start_ms = now_ms();
+        let limit = (claim.ttl / 10).clamp(Duration::from_millis(20), Duration::from_millis(500));
+        let queued = match turn {
+            Turn::Queued(t) => Some(self.node_tickets(t)),
+            _ => None,
+        };
+        let answers = self
+            .all("try_acquire", limit, |m, i| {
+                let step = match (turn, &queued) {
+                    (Turn::Once, _) => Step::Once,
+                    (Turn::Join, _) => Step::Join,
+                    (Turn::Queued(_), Some(seqs)) => seqs[i].map_or(Step::Join, Step::Queued),
+                    (Turn::Queued(_), None) => Step::Join,
+                };
+                let token = &token;
+                async move { m.try_acquire(claim, step, token, false).await }
+            })
+            .await;
+
+        let mut grants: Vec<(usize, Grant)> = Vec::new();
+        let mut busy: Vec<(usize, Busy)> = Vec::new();
+        let mut answered = 0;
+        for (i, a) in answers.into_iter().enumerate() {
+            match a {
+                Ok(Attempt::Granted(g)) => {
+                    answered += 1;
+                    grants.push((i, g));
+                }
+                Ok(Attempt::Busy(b)) => {
+                    answered += 1;
+                    busy.push((i, b));
+                }
+                Err(e @ (Error::LimitMismatch { .. } | Error::LimitRequired)) => {
+                    self.undo(&claim.key, &grants).await;
+                    return Err(e);
+                }
+                Err(_) => {}
+            }
+        }
+
+        // The token a majority granted: ours, or a re-entered lease's.
+        let mut votes: HashMap<&str, usize> = HashMap::new();
+        for (_, g) in &grants {
+            *votes.entry(g.token.expose()).or_default() += 1;
+        }
+        let winner = votes
+            .iter()
+            .find(|(_, n)| **n >= self.quorum)
+            .map(|(t, _)| (*t).to_owned());
+        let elapsed = ms(started.elapsed());
+        let validity = ms(claim.ttl).saturating_sub(elapsed + drift(claim.ttl));
+        if let Some(winner) = winner.filter(|_| validity > 0) {
+            let won: Vec<&(usize, Grant)> = grants
+                .iter()
+                .filter(|(_, g)| g.token.expose() == winner)
+                .collect();
+            let fence = won.iter().map(|(_, g)| g.fence).max().unwrap_or(0);
+            let count = won.iter().map(|(_, g)| g.count).max().unwrap_or(1);
+            let behind = won
+                .iter()
+                .filter(|(_, g)| g.fence < fence)
+                .map(|(i, _)| self.members[*i].node.raise_fence(&claim.key, fence));
+            join_all(behind).await;
+            // Nodes that did not grant still show our waiter: take it away.
+            if let (Turn::Queued(t), Some(seqs)) = (turn, &queued) {
+                self.lock_tickets().remove(&(t.key.clone(), t.seq));
+                let stale = seqs.iter().enumerate().filter_map(|(i, s)| {
+                    s.filter(|_| !won.iter().any(|(w, _)| *w == i))
+                        .map(|s| self.members[i].dequeue(&claim.key, s))
+                });
+                join_all(stale).await;
+            }
+            let since_ms = won
+                .iter()
+                .map(|(_, g)| g.since_ms)
+                .min()
+                .unwrap_or(start_ms);
+            let node_expiry = won.iter().map(|(_, g)| g.expires_at_ms).min().unwrap_or(0);
+            return Ok(Attempt::Granted(Grant {
+                token: Token::from_client(winner),
+                fence,
+                count,
+                since_ms,
+                expires_at_ms: node_expiry.min(start_ms + ms(claim.ttl) - drift(claim.ttl)),
+            }));
+        }
+
+        self.undo(&claim.key, &grants).await;
+        if answered < self.quorum {
+            return Err(timed_out("try_acquire"));
+        }
+        let split = !grants.is_empty();
+        let mut ticket = None;
+        if matches!(turn, Turn::Join) {
+            let mut seqs = vec![None; self.members.len()];
+            for (i, b) in &busy {
+                seqs[*i] = b.ticket.as_ref().map(|t| t.seq);
+            }
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            self.lock_tickets().insert((claim.key.clone(), seq), seqs);
+            ticket = Some(Ticket {
+                key: claim.key.clone(),
+                seq,
+            });
+        } else if let (Turn::Queued(t), Some(mut seqs)) = (turn, queued) {
+            for (i, b) in &busy {
+                if let Some(nt) = &b.ticket {
+                    seqs[*i] = Some(nt.seq);
+                }
+            }
+            self.lock_tickets().insert((t.key.clone(), t.seq), seqs);
+        }
+        let shown = busy
+            .iter()
+            .max_by_key(|(_, b)| b.queue_length)
+            .map(|(_, b)| b.clone())
+            .unwrap_or_default();
+        // After a split vote every contender retries after a random delay;
+        // otherwise at the earliest moment a blocking lease can lapse.
+        let retry_at_ms = if split {
+            Some(now_ms() + rand::rng().random_range(5..50))
+        } else {
+            busy.iter().filter_map(|(_, b)| b.retry_at_ms).min()
+        };
+        Ok(Attempt::Busy(Busy {
+            holders: shown.holders,
+            queue_length: shown.queue_length,
+            position: None,
+            retry_at_ms,
+            ticket,
+        }))
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        let Some(seqs) = self
+            .lock_tickets()
+            .remove(&(ticket.key.clone(), ticket.seq))
+        else {
+            return Ok(());
+        };
+        let leave = seqs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.map(|s| self.members[i].dequeue(&ticket.key, s)));
+        join_all(leave).await;
+        Ok(())
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        let started = now_ms();
+        let answers = self
+            .all("renew", Duration::from_millis(500), |m, _| {
+                m.node.renew(key, token, ttl)
+            })
+            .await;
+        let mut held: Vec<u64> = answers
+            .iter()
+            .filter_map(|a| a.as_ref().ok().copied().flatten())
+            .collect();
+        let gone = answers.iter().filter(|a| matches!(a, Ok(None))).count();
+        if held.len() >= self.quorum {
+            // The time until which a majority holds it, less the drift.
+            held.sort_unstable_by(|a, b| b.cmp(a));
+            let until = held[self.quorum - 1];
+            let lease_ttl = Duration::from_millis(until.saturating_sub(started));
+            return Ok(Some(until.saturating_sub(drift(lease_ttl))));
+        }
+        if gone > self.members.len() - self.quorum {
+            // A majority no longer has it: the lease is lost; clean up the rest.
+            join_all(self.members.iter().map(|m| m.node.release(key, token))).await;
+            return Ok(None);
+        }
+        Err(timed_out("renew"))
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let answers = self
+            .all("release", Duration::from_millis(500), |m, _| {
+                m.node.release(key, token)
+            })
+            .await;
+        let remaining: Vec<u32> = answers
+            .iter()
+            .filter_map(|a| a.as_ref().ok().copied().flatten())
+            .collect();
+        let gone = answers.iter().filter(|a| matches!(a, Ok(None))).count();
+        if remaining.len() >= self.quorum {
+            return Ok(remaining.into_iter().max());
+        }
+        if gone > self.members.len() - self.quorum {
+            return Ok(None);
+        }
+        Err(timed_out("release"))
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        let answers = self
+            .all("status", Duration::from_millis(500), |m, _| {
+                m.node.status(key, token)
+            })
+            .await;
+        let mut held: Vec<u64> = answers
+            .iter()
+            .filter_map(|a| match a {
+                Ok(Status::Held { expires_at_ms }) => Some(*expires_at_ms),
+                _ => None,
+            })
+            .collect();
+        if held.len() >= self.quorum {
+            held.sort_unstable_by(|a, b| b.cmp(a));
+            return Ok(Status::Held {
+                expires_at_ms: held[self.quorum - 1],
+            });
+        }
+        let gone = answers.iter().find_map(|a| match a {
+            Ok(Status::Gone(loss)) => Some(*loss),
+            _ => None,
+        });
+        match gone {
+            Some(loss) if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum => {
+                Ok(Status::Gone(loss))
+            }
+            _ => Err(timed_out("status")),
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        let answers = self
+            .all("inspect", Duration::from_secs(1), |m, _| {
+                m.node.inspect(key)
+            })
+            .await;
+        self.need_quorum("inspect", &answers)?;
+        let states: Vec<State> = answers.into_iter().filter_map(Result::ok).collect();
+        // A holder is real when a majority of nodes has it.
+        let mut seen: HashMap<(String, String, String), (usize, Holder)> = HashMap::new();
+        for h in states.iter().flat_map(|s| &s.holders) {
+            let id = (h.owner.clone(), h.sidecar.clone(), format!("{:?}", h.mode));
+            let entry = seen.entry(id).or_insert_with(|| (0, h.clone()));
+            entry.0 += 1;
+            entry.1.fence = entry.1.fence.max(h.fence);
+            entry.1.since_ms = entry.1.since_ms.min(h.since_ms);
+        }
+        let mut holders: Vec<Holder> = seen
+            .into_values()
+            .filter(|(n, _)| *n >= self.quorum)
+            .map(|(_, h)| h)
+            .collect();
+        holders.sort_by_key(|h| h.since_ms);
+        let waiters = states
+            .iter()
+            .max_by_key(|s| s.waiters.len())
+            .map(|s| s.waiters.clone())
+            .unwrap_or_default();
+        Ok(State {
+            fence: states.iter().map(|s| s.fence).max().unwrap_or(0),
+            limit: states.iter().find_map(|s| s.limit),
+            holders,
+            waiters,
+        })
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let answers = self
+            .all("list", Duration::from_secs(5), |m, _| {
+                m.node.list(prefix, after, limit)
+            })
+            .await;
+        self.need_quorum("list", &answers)?;
+        let mut merged: std::collections::BTreeMap<LockKey, Summary> = Default::default();
+        for row in answers.into_iter().filter_map(Result::ok).flatten() {
+            let entry = merged.entry(row.key.clone()).or_insert_with(|| row.clone());
+            entry.holders = entry.holders.max(row.holders);
+            entry.waiters = entry.waiters.max(row.waiters);
+            entry.fence = entry.fence.max(row.fence);
+        }
+        Ok(merged.into_values().take(limit).collect())
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        let legacy = self.legacy_pattern.as_deref();
+        let answers = self
+            .all("stale", Duration::from_secs(10), |m, _| {
+                m.node.stale(stale_after, legacy)
+            })
+            .await;
+        self.need_quorum("stale", &answers)?;
+        Ok(answers
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, a)| a.ok().map(|found| (i, found)))
+            .flat_map(|(i, found)| {
+                let url = self.members[i].node.url.clone();
+                found.into_iter().map(move |mut s| {
+                    s.detail = format!("on {url}: {}", s.detail);
+                    s
+                })
+            })
+            .collect())
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        let answers = self
+            .all("force_release", Duration::from_secs(1), |m, _| {
+                m.node.force_release(key)
+            })
+            .await;
+        self.need_quorum("force_release", &answers)?;
+        let mut tokens: Vec<Token> = answers
+            .into_iter()
+            .filter_map(Result::ok)
+            .flatten()
+            .collect();
+        tokens.sort_by(|a, b| a.expose().cmp(b.expose()));
+        tokens.dedup();
+        Ok(tokens)
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Watch, Error> {
+        watch(&self.members, &self.watchers, key, self.quorum).await
+    }
+
+    async fn close(&self) {
+        self.stop.cancel();
+    }
+}
