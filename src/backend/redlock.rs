@@ -48,10 +48,13 @@ pub struct Redlock {
     url: String,
     legacy_pattern: Option<String>,
     /// This sidecar's tickets: local number → each node's ticket number.
-    tickets: Mutex<HashMap<(LockKey, u64), Vec<Option<u64>>>>,
+    tickets: Mutex<NodeTickets>,
     next_seq: AtomicU64,
     stop: CancellationToken,
 }
+
+/// A local ticket (key, number) → that ticket's number on each node, if it has one.
+type NodeTickets = HashMap<(LockKey, u64), Vec<Option<u64>>>;
 
 /// What one node answered, within its time limit.
 type Answer<T> = Result<T, Error>;
@@ -126,7 +129,7 @@ impl Redlock {
             .unwrap_or_else(|| vec![None; self.members.len()])
     }
 
-    fn lock_tickets(&self) -> std::sync::MutexGuard<'_, HashMap<(LockKey, u64), Vec<Option<u64>>>> {
+    fn lock_tickets(&self) -> std::sync::MutexGuard<'_, NodeTickets> {
         self.tickets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
