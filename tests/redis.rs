@@ -572,3 +572,37 @@ async fn a_locks_keys_share_one_cluster_slot() {
         .expect("GET main key");
     assert_eq!(value, grant.token);
 }
+
+#[tokio::test]
+async fn stale_keys_without_expiry_are_found_on_every_cluster_master() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url())
+        .flag("legacy-pattern", "lock:*")
+        .start()
+        .await;
+    let client = redis::cluster::ClusterClient::new(
+        cluster.nodes.iter().map(|n| n.url()).collect::<Vec<_>>(),
+    )
+    .expect("cluster client");
+    let mut c = client
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    // Enough keys that every master holds some.
+    let keys: Vec<String> = (0..12).map(|i| format!("lock:job-{i}")).collect();
+    for k in &keys {
+        let _: String = redis::cmd("SET")
+            .arg(k)
+            .arg("1")
+            .query_async(&mut c)
+            .await
+            .expect("SET");
+    }
+    let stale = sidecar.api().stale().await;
+    for k in &keys {
+        assert!(
+            stale.iter().any(|s| s.reason == "no-expiry" && &s.key == k),
+            "{k} missing from {stale:#?}"
+        );
+    }
+}

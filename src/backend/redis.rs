@@ -146,6 +146,8 @@ pub struct Node {
     conn: tokio::sync::Mutex<Option<Conn>>,
     scripts: Scripts,
     prefix: String,
+    /// Server clock minus ours, in ms, as last settled (`i64::MIN`: not yet).
+    skew: std::sync::atomic::AtomicI64,
     /// Where this node's URL is shown (without password).
     pub url: String,
 }
@@ -256,6 +258,7 @@ impl Node {
             conn: tokio::sync::Mutex::new(None),
             scripts: Scripts::new(),
             prefix: prefix.to_owned(),
+            skew: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: redact(url),
         })
     }
@@ -453,7 +456,7 @@ impl Node {
             .arg(ms(HEARTBEAT_TTL))
             .arg(if fifo { "1" } else { "0" });
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
-        let clock = Clock::at(&reply, 1);
+        let clock = self.clock(&reply, 1);
         let attempt = match int(&reply, 0) {
             1 => Attempt::Granted(Grant {
                 token: Token::from_client(text(&reply, 2)),
@@ -509,7 +512,7 @@ impl Node {
         let mut inv = self.invocation(&self.scripts.renew, key);
         inv.arg(token.expose()).arg(ttl.map_or(0, ms));
         let reply: Vec<Value> = self.run("renew", inv).await?;
-        let clock = Clock::at(&reply, 0);
+        let clock = self.clock(&reply, 0);
         let e = int(&reply, 1);
         Ok((e >= 0).then(|| clock.local(e)))
     }
@@ -528,7 +531,7 @@ impl Node {
         let mut inv = self.invocation(&self.scripts.status, key);
         inv.arg(token.expose());
         let reply: Vec<Value> = self.run("status", inv).await?;
-        let clock = Clock::at(&reply, 0);
+        let clock = self.clock(&reply, 0);
         let e = int(&reply, 1);
         Ok(if e >= 0 {
             Status::Held {
@@ -543,7 +546,7 @@ impl Node {
     pub async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
         let inv = self.invocation(&self.scripts.inspect, key);
         let reply: Vec<Value> = self.run("inspect", inv).await?;
-        let clock = Clock::at(&reply, 0);
+        let clock = self.clock(&reply, 0);
         let limit = int(&reply, 2);
         Ok(State {
             fence: int(&reply, 1) as u64,
@@ -695,7 +698,7 @@ impl Node {
                 }
             }
         }
-        if !self.is_cluster() {
+        {
             let mut patterns = vec![format!("{}*", glob_escape(&self.prefix))];
             patterns.extend(legacy.map(str::to_owned));
             for pattern in patterns {
@@ -717,35 +720,84 @@ impl Node {
         Ok(out)
     }
 
-    async fn scan_without_expiry(&self, pattern: &str) -> Result<Vec<String>, Error> {
-        let pattern = pattern.to_owned();
-        self.with_conn("stale", async |c| {
-            let mut found = Vec::new();
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .arg("TYPE")
-                    .arg("string")
-                    .query_async(c)
-                    .await?;
-                for k in keys {
-                    let pttl: i64 = redis::cmd("PTTL").arg(&k).query_async(c).await?;
-                    if pttl == -1 {
-                        found.push(k);
-                    }
-                }
-                if next == 0 {
-                    return Ok(found);
-                }
-                cursor = next;
+    /// Connections that together see every key: the server, or each Cluster
+    /// master (from `CLUSTER NODES`), for SCAN.
+    async fn scan_connections(&self) -> Result<Vec<Conn>, Error> {
+        let Target::Cluster { seeds, .. } = &self.target else {
+            return self.with_conn("stale", async |c| Ok(vec![c.clone()])).await;
+        };
+        let nodes: String = self
+            .with_conn("stale", async |c| {
+                redis::cmd("CLUSTER").arg("NODES").query_async(c).await
+            })
+            .await?;
+        let tls = seeds.first().is_some_and(|s| {
+            matches!(
+                s.get_connection_info().addr(),
+                redis::ConnectionAddr::TcpTls { .. }
+            )
+        });
+        let mut conns = Vec::new();
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(addr), Some(flags)) = (fields.get(1), fields.get(2)) else {
+                continue;
+            };
+            if !flags.split(',').any(|f| f == "master") || flags.contains("fail") {
+                continue;
             }
-        })
-        .await
+            let host_port = addr.split('@').next().unwrap_or(addr);
+            let url = format!("{}://{host_port}", if tls { "rediss" } else { "redis" });
+            let conn = async {
+                redis::Client::open(url.as_str())?
+                    .get_multiplexed_async_connection_with_config(&config())
+                    .await
+            }
+            .await
+            .map_err(|e| unavailable("stale", e))?;
+            conns.push(Conn::Plain(conn));
+        }
+        Ok(conns)
+    }
+
+    async fn scan_without_expiry(&self, pattern: &str) -> Result<Vec<String>, Error> {
+        let mut found = Vec::new();
+        for mut c in self.scan_connections().await? {
+            found.extend(
+                scan(&mut c, pattern)
+                    .await
+                    .map_err(|e| unavailable("stale", e))?,
+            );
+        }
+        Ok(found)
+    }
+}
+
+/// String keys matching `pattern` that have no expiry, on one server.
+async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, RedisError> {
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .arg("TYPE")
+            .arg("string")
+            .query_async(c)
+            .await?;
+        for k in keys {
+            let pttl: i64 = redis::cmd("PTTL").arg(&k).query_async(c).await?;
+            if pttl == -1 {
+                found.push(k);
+            }
+        }
+        if next == 0 {
+            return Ok(found);
+        }
+        cursor = next;
     }
 }
 
@@ -758,26 +810,37 @@ pub enum Step {
     Queued(u64),
 }
 
-/// Server time of a reply, to translate server timestamps into this sidecar's clock.
+/// Translates server timestamps into this sidecar's clock.
 struct Clock {
     /// Server milliseconds minus local milliseconds.
     skew: i64,
 }
 
 impl Clock {
-    /// The clock of a reply whose element `at` is the server time.
-    fn at(reply: &[Value], at: usize) -> Self {
-        let server = match reply.get(at) {
-            Some(Value::Int(n)) => *n,
-            _ => now_ms() as i64,
-        };
-        Self {
-            skew: server - now_ms() as i64,
-        }
-    }
-
     fn local(&self, server_ms: i64) -> u64 {
         (server_ms - self.skew).max(0) as u64
+    }
+}
+
+/// Offsets closer than this to the settled one are measurement noise.
+const SKEW_NOISE_MS: i64 = 5;
+
+impl Node {
+    /// The clock of a reply whose element `at` is the server time. The
+    /// offset is settled per node and moves only when it changes by more
+    /// than [`SKEW_NOISE_MS`], so one expiry reads the same in every reply.
+    fn clock(&self, reply: &[Value], at: usize) -> Clock {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(Value::Int(server)) = reply.get(at) else {
+            return Clock { skew: 0 };
+        };
+        let measured = server - now_ms() as i64;
+        let settled = self.skew.load(Relaxed);
+        if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
+            self.skew.store(measured, Relaxed);
+            return Clock { skew: measured };
+        }
+        Clock { skew: settled }
     }
 }
 

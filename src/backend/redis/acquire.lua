@@ -56,6 +56,7 @@ if IS_LOCK then
         sync_shared()
       end
       leave_queue()
+      set_expiries()
       return {1, NOW, all[i], m.f, m.c, m.t0, m.e}
     end
   end
@@ -119,6 +120,7 @@ if delayed <= 0 and room and turn_ok then
     end
   end
   leave_queue()
+  set_expiries()
   if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
   return {1, NOW, token, fence, 1, NOW, m.e}
 end
@@ -157,6 +159,7 @@ if turn == "join" then
   redis.call("HSET", WAITERS, ticket, cjson.encode(w))
   redis.call("HSET", BEAT, sidecar, NOW + beat)
   position = redis.call("ZCARD", QUEUE)
+  set_expiries()
   if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
 end
 return {0, NOW, holders_json(), redis.call("ZCARD", QUEUE), position, retry, ticket}

@@ -2,5 +2,6 @@
 -- Keeps this sidecar's waiters on the lock alive, however many there are.
 if redis.call("ZCARD", QUEUE) > 0 then
   redis.call("HSET", BEAT, ARGV[5], NOW + tonumber(ARGV[4]))
+  set_expiries()
 end
 return 1

@@ -128,6 +128,30 @@ local function prune()
   return changed
 end
 
+-- Side keys expire with what they describe, so a lock every sidecar
+-- abandoned disappears by itself: holder keys with the last lease, queue
+-- keys with the last heartbeat. The fence and ticket counters never expire.
+local function set_expiries()
+  -- Holder entries outlive their lease by its lock-delay (and a second), so
+  -- the script that finds a lease expired can still start its lock-delay.
+  local keep = 0
+  local all = redis.call("HGETALL", HOLDERS)
+  for i = 2, #all, 2 do
+    local m = cjson.decode(all[i])
+    keep = math.max(keep, m.e + m.dl + 1000)
+  end
+  if keep > NOW then
+    redis.call("PEXPIRE", HOLDERS, keep - NOW)
+    redis.call("PEXPIRE", EXPIRY, keep - NOW)
+  end
+  local latest = 0
+  local beats = redis.call("HGETALL", BEAT)
+  for i = 2, #beats, 2 do latest = math.max(latest, tonumber(beats[i])) end
+  if latest > NOW then
+    for _, k in ipairs({QUEUE, WAITERS, BEAT}) do redis.call("PEXPIRE", k, latest - NOW) end
+  end
+end
+
 -- Holders as a JSON array (no tokens), including a foreign holder of the
 -- main key (a legacy SET NX PX client).
 local function holders_json()

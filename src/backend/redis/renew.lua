@@ -17,4 +17,5 @@ if IS_LOCK then
     sync_shared()
   end
 end
+set_expiries()
 return {NOW, e}
