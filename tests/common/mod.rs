@@ -9,12 +9,14 @@
 //! * [`sse`]: a small Server-Sent-Events reader with deadlines.
 //! * [`problem`]: [`assert_problem`] for RFC 9457 error responses.
 //! * [`cli`]: a guard for `sidelock run … -- CMD`.
+//! * [`browser`]: headless Chromium over WebDriver, for the dashboard.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
 
 pub mod api;
 pub mod backend;
+pub mod browser;
 pub mod cli;
 pub mod problem;
 pub mod process;
