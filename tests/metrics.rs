@@ -363,3 +363,42 @@ async fn lock_labels_only_with_the_flag_and_bounded() {
             .is_empty()
     );
 }
+
+/// The example alert rules (and the families the Helm chart alerts on) only
+/// use metrics the sidecar exports, so a rename cannot silently break them.
+#[tokio::test]
+async fn alert_rules_use_exported_metrics() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let m = Metrics::scrape(&sidecar.api()).await;
+    let rules = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/alerts.yml"))
+        .expect("read docs/alerts.yml");
+    let mut used: Vec<String> = rules
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("sidelock_"))
+        .map(|w| {
+            ["_bucket", "_count", "_sum"]
+                .iter()
+                .find_map(|s| w.strip_suffix(s))
+                .unwrap_or(w)
+                .to_owned()
+        })
+        .collect();
+    assert!(used.len() >= 7, "{used:?}");
+    used.extend(
+        [
+            "sidelock_lost_total",
+            "sidelock_waiters",
+            "sidelock_wait_seconds",
+            "sidelock_backend_up",
+            "sidelock_held_locks",
+            "sidelock_stale_locks",
+        ]
+        .map(str::to_owned),
+    );
+    for family in &used {
+        assert!(
+            m.0.docs.contains_key(family),
+            "{family} is used by alerts but not exported"
+        );
+    }
+}
