@@ -32,8 +32,9 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install --locked cargo-nextest
 fi
 
-# The venv is rebuilt whenever the pinned requirements change.
-if ! cmp -s tests/helm/requirements.txt .venv/requirements.txt 2>/dev/null; then
+# The venv is rebuilt whenever the pinned requirements change (only the
+# Helm chart tests need it).
+if [ -f tests/helm/requirements.txt ] && ! cmp -s tests/helm/requirements.txt .venv/requirements.txt 2>/dev/null; then
   echo "setup: creating .venv"
   rm -rf .venv
   python3 -m venv .venv

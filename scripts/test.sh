@@ -9,4 +9,8 @@ cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo build --locked --bins
 cargo nextest run --locked --profile ci
-.venv/bin/pytest tests/helm -q
+if [ -d tests/helm ]; then
+  .venv/bin/pytest tests/helm -q
+else
+  echo "test: no tests/helm in this checkout; skipping the Helm chart tests"
+fi
