@@ -128,6 +128,7 @@
       readClock();
       tick();
       live.dataset.refreshedAt = String(Date.now());
+      if (statusEl && statusEl.dataset.state === 'error') showStreamState();
     } catch (e) {
       setStatus('error', 'Sidecar unreachable', 'The last refresh failed (' + e.message + '); retrying');
     } finally {
@@ -164,6 +165,12 @@
     }
     setStatus('live', 'Live', 'Following /v1/events · last event: ' + lastEvent);
     scheduleRefresh();
+  }
+
+  // The indicator after a failed refresh recovered: what the stream is doing.
+  function showStreamState() {
+    if (streamUp) setStatus('live', 'Live', 'Following /v1/events');
+    else setStatus('polling', 'Polling', 'Refreshing every ' + POLL_EVERY_MS / 1000 + ' s');
   }
 
   function streamDown(reason) {

@@ -597,3 +597,92 @@ async fn stats_report_recent_acquisitions_for_the_charts() {
         "/v1/stats is in the OpenAPI document"
     );
 }
+
+/// When the event stream drops (here: the sidecar restarts on the same
+/// port), the page says so, keeps refreshing on a timer, reconnects, and
+/// shows what happened meanwhile, all without a reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_updates_fall_back_and_reconnect_when_the_stream_drops() {
+    use common::process::ChildGuard;
+    use std::process::Command;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let base = format!("http://127.0.0.1:{port}");
+    let start = |log: &str| {
+        let mut cmd = Command::new(SIDELOCK_BIN);
+        common::sidecar::remove_inherited_sidelock_env(&mut cmd);
+        cmd.args(["serve", "--shutdown-grace", "1s", "--listen"])
+            .arg(format!("127.0.0.1:{port}"));
+        ChildGuard::spawn(cmd, "sidecar", &dir.path().join(log), false)
+    };
+    let api = Api::new(&base);
+    let up = async || {
+        eventually("the sidecar to listen", START_TIMEOUT, async || {
+            let http = reqwest::Client::builder().no_proxy().build().ok()?;
+            let r = http.get(format!("{base}/healthz")).send().await.ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await
+    };
+
+    let mut first = start("first.log");
+    up().await;
+    api.lock("before-restart")
+        .acquire(&[("owner", "old-holder")])
+        .await;
+    let browser = Browser::start(1280, 900).await;
+    browser
+        .client
+        .goto(&base)
+        .await
+        .expect("open the dashboard");
+    browser
+        .wait_for(
+            "the stream to connect",
+            Duration::from_secs(15),
+            "return document.getElementById('live-status').dataset.state === 'live';",
+            vec![],
+        )
+        .await;
+    browser
+        .js(
+            "window.__sidelockMark = 'same-document'; return true;",
+            vec![],
+        )
+        .await;
+
+    first.signal(nix::sys::signal::Signal::SIGTERM);
+    first.wait_exit(Duration::from_secs(10)).await;
+    browser
+        .wait_for(
+            "the page to notice the dropped stream",
+            Duration::from_secs(15),
+            "return ['polling', 'error'].includes(document.getElementById('live-status').dataset.state);",
+            vec![],
+        )
+        .await;
+
+    let _second = start("second.log");
+    up().await;
+    api.lock("after-restart")
+        .acquire(&[("owner", "new-holder")])
+        .await;
+    browser.wait_for_text("#holders", "new-holder").await;
+    browser
+        .wait_for(
+            "the stream to reconnect",
+            Duration::from_secs(30),
+            "return document.getElementById('live-status').dataset.state === 'live';",
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        browser.js("return window.__sidelockMark;", vec![]).await,
+        json!("same-document")
+    );
+    browser.close().await;
+}

@@ -112,6 +112,11 @@ impl Filter {
         }
     }
 
+    /// The page size when `limit` is not given.
+    pub fn default_limit(&self) -> usize {
+        DEFAULT_LIMIT
+    }
+
     /// `(value, selected)` for the page-size menu.
     pub fn limit_options(&self) -> Vec<(usize, bool)> {
         let mut all: Vec<usize> = LIMITS.to_vec();
