@@ -5,6 +5,7 @@
 //! * [`config`]: flags, `SIDELOCK_*` env and the TOML file, layered into [`config::Settings`].
 //! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
 //! * [`http`]: routes, parameter extraction, auth, SSE, the OpenAPI document.
+//! * [`dashboard`]: the operator page at `GET /`, its assets and chart history.
 //! * [`core`]: backend-agnostic queues, leases, watchdog, events.
 //! * [`backend`]: the [`backend::Backend`] trait and its implementations, one file each.
 //! * [`lock`]: the shared nouns — names, keys, modes, tokens, claims.
@@ -18,6 +19,7 @@ pub mod backend;
 pub mod clock;
 pub mod config;
 pub mod core;
+pub mod dashboard;
 pub mod error;
 pub mod http;
 pub mod lock;

@@ -3,6 +3,11 @@
 //! Lock names become labels only with `--metrics-lock-labels`, and then only
 //! for the first [`MAX_LOCK_LABELS`] names seen; later names share the label
 //! `_other`, so a million lock names cannot explode the series count.
+//!
+//! Every label combination known in advance (kinds, results, reasons,
+//! backend operations) is created at start with value 0, so that `rate()` and
+//! `increase()` see the first event as a step from 0 instead of a series that
+//! appears already at 1 — an alert on the first lost lease must fire.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -13,10 +18,50 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use crate::core::LostReason;
 use crate::lock::{Kind, LockKey};
 
 /// How many distinct lock names get their own label value.
 pub const MAX_LOCK_LABELS: usize = 500;
+
+/// Values of `result` on `sidelock_acquires_total`.
+pub const ACQUIRE_RESULTS: &[&str] = &[
+    "granted",
+    "busy",
+    "timeout",
+    "cancelled",
+    "rejected",
+    "error",
+];
+
+/// Values of `result` on `sidelock_renewals_total`.
+pub const RENEWAL_RESULTS: &[&str] = &["ok", "lost", "error"];
+
+/// Values of `reason` on `sidelock_lost_total`.
+pub const LOST_REASONS: &[LostReason] = &[
+    LostReason::Expired,
+    LostReason::ForceReleased,
+    LostReason::MaxHold,
+    LostReason::Shutdown,
+    LostReason::Backend,
+];
+
+/// Values of `op` on the backend families: the operations the core performs.
+pub const BACKEND_OPS: &[&str] = &[
+    "ping",
+    "try_acquire",
+    "watch",
+    "dequeue",
+    "renew",
+    "release",
+    "status",
+    "inspect",
+    "list",
+    "stale",
+    "force_release",
+];
+
+const KINDS: &[Kind] = &[Kind::Lock, Kind::Semaphore];
 
 /// Buckets for lock waits and backend calls: sub-millisecond to minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -121,7 +166,7 @@ impl Metrics {
         let backend_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "backend_operation_seconds",
-                "Duration of backend operations, by operation.",
+                "Seconds per backend call, by operation.",
             )
             .const_label("backend", backend)
             .buckets(LATENCY_BUCKETS.to_vec()),
@@ -133,98 +178,142 @@ impl Metrics {
         let backend_up = Gauge::with_opts(
             Opts::new(
                 "backend_up",
-                "1 when the backend answered its last health check, else 0.",
+                "1 when the backend answered the last health check (every 10 s, and on each \
+                 /readyz and dashboard render), else 0.",
             )
             .const_label("backend", backend),
         )
         .expect("valid metric");
         r.register(Box::new(backend_up.clone()))
             .expect("unique metric");
-        Self {
+        let metrics = Self {
             lock_labels: lock_labels.then(|| Mutex::new(HashSet::new())),
             acquires: counter(
                 r,
                 "acquires_total",
-                "Acquire requests by result: granted, busy, timeout, cancelled, rejected, error.",
+                "Acquire requests (hold streams included) by kind and result: granted; busy (try-once \
+                 refused); timeout (the wait ran out); cancelled (client left, shutdown); rejected \
+                 (429, semaphore limit); error (backend outage).",
                 lock_result,
             ),
             wait: histogram(
                 r,
                 "wait_seconds",
-                "Time from an acquire request to its grant.",
+                "Seconds from an acquire request to its grant, for granted acquires, by kind.",
                 lock,
                 LATENCY_BUCKETS,
             ),
             hold: histogram(
                 r,
                 "hold_seconds",
-                "Time leases granted by this sidecar were held, from grant to end.",
+                "Seconds leases granted through this sidecar were held, from grant to release, \
+                 expiry or loss, by kind.",
                 lock,
                 HOLD_BUCKETS,
             ),
             held: gauge_vec(
                 r,
                 "held_locks",
-                "Leases currently held through this sidecar.",
+                "Leases currently held through this sidecar, by kind.",
                 &["kind"],
             ),
             waiters: gauge_vec(
                 r,
                 "waiters",
-                "Requests of this sidecar waiting in a queue.",
+                "Requests of this sidecar currently waiting in a queue, by kind.",
                 &["kind"],
             ),
             renewals: counter(
                 r,
                 "renewals_total",
-                "Lease renewals (watchdog and keepalive) by result: ok, lost, error.",
+                "Lease renewals (watchdog and keepalive) by result: ok; lost (the lease was gone); \
+                 error (backend outage).",
                 &["result"],
             ),
             lost: counter(
                 r,
                 "lost_total",
-                "Leases that ended without their holder releasing them, by reason.",
+                "Leases of this sidecar that ended without their holder releasing them, by reason: \
+                 expired, force_released, max_hold, shutdown, backend.",
                 &["reason"],
             ),
             expirations: counter(
                 r,
                 "expirations_total",
-                "Leases of this sidecar that reached their expiry.",
+                "Leases of this sidecar that ran out of time (expired or max_hold), by kind.",
                 &["kind"],
             ),
             backend_ops: backend_label(
                 "backend_operations_total",
-                "Backend operations by operation.",
+                "Backend calls by operation.",
                 &["op"],
             ),
             backend_errors: backend_label(
                 "backend_errors_total",
-                "Backend operations that failed, by operation.",
+                "Backend calls that failed because the backend was unavailable, by operation.",
                 &["op"],
             ),
             backend_seconds,
             backend_up,
-            stale: gauge(r, "stale_locks", "Entries of /v1/stale at the last scan."),
+            stale: gauge(
+                r,
+                "stale_locks",
+                "Entries of /v1/stale at the last scan (every 60 s, and whenever /v1/stale or the \
+                 dashboard reads it).",
+            ),
             http_requests: counter(
                 r,
                 "http_requests_total",
-                "HTTP requests by method, route and status.",
+                "HTTP requests by method, route template and status.",
                 &["method", "route", "status"],
             ),
             http_seconds: histogram(
                 r,
                 "http_request_duration_seconds",
-                "HTTP request durations by method and route (to the response head).",
+                "Seconds from an HTTP request to its response head, by method and route template.",
                 &["method", "route"],
                 LATENCY_BUCKETS,
             ),
             force_releases: {
-                let c = IntCounter::new("force_releases_total", "Admin force-releases.")
-                    .expect("valid metric");
+                let c = IntCounter::new(
+                    "force_releases_total",
+                    "Admin force-releases performed (each may remove several holders).",
+                )
+                .expect("valid metric");
                 r.register(Box::new(c.clone())).expect("unique metric");
                 c
             },
             registry,
+        };
+        metrics.initialise_known_series();
+        metrics
+    }
+
+    /// Creates every series whose labels are known in advance, at 0.
+    fn initialise_known_series(&self) {
+        for &kind in KINDS {
+            let kind = kind_label(kind);
+            if self.lock_labels.is_none() {
+                for result in ACQUIRE_RESULTS {
+                    self.acquires.with_label_values(&[kind, result]);
+                }
+                self.wait.with_label_values(&[kind]);
+                self.hold.with_label_values(&[kind]);
+            }
+            self.held.with_label_values(&[kind]);
+            self.waiters.with_label_values(&[kind]);
+            self.expirations.with_label_values(&[kind]);
+        }
+        for result in RENEWAL_RESULTS {
+            self.renewals.with_label_values(&[result]);
+        }
+        for reason in LOST_REASONS {
+            self.lost.with_label_values(&[reason.as_str()]);
+        }
+        for op in BACKEND_OPS {
+            self.backend_ops.with_label_values(&[op]);
+            self.backend_errors.with_label_values(&[op]);
+            self.backend_seconds.with_label_values(&[op]);
         }
     }
 
@@ -280,5 +369,122 @@ pub fn kind_label(kind: Kind) -> &'static str {
     match kind {
         Kind::Lock => "lock",
         Kind::Semaphore => "semaphore",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lock::Name;
+
+    fn key(name: &str) -> LockKey {
+        LockKey {
+            kind: Kind::Lock,
+            name: Name::parse(name).expect("valid name"),
+        }
+    }
+
+    /// `(name, type)` of every `# TYPE` line, and the names with `# HELP`.
+    fn families(text: &str) -> (Vec<(String, String)>, HashSet<String>) {
+        let mut types = Vec::new();
+        let mut helps = HashSet::new();
+        for line in text.lines() {
+            let mut words = line.splitn(4, ' ');
+            match (words.next(), words.next(), words.next(), words.next()) {
+                (Some("#"), Some("TYPE"), Some(name), Some(kind)) => {
+                    types.push((name.to_owned(), kind.to_owned()));
+                }
+                (Some("#"), Some("HELP"), Some(name), Some(help)) if !help.trim().is_empty() => {
+                    helps.insert(name.to_owned());
+                }
+                _ => {}
+            }
+        }
+        (types, helps)
+    }
+
+    #[test]
+    fn every_family_has_help_and_the_right_type_before_any_traffic() {
+        let text = Metrics::new("memory", false).render();
+        let (types, helps) = families(&text);
+        for (name, kind) in [
+            ("sidelock_acquires_total", "counter"),
+            ("sidelock_wait_seconds", "histogram"),
+            ("sidelock_hold_seconds", "histogram"),
+            ("sidelock_held_locks", "gauge"),
+            ("sidelock_waiters", "gauge"),
+            ("sidelock_renewals_total", "counter"),
+            ("sidelock_lost_total", "counter"),
+            ("sidelock_expirations_total", "counter"),
+            ("sidelock_force_releases_total", "counter"),
+            ("sidelock_backend_operations_total", "counter"),
+            ("sidelock_backend_errors_total", "counter"),
+            ("sidelock_backend_operation_seconds", "histogram"),
+            ("sidelock_backend_up", "gauge"),
+            ("sidelock_stale_locks", "gauge"),
+        ] {
+            assert!(
+                types.contains(&(name.to_owned(), kind.to_owned())),
+                "{name} is not a {kind}:\n{text}"
+            );
+        }
+        for (name, _) in &types {
+            assert!(name.starts_with("sidelock_"), "{name}");
+            assert!(helps.contains(name), "{name} has no help text");
+        }
+        // Known series exist at 0 before anything happened.
+        for series in [
+            "sidelock_lost_total{reason=\"expired\"} 0",
+            "sidelock_lost_total{reason=\"force_released\"} 0",
+            "sidelock_acquires_total{kind=\"lock\",result=\"timeout\"} 0",
+            "sidelock_renewals_total{result=\"lost\"} 0",
+            "sidelock_waiters{kind=\"lock\"} 0",
+            "sidelock_backend_errors_total{backend=\"memory\",op=\"try_acquire\"} 0",
+            "sidelock_wait_seconds_count{kind=\"semaphore\"} 0",
+        ] {
+            assert!(text.contains(series), "missing {series}:\n{text}");
+        }
+    }
+
+    #[test]
+    fn latency_buckets_span_sub_millisecond_to_minutes() {
+        assert!(LATENCY_BUCKETS.first().is_some_and(|&b| b < 0.001));
+        assert!(LATENCY_BUCKETS.last().is_some_and(|&b| b >= 60.0));
+        assert!(HOLD_BUCKETS.last().is_some_and(|&b| b >= 3600.0));
+        for buckets in [LATENCY_BUCKETS, HOLD_BUCKETS] {
+            assert!(buckets.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+
+    #[test]
+    fn lock_labels_are_off_by_default() {
+        let m = Metrics::new("memory", false);
+        m.acquired(&key("orders"), "granted");
+        assert!(!m.render().contains("orders"));
+    }
+
+    #[test]
+    fn lock_labels_are_bounded() {
+        let m = Metrics::new("memory", true);
+        for i in 0..MAX_LOCK_LABELS + 100 {
+            let k = key(&format!("lock-{i}"));
+            m.acquired(&k, "granted");
+            m.observe(&m.wait, &k, Duration::from_millis(1));
+        }
+        let text = m.render();
+        let labelled: HashSet<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("sidelock_acquires_total{"))
+            .filter_map(|l| l.split("lock=\"").nth(1)?.split('"').next())
+            .collect();
+        assert_eq!(labelled.len(), MAX_LOCK_LABELS + 1, "500 names and _other");
+        assert!(labelled.contains("_other"));
+        assert!(labelled.contains("lock-0"));
+        assert!(!labelled.contains(format!("lock-{}", MAX_LOCK_LABELS).as_str()));
+        let other = text
+            .lines()
+            .find(|l| l.starts_with("sidelock_acquires_total{") && l.contains("lock=\"_other\""))
+            .expect("an _other series");
+        assert!(other.ends_with(" 100"), "{other}");
     }
 }

@@ -9,6 +9,7 @@ use crate::backend;
 use crate::clock::now_ms;
 use crate::config::Settings;
 use crate::core::{Core, Wakeups};
+use crate::dashboard::{self, Dashboard};
 use crate::http::{self, App};
 use crate::metrics::Metrics;
 use crate::shutdown;
@@ -47,6 +48,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         core: core.clone(),
         settings: settings.clone(),
         started_at_ms: now_ms(),
+        dashboard: Dashboard::new(&core.metrics, &settings.sidecar_id),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
@@ -61,6 +63,10 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         "listening on {local}"
     );
     core.tasks.spawn(monitor(core.clone()));
+    core.tasks.spawn(dashboard::stats::sample(
+        core.clone(),
+        app.dashboard.stats.clone(),
+    ));
 
     let router = http::router(app).into_make_service_with_connect_info::<std::net::SocketAddr>();
     let stop = token.clone();

@@ -319,11 +319,12 @@ impl Core {
             metrics: &self.metrics,
             kind: key.kind,
         };
-        let watch = match self.backend.watch(key).await {
+        let watch = match self.op("watch", self.backend.watch(key)).await {
             Ok(w) => w,
             Err(e) => {
                 let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
-                return Err(e.into());
+                self.metrics.acquired(key, "error");
+                return Err(e);
             }
         };
         let (local_pos, _) = place.position();
@@ -360,8 +361,8 @@ impl Core {
                         last = b;
                     }
                     Err(e) => {
+                        // `attempt` counted the failure.
                         let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
-                        self.metrics.acquired(key, "error");
                         return Err(e);
                     }
                 }
@@ -413,14 +414,16 @@ impl Core {
         });
     }
 
+    /// One acquire attempt; a failure is counted as the acquire's result
+    /// (`error` for an outage, `rejected` for a refused claim).
     async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
         let result = self
             .op("try_acquire", self.backend.try_acquire(claim, turn))
             .await;
-        if let Err(e) = &result
-            && !matches!(e, Error::Unavailable(_))
-        {
-            self.metrics.acquired(&claim.key, "rejected");
+        match &result {
+            Err(Error::Unavailable(_)) => self.metrics.acquired(&claim.key, "error"),
+            Err(_) => self.metrics.acquired(&claim.key, "rejected"),
+            Ok(_) => {}
         }
         result
     }

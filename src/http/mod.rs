@@ -32,6 +32,8 @@ pub struct App {
     pub core: Arc<Core>,
     pub settings: Settings,
     pub started_at_ms: u64,
+    /// The operator page's state (chart history, browser session).
+    pub dashboard: crate::dashboard::Dashboard,
 }
 
 #[derive(OpenApi)]
@@ -86,6 +88,7 @@ fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
         .routes(routes!(stale))
         .routes(routes!(events))
         .routes(routes!(ops::info))
+        .routes(routes!(crate::dashboard::stats::stats))
         .routes(routes!(force_release_lock))
         .routes(routes!(force_release_semaphore))
         .split_for_parts();
@@ -108,6 +111,8 @@ fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
 pub fn router(app: Arc<App>) -> Router {
     let (api, doc) = routes(&app);
     let doc = Arc::new(doc);
+    // The operator page at `/`, with its own compression and headers.
+    let api = api.merge(crate::dashboard::router());
     api.route(
         "/openapi.json",
         get(move || {

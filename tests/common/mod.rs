@@ -10,12 +10,14 @@
 //! * [`problem`]: [`assert_problem`] for RFC 9457 error responses.
 //! * [`cli`]: a guard for `sidelock run … -- CMD`.
 //! * [`redis`]: real `redis-server` processes on free ports.
+//! * [`browser`]: headless Chromium over WebDriver, for the dashboard.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
 
 pub mod api;
 pub mod backend;
+pub mod browser;
 pub mod cli;
 pub mod problem;
 pub mod process;

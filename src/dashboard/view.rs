@@ -1,0 +1,935 @@
+//! What the dashboard shows, gathered from the core and formatted for the
+//! templates. Every string here is data: the templates escape it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+
+use super::stats::{BUCKET_MS, Recent, StatsView};
+use crate::backend::{Safety, StaleKey};
+use crate::http::App;
+use crate::lock::{Kind, LockKey, Mode, Name};
+
+/// Locks per page unless `limit` says otherwise.
+pub const DEFAULT_LIMIT: usize = 50;
+/// Largest page.
+pub const MAX_LIMIT: usize = 500;
+/// Page sizes offered in the filter form.
+pub const LIMITS: [usize; 4] = [25, 50, 100, 200];
+/// How long the header's backend ping may take.
+pub const PING_TIMEOUT: Duration = Duration::from_millis(1500);
+/// Inspections run at once while building a page.
+const INSPECT_CONCURRENCY: usize = 16;
+/// Buckets the charts show: the last 5 minutes (the history keeps 15).
+pub const CHART_BUCKETS: usize = 60;
+/// A TTL below this is highlighted.
+const TTL_WARN_MS: u64 = 5_000;
+
+/// The query string of the page and its live fragment (all optional, all
+/// checked here so that a bad value shows a message instead of an error page).
+#[derive(Debug, Default, Clone, serde::Deserialize)]
+pub struct PageQuery {
+    pub prefix: Option<String>,
+    pub cursor: Option<String>,
+    pub limit: Option<String>,
+    pub page: Option<String>,
+}
+
+/// The backend's health at render time.
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub ok: bool,
+    /// `healthy`, `unreachable`, `no answer`, `shutting down`.
+    pub label: String,
+    pub detail: String,
+    /// Ready in the sense of `/readyz`.
+    pub ready: bool,
+}
+
+/// The filter and page position.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub prefix: String,
+    pub limit: usize,
+    pub page: u32,
+    pub cursor: Option<String>,
+    /// Why the filter could not be applied.
+    pub error: Option<String>,
+}
+
+impl Filter {
+    /// Reads the query, falling back to defaults with a message.
+    pub fn parse(q: &PageQuery) -> Filter {
+        let mut f = Filter {
+            prefix: q.prefix.clone().unwrap_or_default().trim().to_owned(),
+            limit: DEFAULT_LIMIT,
+            page: 1,
+            cursor: q.cursor.clone().filter(|c| !c.is_empty()),
+            error: None,
+        };
+        if let Some(limit) = q.limit.as_deref().filter(|l| !l.is_empty()) {
+            match limit.parse::<usize>() {
+                Ok(n) if (1..=MAX_LIMIT).contains(&n) => f.limit = n,
+                _ => f.error = Some(format!("page size must be 1 to {MAX_LIMIT}")),
+            }
+        }
+        if let Some(page) = q.page.as_deref().and_then(|p| p.parse::<u32>().ok()) {
+            f.page = page.max(1);
+        }
+        if f.cursor.is_none() {
+            f.page = 1;
+        }
+        if !f.prefix.is_empty()
+            && let Err(e) = Name::parse(&f.prefix)
+        {
+            f.error = Some(format!(
+                "prefix: {}",
+                e.replacen("lock name", "a lock name prefix", 1)
+            ));
+        }
+        f
+    }
+
+    /// The query string for a page of this filter.
+    pub fn href(&self, cursor: Option<&str>, page: u32) -> String {
+        let mut q = url::form_urlencoded::Serializer::new(String::new());
+        if !self.prefix.is_empty() {
+            q.append_pair("prefix", &self.prefix);
+        }
+        if self.limit != DEFAULT_LIMIT {
+            q.append_pair("limit", &self.limit.to_string());
+        }
+        if let Some(c) = cursor {
+            q.append_pair("cursor", c);
+            q.append_pair("page", &page.to_string());
+        }
+        let q = q.finish();
+        if q.is_empty() {
+            "/".into()
+        } else {
+            format!("/?{q}")
+        }
+    }
+
+    /// The page size when `limit` is not given.
+    pub fn default_limit(&self) -> usize {
+        DEFAULT_LIMIT
+    }
+
+    /// `(value, selected)` for the page-size menu.
+    pub fn limit_options(&self) -> Vec<(usize, bool)> {
+        let mut all: Vec<usize> = LIMITS.to_vec();
+        if !all.contains(&self.limit) {
+            all.push(self.limit);
+            all.sort_unstable();
+        }
+        all.into_iter().map(|l| (l, l == self.limit)).collect()
+    }
+}
+
+/// One holder row.
+#[derive(Debug, Clone)]
+pub struct HolderRow {
+    pub owner: String,
+    pub sidecar: String,
+    /// Held through this sidecar.
+    pub here: bool,
+    pub mode: &'static str,
+    pub since_ms: u64,
+    pub since_utc: String,
+    /// `07:45:52 UTC`: the time of day the lease was granted.
+    pub since_clock: String,
+    pub held_for: String,
+    /// Held longer than `--stale-after`.
+    pub long: bool,
+    pub expires_at_ms: u64,
+    pub ttl_left: String,
+    /// `ok`, `warn` (under 5 s) or `over` (past expiry, not yet cleaned up).
+    pub ttl_state: &'static str,
+    pub fence: u64,
+    pub count: u32,
+}
+
+/// One waiter, in queue order.
+#[derive(Debug, Clone)]
+pub struct WaiterRow {
+    pub position: usize,
+    pub owner: String,
+    pub sidecar: String,
+    pub here: bool,
+    pub mode: &'static str,
+    pub since_ms: u64,
+    pub waited: String,
+}
+
+/// One lock or semaphore on the page.
+#[derive(Debug, Clone)]
+pub struct LockGroup {
+    pub name: String,
+    /// `lock` or `semaphore`.
+    pub kind: &'static str,
+    /// `locks` or `semaphores` (API path segment).
+    pub path: &'static str,
+    pub fence: u64,
+    pub limit: Option<u32>,
+    pub holders: Vec<HolderRow>,
+    pub waiters: Vec<WaiterRow>,
+}
+
+impl LockGroup {
+    /// Owners of the current holders, for the queue cards.
+    pub fn holder_summary(&self) -> String {
+        match self.holders.len() {
+            0 => "nobody holds it (lock-delay or a grant in flight)".into(),
+            1 => format!("held by {}", self.holders[0].owner),
+            n => format!("{n} holders"),
+        }
+    }
+}
+
+/// One stale key.
+#[derive(Debug, Clone)]
+pub struct StaleRow {
+    pub key: String,
+    pub reason: String,
+    pub since_ms: u64,
+    pub age: String,
+    pub detail: String,
+}
+
+/// The summary tiles.
+#[derive(Debug, Clone, Default)]
+pub struct Tiles {
+    pub locks: usize,
+    pub holders: usize,
+    pub waiters: usize,
+    pub stale: Option<usize>,
+    pub rate: String,
+    pub refused: u64,
+    pub wait_p99: String,
+}
+
+/// An axis label of a chart.
+#[derive(Debug, Clone)]
+pub struct Tick {
+    pub label: String,
+    /// Position in chart units (0 at the bottom).
+    pub y: f64,
+}
+
+/// One bar of the acquisitions chart, in chart units.
+#[derive(Debug, Clone)]
+pub struct Bar {
+    pub x: f64,
+    pub width: f64,
+    pub granted_y: f64,
+    pub granted_h: f64,
+    pub refused_y: f64,
+    pub refused_h: f64,
+    pub title: String,
+}
+
+/// One line of the wait chart: SVG paths in chart units.
+#[derive(Debug, Clone)]
+pub struct Line {
+    pub class: &'static str,
+    pub label: &'static str,
+    /// The line through consecutive buckets.
+    pub d: String,
+    /// A marker at every point (zero-length segments drawn with round caps).
+    pub dots: String,
+    /// The percentile over the whole window, for the legend.
+    pub summary: String,
+}
+
+/// The two charts: plot areas are `CHART_BUCKETS` wide and 100 high; labels are HTML.
+#[derive(Debug, Clone, Default)]
+pub struct Charts {
+    pub width: usize,
+    pub bars: Vec<Bar>,
+    pub rate_ticks: Vec<Tick>,
+    pub lines: Vec<Line>,
+    pub wait_ticks: Vec<Tick>,
+    pub x_labels: Vec<&'static str>,
+    pub empty: bool,
+}
+
+/// Everything the page shows.
+#[derive(Debug, Clone)]
+pub struct View {
+    pub now_ms: u64,
+    pub sidecar: String,
+    pub version: &'static str,
+    pub backend_url: String,
+    pub backend_kind: &'static str,
+    pub safety: &'static str,
+    pub safety_note: &'static str,
+    pub started_at_ms: u64,
+    pub started_utc: String,
+    pub uptime: String,
+    pub health: Health,
+    pub held_here: usize,
+    pub waiting_here: usize,
+    pub api_token_required: bool,
+    pub admin_enabled: bool,
+    pub filter: Filter,
+    pub locks: Vec<LockGroup>,
+    pub list_error: Option<String>,
+    pub next_href: Option<String>,
+    pub first_href: Option<String>,
+    pub stale: Vec<StaleRow>,
+    pub stale_error: Option<String>,
+    pub tiles: Tiles,
+    pub charts: Charts,
+}
+
+impl View {
+    /// Whether any lock on the page has holders.
+    pub fn any_holders(&self) -> bool {
+        self.locks.iter().any(|l| !l.holders.is_empty())
+    }
+
+    /// The locks on the page with waiters.
+    pub fn queues(&self) -> Vec<&LockGroup> {
+        self.locks
+            .iter()
+            .filter(|l| !l.waiters.is_empty())
+            .collect()
+    }
+
+    /// When the page was rendered.
+    pub fn rendered_utc(&self) -> String {
+        fmt_utc(self.now_ms)
+    }
+
+    /// The link to this page's data as JSON, for scripts.
+    pub fn json_href(&self) -> String {
+        let mut q = url::form_urlencoded::Serializer::new(String::new());
+        if !self.filter.prefix.is_empty() {
+            q.append_pair("prefix", &self.filter.prefix);
+        }
+        q.append_pair("limit", &self.filter.limit.min(1000).to_string());
+        if let Some(c) = &self.filter.cursor {
+            q.append_pair("cursor", c);
+        }
+        format!("/v1/locks?{}", q.finish())
+    }
+}
+
+/// Facts about the sidecar that do not need the backend.
+pub struct Identity {
+    pub sidecar: String,
+    pub backend_url: String,
+    pub backend_kind: &'static str,
+    pub safety: Safety,
+    pub started_at_ms: u64,
+    pub held_here: usize,
+    pub waiting_here: usize,
+    pub api_token_required: bool,
+    pub admin_enabled: bool,
+    pub stale_after: Duration,
+}
+
+/// What the backend answered.
+pub struct Listing {
+    /// `(key, state)` of each lock on the page.
+    pub locks: Vec<(LockKey, crate::backend::State)>,
+    pub next_cursor: Option<String>,
+    pub error: Option<String>,
+}
+
+/// Gathers a page from the running sidecar.
+pub async fn gather(app: &Arc<App>, q: &PageQuery) -> View {
+    let core = &app.core;
+    let description = core.backend().describe();
+    let identity = Identity {
+        sidecar: core.sidecar.clone(),
+        backend_url: description.url,
+        backend_kind: description.kind,
+        safety: description.safety,
+        started_at_ms: app.started_at_ms,
+        held_here: core.held(),
+        waiting_here: core.waiting(),
+        api_token_required: app.settings.api_token.is_some(),
+        admin_enabled: app.settings.admin_token.is_some(),
+        stale_after: core.limits.stale_after,
+    };
+    let filter = Filter::parse(q);
+    let (health, listing, stale) = tokio::join!(
+        health(app),
+        listing(app, &filter),
+        app.dashboard.stale(&app.core)
+    );
+    let stats = app.dashboard.stats.view(&core.metrics);
+    let minute = app.dashboard.stats.recent(&core.metrics, 60_000);
+    let five = app.dashboard.stats.recent(&core.metrics, 300_000);
+    build(
+        identity, filter, health, listing, stale, &stats, &minute, &five,
+    )
+}
+
+async fn health(app: &App) -> Health {
+    if app.core.shutdown.is_cancelled() {
+        return Health {
+            ok: false,
+            label: "shutting down".into(),
+            detail: "SIGTERM received: releasing leases and refusing new ones".into(),
+            ready: false,
+        };
+    }
+    let started = Instant::now();
+    match tokio::time::timeout(PING_TIMEOUT, app.core.ping()).await {
+        Ok(Ok(())) => Health {
+            ok: true,
+            label: "healthy".into(),
+            detail: format!(
+                "answered a ping in {}",
+                fmt_latency_ms(started.elapsed().as_secs_f64() * 1000.0)
+            ),
+            ready: true,
+        },
+        Ok(Err(e)) => Health {
+            ok: false,
+            label: "unreachable".into(),
+            detail: format!("{e}; the sidecar log has the cause"),
+            ready: false,
+        },
+        Err(_) => Health {
+            ok: false,
+            label: "no answer".into(),
+            detail: format!(
+                "the backend did not answer a ping within {}",
+                fmt_duration_ms(PING_TIMEOUT.as_millis() as u64)
+            ),
+            ready: false,
+        },
+    }
+}
+
+fn parse_cursor(cursor: &str) -> Option<LockKey> {
+    let (kind, name) = cursor.split_once('/')?;
+    let kind = match kind {
+        "locks" => Kind::Lock,
+        "semaphores" => Kind::Semaphore,
+        _ => return None,
+    };
+    Some(LockKey {
+        kind,
+        name: Name::parse(name).ok()?,
+    })
+}
+
+async fn listing(app: &App, filter: &Filter) -> Listing {
+    let empty = |error: Option<String>| Listing {
+        locks: Vec::new(),
+        next_cursor: None,
+        error,
+    };
+    if filter.error.is_some() {
+        return empty(None);
+    }
+    let after = match filter.cursor.as_deref().map(parse_cursor) {
+        None => None,
+        Some(Some(key)) => Some(key),
+        Some(None) => {
+            return empty(Some(
+                "the page cursor is not valid; start from the first page".into(),
+            ));
+        }
+    };
+    let rows = match app
+        .core
+        .list(&filter.prefix, after.as_ref(), filter.limit)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => return empty(Some(format!("listing failed: {e}"))),
+    };
+    let next_cursor = (rows.len() == filter.limit)
+        .then(|| rows.last().map(|r| r.key.to_string()))
+        .flatten();
+    let core = &app.core;
+    let inspected: Vec<_> = futures::stream::iter(rows)
+        .map(|row| async move {
+            let state = core.inspect(&row.key).await;
+            (row.key, state)
+        })
+        .buffered(INSPECT_CONCURRENCY)
+        .collect()
+        .await;
+    let mut locks = Vec::with_capacity(inspected.len());
+    let mut error = None;
+    for (key, state) in inspected {
+        match state {
+            Ok(state) => locks.push((key, state)),
+            Err(e) => error = Some(format!("inspecting {key} failed: {e}")),
+        }
+    }
+    Listing {
+        locks,
+        next_cursor,
+        error,
+    }
+}
+
+fn mode_label(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Exclusive => "exclusive",
+        Mode::Shared => "shared",
+    }
+}
+
+/// Builds the view from gathered facts (no I/O; the rendering tests use it directly).
+#[allow(clippy::too_many_arguments)]
+pub fn build(
+    id: Identity,
+    filter: Filter,
+    health: Health,
+    listing: Listing,
+    stale: Result<Vec<StaleKey>, String>,
+    stats: &StatsView,
+    minute: &Recent,
+    five: &Recent,
+) -> View {
+    let now = stats.now_ms.max(1);
+    let stale_after_ms = id.stale_after.as_millis() as u64;
+    let locks: Vec<LockGroup> = listing
+        .locks
+        .into_iter()
+        .map(|(key, state)| {
+            let holders = state
+                .holders
+                .into_iter()
+                .map(|h| {
+                    let held = now.saturating_sub(h.since_ms);
+                    let left = h.expires_at_ms.saturating_sub(now);
+                    HolderRow {
+                        here: h.sidecar == id.sidecar,
+                        owner: h.owner,
+                        sidecar: h.sidecar,
+                        mode: if key.kind == Kind::Semaphore {
+                            "permit"
+                        } else {
+                            mode_label(h.mode)
+                        },
+                        since_ms: h.since_ms,
+                        since_utc: fmt_utc(h.since_ms),
+                        since_clock: fmt_utc(h.since_ms)[11..].to_owned(),
+                        held_for: fmt_duration_ms(held),
+                        long: held > stale_after_ms,
+                        expires_at_ms: h.expires_at_ms,
+                        ttl_left: if h.expires_at_ms <= now {
+                            "expired".into()
+                        } else {
+                            fmt_duration_ms(left)
+                        },
+                        ttl_state: if h.expires_at_ms <= now {
+                            "over"
+                        } else if left < TTL_WARN_MS {
+                            "warn"
+                        } else {
+                            "ok"
+                        },
+                        fence: h.fence,
+                        count: h.count,
+                    }
+                })
+                .collect();
+            let mut waiters: Vec<WaiterRow> = state
+                .waiters
+                .into_iter()
+                .map(|w| WaiterRow {
+                    position: w.position,
+                    here: w.sidecar == id.sidecar,
+                    owner: w.owner,
+                    sidecar: w.sidecar,
+                    mode: if key.kind == Kind::Semaphore {
+                        "permit"
+                    } else {
+                        mode_label(w.mode)
+                    },
+                    since_ms: w.since_ms,
+                    waited: fmt_duration_ms(now.saturating_sub(w.since_ms)),
+                })
+                .collect();
+            waiters.sort_by_key(|w| w.position);
+            LockGroup {
+                name: key.name.to_string(),
+                kind: crate::metrics::kind_label(key.kind),
+                path: key.kind.plural(),
+                fence: state.fence,
+                limit: state.limit,
+                holders,
+                waiters,
+            }
+        })
+        .collect();
+    let (stale, stale_error) = match stale {
+        Ok(list) => (
+            list.into_iter()
+                .map(|s| StaleRow {
+                    since_ms: now.saturating_sub(s.age_ms),
+                    age: fmt_duration_ms(s.age_ms),
+                    key: s.key,
+                    reason: s.reason.to_owned(),
+                    detail: s.detail,
+                })
+                .collect(),
+            None,
+        ),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let tiles = Tiles {
+        locks: locks.len(),
+        holders: locks.iter().map(|l| l.holders.len()).sum(),
+        waiters: locks.iter().map(|l| l.waiters.len()).sum(),
+        stale: stale_error.is_none().then_some(stale.len()),
+        rate: fmt_rate(minute.granted_per_second),
+        refused: minute.refused,
+        wait_p99: five
+            .wait_p99_ms
+            .map_or_else(|| "–".to_owned(), fmt_latency_ms),
+    };
+    let next_href = listing
+        .next_cursor
+        .as_deref()
+        .map(|c| filter.href(Some(c), filter.page + 1));
+    let first_href = filter.cursor.is_some().then(|| filter.href(None, 1));
+    let (safety, safety_note) = match id.safety {
+        Safety::SingleProcess => (
+            "single-process",
+            "locks exist inside this one sidecar only (development and tests)",
+        ),
+        Safety::Efficiency => (
+            "efficiency",
+            "good for avoiding duplicate work; a failover or clock jump can break exclusion — use fences",
+        ),
+        Safety::Correctness => (
+            "correctness",
+            "exclusion holds through failures; fences make writes safe",
+        ),
+    };
+    View {
+        now_ms: now,
+        sidecar: id.sidecar,
+        version: env!("CARGO_PKG_VERSION"),
+        backend_url: id.backend_url,
+        backend_kind: id.backend_kind,
+        safety,
+        safety_note,
+        started_at_ms: id.started_at_ms,
+        started_utc: fmt_utc(id.started_at_ms),
+        uptime: fmt_duration_ms(now.saturating_sub(id.started_at_ms)),
+        health,
+        held_here: id.held_here,
+        waiting_here: id.waiting_here,
+        api_token_required: id.api_token_required,
+        admin_enabled: id.admin_enabled,
+        filter,
+        locks,
+        list_error: listing.error,
+        next_href,
+        first_href,
+        stale,
+        stale_error,
+        tiles,
+        charts: charts(stats, five),
+    }
+}
+
+/// Rounds `v` up to 1, 2 or 5 times a power of ten.
+fn nice_ceiling(v: f64) -> f64 {
+    if v <= 1.0 {
+        return 1.0;
+    }
+    let magnitude = 10f64.powf(v.log10().floor());
+    for step in [1.0, 2.0, 5.0, 10.0] {
+        if v <= step * magnitude {
+            return step * magnitude;
+        }
+    }
+    10.0 * magnitude
+}
+
+/// The lowest and highest decade on the wait chart, in milliseconds (as log10).
+const WAIT_MIN_DECADE: i32 = -1; // 0.1 ms
+const WAIT_MIN_TOP_DECADE: i32 = 2; // at least up to 100 ms
+
+fn charts(stats: &StatsView, window: &Recent) -> Charts {
+    let window_start =
+        bucket_floor(stats.now_ms).saturating_sub(BUCKET_MS * (CHART_BUCKETS as u64 - 1));
+    let slot = |start_ms: u64| (start_ms.saturating_sub(window_start) / BUCKET_MS) as f64;
+    let visible: Vec<_> = stats
+        .buckets
+        .iter()
+        .filter(|b| b.start_ms >= window_start)
+        .collect();
+
+    let per_second = |n: u64, b: &super::stats::Bucket| {
+        let elapsed = if b.partial {
+            stats.now_ms.saturating_sub(b.start_ms).max(1000)
+        } else {
+            BUCKET_MS
+        };
+        n as f64 * 1000.0 / elapsed as f64
+    };
+    let top = visible
+        .iter()
+        .map(|b| per_second(b.granted + b.busy + b.timeout, b))
+        .fold(0.0, f64::max);
+    let rate_max = nice_ceiling(top);
+    let scale = |v: f64| (v / rate_max * 100.0).min(100.0);
+    let bars = visible
+        .iter()
+        .filter(|b| b.granted + b.busy + b.timeout > 0)
+        .map(|b| {
+            let g = scale(per_second(b.granted, b));
+            let r = scale(per_second(b.busy + b.timeout, b));
+            let ago = stats.now_ms.saturating_sub(b.start_ms);
+            Bar {
+                x: slot(b.start_ms) + 0.1,
+                width: 0.8,
+                granted_y: round2(100.0 - g),
+                granted_h: round2(g),
+                refused_y: round2(100.0 - g - r),
+                refused_h: round2(r),
+                title: format!(
+                    "{} ago: {} granted ({}/s), {} busy, {} timed out",
+                    fmt_duration_ms(ago - ago % 1000),
+                    b.granted,
+                    fmt_rate(per_second(b.granted, b)),
+                    b.busy,
+                    b.timeout
+                ),
+            }
+        })
+        .collect();
+    let rate_ticks = [1.0, 0.5, 0.0]
+        .iter()
+        .map(|f| Tick {
+            label: format!("{}/s", fmt_rate(rate_max * f)),
+            y: round2(f * 100.0),
+        })
+        .collect();
+
+    let highest = visible
+        .iter()
+        .filter_map(|b| b.wait_p99_ms)
+        .fold(0.0, f64::max);
+    let top_decade = if highest > 0.0 {
+        (highest.log10().ceil() as i32).max(WAIT_MIN_TOP_DECADE)
+    } else {
+        WAIT_MIN_TOP_DECADE
+    };
+    let decades = f64::from(top_decade - WAIT_MIN_DECADE);
+    let y_of = |ms: f64| {
+        let v = ms.max(10f64.powi(WAIT_MIN_DECADE)).log10();
+        ((v - f64::from(WAIT_MIN_DECADE)) / decades * 100.0).clamp(0.0, 100.0)
+    };
+    let line =
+        |class, label, summary: Option<f64>, pick: fn(&super::stats::Bucket) -> Option<f64>| {
+            let mut d = String::new();
+            let mut dots = String::new();
+            let mut previous: Option<f64> = None;
+            for b in &visible {
+                let x = slot(b.start_ms) + 0.5;
+                match pick(b) {
+                    Some(ms) => {
+                        let y = 100.0 - y_of(ms);
+                        let joined = previous.is_some_and(|px| x - px <= 1.5);
+                        d.push_str(&format!("{}{x:.1} {y:.2} ", if joined { "L" } else { "M" }));
+                        dots.push_str(&format!("M{x:.1} {y:.2} L{x:.1} {y:.2} "));
+                        previous = Some(x);
+                    }
+                    None => previous = None,
+                }
+            }
+            Line {
+                class,
+                label,
+                d: d.trim_end().to_owned(),
+                dots: dots.trim_end().to_owned(),
+                summary: summary.map_or_else(|| "–".into(), fmt_latency_ms),
+            }
+        };
+    let lines = vec![
+        line("p50", "p50", window.wait_p50_ms, |b| b.wait_p50_ms),
+        line("p90", "p90", window.wait_p90_ms, |b| b.wait_p90_ms),
+        line("p99", "p99", window.wait_p99_ms, |b| b.wait_p99_ms),
+    ];
+    let wait_ticks = (WAIT_MIN_DECADE..=top_decade)
+        .rev()
+        .map(|decade| Tick {
+            label: fmt_latency_ms(10f64.powi(decade)),
+            y: round2(y_of(10f64.powi(decade))),
+        })
+        .collect();
+    Charts {
+        width: CHART_BUCKETS,
+        empty: visible.iter().all(|b| b.granted + b.busy + b.timeout == 0),
+        bars,
+        rate_ticks,
+        lines,
+        wait_ticks,
+        x_labels: vec!["5 min ago", "4 min", "3 min", "2 min", "1 min", "now"],
+    }
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+fn bucket_floor(ms: u64) -> u64 {
+    ms - ms % BUCKET_MS
+}
+
+/// `850 ms`, `12 s`, `2m 03s`, `1h 02m`, `3d 04h` (the same as the page's script).
+pub fn fmt_duration_ms(ms: u64) -> String {
+    let s = ms / 1000;
+    if ms < 1000 {
+        format!("{ms} ms")
+    } else if s < 60 {
+        format!("{s} s")
+    } else if s < 3600 {
+        format!("{}m {:02}s", s / 60, s % 60)
+    } else if s < 86_400 {
+        format!("{}h {:02}m", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{}d {:02}h", s / 86_400, s % 86_400 / 3600)
+    }
+}
+
+/// A latency: `0.25 ms`, `3.2 ms`, `45 ms`, `1.3 s`, `2m 05s`.
+pub fn fmt_latency_ms(ms: f64) -> String {
+    if ms < 0.1 {
+        // Below the lowest histogram bucket: more digits would be invented.
+        "< 0.1 ms".into()
+    } else if ms < 1.0 {
+        format!("{} ms", trim_float(ms, 2))
+    } else if ms < 10.0 {
+        format!("{} ms", trim_float(ms, 1))
+    } else if ms < 1000.0 {
+        format!("{:.0} ms", ms)
+    } else if ms < 60_000.0 {
+        format!("{} s", trim_float(ms / 1000.0, 1))
+    } else {
+        fmt_duration_ms(ms as u64)
+    }
+}
+
+/// A rate: `0`, `0.4`, `12`, `1.2k`.
+pub fn fmt_rate(v: f64) -> String {
+    if v <= 0.0 {
+        "0".into()
+    } else if v < 10.0 {
+        trim_float(v, 1)
+    } else if v < 1000.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{}k", trim_float(v / 1000.0, 1))
+    }
+}
+
+fn trim_float(v: f64, decimals: usize) -> String {
+    let s = format!("{v:.decimals$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        s
+    }
+}
+
+/// `2026-11-21 07:45:52 UTC`.
+pub fn fmt_utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    let t = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        t / 3600,
+        t % 3600 / 60,
+        t % 60
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian
+/// (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_like_an_operator_expects() {
+        assert_eq!(fmt_duration_ms(0), "0 ms");
+        assert_eq!(fmt_duration_ms(850), "850 ms");
+        assert_eq!(fmt_duration_ms(12_400), "12 s");
+        assert_eq!(fmt_duration_ms(123_000), "2m 03s");
+        assert_eq!(fmt_duration_ms(3_720_000), "1h 02m");
+        assert_eq!(fmt_duration_ms(273_600_000), "3d 04h");
+        assert_eq!(fmt_latency_ms(0.04), "< 0.1 ms");
+        assert_eq!(fmt_latency_ms(0.25), "0.25 ms");
+        assert_eq!(fmt_latency_ms(3.21), "3.2 ms");
+        assert_eq!(fmt_latency_ms(45.4), "45 ms");
+        assert_eq!(fmt_latency_ms(1300.0), "1.3 s");
+        assert_eq!(fmt_latency_ms(125_000.0), "2m 05s");
+        assert_eq!(fmt_rate(0.0), "0");
+        assert_eq!(fmt_rate(0.45), "0.5");
+        assert_eq!(fmt_rate(2.0), "2");
+        assert_eq!(fmt_rate(123.4), "123");
+        assert_eq!(fmt_rate(1234.0), "1.2k");
+    }
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(fmt_utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(fmt_utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+        assert_eq!(fmt_utc(1_795_246_486_004), "2026-11-21 07:34:46 UTC");
+    }
+
+    #[test]
+    fn nice_ceilings() {
+        assert_eq!(nice_ceiling(0.0), 1.0);
+        assert_eq!(nice_ceiling(1.5), 2.0);
+        assert_eq!(nice_ceiling(3.0), 5.0);
+        assert_eq!(nice_ceiling(7.0), 10.0);
+        assert_eq!(nice_ceiling(120.0), 200.0);
+    }
+
+    #[test]
+    fn filter_checks_its_input() {
+        let f = Filter::parse(&PageQuery {
+            prefix: Some("bad prefix!".into()),
+            limit: Some("9999".into()),
+            ..Default::default()
+        });
+        assert!(f.error.is_some());
+        let f = Filter::parse(&PageQuery {
+            prefix: Some("billing:".into()),
+            limit: Some("100".into()),
+            cursor: Some("locks/billing:x".into()),
+            page: Some("3".into()),
+        });
+        assert_eq!(f.error, None);
+        assert_eq!((f.limit, f.page), (100, 3));
+        assert_eq!(
+            f.href(Some("locks/billing:y"), 4),
+            "/?prefix=billing%3A&limit=100&cursor=locks%2Fbilling%3Ay&page=4"
+        );
+        assert_eq!(f.href(None, 1), "/?prefix=billing%3A&limit=100");
+        assert_eq!(Filter::parse(&PageQuery::default()).href(None, 1), "/");
+    }
+}
