@@ -6,6 +6,7 @@
 //! that maps a `--backend` URL to an implementation.
 
 pub mod memory;
+pub mod postgres;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -289,16 +290,35 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
+/// Settings some backends need besides their URL (from the configuration).
+#[derive(Debug, Clone, Default)]
+pub struct BackendOptions {
+    /// This sidecar's id (`--sidecar-id`), shown with its leases and waiters.
+    pub sidecar_id: String,
+    /// PostgreSQL: the schema of sidelock's tables (`--pg-schema`; `sidelock` when `None`).
+    pub pg_schema: Option<String>,
+    /// PostgreSQL: a hand-written lock table whose rows `/v1/stale` lists as
+    /// `no-expiry` (`--legacy-table`).
+    pub legacy_table: Option<String>,
+}
+
 /// Opens the backend a `--backend` URL names.
 ///
 /// # Errors
 /// A sentence for the operator when the URL's scheme is unknown or it is malformed.
-pub async fn open(url: &str, wakeups: Wakeups) -> Result<Arc<dyn Backend>, String> {
+pub async fn open(
+    url: &str,
+    wakeups: Wakeups,
+    options: &BackendOptions,
+) -> Result<Arc<dyn Backend>, String> {
     let parsed = url::Url::parse(url).map_err(|e| format!("backend URL {url:?}: {e}"))?;
     match parsed.scheme() {
         "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
+        "postgres" | "postgresql" => Ok(Arc::new(
+            postgres::Postgres::open(url, wakeups, options).await?,
+        )),
         other => Err(format!(
-            "backend URL scheme {other:?} is not supported by this build; use memory://"
+            "backend URL scheme {other:?} is not supported by this build; use memory:// or postgres://"
         )),
     }
 }
