@@ -23,9 +23,10 @@
 //!   [`HEARTBEAT_EVERY`] whatever the number of waiters. It also removes the
 //!   waiters of sidecars that stopped heartbeating and cleans expired rows.
 
+use std::collections::HashSet;
 use std::error::Error as StdError;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -54,6 +55,9 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 pub const ORPHAN_AFTER: Duration = Duration::from_secs(5);
 /// A waiter whose sidecar has not sent a heartbeat for this long leaves the queue.
 pub const LAPSE_AFTER: Duration = Duration::from_secs(10);
+/// A waiter row of this sidecar that no request knows of (its join's answer
+/// was lost) is removed once it is this old: longer than any join can take.
+pub const GHOST_AFTER: Duration = Duration::from_secs(10);
 /// Longest wait for a pooled connection, or to open one: an outage answers 503 this fast.
 const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest time one operation may take before it counts as an outage.
@@ -66,6 +70,8 @@ const LISTEN_WAIT: Duration = Duration::from_secs(2);
 /// First and longest pause between reconnection attempts.
 const MIN_BACKOFF: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Clock-offset changes up to this are measurement noise (see [`Inner::adopt_offset`]).
+const OFFSET_SLACK_MS: i64 = 10;
 /// Most stale entries reported per reason source.
 const STALE_LIMIT: i64 = 1000;
 
@@ -108,7 +114,16 @@ struct Inner {
     listening: watch::Sender<bool>,
     /// Local clock minus database clock, in ms (see [`Inner::local`]).
     offset_ms: AtomicI64,
+    /// This sidecar's tickets: the ones requests wait with, and the ones whose
+    /// dequeue failed; the heartbeat removes every other row of this instance.
+    tickets: Mutex<Tickets>,
     stop: CancellationToken,
+}
+
+#[derive(Default)]
+struct Tickets {
+    live: HashSet<u64>,
+    gone: HashSet<u64>,
 }
 
 /// The statements, with the schema filled in.
@@ -145,7 +160,7 @@ impl Sql {
             list: fill(LIST_SQL),
             stale: fill(STALE_SQL),
             force_release: fill("SELECT {s}.force_release($1, $2)::text"),
-            heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3)::text"),
+            heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text"),
             leave: fill("SELECT 1 FROM {s}.leave($1)"),
         }
     }
@@ -555,6 +570,22 @@ impl Inner {
         u64::try_from(db_ms.saturating_add(offset)).unwrap_or(0)
     }
 
+    /// Takes a re-measured clock offset when it differs by more than
+    /// [`OFFSET_SLACK_MS`] (the database's clock moved, or another server took
+    /// over); smaller differences are measurement noise, and keeping the
+    /// offset keeps the times reported for one lease consistent.
+    fn adopt_offset(&self, measured: i64) {
+        let current = self.offset_ms.load(Ordering::Relaxed);
+        if (measured - current).abs() > OFFSET_SLACK_MS {
+            tracing::info!(
+                from_ms = current,
+                to_ms = measured,
+                "the database clock moved against ours; adopting the new offset"
+            );
+            self.offset_ms.store(measured, Ordering::Relaxed);
+        }
+    }
+
     /// A database deadline as a local moment that is never early: the time
     /// left, counted from now (after the answer arrived), plus 1 ms.
     fn local_deadline(&self, at_db: i64, now_db: i64) -> u64 {
@@ -571,6 +602,39 @@ impl Inner {
             fence: h.fence,
             count: h.count,
         }
+    }
+
+    fn tickets(&self) -> std::sync::MutexGuard<'_, Tickets> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends one heartbeat on `client` (see `heartbeat` in the SQL).
+    async fn heartbeat(
+        &self,
+        client: &tokio_postgres::Client,
+        statement: &tokio_postgres::Statement,
+    ) -> Result<(), tokio_postgres::Error> {
+        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
+            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
+        };
+        let (live, gone) = {
+            let t = self.tickets();
+            (as_i64(&t.live), as_i64(&t.gone))
+        };
+        let params: [&(dyn ToSql + Sync); 6] = [
+            &self.instance,
+            &self.sidecar,
+            &ms_i64(LAPSE_AFTER),
+            &live,
+            &gone,
+            &ms_i64(GHOST_AFTER),
+        ];
+        client.query_one(statement, &params).await?;
+        let mut t = self.tickets();
+        for seq in gone {
+            t.gone.remove(&u64::try_from(seq).unwrap_or(0));
+        }
+        Ok(())
     }
 
     fn not_ready(&self, op: &'static str) -> Option<Error> {
@@ -657,12 +721,7 @@ impl Inner {
         let offset = measure_offset(&client).await?;
         self.offset_ms.store(offset, Ordering::Relaxed);
         let statement = client.prepare_cached(&self.sql.heartbeat).await?;
-        client
-            .query_one(
-                &statement,
-                &[&self.instance, &self.sidecar, &ms_i64(LAPSE_AFTER)],
-            )
-            .await?;
+        self.heartbeat(&client, &statement).await?;
         self.ready.send_replace(true);
         Ok(())
     }
@@ -801,7 +860,7 @@ impl Inner {
             }
         };
         match measure_offset(&client).await {
-            Ok(offset) => self.offset_ms.store(offset, Ordering::Relaxed),
+            Ok(offset) => self.adopt_offset(offset),
             Err(e) => {
                 tracing::warn!(error = %chain(&e), "cannot read the database clock");
                 return;
@@ -814,7 +873,6 @@ impl Inner {
         for key in self.wakeups.keys() {
             self.wakeups.wake(&key);
         }
-        let lapse = ms_i64(LAPSE_AFTER);
         let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -831,8 +889,7 @@ impl Inner {
                     }
                 },
                 _ = ticker.tick() => {
-                    let params: [&(dyn ToSql + Sync); 3] = [&self.instance, &self.sidecar, &lapse];
-                    match tokio::time::timeout(OP_TIMEOUT, client.query_one(&beat, &params)).await {
+                    match tokio::time::timeout(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => {
                             tracing::warn!(error = %chain(&e), "heartbeat failed; reconnecting");
@@ -1029,6 +1086,7 @@ impl Postgres {
             ready: watch::channel(false).0,
             listening: watch::channel(false).0,
             offset_ms: AtomicI64::new(0),
+            tickets: Mutex::default(),
             stop: CancellationToken::new(),
         });
         match tokio::time::timeout(Duration::from_secs(15), inner.setup()).await {
@@ -1108,6 +1166,18 @@ impl Backend for Postgres {
             op: "try_acquire",
             source: "acquire returned NULL".into(),
         })?;
+        match (&reply, turn) {
+            (AcquireReply::Busy(b), _) => {
+                if let Some(seq) = b.seq {
+                    inner.tickets().live.insert(seq);
+                }
+            }
+            // The grant removed the ticket.
+            (AcquireReply::Granted(_), Turn::Queued(ticket)) => {
+                inner.tickets().live.remove(&ticket.seq);
+            }
+            _ => {}
+        }
         match reply {
             AcquireReply::Granted(g) => Ok(Attempt::Granted(Grant {
                 token: Token::from_client(g.token),
@@ -1132,12 +1202,16 @@ impl Backend for Postgres {
     }
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        let inner = &self.inner;
+        inner.tickets().live.remove(&ticket.seq);
         let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
-        let _: bool = self
-            .inner
-            .value("dequeue", &self.inner.sql.dequeue, &[&seq])
-            .await?;
-        Ok(())
+        let result: Result<bool, Error> = inner.value("dequeue", &inner.sql.dequeue, &[&seq]).await;
+        if result.is_err() {
+            // The row must not stay at the head of the queue: the heartbeat
+            // removes it once the database is back.
+            inner.tickets().gone.insert(ticket.seq);
+        }
+        result.map(|_| ())
     }
 
     async fn renew(

@@ -15,6 +15,8 @@ use super::sidecar::{SidecarBuilder, SidecarGuard};
 pub enum TestBackend {
     /// `memory://`: in-process, one sidecar only.
     Memory,
+    /// `postgres://` on the machine's server, in a schema of the test's own.
+    Postgres,
 }
 
 impl TestBackend {
@@ -24,8 +26,18 @@ impl TestBackend {
             TestBackend::Memory => BackendGuard {
                 backend: self,
                 url: "memory://".to_owned(),
+                env: Vec::new(),
                 server: None,
             },
+            TestBackend::Postgres => {
+                let schema = super::postgres::TestSchema::new().await;
+                BackendGuard {
+                    backend: self,
+                    url: schema.url.clone(),
+                    env: vec![("SIDELOCK_PG_SCHEMA".to_owned(), schema.name.clone())],
+                    server: Some(Box::new(schema)),
+                }
+            }
         }
     }
 
@@ -34,6 +46,7 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
+            TestBackend::Postgres => true,
         }
     }
 
@@ -41,6 +54,7 @@ impl TestBackend {
     pub fn info_kind(self) -> &'static str {
         match self {
             TestBackend::Memory => "memory",
+            TestBackend::Postgres => "postgres",
         }
     }
 
@@ -48,6 +62,7 @@ impl TestBackend {
     pub fn safety(self) -> &'static str {
         match self {
             TestBackend::Memory => "single-process",
+            TestBackend::Postgres => "correctness",
         }
     }
 }
@@ -57,6 +72,8 @@ impl TestBackend {
 pub struct BackendGuard {
     backend: TestBackend,
     url: String,
+    /// Environment every sidecar on this backend gets (e.g. its PostgreSQL schema).
+    env: Vec<(String, String)>,
     /// The guard of a backend server started for this test (none for memory).
     server: Option<Box<dyn Any + Send>>,
 }
@@ -73,7 +90,14 @@ impl BackendGuard {
 
     /// A sidecar builder on this backend, for tests that need extra flags.
     pub fn sidecar(&self) -> SidecarBuilder {
-        SidecarBuilder::new(&self.url)
+        self.env
+            .iter()
+            .fold(SidecarBuilder::new(&self.url), |b, (k, v)| b.env(k, v))
+    }
+
+    /// The started server's guard, e.g. [`super::postgres::TestSchema`].
+    pub fn server<T: 'static>(&self) -> Option<&T> {
+        self.server.as_ref()?.downcast_ref()
     }
 
     /// A sidecar with default settings.
@@ -108,4 +132,5 @@ impl BackendGuard {
 #[template]
 #[rstest]
 #[case::memory(crate::common::TestBackend::Memory)]
+#[case::postgres(crate::common::TestBackend::Postgres)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

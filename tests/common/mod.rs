@@ -9,6 +9,8 @@
 //! * [`sse`]: a small Server-Sent-Events reader with deadlines.
 //! * [`problem`]: [`assert_problem`] for RFC 9457 error responses.
 //! * [`cli`]: a guard for `sidelock run … -- CMD`.
+//! * [`postgres`]: a schema per test on the machine's PostgreSQL, and
+//!   throwaway clusters for tests that restart the server.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
@@ -16,6 +18,7 @@
 pub mod api;
 pub mod backend;
 pub mod cli;
+pub mod postgres;
 pub mod problem;
 pub mod process;
 pub mod sidecar;

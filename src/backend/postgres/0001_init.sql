@@ -417,10 +417,13 @@ END
 $fn$;
 
 -- A sidecar's heartbeat, one statement per interval: refreshes its own row,
--- removes sidecars that stopped heartbeating together with their waiters,
--- and cleans expired leases. Row locks held by others are skipped, never
--- waited for.
-CREATE FUNCTION {s}.heartbeat(p_instance text, p_sidecar text, p_lapse_ms bigint)
+-- removes its own tickets that no request waits for any more (`p_gone`:
+-- dequeues that failed during an outage; rows older than `p_ghost_ms` that
+-- are not in `p_live`: joins whose answer was lost), removes sidecars that
+-- stopped heartbeating together with their waiters, and cleans expired
+-- leases. Row locks held by others are skipped, never waited for.
+CREATE FUNCTION {s}.heartbeat(p_instance text, p_sidecar text, p_lapse_ms bigint,
+                              p_live bigint[], p_gone bigint[], p_ghost_ms bigint)
 RETURNS json
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -428,6 +431,7 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_keys text[];
     v_waiters bigint;
+    v_ghosts bigint;
     v_leases bigint := 0;
     v_n bigint;
     v_end timestamptz;
@@ -436,6 +440,19 @@ BEGIN
     INSERT INTO {s}.sidecars (instance, sidecar, started_at, heartbeat_at)
     VALUES (p_instance, p_sidecar, v_now, v_now)
     ON CONFLICT (instance) DO UPDATE SET heartbeat_at = excluded.heartbeat_at;
+
+    WITH gone AS (
+        DELETE FROM {s}.waiters
+         WHERE seq IN (SELECT seq FROM {s}.waiters
+                        WHERE instance = p_instance
+                          AND (seq = ANY (p_gone)
+                               OR (seq <> ALL (p_live)
+                                   AND queued_at < v_now - {s}.millis(p_ghost_ms)))
+                        FOR UPDATE SKIP LOCKED)
+        RETURNING kind, name)
+    SELECT count(*), array_agg(DISTINCT {s}.key_text(kind, name)) INTO v_ghosts, v_keys
+      FROM gone;
+    PERFORM pg_notify({channel}, k_text) FROM unnest(v_keys) AS u(k_text);
 
     WITH dead AS (
         DELETE FROM {s}.sidecars
@@ -467,7 +484,8 @@ BEGIN
         END IF;
     END LOOP;
 
-    RETURN json_build_object('now_ms', {s}.ms(v_now), 'waiters', v_waiters, 'leases', v_leases);
+    RETURN json_build_object('now_ms', {s}.ms(v_now), 'ghosts', v_ghosts, 'waiters', v_waiters,
+                             'leases', v_leases);
 END
 $fn$;
 
