@@ -47,14 +47,14 @@ CREATE INDEX leases_expires_at ON {s}.leases (expires_at);
 CREATE UNIQUE INDEX leases_one_exclusive ON {s}.leases (name)
     WHERE kind = 'lock' AND mode = 'exclusive';
 
--- One row per running sidecar process, refreshed by its heartbeat.
+-- One row per running sidecar process, refreshed by its heartbeat. (Small:
+-- no index on heartbeat_at, so the refresh stays a HOT update.)
 CREATE TABLE {s}.sidecars (
     instance     text PRIMARY KEY,
     sidecar      text NOT NULL,
     started_at   timestamptz NOT NULL,
     heartbeat_at timestamptz NOT NULL
 );
-CREATE INDEX sidecars_heartbeat_at ON {s}.sidecars (heartbeat_at);
 
 -- The global FIFO queue: one row per waiting request, ordered by seq.
 CREATE TABLE {s}.waiters (
