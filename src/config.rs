@@ -125,19 +125,19 @@ pub struct ServeArgs {
     /// Log format [default: text].
     #[arg(long, env = "SIDELOCK_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// PostgreSQL schema of sidelock's tables, created and migrated at start-up [default: sidelock].
+    #[arg(long, env = "SIDELOCK_PG_SCHEMA")]
+    pub pg_schema: Option<String>,
+    /// PostgreSQL hand-written lock table, `[schema.]table[(name_column[, time_column])]`,
+    /// whose rows /v1/stale lists as `no-expiry`.
+    #[arg(long, env = "SIDELOCK_LEGACY_TABLE")]
+    pub legacy_table: Option<String>,
     /// Bearer token every /v1 request must carry.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
     /// Bearer token of the admin API (force-release); without it the admin API answers 403.
     #[arg(long, env = "SIDELOCK_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// PostgreSQL backend: schema of sidelock's tables, created and migrated at start-up [default: sidelock].
-    #[arg(long, env = "SIDELOCK_PG_SCHEMA")]
-    pub pg_schema: Option<String>,
-    /// PostgreSQL backend: a hand-written lock table, `[schema.]table[(name_column[, time_column])]`,
-    /// whose rows /v1/stale lists as `no-expiry`.
-    #[arg(long, env = "SIDELOCK_LEGACY_TABLE")]
-    pub legacy_table: Option<String>,
 }
 
 /// Fills every unset setting of `$hi` from `$lo`.
@@ -151,7 +151,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
-            api_token, admin_token, pg_schema, legacy_table)
+            pg_schema, legacy_table, api_token, admin_token)
     }
 }
 
@@ -196,10 +196,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub api_token: Option<String>,
     pub admin_token: Option<String>,
-    /// PostgreSQL backend: schema of sidelock's tables.
-    pub pg_schema: String,
-    /// PostgreSQL backend: hand-written lock table listed by `/v1/stale`.
-    pub legacy_table: Option<String>,
+    pub backend_options: crate::backend::Options,
 }
 
 impl Settings {
@@ -251,18 +248,21 @@ impl Settings {
                 .listen
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7070))),
             backend: a.backend.unwrap_or_else(|| "memory://".into()),
-            sidecar_id,
+            sidecar_id: sidecar_id.clone(),
             limits,
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
             shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),
             admin_token: a.admin_token.filter(|t| !t.is_empty()),
-            pg_schema: a
-                .pg_schema
-                .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| "sidelock".into()),
-            legacy_table: a.legacy_table.filter(|t| !t.is_empty()),
+            backend_options: crate::backend::Options {
+                pg_schema: a
+                    .pg_schema
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or_else(|| "sidelock".into()),
+                legacy_table: a.legacy_table.filter(|t| !t.is_empty()),
+                sidecar: sidecar_id.clone(),
+            },
         })
     }
 }

@@ -27,12 +27,12 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let token = CancellationToken::new();
     shutdown::on_signal(token.clone());
     let wakeups = Wakeups::default();
-    let options = backend::BackendOptions {
-        sidecar_id: settings.sidecar_id.clone(),
-        pg_schema: Some(settings.pg_schema.clone()),
-        legacy_table: settings.legacy_table.clone(),
-    };
-    let backend = backend::open(&settings.backend, wakeups.clone(), &options).await?;
+    let backend = backend::open(
+        &settings.backend,
+        &settings.backend_options,
+        wakeups.clone(),
+    )
+    .await?;
     let description = backend.describe();
     let metrics = Arc::new(Metrics::new(description.kind, settings.metrics_lock_labels));
     let core = Core::new(

@@ -290,16 +290,26 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
-/// Settings some backends need besides their URL (from the configuration).
-#[derive(Debug, Clone, Default)]
-pub struct BackendOptions {
-    /// This sidecar's id (`--sidecar-id`), shown with its leases and waiters.
-    pub sidecar_id: String,
-    /// PostgreSQL: the schema of sidelock's tables (`--pg-schema`; `sidelock` when `None`).
-    pub pg_schema: Option<String>,
-    /// PostgreSQL: a hand-written lock table whose rows `/v1/stale` lists as
+/// Backend settings from the configuration.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// PostgreSQL: schema of sidelock's tables (`--pg-schema`).
+    pub pg_schema: String,
+    /// PostgreSQL: hand-written lock table whose rows `/v1/stale` lists as
     /// `no-expiry` (`--legacy-table`).
     pub legacy_table: Option<String>,
+    /// This sidecar's id, as its waiters carry it.
+    pub sidecar: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            pg_schema: "sidelock".into(),
+            legacy_table: None,
+            sidecar: String::new(),
+        }
+    }
 }
 
 /// Opens the backend a `--backend` URL names.
@@ -308,14 +318,14 @@ pub struct BackendOptions {
 /// A sentence for the operator when the URL's scheme is unknown or it is malformed.
 pub async fn open(
     url: &str,
+    options: &Options,
     wakeups: Wakeups,
-    options: &BackendOptions,
 ) -> Result<Arc<dyn Backend>, String> {
     let parsed = url::Url::parse(url).map_err(|e| format!("backend URL {url:?}: {e}"))?;
     match parsed.scheme() {
         "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
         "postgres" | "postgresql" => Ok(Arc::new(
-            postgres::Postgres::open(url, wakeups, options).await?,
+            postgres::Postgres::open(url, options, wakeups).await?,
         )),
         other => Err(format!(
             "backend URL scheme {other:?} is not supported by this build; use memory:// or postgres://"

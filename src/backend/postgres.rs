@@ -41,8 +41,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Attempt, Backend, BackendOptions, Busy, Description, Error, Grant, Holder, Loss, Safety,
-    StaleKey, State, Status, Summary, Ticket, Turn, Waiter, Watch,
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Options, Safety, StaleKey,
+    State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
@@ -1010,16 +1010,8 @@ impl Postgres {
     /// # Errors
     /// A sentence for the operator when the URL or a setting is malformed, or
     /// PostgreSQL refuses the schema (authentication, permissions).
-    pub async fn open(
-        url: &str,
-        wakeups: Wakeups,
-        options: &BackendOptions,
-    ) -> Result<Self, String> {
-        let schema = options
-            .pg_schema
-            .as_deref()
-            .unwrap_or("sidelock")
-            .to_owned();
+    pub async fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let schema = options.pg_schema.clone();
         validate_schema(&schema)?;
         let legacy = options
             .legacy_table
@@ -1051,7 +1043,7 @@ impl Postgres {
         }
         let app = config
             .get_application_name()
-            .map_or_else(|| format!("sidelock {}", options.sidecar_id), str::to_owned);
+            .map_or_else(|| format!("sidelock {}", options.sidecar), str::to_owned);
         config.application_name(&app);
         let mut listen_config = config.clone();
         listen_config.application_name(format!("{app} listen"));
@@ -1079,7 +1071,7 @@ impl Postgres {
             channel: format!("{schema}_wake"),
             schema: schema.clone(),
             instance,
-            sidecar: options.sidecar_id.clone(),
+            sidecar: options.sidecar.clone(),
             url: redact(url),
             legacy,
             wakeups,
