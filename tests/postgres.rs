@@ -350,6 +350,7 @@ async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_
     let grant = parked_waiter
         .expect_acquired_within(Duration::from_secs(10))
         .await;
+    let woken_after = released.elapsed();
     assert_eq!(grant.owner, "parked-waiter");
     assert!(
         released.elapsed() < Duration::from_secs(10),
@@ -374,12 +375,18 @@ async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_
     })
     .await;
 
+    let before = intervals.iter().filter(|i| i.granted < stopped).count();
+    let after = intervals.iter().filter(|i| i.granted > restarted).count();
+    eprintln!(
+        "restart under load: {} grants ({before} before the stop, {after} after the restart), \
+         {} answers 503, parked waiter granted {woken_after:?} after the release",
+        intervals.len(),
+        outages.load(Ordering::Relaxed)
+    );
     assert!(
         outages.load(Ordering::Relaxed) > 0,
         "no client saw a 503 while PostgreSQL was down"
     );
-    let before = intervals.iter().filter(|i| i.granted < stopped).count();
-    let after = intervals.iter().filter(|i| i.granted > restarted).count();
     assert!(
         before > 0 && after > 0,
         "grants before the stop: {before}, after the restart: {after}"

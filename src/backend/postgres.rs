@@ -35,7 +35,7 @@ use deadpool_postgres::{
 };
 use futures::StreamExt;
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use tokio_util::sync::CancellationToken;
@@ -112,6 +112,9 @@ struct Inner {
     ready: watch::Sender<bool>,
     /// The LISTEN connection is up.
     listening: watch::Sender<bool>,
+    /// A pooled call worked while the LISTEN connection was down: reconnect
+    /// it now rather than after the backoff.
+    reconnect: Notify,
     /// Local clock minus database clock, in ms (see [`Inner::local`]).
     offset_ms: AtomicI64,
     /// This sidecar's tickets: the ones requests wait with, and the ones whose
@@ -671,7 +674,12 @@ impl Inner {
                 .await
                 .unwrap_or_else(|_| Err(Failure::timeout(op)));
             match result {
-                Ok(rows) => return Ok(rows),
+                Ok(rows) => {
+                    if !*self.listening.borrow() {
+                        self.reconnect.notify_one();
+                    }
+                    return Ok(rows);
+                }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
                 Err(f) => return Err(f.into_error(op)),
             }
@@ -808,9 +816,16 @@ impl Inner {
         }
     }
 
+    /// Waits before the next connection attempt: `backoff` (doubling up to
+    /// [`MAX_BACKOFF`]), or [`MIN_BACKOFF`] once a pooled call shows the
+    /// database is back.
     async fn pause(&self, backoff: &mut Duration) {
+        let started = tokio::time::Instant::now();
         tokio::select! {
             () = tokio::time::sleep(*backoff) => {}
+            () = self.reconnect.notified() => {
+                tokio::time::sleep_until(started + MIN_BACKOFF).await;
+            }
             () = self.stop.cancelled() => {}
         }
         *backoff = (*backoff * 2).min(MAX_BACKOFF);
@@ -1077,6 +1092,7 @@ impl Postgres {
             wakeups,
             ready: watch::channel(false).0,
             listening: watch::channel(false).0,
+            reconnect: Notify::new(),
             offset_ms: AtomicI64::new(0),
             tickets: Mutex::default(),
             stop: CancellationToken::new(),
