@@ -1,10 +1,10 @@
 //! `postgres://` and `postgresql://`: the classic database lock, done right.
 //!
 //! Leases, the FIFO queue, fences and the sidecars' heartbeats are rows in
-//! four tables of one schema (`--pg-schema`, default `sidelock`), created
-//! and migrated here at start-up under an advisory lock, so sidecars that
-//! start together on an empty database do not race. The SQL is in
-//! `postgres/0001_init.sql`.
+//! tables of one schema (`--pg-schema`, default `sidelock`), created and
+//! migrated here at start-up under an advisory lock, so sidecars that start
+//! together on an empty database do not race. The SQL is in
+//! `postgres/0001_init.sql`; the README documents every table and index.
 //!
 //! * Every operation is one call of a PL/pgSQL function, i.e. one statement
 //!   and one transaction. Acquire takes the key's row lock, frees expired
@@ -21,7 +21,8 @@
 //!   key with local waiters is woken, so releases missed meanwhile are not.
 //! * The same connection sends the heartbeat, one statement every
 //!   [`HEARTBEAT_EVERY`] whatever the number of waiters. It also removes the
-//!   waiters of sidecars that stopped heartbeating and cleans expired rows.
+//!   waiters of sidecars that stopped heartbeating, this sidecar's own
+//!   waiter rows that no request waits for any more, and expired leases.
 
 use std::collections::HashSet;
 use std::error::Error as StdError;
