@@ -19,12 +19,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# PostgreSQL: the tests create their own schemas in the machine's cluster.
+# PostgreSQL: the tests create their own schemas in the machine's cluster
+# (and throwaway clusters of their own from /usr/lib/postgresql/*/bin).
 if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
   echo "setup: starting PostgreSQL"
-  cluster=$(ls /etc/postgresql | sort -V | tail -n 1)
+  cluster=$(ls /usr/lib/postgresql | sort -V | tail -n 1)
+  [ -d "/etc/postgresql/$cluster/main" ] || pg_createcluster "$cluster" main
   pg_ctlcluster --skip-systemctl-redirect "$cluster" main start
   for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+fi
+# The tests connect as user postgres over 127.0.0.1 without a password.
+if ! psql -h 127.0.0.1 -p 5432 -U postgres -w -Atqc 'SELECT 1' >/dev/null 2>&1; then
+  echo "setup: trusting user postgres on 127.0.0.1 (test machine only)"
+  hba=$(runuser -u postgres -- psql -Atqc 'SHOW hba_file')
+  sed -i '1i host all postgres 127.0.0.1/32 trust' "$hba"
+  runuser -u postgres -- psql -Atqc 'SELECT pg_reload_conf()' >/dev/null
 fi
 
 if ! cargo nextest --version >/dev/null 2>&1; then

@@ -131,6 +131,13 @@ pub struct ServeArgs {
     /// Redis key pattern of hand-written locks (e.g. `lock:*`) listed by /v1/stale when they have no expiry.
     #[arg(long, env = "SIDELOCK_LEGACY_PATTERN")]
     pub legacy_pattern: Option<String>,
+    /// PostgreSQL schema of sidelock's tables, created and migrated at start-up [default: sidelock].
+    #[arg(long, env = "SIDELOCK_PG_SCHEMA")]
+    pub pg_schema: Option<String>,
+    /// PostgreSQL hand-written lock table, `[schema.]table[(name_column[, time_column])]`,
+    /// whose rows /v1/stale lists as `no-expiry`.
+    #[arg(long, env = "SIDELOCK_LEGACY_TABLE")]
+    pub legacy_table: Option<String>,
     /// Bearer token every /v1 request must carry.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -150,7 +157,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
-            redis_prefix, legacy_pattern, api_token, admin_token)
+            redis_prefix, legacy_pattern, pg_schema, legacy_table, api_token, admin_token)
     }
 }
 
@@ -257,6 +264,11 @@ impl Settings {
             backend_options: crate::backend::Options {
                 redis_prefix: a.redis_prefix.unwrap_or_else(|| "sidelock:".into()),
                 legacy_pattern: a.legacy_pattern.filter(|p| !p.is_empty()),
+                pg_schema: a
+                    .pg_schema
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or_else(|| "sidelock".into()),
+                legacy_table: a.legacy_table.filter(|t| !t.is_empty()),
                 sidecar: sidecar_id.clone(),
             },
         })

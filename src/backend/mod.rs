@@ -6,6 +6,7 @@
 //! that maps a `--backend` URL to an implementation.
 
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 pub mod redlock;
 
@@ -298,6 +299,11 @@ pub struct Options {
     pub redis_prefix: String,
     /// Keys of hand-written locks to report when they have no expiry (`--legacy-pattern`).
     pub legacy_pattern: Option<String>,
+    /// PostgreSQL: schema of sidelock's tables (`--pg-schema`).
+    pub pg_schema: String,
+    /// PostgreSQL: hand-written lock table whose rows `/v1/stale` lists as
+    /// `no-expiry` (`--legacy-table`).
+    pub legacy_table: Option<String>,
     /// This sidecar's id, as its waiters carry it.
     pub sidecar: String,
 }
@@ -307,6 +313,8 @@ impl Default for Options {
         Self {
             redis_prefix: "sidelock:".into(),
             legacy_pattern: None,
+            pg_schema: "sidelock".into(),
+            legacy_table: None,
             sidecar: String::new(),
         }
     }
@@ -327,8 +335,11 @@ pub async fn open(
         "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
         | "rediss+cluster" => Ok(Arc::new(redis::Redis::open(url, options, wakeups)?)),
         "redlock" | "redlocks" => Ok(Arc::new(redlock::Redlock::open(url, options, wakeups)?)),
+        "postgres" | "postgresql" => Ok(Arc::new(
+            postgres::Postgres::open(url, options, wakeups).await?,
+        )),
         other => Err(format!(
-            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster:// or redlock://"
+            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock:// or postgres://"
         )),
     }
 }

@@ -44,6 +44,12 @@ impl Wakeups {
         self.lock().get(key).map_or(0, |q| q.slots.len())
     }
 
+    /// The keys that have local waiters (for backends that must wake them all,
+    /// e.g. after missing notifications while reconnecting).
+    pub fn keys(&self) -> Vec<LockKey> {
+        self.lock().keys().cloned().collect()
+    }
+
     /// Number of local waiters on all keys.
     pub fn total(&self) -> usize {
         self.lock().values().map(|q| q.slots.len()).sum()

@@ -23,6 +23,8 @@ pub enum TestBackend {
     RedisCluster,
     /// `redlock://`: three independent Redis masters.
     Redlock,
+    /// `postgres://` on the machine's server, in a schema of the test's own.
+    Postgres,
 }
 
 impl TestBackend {
@@ -32,6 +34,7 @@ impl TestBackend {
             TestBackend::Memory => BackendGuard {
                 backend: self,
                 url: "memory://".to_owned(),
+                env: Vec::new(),
                 server: None,
             },
             TestBackend::Redis => {
@@ -39,6 +42,7 @@ impl TestBackend {
                 BackendGuard {
                     backend: self,
                     url: server.url(),
+                    env: Vec::new(),
                     server: Some(Box::new(server)),
                 }
             }
@@ -47,6 +51,7 @@ impl TestBackend {
                 BackendGuard {
                     backend: self,
                     url: servers.url(),
+                    env: Vec::new(),
                     server: Some(Box::new(servers)),
                 }
             }
@@ -55,6 +60,7 @@ impl TestBackend {
                 BackendGuard {
                     backend: self,
                     url: cluster.url(),
+                    env: Vec::new(),
                     server: Some(Box::new(cluster)),
                 }
             }
@@ -63,7 +69,18 @@ impl TestBackend {
                 BackendGuard {
                     backend: self,
                     url: nodes.url(),
+                    env: Vec::new(),
                     server: Some(Box::new(nodes)),
+                }
+            }
+
+            TestBackend::Postgres => {
+                let schema = super::postgres::TestSchema::new().await;
+                BackendGuard {
+                    backend: self,
+                    url: schema.url.clone(),
+                    env: vec![("SIDELOCK_PG_SCHEMA".to_owned(), schema.name.clone())],
+                    server: Some(Box::new(schema)),
                 }
             }
         }
@@ -74,6 +91,7 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
+            TestBackend::Postgres => true,
             TestBackend::Redis
             | TestBackend::RedisSentinel
             | TestBackend::RedisCluster
@@ -97,6 +115,7 @@ impl TestBackend {
             TestBackend::Memory => "memory",
             TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => "redis",
             TestBackend::Redlock => "redlock",
+            TestBackend::Postgres => "postgres",
         }
     }
 
@@ -108,6 +127,7 @@ impl TestBackend {
             | TestBackend::RedisSentinel
             | TestBackend::RedisCluster
             | TestBackend::Redlock => "efficiency",
+            TestBackend::Postgres => "correctness",
         }
     }
 }
@@ -117,6 +137,8 @@ impl TestBackend {
 pub struct BackendGuard {
     backend: TestBackend,
     url: String,
+    /// Environment every sidecar on this backend gets (e.g. its PostgreSQL schema).
+    env: Vec<(String, String)>,
     /// The guard of a backend server started for this test (none for memory).
     server: Option<Box<dyn Any + Send>>,
 }
@@ -133,7 +155,14 @@ impl BackendGuard {
 
     /// A sidecar builder on this backend, for tests that need extra flags.
     pub fn sidecar(&self) -> SidecarBuilder {
-        SidecarBuilder::new(&self.url)
+        self.env
+            .iter()
+            .fold(SidecarBuilder::new(&self.url), |b, (k, v)| b.env(k, v))
+    }
+
+    /// The started server's guard, e.g. [`super::postgres::TestSchema`].
+    pub fn server<T: 'static>(&self) -> Option<&T> {
+        self.server.as_ref()?.downcast_ref()
     }
 
     /// A sidecar with default settings.
@@ -172,4 +201,5 @@ impl BackendGuard {
 #[case::redis_sentinel(crate::common::TestBackend::RedisSentinel)]
 #[case::redis_cluster(crate::common::TestBackend::RedisCluster)]
 #[case::redlock(crate::common::TestBackend::Redlock)]
+#[case::postgres(crate::common::TestBackend::Postgres)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

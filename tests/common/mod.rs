@@ -11,6 +11,8 @@
 //! * [`cli`]: a guard for `sidelock run … -- CMD`.
 //! * [`redis`]: real `redis-server` processes on free ports.
 //! * [`browser`]: headless Chromium over WebDriver, for the dashboard.
+//! * [`postgres`]: a schema per test on the machine's PostgreSQL, and
+//!   throwaway clusters for tests that restart the server.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
@@ -19,6 +21,7 @@ pub mod api;
 pub mod backend;
 pub mod browser;
 pub mod cli;
+pub mod postgres;
 pub mod problem;
 pub mod process;
 pub mod redis;
