@@ -717,7 +717,7 @@ impl Core {
                     if let Ok(expires_at_ms) =
                         self.keepalive(&lease.key, &lease.token, Some(lease.ttl)).await
                     {
-                        let ttl_ms = expires_at_ms.saturating_sub(now_ms());
+                        let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
                         let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                 }

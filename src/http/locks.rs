@@ -488,9 +488,14 @@ async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<R
         }
     }
     let expires_at_ms = app.core.keepalive(&key, &token, p.ttl).await?;
+    let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());
+    if let Some(ttl) = p.ttl {
+        // Clock conversion may round the other way; never report more than asked.
+        ttl_ms = ttl_ms.min(ms(ttl));
+    }
     Ok(Json(Renewed {
         expires_at_ms,
-        ttl_ms: expires_at_ms.saturating_sub(crate::clock::now_ms()),
+        ttl_ms,
     }))
 }
 
