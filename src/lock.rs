@@ -79,6 +79,23 @@ pub struct LockKey {
     pub name: Name,
 }
 
+impl LockKey {
+    /// Parses the `locks/<name>` or `semaphores/<name>` form that `Display`
+    /// writes (cursors, event payloads, index members).
+    pub fn parse(s: &str) -> Option<Self> {
+        let (kind, name) = s.split_once('/')?;
+        let kind = match kind {
+            "locks" => Kind::Lock,
+            "semaphores" => Kind::Semaphore,
+            _ => return None,
+        };
+        Some(Self {
+            kind,
+            name: Name::parse(name).ok()?,
+        })
+    }
+}
+
 impl fmt::Display for LockKey {
     /// `locks/<name>` or `semaphores/<name>`: the form used in events, stale keys and cursors.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -358,20 +358,6 @@ fn mode_str(mode: Mode) -> &'static str {
     }
 }
 
-/// A NOTIFY payload (`locks/<name>`, `semaphores/<name>`) as a key.
-fn parse_payload(payload: &str) -> Option<LockKey> {
-    let (kind, name) = payload.split_once('/')?;
-    let kind = match kind {
-        "locks" => Kind::Lock,
-        "semaphores" => Kind::Semaphore,
-        _ => return None,
-    };
-    Some(LockKey {
-        kind,
-        name: Name::parse(name).ok()?,
-    })
-}
-
 /// Milliseconds as the database's `bigint`.
 fn ms_i64(d: Duration) -> i64 {
     i64::try_from(ms(d)).unwrap_or(i64::MAX)
@@ -895,7 +881,7 @@ impl Inner {
             tokio::select! {
                 () = self.stop.cancelled() => break,
                 payload = notifications.recv() => match payload {
-                    Some(payload) => match parse_payload(&payload) {
+                    Some(payload) => match LockKey::parse(&payload) {
                         Some(key) => self.wakeups.wake(&key),
                         None => tracing::debug!(payload, "ignoring a foreign notification"),
                     },
@@ -1500,12 +1486,12 @@ mod tests {
 
     #[test]
     fn payloads_are_keys() {
-        let key = parse_payload("locks/a.b:c").unwrap();
+        let key = LockKey::parse("locks/a.b:c").unwrap();
         assert_eq!((key.kind, key.name.as_str()), (Kind::Lock, "a.b:c"));
-        let key = parse_payload("semaphores/gpu").unwrap();
+        let key = LockKey::parse("semaphores/gpu").unwrap();
         assert_eq!(key.kind, Kind::Semaphore);
-        assert!(parse_payload("other/x").is_none());
-        assert!(parse_payload("locks/a b").is_none());
+        assert!(LockKey::parse("other/x").is_none());
+        assert!(LockKey::parse("locks/a b").is_none());
     }
 
     #[test]

@@ -37,7 +37,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
-use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+use crate::lock::{Claim, Kind, LockKey, Mode, Token};
 
 /// How often this sidecar refreshes its waiters' heartbeats.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
@@ -641,7 +641,7 @@ impl Node {
             let Some(last) = chunk.last() else { break };
             cursor = Some(last.clone());
             for member in &chunk {
-                let Some(key) = parse_member(member) else {
+                let Some(key) = LockKey::parse(member) else {
                     self.unindex(member).await;
                     continue;
                 };
@@ -682,7 +682,7 @@ impl Node {
             let Some(last) = chunk.last() else { break };
             cursor = Some(last.clone());
             for member in &chunk {
-                let Some(key) = parse_member(member) else {
+                let Some(key) = LockKey::parse(member) else {
                     continue;
                 };
                 let mut inv = self.invocation(&self.scripts.stale, &key);
@@ -929,19 +929,6 @@ fn waiters(json: &str, clock: &Clock) -> Vec<Waiter> {
             since_ms: clock.local(w.t0),
         })
         .collect()
-}
-
-fn parse_member(member: &str) -> Option<LockKey> {
-    let (kind, name) = member.split_once('/')?;
-    let kind = match kind {
-        "locks" => Kind::Lock,
-        "semaphores" => Kind::Semaphore,
-        _ => return None,
-    };
-    Some(LockKey {
-        kind,
-        name: Name::parse(name).ok()?,
-    })
 }
 
 fn reason_of(s: &str) -> &'static str {

@@ -407,19 +407,6 @@ async fn health(app: &App) -> Health {
     }
 }
 
-fn parse_cursor(cursor: &str) -> Option<LockKey> {
-    let (kind, name) = cursor.split_once('/')?;
-    let kind = match kind {
-        "locks" => Kind::Lock,
-        "semaphores" => Kind::Semaphore,
-        _ => return None,
-    };
-    Some(LockKey {
-        kind,
-        name: Name::parse(name).ok()?,
-    })
-}
-
 async fn listing(app: &App, filter: &Filter) -> Listing {
     let empty = |error: Option<String>| Listing {
         locks: Vec::new(),
@@ -429,7 +416,7 @@ async fn listing(app: &App, filter: &Filter) -> Listing {
     if filter.error.is_some() {
         return empty(None);
     }
-    let after = match filter.cursor.as_deref().map(parse_cursor) {
+    let after = match filter.cursor.as_deref().map(LockKey::parse) {
         None => None,
         Some(Some(key)) => Some(key),
         Some(None) => {

@@ -640,17 +640,8 @@ kind_routes!(
 );
 
 fn parse_cursor(cursor: &str) -> Result<LockKey, Error> {
-    let bad =
-        || Error::InvalidParameter("cursor is not a next_cursor value from this listing".into());
-    let (kind, name) = cursor.split_once('/').ok_or_else(bad)?;
-    let kind = match kind {
-        "locks" => Kind::Lock,
-        "semaphores" => Kind::Semaphore,
-        _ => return Err(bad()),
-    };
-    Ok(LockKey {
-        kind,
-        name: Name::parse(name).map_err(|_| bad())?,
+    LockKey::parse(cursor).ok_or_else(|| {
+        Error::InvalidParameter("cursor is not a next_cursor value from this listing".into())
     })
 }
 
