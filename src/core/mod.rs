@@ -338,6 +338,11 @@ impl Core {
         let mut retry_at = busy.retry_at_ms;
         let mut last = busy;
         let outcome = loop {
+            // A wake-up and a cancellation can arrive together (shutdown
+            // releases locks, which wakes waiters): cancellation wins.
+            if cancel.is_cancelled() || self.shutdown.is_cancelled() {
+                break Outcome::Cancelled;
+            }
             if place.is_head() {
                 match self.attempt(claim, Turn::Queued(&ticket)).await {
                     Ok(Attempt::Granted(g)) => {
@@ -369,11 +374,12 @@ impl Core {
             }
             let retry = retry_at.map(instant_at);
             tokio::select! {
+                biased;
+                () = cancel.cancelled() => break Outcome::Cancelled,
+                () = self.shutdown.cancelled() => break Outcome::Cancelled,
                 () = place.notified() => {}
                 () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => retry_at = None,
                 () = sleep_until(deadline) => break Outcome::Busy { busy: last, waited: started.elapsed() },
-                () = cancel.cancelled() => break Outcome::Cancelled,
-                () = self.shutdown.cancelled() => break Outcome::Cancelled,
                 Ok(()) = moves.changed(), if progress.is_some() => {
                     self.report_position(&place, offset, &mut reported, 0, progress);
                 }
@@ -684,6 +690,12 @@ impl Core {
             }
         };
         let lease = granted.lease.clone();
+        if self.shutdown.is_cancelled() {
+            // Granted by an attempt already in flight when shutdown began.
+            self.release_fully(&lease).await;
+            let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
+            return;
+        }
         if tx.send(HoldEvent::Acquired(granted)).await.is_err() {
             // The client left as the grant arrived.
             let _ = self.release(&lease.key, &lease.token).await;
