@@ -1451,6 +1451,17 @@ mod validation {
             let grant: Grant = expect_json(response, StatusCode::OK).await;
             assert_eq!((grant.owner.as_str(), grant.ttl_ms), (way, 2_000), "{way}");
         }
+        // The same value in the query and the body is no conflict (`2000` and "2000" too).
+        let response = api
+            .send(
+                Method::POST,
+                &["v1", "locks", &unique_name("both")],
+                &[("ttl", "2000")],
+                Body::Json(json!({"ttl": 2000})),
+            )
+            .await;
+        let grant: Grant = expect_json(response, StatusCode::OK).await;
+        assert_eq!(grant.ttl_ms, 2_000);
     }
 }
 

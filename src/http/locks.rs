@@ -95,6 +95,8 @@ pub struct SemaphoreParams {
 #[into_params(parameter_in = Query)]
 pub struct TokenParams {
     /// The token from the acquire response.
+    #[param(required = true)]
+    #[schema(required = true)]
     pub token: Option<String>,
 }
 
@@ -104,6 +106,8 @@ pub struct TokenParams {
 #[into_params(parameter_in = Query)]
 pub struct KeepaliveParams {
     /// The token from the acquire response.
+    #[param(required = true)]
+    #[schema(required = true)]
     pub token: Option<String>,
     /// New lease duration from now (default: the lease's own ttl).
     #[serde(default, deserialize_with = "duration")]

@@ -131,14 +131,29 @@ fn merge(
     source: &str,
 ) -> Result<(), Error> {
     for (key, value) in more {
-        if params.contains_key(&key) {
-            return Err(Error::InvalidParameter(format!(
-                "parameter {key:?} is given more than once (second time in the {source}); give each parameter once"
-            )));
+        match params.get(&key) {
+            // Repeating a parameter with the same value changes nothing.
+            Some(existing) if same_value(existing, &value) => {}
+            Some(_) => {
+                return Err(Error::InvalidParameter(format!(
+                    "parameter {key:?} is given twice with different values (the second time in the {source}); give each parameter once"
+                )));
+            }
+            None => {
+                params.insert(key, value);
+            }
         }
-        params.insert(key, value);
     }
     Ok(())
+}
+
+/// Whether two given values are the same, across query text and JSON (`5` and `"5"`).
+fn same_value(a: &Value, b: &Value) -> bool {
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    a == b || text(a) == text(b)
 }
 
 /// The `{name}` path segment, validated as a lock name.
