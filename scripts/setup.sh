@@ -41,11 +41,15 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install --locked cargo-nextest
 fi
 
-# The venv is rebuilt whenever the pinned requirements change.
-if ! cmp -s tests/helm/requirements.txt .venv/requirements.txt 2>/dev/null; then
+# The venv (Helm chart tests, API fuzzing) is rebuilt whenever the pinned
+# requirements change.
+requirements=(tests/helm/requirements.txt tests/fuzz/requirements.txt)
+if ! cat "${requirements[@]}" | cmp -s - .venv/requirements.txt 2>/dev/null; then
   echo "setup: creating .venv"
   rm -rf .venv
   python3 -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check -r tests/helm/requirements.txt
-  cp tests/helm/requirements.txt .venv/requirements.txt
+  for r in "${requirements[@]}"; do
+    .venv/bin/pip install -q --disable-pip-version-check -r "$r"
+  done
+  cat "${requirements[@]}" > .venv/requirements.txt
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, checks formatting and
-# lints, runs the Rust tests (real sidecar processes over real HTTP) and the
-# Helm chart tests.
+# lints, runs the Rust tests (real sidecar processes over real HTTP), a short
+# schemathesis run against the API, and the Helm chart tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -9,4 +9,5 @@ cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo build --locked --bins
 cargo nextest run --locked --profile ci
+scripts/fuzz-api.sh 100
 .venv/bin/pytest tests/helm -q
