@@ -322,7 +322,7 @@ async fn client(shared: Arc<Shared>) {
 async fn faults(
     shared: Arc<Shared>,
     deployment: &mut Deployment,
-    sidecars: &mut Vec<SidecarGuard>,
+    sidecars: &mut [SidecarGuard],
 ) -> Vec<String> {
     let mut log = Vec::new();
     while Instant::now() + Duration::from_secs(2) < shared.stop {
