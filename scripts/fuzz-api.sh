@@ -4,7 +4,7 @@
 # content type, headers, body schema). Streaming routes (hold, events) stay
 # open by design and are covered by the Rust tests instead.
 #   scripts/fuzz-api.sh [examples per operation, default 100]
-# The test command runs the short version; RELIABILITY runs use 400 or more
+# The test command runs the short version; the reliability run uses 600
 # (over 5,000 generated requests).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -836,9 +836,7 @@ impl Node {
         };
         let measured = server - now_ms() as i64;
         let settled = self.skew.load(Relaxed);
-        // A larger skew makes converted expiries earlier: within the noise
-        // band the offset only moves that way, so expiries err early.
-        if settled == i64::MIN || measured > settled || settled - measured > SKEW_NOISE_MS {
+        if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
             self.skew.store(measured, Relaxed);
             return Clock { skew: measured };
         }

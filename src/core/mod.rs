@@ -572,6 +572,11 @@ impl Core {
         }
     }
 
+    /// The ttl of a lease granted through this sidecar.
+    pub fn lease_ttl(&self, token: &Token) -> Option<Duration> {
+        self.local(token).map(|l| l.ttl)
+    }
+
     /// Extends a lease to `ttl` (default: its own) from now.
     ///
     /// # Errors

@@ -26,16 +26,6 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Error> {
         let (parts, body) = req.into_parts();
-        let mut params = Map::new();
-        if let Some(query) = parts.uri.query() {
-            let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query)
-                .map_err(|e| Error::InvalidParameter(format!("query string: {e}")))?;
-            merge(
-                &mut params,
-                pairs.into_iter().map(|(k, v)| (k, Value::String(v))),
-                "query string",
-            )?;
-        }
         let bytes = match Limited::new(body, MAX_BODY).collect().await {
             Ok(collected) => collected.to_bytes(),
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
@@ -47,31 +37,51 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
                 ));
             }
         };
-        if !bytes.iter().all(u8::is_ascii_whitespace) {
-            let body = parse_body(&parts, &bytes)?;
-            merge(&mut params, body, "body")?;
-        }
-        let de = Value::Object(params);
-        serde_path_to_error::deserialize(de)
-            .map(Params)
-            .map_err(|e| {
-                let path = e.path().to_string();
-                let inner = e.into_inner().to_string();
-                if path == "." || path.is_empty() {
-                    Error::InvalidParameter(inner)
-                } else {
-                    Error::InvalidParameter(format!("{path}: {inner}"))
-                }
-            })
+        let content_type = parts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        parse(parts.uri.query(), content_type, &bytes).map(Params)
     }
 }
 
-fn parse_body(parts: &Parts, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error> {
-    let content_type = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("application/json");
+/// Parameters of type `T` from a query string and a body of `content_type`
+/// (JSON when absent): the whole of [`Params`] but reading the body.
+///
+/// # Errors
+/// A 400 `invalid-parameter` (or 415) naming what is wrong.
+pub fn parse<T: DeserializeOwned>(
+    query: Option<&str>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Result<T, Error> {
+    let mut params = Map::new();
+    if let Some(query) = query {
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query)
+            .map_err(|e| Error::InvalidParameter(format!("query string: {e}")))?;
+        merge(
+            &mut params,
+            pairs.into_iter().map(|(k, v)| (k, Value::String(v))),
+            "query string",
+        )?;
+    }
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        let body = parse_body(content_type, body)?;
+        merge(&mut params, body, "body")?;
+    }
+    serde_path_to_error::deserialize(Value::Object(params)).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            Error::InvalidParameter(inner)
+        } else {
+            Error::InvalidParameter(format!("{path}: {inner}"))
+        }
+    })
+}
+
+fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error> {
+    let content_type = content_type.unwrap_or("application/json");
     let essence = content_type
         .split(';')
         .next()
