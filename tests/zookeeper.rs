@@ -45,9 +45,18 @@ async fn one_release_fires_one_watch_among_200_waiters() {
                 .status()
         }));
     }
-    let owners: Vec<String> = (0..200).map(|i| format!("w{i}")).collect();
-    let refs: Vec<&str> = owners.iter().map(String::as_str).collect();
-    lock.wait_for_waiters(&refs).await;
+    let queued = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let s = lock.inspect().await;
+            if s.waiters.len() == 200 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("200 waiters queue");
+    let first = queued.waiter_owners()[0].to_owned();
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let deleted = mntr(&server, 0, "zk_sum_node_deleted_watch_count");
@@ -65,7 +74,7 @@ async fn one_release_fires_one_watch_among_200_waiters() {
     })
     .await
     .expect("the next waiter is granted");
-    assert_eq!(state.holder_owners(), ["w0"]);
+    assert_eq!(state.holder_owners(), [first.as_str()]);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let fired = mntr(&server, 0, "zk_sum_node_deleted_watch_count") - deleted
         + (mntr(&server, 0, "zk_sum_node_children_watch_count") - children);
@@ -274,8 +283,8 @@ impl Curator {
 
     fn line(&mut self) -> String {
         self.out
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the Curator program answers")
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the Curator program answers within 30 s")
     }
 
     fn no_line_within(&mut self, d: Duration) {
@@ -290,7 +299,8 @@ impl Drop for Curator {
     }
 }
 
-#[tokio::test]
+// The Curator program is read with blocking calls: keep a worker free for HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curator_interprocess_mutex_and_sidelock_exclude_each_other() {
     for jar in CURATOR_JARS {
         assert!(
