@@ -767,229 +767,22 @@ impl Backend for ZooKeeper {
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
-        let me = &self.inner;
-        let zk = me.client().await?;
-        let key = &claim.key;
-        let parent = me.key_path(key);
-        let op = "try_acquire";
-
-        // Re-entry: the same owner holding the lock in the same mode.
-        if key.kind == Kind::Lock {
-            let (_, nodes, _) = me.snapshot(&zk, op, key, &parent).await?;
-            for node in &nodes {
-                let Some(d) = &node.data else { continue };
-                if !(d.held && d.owner == claim.owner && node.child.mode == claim.mode) {
-                    continue;
-                }
-                let mut d = d.clone();
-                let now = now_ms();
-                d.count += 1;
-                d.expires_at_ms = d.expires_at_ms.max(now + ms(claim.ttl));
-                if let Some(cap) = d.cap_ms {
-                    d.expires_at_ms = d.expires_at_ms.min(cap);
-                }
-                let path = format!("{parent}/{}", node.child.name);
-                let bytes = serde_json::to_vec(&d).unwrap_or_default();
-                match call(op, zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
-                    Ok(_) => {}
-                    Err(zk::Error::NoNode | zk::Error::BadVersion) => {
-                        return Box::pin(self.try_acquire(claim, turn)).await;
-                    }
-                    Err(e) => return Err(unavailable(op, e)),
-                }
-                if let Turn::Queued(t) = turn {
-                    self.dequeue(t).await?;
-                }
-                return Ok(Attempt::Granted(Grant {
-                    token: Token::from_client(d.token.clone()),
-                    fence: d.fence,
-                    count: d.count,
-                    since_ms: d.since_ms,
-                    expires_at_ms: d.expires_at_ms,
-                }));
-            }
-        }
-
-        // Our node: the ticket's, or a new one.
-        let (name, created) = match turn {
-            Turn::Queued(t) => {
-                let known = lock(&me.tickets).get(&(key.clone(), t.seq)).cloned();
-                let Some(name) = known else {
-                    return Err(unavailable(
-                        op,
-                        Message(
-                            "the ZooKeeper session ended and this waiter's place went with it"
-                                .into(),
-                        ),
-                    ));
-                };
-                (name, false)
-            }
-            Turn::Once | Turn::Join => {
-                if key.kind == Kind::Semaphore && claim.limit.is_none() {
-                    let children = me.children(&zk, op, &parent).await?;
-                    if children.is_empty() {
-                        return Err(Error::LimitRequired);
-                    }
-                }
-                let data = NodeData {
-                    token: Token::generate().expose().to_owned(),
-                    owner: claim.owner.clone(),
-                    sidecar: claim.sidecar.clone(),
-                    held: false,
-                    since_ms: 0,
-                    expires_at_ms: 0,
-                    ttl_ms: ms(claim.ttl),
-                    cap_ms: claim.max_hold.map(ms),
-                    lock_delay_ms: ms(claim.lock_delay),
-                    count: 1,
-                    fence: 0,
-                    limit: claim.limit,
-                    queued_ms: now_ms(),
-                };
-                let bytes = serde_json::to_vec(&data).unwrap_or_default();
-                let mode = if key.kind == Kind::Semaphore {
-                    Mode::Exclusive
-                } else {
-                    claim.mode
-                };
-                let prefix = format!("{parent}/{}", node_prefix(mode));
-                let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
-                let mut tries = 0;
-                let seq = loop {
-                    match call(op, zk.create(&prefix, &bytes, &opts)).await? {
-                        Ok((_, seq)) => break seq,
-                        Err(zk::Error::NoNode) if tries < 5 => {
-                            tries += 1;
-                            me.ensure_parent(&zk, &parent).await?;
-                        }
-                        Err(e) => return Err(unavailable(op, e)),
-                    }
-                };
-                let name = format!("{}{seq}", &prefix[parent.len() + 1..]);
-                (name, true)
-            }
-        };
-        let path = format!("{parent}/{name}");
-
-        let (children, nodes, limit) = me.snapshot(&zk, op, key, &parent).await?;
-        let Some(at) = children.iter().position(|c| c.name == name) else {
-            if let Turn::Queued(t) = turn {
-                me.forget_ticket(key, t.seq);
-            }
-            return Err(unavailable(
-                op,
-                Message("this waiter's node is gone (ZooKeeper session ended)".into()),
-            ));
-        };
-        let seq = children[at].seq;
-        // Semaphore limit: the first node's limit is the active one.
-        if key.kind == Kind::Semaphore
-            && let Some(asked) = claim.limit
-            && asked != limit
+        let result = self.attempt(claim, turn).await;
+        // A waiter keeps its place through a connection loss (e.g. a leader
+        // election) as long as its session, and so its node, lives: retry soon.
+        if let (Err(Error::Unavailable { .. }), Turn::Queued(t)) = (&result, turn)
+            && lock(&self.inner.tickets).contains_key(&(t.key.clone(), t.seq))
         {
-            if created {
-                let _ = call(op, zk.delete(&path, None)).await?;
-            }
-            return Err(Error::LimitMismatch { active: limit });
+            return Ok(Attempt::Busy(Busy {
+                retry_at_ms: Some(now_ms() + 500),
+                ..Busy::default()
+            }));
         }
-        let own = me.read(&zk, op, &parent, &children[at]).await?;
-        let Some(own) = own else {
-            return Err(unavailable(
-                op,
-                Message("this claim's node vanished".into()),
-            ));
-        };
-        let now = now_ms();
-        let (pdata, _) = me.parent_data(&zk, op, &parent).await?;
-        let ahead: Vec<&Node> = nodes.iter().filter(|n| n.child.seq < seq).collect();
-        let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
-        let by_place = admitted(&children, at, key.kind, limit);
-        // Once/Join: busy while anyone waits ahead (fairness).
-        let fair = !matches!(turn, Turn::Once | Turn::Join)
-            || (queue_ahead == 0
-                && children[..at]
-                    .iter()
-                    .all(|c| nodes.iter().any(|n| n.child.name == c.name)));
-        let delayed = pdata.delay_until_ms > now;
-        if by_place
-            && fair
-            && !delayed
-            && let Some(d) = own.data.clone()
-            && let Some(grant) = me.grant(&zk, &parent, &path, d, own.stat.version).await?
-        {
-            if let Turn::Queued(t) = turn {
-                me.forget_ticket(key, t.seq);
-            }
-            return Ok(Attempt::Granted(grant));
-        }
-
-        // Busy.
-        let holders: Vec<Holder> = nodes
-            .iter()
-            .filter(|n| n.is_held())
-            .map(Node::holder)
-            .collect();
-        let blocking = nodes
-            .iter()
-            .filter(|n| n.child.seq < seq && n.is_held())
-            .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
-            .map(|n| n.holder().expires_at_ms)
-            .min();
-        let retry_at_ms = if delayed {
-            Some(pdata.delay_until_ms)
-        } else {
-            blocking
-        };
-        let waiting_total = children.len() - holders.len().min(children.len());
-        let mut busy = Busy {
-            holders,
-            queue_length: waiting_total,
-            position: None,
-            retry_at_ms,
-            ticket: None,
-        };
-        let position = children[..at]
-            .iter()
-            .filter(|c| !nodes.iter().any(|n| n.child.name == c.name && n.is_held()))
-            .count()
-            + 1;
-        match turn {
-            Turn::Once => {
-                let _ = call(op, zk.delete(&path, None)).await?;
-                busy.queue_length = waiting_total.saturating_sub(1);
-                return Ok(Attempt::Busy(busy));
-            }
-            Turn::Join => {
-                lock(&me.tickets).insert((key.clone(), seq), name.clone());
-                busy.ticket = Some(Ticket {
-                    key: key.clone(),
-                    seq,
-                });
-                busy.position = Some(position);
-            }
-            Turn::Queued(_) => busy.position = Some(position),
-        }
-        // Watch what blocks this node before answering, so no release is missed.
-        let follower = me.clone();
-        let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
-        let following = lock(&me.following).contains(&path);
-        if !following {
-            tokio::spawn(follower.follow(zk2, key2, parent2, name));
-        }
-        Ok(Attempt::Busy(busy))
+        result
     }
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
-        let me = &self.inner;
-        let name = lock(&me.tickets).remove(&(ticket.key.clone(), ticket.seq));
-        let Some(name) = name else { return Ok(()) };
-        let zk = me.client().await?;
-        let path = format!("{}/{name}", me.key_path(&ticket.key));
-        match call("dequeue", zk.delete(&path, None)).await? {
-            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
-            Err(e) => Err(unavailable("dequeue", e)),
-        }
+        self.dequeue_node(ticket).await
     }
 
     async fn renew(
@@ -1354,5 +1147,233 @@ impl Backend for ZooKeeper {
         // Dropping the last handle closes the session, which deletes its
         // ephemeral nodes at once (watchers hold handles only while waiting).
         drop(self.inner.client.lock().await.take());
+    }
+}
+
+impl ZooKeeper {
+    async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let key = &claim.key;
+        let parent = me.key_path(key);
+        let op = "try_acquire";
+
+        // Re-entry: the same owner holding the lock in the same mode.
+        if key.kind == Kind::Lock {
+            let (_, nodes, _) = me.snapshot(&zk, op, key, &parent).await?;
+            for node in &nodes {
+                let Some(d) = &node.data else { continue };
+                if !(d.held && d.owner == claim.owner && node.child.mode == claim.mode) {
+                    continue;
+                }
+                let mut d = d.clone();
+                let now = now_ms();
+                d.count += 1;
+                d.expires_at_ms = d.expires_at_ms.max(now + ms(claim.ttl));
+                if let Some(cap) = d.cap_ms {
+                    d.expires_at_ms = d.expires_at_ms.min(cap);
+                }
+                let path = format!("{parent}/{}", node.child.name);
+                let bytes = serde_json::to_vec(&d).unwrap_or_default();
+                match call(op, zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
+                    Ok(_) => {}
+                    Err(zk::Error::NoNode | zk::Error::BadVersion) => {
+                        return Box::pin(self.try_acquire(claim, turn)).await;
+                    }
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+                if let Turn::Queued(t) = turn {
+                    self.dequeue(t).await?;
+                }
+                return Ok(Attempt::Granted(Grant {
+                    token: Token::from_client(d.token.clone()),
+                    fence: d.fence,
+                    count: d.count,
+                    since_ms: d.since_ms,
+                    expires_at_ms: d.expires_at_ms,
+                }));
+            }
+        }
+
+        // Our node: the ticket's, or a new one.
+        let (name, created) = match turn {
+            Turn::Queued(t) => {
+                let known = lock(&me.tickets).get(&(key.clone(), t.seq)).cloned();
+                let Some(name) = known else {
+                    return Err(unavailable(
+                        op,
+                        Message(
+                            "the ZooKeeper session ended and this waiter's place went with it"
+                                .into(),
+                        ),
+                    ));
+                };
+                (name, false)
+            }
+            Turn::Once | Turn::Join => {
+                if key.kind == Kind::Semaphore && claim.limit.is_none() {
+                    let children = me.children(&zk, op, &parent).await?;
+                    if children.is_empty() {
+                        return Err(Error::LimitRequired);
+                    }
+                }
+                let data = NodeData {
+                    token: Token::generate().expose().to_owned(),
+                    owner: claim.owner.clone(),
+                    sidecar: claim.sidecar.clone(),
+                    held: false,
+                    since_ms: 0,
+                    expires_at_ms: 0,
+                    ttl_ms: ms(claim.ttl),
+                    cap_ms: claim.max_hold.map(ms),
+                    lock_delay_ms: ms(claim.lock_delay),
+                    count: 1,
+                    fence: 0,
+                    limit: claim.limit,
+                    queued_ms: now_ms(),
+                };
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                let mode = if key.kind == Kind::Semaphore {
+                    Mode::Exclusive
+                } else {
+                    claim.mode
+                };
+                let prefix = format!("{parent}/{}", node_prefix(mode));
+                let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+                let mut tries = 0;
+                let seq = loop {
+                    match call(op, zk.create(&prefix, &bytes, &opts)).await? {
+                        Ok((_, seq)) => break seq,
+                        Err(zk::Error::NoNode) if tries < 5 => {
+                            tries += 1;
+                            me.ensure_parent(&zk, &parent).await?;
+                        }
+                        Err(e) => return Err(unavailable(op, e)),
+                    }
+                };
+                let name = format!("{}{seq}", &prefix[parent.len() + 1..]);
+                (name, true)
+            }
+        };
+        let path = format!("{parent}/{name}");
+
+        let (children, nodes, limit) = me.snapshot(&zk, op, key, &parent).await?;
+        let Some(at) = children.iter().position(|c| c.name == name) else {
+            if let Turn::Queued(t) = turn {
+                me.forget_ticket(key, t.seq);
+            }
+            return Err(unavailable(
+                op,
+                Message("this waiter's node is gone (ZooKeeper session ended)".into()),
+            ));
+        };
+        let seq = children[at].seq;
+        // Semaphore limit: the first node's limit is the active one.
+        if key.kind == Kind::Semaphore
+            && let Some(asked) = claim.limit
+            && asked != limit
+        {
+            if created {
+                let _ = call(op, zk.delete(&path, None)).await?;
+            }
+            return Err(Error::LimitMismatch { active: limit });
+        }
+        let own = me.read(&zk, op, &parent, &children[at]).await?;
+        let Some(own) = own else {
+            return Err(unavailable(
+                op,
+                Message("this claim's node vanished".into()),
+            ));
+        };
+        let now = now_ms();
+        let (pdata, _) = me.parent_data(&zk, op, &parent).await?;
+        let ahead: Vec<&Node> = nodes.iter().filter(|n| n.child.seq < seq).collect();
+        let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
+        let by_place = admitted(&children, at, key.kind, limit);
+        // Once/Join: busy while anyone waits ahead (fairness).
+        let fair = !matches!(turn, Turn::Once | Turn::Join)
+            || (queue_ahead == 0
+                && children[..at]
+                    .iter()
+                    .all(|c| nodes.iter().any(|n| n.child.name == c.name)));
+        let delayed = pdata.delay_until_ms > now;
+        if by_place
+            && fair
+            && !delayed
+            && let Some(d) = own.data.clone()
+            && let Some(grant) = me.grant(&zk, &parent, &path, d, own.stat.version).await?
+        {
+            if let Turn::Queued(t) = turn {
+                me.forget_ticket(key, t.seq);
+            }
+            return Ok(Attempt::Granted(grant));
+        }
+
+        // Busy.
+        let holders: Vec<Holder> = nodes
+            .iter()
+            .filter(|n| n.is_held())
+            .map(Node::holder)
+            .collect();
+        let blocking = nodes
+            .iter()
+            .filter(|n| n.child.seq < seq && n.is_held())
+            .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
+            .map(|n| n.holder().expires_at_ms)
+            .min();
+        let retry_at_ms = if delayed {
+            Some(pdata.delay_until_ms)
+        } else {
+            blocking
+        };
+        let waiting_total = children.len() - holders.len().min(children.len());
+        let mut busy = Busy {
+            holders,
+            queue_length: waiting_total,
+            position: None,
+            retry_at_ms,
+            ticket: None,
+        };
+        let position = children[..at]
+            .iter()
+            .filter(|c| !nodes.iter().any(|n| n.child.name == c.name && n.is_held()))
+            .count()
+            + 1;
+        match turn {
+            Turn::Once => {
+                let _ = call(op, zk.delete(&path, None)).await?;
+                busy.queue_length = waiting_total.saturating_sub(1);
+                return Ok(Attempt::Busy(busy));
+            }
+            Turn::Join => {
+                lock(&me.tickets).insert((key.clone(), seq), name.clone());
+                busy.ticket = Some(Ticket {
+                    key: key.clone(),
+                    seq,
+                });
+                busy.position = Some(position);
+            }
+            Turn::Queued(_) => busy.position = Some(position),
+        }
+        // Watch what blocks this node before answering, so no release is missed.
+        let follower = me.clone();
+        let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
+        let following = lock(&me.following).contains(&path);
+        if !following {
+            tokio::spawn(follower.follow(zk2, key2, parent2, name));
+        }
+        Ok(Attempt::Busy(busy))
+    }
+
+    async fn dequeue_node(&self, ticket: &Ticket) -> Result<(), Error> {
+        let me = &self.inner;
+        let name = lock(&me.tickets).remove(&(ticket.key.clone(), ticket.seq));
+        let Some(name) = name else { return Ok(()) };
+        let zk = me.client().await?;
+        let path = format!("{}/{name}", me.key_path(&ticket.key));
+        match call("dequeue", zk.delete(&path, None)).await? {
+            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+            Err(e) => Err(unavailable("dequeue", e)),
+        }
     }
 }
