@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-for pkg in redis-server redis-sentinel redis-tools zookeeper libcurator-recipes-java \
+for pkg in redis-server redis-sentinel redis-tools zookeeper libcurator-recipes-java default-jdk-headless \
            postgresql postgresql-contrib chromium chromium-driver iproute2 procps curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done

@@ -60,6 +60,8 @@ pub struct Cli {
 
 /// Subcommands.
 #[derive(Debug, Subcommand)]
+// Parsed once at start-up; boxing the serve flags would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run the sidecar (the default).
     Serve(ServeArgs),
@@ -138,6 +140,9 @@ pub struct ServeArgs {
     /// whose rows /v1/stale lists as `no-expiry`.
     #[arg(long, env = "SIDELOCK_LEGACY_TABLE")]
     pub legacy_table: Option<String>,
+    /// ZooKeeper path (under the URL's chroot) of sidelock's lock tree [default: /sidelock].
+    #[arg(long, env = "SIDELOCK_ZK_LOCK_ROOT")]
+    pub zk_lock_root: Option<String>,
     /// Bearer token every /v1 request must carry.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -157,7 +162,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
-            redis_prefix, legacy_pattern, pg_schema, legacy_table, api_token, admin_token)
+            redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token)
     }
 }
 
@@ -269,6 +274,10 @@ impl Settings {
                     .filter(|s| !s.is_empty())
                     .unwrap_or_else(|| "sidelock".into()),
                 legacy_table: a.legacy_table.filter(|t| !t.is_empty()),
+                zk_lock_root: a
+                    .zk_lock_root
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or_else(|| "/sidelock".into()),
                 sidecar: sidecar_id.clone(),
             },
         })

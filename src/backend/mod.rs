@@ -9,6 +9,7 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 pub mod redlock;
+pub mod zookeeper;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -304,6 +305,8 @@ pub struct Options {
     /// PostgreSQL: hand-written lock table whose rows `/v1/stale` lists as
     /// `no-expiry` (`--legacy-table`).
     pub legacy_table: Option<String>,
+    /// ZooKeeper: path of sidelock's lock tree under the URL's chroot (`--zk-lock-root`).
+    pub zk_lock_root: String,
     /// This sidecar's id, as its waiters carry it.
     pub sidecar: String,
 }
@@ -315,6 +318,7 @@ impl Default for Options {
             legacy_pattern: None,
             pg_schema: "sidelock".into(),
             legacy_table: None,
+            zk_lock_root: "/sidelock".into(),
             sidecar: String::new(),
         }
     }
@@ -338,8 +342,9 @@ pub async fn open(
         "postgres" | "postgresql" => Ok(Arc::new(
             postgres::Postgres::open(url, options, wakeups).await?,
         )),
+        "zk" => Ok(Arc::new(zookeeper::ZooKeeper::open(url, options, wakeups)?)),
         other => Err(format!(
-            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock:// or postgres://"
+            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, postgres:// or zk://"
         )),
     }
 }

@@ -25,6 +25,8 @@ pub enum TestBackend {
     Redlock,
     /// `postgres://` on the machine's server, in a schema of the test's own.
     Postgres,
+    /// `zk://` on a standalone ZooKeeper started for the test.
+    ZooKeeper,
 }
 
 impl TestBackend {
@@ -74,6 +76,15 @@ impl TestBackend {
                 }
             }
 
+            TestBackend::ZooKeeper => {
+                let server = super::zookeeper::ZkServer::start().await;
+                BackendGuard {
+                    backend: self,
+                    url: server.url("/conformance"),
+                    env: Vec::new(),
+                    server: Some(Box::new(server)),
+                }
+            }
             TestBackend::Postgres => {
                 let schema = super::postgres::TestSchema::new().await;
                 BackendGuard {
@@ -91,7 +102,7 @@ impl TestBackend {
     pub fn two_sidecars_share_state(self) -> bool {
         match self {
             TestBackend::Memory => false,
-            TestBackend::Postgres => true,
+            TestBackend::Postgres | TestBackend::ZooKeeper => true,
             TestBackend::Redis
             | TestBackend::RedisSentinel
             | TestBackend::RedisCluster
@@ -116,6 +127,7 @@ impl TestBackend {
             TestBackend::Redis | TestBackend::RedisSentinel | TestBackend::RedisCluster => "redis",
             TestBackend::Redlock => "redlock",
             TestBackend::Postgres => "postgres",
+            TestBackend::ZooKeeper => "zookeeper",
         }
     }
 
@@ -127,7 +139,7 @@ impl TestBackend {
             | TestBackend::RedisSentinel
             | TestBackend::RedisCluster
             | TestBackend::Redlock => "efficiency",
-            TestBackend::Postgres => "correctness",
+            TestBackend::Postgres | TestBackend::ZooKeeper => "correctness",
         }
     }
 }
@@ -202,4 +214,5 @@ impl BackendGuard {
 #[case::redis_cluster(crate::common::TestBackend::RedisCluster)]
 #[case::redlock(crate::common::TestBackend::Redlock)]
 #[case::postgres(crate::common::TestBackend::Postgres)]
+#[case::zookeeper(crate::common::TestBackend::ZooKeeper)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}

@@ -13,6 +13,7 @@
 //! * [`browser`]: headless Chromium over WebDriver, for the dashboard.
 //! * [`postgres`]: a schema per test on the machine's PostgreSQL, and
 //!   throwaway clusters for tests that restart the server.
+//! * [`zookeeper`]: real ZooKeeper servers (standalone or an ensemble of 3).
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
@@ -27,6 +28,7 @@ pub mod process;
 pub mod redis;
 pub mod sidecar;
 pub mod sse;
+pub mod zookeeper;
 
 pub use api::{Api, Grant, Holder, Keepalive, Kind, LockState, Released, Resource, Waiter};
 pub(crate) use backend::backends;

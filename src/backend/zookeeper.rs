@@ -1,0 +1,1379 @@
+//! `zk://h1:port,h2:port/chroot`: leases are ephemeral sequential znodes.
+//!
+//! Every lock or semaphore is a parent node `<root>/locks/<name>` or
+//! `<root>/semaphores/<name>` (a container node, which the server removes when
+//! it is empty). Each claim — holder or waiter — is one ephemeral sequential
+//! child of this sidecar's session, named as Apache Curator names them:
+//! `_c_<uuid>-lock-<seq>` for exclusive locks and semaphore permits (Curator's
+//! `InterProcessMutex`), `_c_<uuid>-__READ__<seq>` for shared locks (the read
+//! side of Curator's `InterProcessReadWriteLock`); a `__WRIT__` node is an
+//! exclusive claim. The sequence suffix orders the queue:
+//!
+//! * an exclusive claim is admitted when its node is the first child;
+//! * a shared claim when no exclusive node comes before it;
+//! * a semaphore claim when fewer than `limit` nodes come before it.
+//!
+//! A waiter watches only the node that blocks it (its predecessor for an
+//! exclusive lock, the nearest earlier writer for a reader), so a release fires
+//! one watch. Semaphores watch the parent's children (one watch per waiter).
+//!
+//! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
+//! expiry and fence. The fence is the zxid of the write that granted the lease,
+//! strictly increasing across the ensemble's life, also after the parent is
+//! removed and created again. The parent's data keeps the highest fence granted
+//! and the end of a lock-delay. The per-lock ttl is enforced here: a node whose
+//! expiry passed is deleted by whichever sidecar notices (its status check, a
+//! waiter's expiry timer); the session is the backend's own lease, and when it
+//! expires every node of this sidecar is gone and its tokens no longer hold.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rand::RngExt;
+use serde::{Deserialize, Serialize};
+use zookeeper_client as zk;
+
+use super::{
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Options, Safety, StaleKey,
+    State, Status, Summary, Ticket, Turn, Waiter, Watch,
+};
+use crate::clock::{ms, now_ms};
+use crate::core::Wakeups;
+use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+
+/// How long one ZooKeeper request may take before the backend counts as unavailable.
+const OP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default session timeout (`?session_timeout=` in the URL overrides it).
+const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+/// Curator's node infix of an exclusive lock (`InterProcessMutex`).
+const EXCLUSIVE: &str = "lock-";
+/// Curator's node infix of a read lock (`InterProcessReadWriteLock`).
+const READ: &str = "__READ__";
+
+/// The ZooKeeper backend.
+pub struct ZooKeeper {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    hosts: String,
+    chroot: String,
+    root: String,
+    session_timeout: Duration,
+    url: String,
+    wakeups: Wakeups,
+    /// The current session; replaced when it expires.
+    client: tokio::sync::Mutex<Option<zk::Client>>,
+    /// Waiting nodes of this sidecar by (key, sequence): the tickets.
+    tickets: Mutex<HashMap<(LockKey, u64), String>>,
+    /// Leases granted through this sidecar: token → node path.
+    leases: Mutex<HashMap<Token, String>>,
+    /// Waiting nodes whose blocker is being watched.
+    following: Mutex<HashSet<String>>,
+    /// Whether the parent-create call may use container nodes.
+    containers: std::sync::atomic::AtomicBool,
+}
+
+/// What sidelock stores in each claim node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct NodeData {
+    token: String,
+    owner: String,
+    sidecar: String,
+    /// True once granted; a waiting claim is false.
+    held: bool,
+    since_ms: u64,
+    expires_at_ms: u64,
+    ttl_ms: u64,
+    #[serde(default)]
+    cap_ms: Option<u64>,
+    lock_delay_ms: u64,
+    count: u32,
+    fence: u64,
+    #[serde(default)]
+    limit: Option<u32>,
+    queued_ms: u64,
+}
+
+/// What sidelock stores in a lock's parent node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct ParentData {
+    #[serde(default)]
+    fence: u64,
+    #[serde(default)]
+    delay_until_ms: u64,
+}
+
+/// One child of a lock node.
+#[derive(Debug, Clone)]
+struct Child {
+    name: String,
+    seq: u64,
+    mode: Mode,
+}
+
+/// A child with its data, once read.
+#[derive(Debug, Clone)]
+struct Node {
+    child: Child,
+    /// `None` for a node sidelock did not write (Curator, other tools).
+    data: Option<NodeData>,
+    stat: zk::Stat,
+}
+
+impl Node {
+    fn holder(&self) -> Holder {
+        match &self.data {
+            Some(d) => Holder {
+                owner: d.owner.clone(),
+                sidecar: d.sidecar.clone(),
+                mode: self.child.mode,
+                since_ms: d.since_ms,
+                expires_at_ms: d.expires_at_ms,
+                fence: d.fence.max(1),
+                count: d.count,
+            },
+            None => Holder {
+                owner: "(foreign)".into(),
+                sidecar: String::new(),
+                mode: self.child.mode,
+                since_ms: u64::try_from(self.stat.ctime).unwrap_or(0),
+                expires_at_ms: u64::MAX / 2,
+                fence: u64::try_from(self.stat.czxid).unwrap_or(0),
+                count: 1,
+            },
+        }
+    }
+
+    fn is_held(&self) -> bool {
+        self.data.as_ref().is_none_or(|d| d.held)
+    }
+}
+
+fn parse_child(name: &str) -> Option<Child> {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    if digits < 10 {
+        return None;
+    }
+    let seq = name[name.len() - digits..].parse().ok()?;
+    let mode = if name.contains(READ) {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    };
+    Some(Child {
+        name: name.to_owned(),
+        seq,
+        mode,
+    })
+}
+
+fn sorted(names: Vec<String>) -> Vec<Child> {
+    let mut children: Vec<Child> = names.iter().filter_map(|n| parse_child(n)).collect();
+    children.sort_by_key(|c| c.seq);
+    children
+}
+
+/// Whether the child at `index` is admitted by its place alone.
+fn admitted(children: &[Child], index: usize, kind: Kind, limit: u32) -> bool {
+    match (kind, children[index].mode) {
+        (Kind::Semaphore, _) => index < limit as usize,
+        (Kind::Lock, Mode::Exclusive) => index == 0,
+        (Kind::Lock, Mode::Shared) => children[..index].iter().all(|c| c.mode == Mode::Shared),
+    }
+}
+
+fn unavailable(op: &'static str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::Unavailable {
+        op,
+        source: Box::new(e),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("ZooKeeper did not answer within {0:?}")]
+struct TimedOut(Duration);
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Message(String);
+
+/// Runs one ZooKeeper request: `Err` when ZooKeeper is unreachable, else the
+/// request's own result (NoNode, BadVersion… are answers, not outages).
+async fn call<T>(
+    op: &'static str,
+    fut: impl Future<Output = Result<T, zk::Error>>,
+) -> Result<Result<T, zk::Error>, Error> {
+    match tokio::time::timeout(OP_TIMEOUT, fut).await {
+        Err(_) => Err(unavailable(op, TimedOut(OP_TIMEOUT))),
+        Ok(Err(
+            e @ (zk::Error::ConnectionLoss
+            | zk::Error::SessionExpired
+            | zk::Error::SessionMoved
+            | zk::Error::Timeout
+            | zk::Error::NoHosts
+            | zk::Error::ClientClosed
+            | zk::Error::Throttled
+            | zk::Error::NotReadOnly
+            | zk::Error::AuthFailed
+            | zk::Error::NoAuth),
+        )) => Err(unavailable(op, e)),
+        Ok(r) => Ok(r),
+    }
+}
+
+/// Like [`call`], treating every error as an outage.
+async fn must<T>(
+    op: &'static str,
+    fut: impl Future<Output = Result<T, zk::Error>>,
+) -> Result<T, Error> {
+    call(op, fut).await?.map_err(|e| unavailable(op, e))
+}
+
+fn encode_name(name: &Name) -> String {
+    // `.` and `..` are not valid ZooKeeper path segments; `%` is not a valid lock name character.
+    match name.as_str() {
+        "." => "%2e".into(),
+        ".." => "%2e%2e".into(),
+        other => other.into(),
+    }
+}
+
+fn decode_name(segment: &str) -> Option<Name> {
+    let s = match segment {
+        "%2e" => ".",
+        "%2e%2e" => "..",
+        other => other,
+    };
+    Name::parse(s).ok()
+}
+
+fn node_prefix(mode: Mode) -> String {
+    let b: [u8; 16] = rand::rng().random();
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    let uuid = format!(
+        "{}-{}-4{}-a{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    );
+    let infix = match mode {
+        Mode::Exclusive => EXCLUSIVE,
+        Mode::Shared => READ,
+    };
+    format!("_c_{uuid}-{infix}")
+}
+
+impl ZooKeeper {
+    /// Parses `zk://h1:port,h2:port/chroot[?session_timeout=10s]`; connects lazily.
+    ///
+    /// # Errors
+    /// A sentence for the operator when the URL is malformed.
+    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let rest = url
+            .strip_prefix("zk://")
+            .ok_or_else(|| format!("ZooKeeper URL {url:?} must start with zk://"))?;
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (hosts, chroot) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
+            None => (rest, String::new()),
+        };
+        if hosts.is_empty() {
+            return Err(format!(
+                "ZooKeeper URL {url:?} names no server; use zk://host:2181[,host:2181…][/chroot]"
+            ));
+        }
+        let mut session_timeout = SESSION_TIMEOUT;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("session_timeout", v)) => {
+                    session_timeout = humantime::parse_duration(v)
+                        .or_else(|_| v.parse().map(Duration::from_millis))
+                        .map_err(|_| {
+                            format!("ZooKeeper URL: session_timeout {v:?} is not a duration")
+                        })?;
+                }
+                _ => {
+                    return Err(format!(
+                        "ZooKeeper URL: unknown parameter {pair:?}; only session_timeout is accepted"
+                    ));
+                }
+            }
+        }
+        let root = options.zk_lock_root.trim_end_matches('/').to_owned();
+        if !root.starts_with('/') || root.len() < 2 {
+            return Err(format!(
+                "--zk-lock-root {:?} must be an absolute ZooKeeper path such as /sidelock",
+                options.zk_lock_root
+            ));
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                hosts: hosts.to_owned(),
+                chroot,
+                root,
+                session_timeout,
+                url: url.to_owned(),
+                wakeups,
+                client: tokio::sync::Mutex::new(None),
+                tickets: Mutex::new(HashMap::new()),
+                leases: Mutex::new(HashMap::new()),
+                following: Mutex::new(HashSet::new()),
+                containers: std::sync::atomic::AtomicBool::new(true),
+            }),
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    fn key_path(&self, key: &LockKey) -> String {
+        format!(
+            "{}/{}/{}",
+            self.root,
+            key.kind.plural(),
+            encode_name(&key.name)
+        )
+    }
+
+    /// The current session, connecting (again) when there is none or it expired.
+    async fn client(self: &Arc<Self>) -> Result<zk::Client, Error> {
+        let mut slot = self.client.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.state().is_terminated() {
+                return Ok(c.clone());
+            }
+            tracing::warn!(backend = "zookeeper", "session ended; opening a new one");
+            *slot = None;
+            self.session_lost();
+        }
+        let connect = zk::Client::connector()
+            .with_session_timeout(self.session_timeout)
+            .with_connection_timeout(Duration::from_secs(2))
+            .with_fail_eagerly()
+            .connect(&self.hosts);
+        let client = must("connect", connect).await?;
+        let client = if self.chroot.is_empty() {
+            client
+        } else {
+            // Create the chroot itself before entering it.
+            let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+            must("connect", client.mkdir(&self.chroot, &opts)).await?;
+            client
+                .chroot(self.chroot.clone())
+                .map_err(|_| unavailable("connect", Message("bad chroot".into())))?
+        };
+        let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        for dir in ["locks", "semaphores"] {
+            must(
+                "connect",
+                client.mkdir(&format!("{}/{dir}", self.root), &opts),
+            )
+            .await?;
+        }
+        tracing::info!(
+            backend = "zookeeper",
+            session = ?client.session_id(),
+            "ZooKeeper session established"
+        );
+        // Follow the session: when it ends, forget its nodes and wake every local
+        // waiter (their attempts then report the loss).
+        let me = Arc::downgrade(self);
+        let mut states = client.state_watcher();
+        tokio::spawn(async move {
+            loop {
+                let state = states.changed().await;
+                let Some(me) = me.upgrade() else { return };
+                if state.is_terminated() {
+                    me.session_lost();
+                    return;
+                }
+                if state == zk::SessionState::SyncConnected {
+                    // Watches are re-armed by the client; wake anyway in case one fired unseen.
+                    for key in me.wakeups.keys() {
+                        me.wakeups.wake(&key);
+                    }
+                }
+            }
+        });
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    /// The session expired: its nodes are gone, so are its tickets and leases.
+    fn session_lost(&self) {
+        lock(&self.tickets).clear();
+        lock(&self.leases).clear();
+        lock(&self.following).clear();
+        for key in self.wakeups.keys() {
+            self.wakeups.wake(&key);
+        }
+    }
+
+    /// Creates the parent of `key` (a container node where the server has them).
+    async fn ensure_parent(&self, zk: &zk::Client, path: &str) -> Result<(), Error> {
+        let data = serde_json::to_vec(&ParentData::default()).unwrap_or_default();
+        let containers = self.containers.load(std::sync::atomic::Ordering::Relaxed);
+        let mode = if containers {
+            zk::CreateMode::Container
+        } else {
+            zk::CreateMode::Persistent
+        };
+        let opts = mode.with_acls(zk::Acls::anyone_all());
+        match call("try_acquire", zk.create(path, &data, &opts)).await? {
+            Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(zk::Error::Unimplemented) if containers => {
+                self.containers
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                Box::pin(self.ensure_parent(zk, path)).await
+            }
+            Err(e) => Err(unavailable("try_acquire", e)),
+        }
+    }
+
+    async fn children(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        path: &str,
+    ) -> Result<Vec<Child>, Error> {
+        match call(op, zk.list_children(path)).await? {
+            Ok(names) => Ok(sorted(names)),
+            Err(zk::Error::NoNode) => Ok(Vec::new()),
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    async fn read(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        child: &Child,
+    ) -> Result<Option<Node>, Error> {
+        match call(op, zk.get_data(&format!("{parent}/{}", child.name))).await? {
+            Ok((bytes, stat)) => Ok(Some(Node {
+                child: child.clone(),
+                data: serde_json::from_slice(&bytes).ok(),
+                stat,
+            })),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    async fn parent_data(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        path: &str,
+    ) -> Result<(ParentData, Option<i32>), Error> {
+        match call(op, zk.get_data(path)).await? {
+            Ok((bytes, stat)) => Ok((
+                serde_json::from_slice(&bytes).unwrap_or_default(),
+                Some(stat.version),
+            )),
+            Err(zk::Error::NoNode) => Ok((ParentData::default(), None)),
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    /// Read-modify-write of the parent's data (compare-and-set on its version).
+    async fn update_parent(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        path: &str,
+        f: impl Fn(&mut ParentData),
+    ) -> Result<(), Error> {
+        for _ in 0..20 {
+            let (mut data, version) = self.parent_data(zk, op, path).await?;
+            let Some(version) = version else {
+                return Ok(());
+            };
+            f(&mut data);
+            let bytes = serde_json::to_vec(&data).unwrap_or_default();
+            match call(op, zk.set_data(path, &bytes, Some(version))).await? {
+                Ok(_) | Err(zk::Error::NoNode) => return Ok(()),
+                Err(zk::Error::BadVersion) => continue,
+                Err(e) => return Err(unavailable(op, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes a node whose lease expired (if it still is that lease), starting its lock-delay.
+    async fn expire(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        node: &Node,
+    ) -> Result<bool, Error> {
+        let Some(d) = &node.data else {
+            return Ok(false);
+        };
+        let path = format!("{parent}/{}", node.child.name);
+        match call(op, zk.delete(&path, Some(node.stat.version))).await? {
+            Ok(()) => {
+                let until = d.expires_at_ms + d.lock_delay_ms;
+                if d.lock_delay_ms > 0 {
+                    self.update_parent(zk, op, parent, |p| {
+                        p.delay_until_ms = p.delay_until_ms.max(until);
+                    })
+                    .await?;
+                }
+                Ok(true)
+            }
+            Err(zk::Error::NoNode) => Ok(true),
+            Err(zk::Error::BadVersion) => Ok(false),
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    /// Children with the data of those admitted by place; expired leases among
+    /// them are deleted first. Returns the children and the admitted nodes.
+    async fn snapshot(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        key: &LockKey,
+        parent: &str,
+    ) -> Result<(Vec<Child>, Vec<Node>, u32), Error> {
+        for _ in 0..10 {
+            let children = self.children(zk, op, parent).await?;
+            let mut limit = 0;
+            if key.kind == Kind::Semaphore && !children.is_empty() {
+                limit = self.active_limit(zk, op, parent, &children).await?;
+            }
+            let mut nodes = Vec::new();
+            let mut changed = false;
+            let now = now_ms();
+            for (i, c) in children.iter().enumerate() {
+                if !admitted(&children, i, key.kind, limit) {
+                    if key.kind == Kind::Lock && c.mode == Mode::Exclusive {
+                        break;
+                    }
+                    continue;
+                }
+                let Some(node) = self.read(zk, op, parent, c).await? else {
+                    changed = true;
+                    continue;
+                };
+                if let Some(d) = &node.data
+                    && d.held
+                    && d.expires_at_ms <= now
+                    && self.expire(zk, op, parent, &node).await?
+                {
+                    changed = true;
+                    continue;
+                }
+                nodes.push(node);
+            }
+            if changed {
+                self.wakeups.wake(key);
+                continue;
+            }
+            return Ok((children, nodes, limit));
+        }
+        Err(unavailable(
+            op,
+            Message("the lock's children kept changing".into()),
+        ))
+    }
+
+    /// A semaphore's limit: the one recorded by its first sidelock node.
+    async fn active_limit(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        children: &[Child],
+    ) -> Result<u32, Error> {
+        for c in children {
+            if let Some(node) = self.read(zk, op, parent, c).await?
+                && let Some(limit) = node.data.and_then(|d| d.limit)
+            {
+                return Ok(limit);
+            }
+        }
+        Ok(1)
+    }
+
+    /// Finds the node of `token` under `parent`: this sidecar's record first, else a scan.
+    async fn find(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        token: &Token,
+    ) -> Result<Option<Node>, Error> {
+        let known = lock(&self.leases).get(token).cloned();
+        if let Some(path) = known
+            && let Some(name) = path.strip_prefix(&format!("{parent}/"))
+            && let Some(child) = parse_child(name)
+        {
+            if let Some(node) = self.read(zk, op, parent, &child).await?
+                && node
+                    .data
+                    .as_ref()
+                    .is_some_and(|d| d.token == token.expose())
+            {
+                return Ok(Some(node));
+            }
+            lock(&self.leases).remove(token);
+            return Ok(None);
+        }
+        for c in self.children(zk, op, parent).await? {
+            if let Some(node) = self.read(zk, op, parent, &c).await?
+                && node
+                    .data
+                    .as_ref()
+                    .is_some_and(|d| d.held && d.token == token.expose())
+            {
+                return Ok(Some(node));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Watches what blocks the waiting node `name` and wakes local waiters on
+    /// `key` when it changes, until the node is granted or leaves.
+    async fn follow(self: Arc<Self>, zk: zk::Client, key: LockKey, parent: String, name: String) {
+        let path = format!("{parent}/{name}");
+        if !lock(&self.following).insert(path.clone()) {
+            return;
+        }
+        let _ = self.follow_loop(&zk, &key, &parent, &name).await;
+        lock(&self.following).remove(&path);
+    }
+
+    async fn follow_loop(
+        &self,
+        zk: &zk::Client,
+        key: &LockKey,
+        parent: &str,
+        name: &str,
+    ) -> Result<(), Error> {
+        loop {
+            if !lock(&self.tickets).values().any(|n| n == name) {
+                return Ok(());
+            }
+            let watcher = if key.kind == Kind::Semaphore {
+                let (_, w) = must("watch", zk.list_and_watch_children(parent)).await?;
+                w
+            } else {
+                let children = self.children(zk, "watch", parent).await?;
+                let Some(at) = children.iter().position(|c| c.name == name) else {
+                    return Ok(());
+                };
+                let blocker = match children[at].mode {
+                    Mode::Exclusive => at.checked_sub(1),
+                    Mode::Shared => children[..at]
+                        .iter()
+                        .rposition(|c| c.mode == Mode::Exclusive),
+                };
+                let Some(b) = blocker else {
+                    // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
+                    self.wakeups.wake(key);
+                    return Ok(());
+                };
+                let target = format!("{parent}/{}", children[b].name);
+                match must("watch", zk.check_and_watch_stat(&target)).await? {
+                    (None, _) => {
+                        self.wakeups.wake(key);
+                        continue;
+                    }
+                    (Some(_), w) => w,
+                }
+            };
+            let event = watcher.changed().await;
+            if event.session_state.is_terminated() {
+                return Ok(());
+            }
+            if event.event_type != zk::EventType::NodeDataChanged {
+                self.wakeups.wake(key);
+            }
+        }
+    }
+
+    fn forget_ticket(&self, key: &LockKey, seq: u64) {
+        lock(&self.tickets).remove(&(key.clone(), seq));
+    }
+
+    /// Grants the waiting node `node` (ours): marks it held and takes its fence.
+    async fn grant(
+        &self,
+        zk: &zk::Client,
+        parent: &str,
+        path: &str,
+        mut data: NodeData,
+        version: i32,
+    ) -> Result<Option<Grant>, Error> {
+        let now = now_ms();
+        data.held = true;
+        data.since_ms = now;
+        data.cap_ms = data.cap_ms.map(|hold| now + hold);
+        data.expires_at_ms = now + data.ttl_ms;
+        if let Some(cap) = data.cap_ms {
+            data.expires_at_ms = data.expires_at_ms.min(cap);
+        }
+        let bytes = serde_json::to_vec(&data).unwrap_or_default();
+        let stat = match call("try_acquire", zk.set_data(path, &bytes, Some(version))).await? {
+            Ok(stat) => stat,
+            Err(zk::Error::NoNode | zk::Error::BadVersion) => return Ok(None),
+            Err(e) => return Err(unavailable("try_acquire", e)),
+        };
+        // The zxid of the granting write: above every earlier grant, ever.
+        data.fence = u64::try_from(stat.mzxid).unwrap_or(0);
+        let bytes = serde_json::to_vec(&data).unwrap_or_default();
+        must("try_acquire", zk.set_data(path, &bytes, Some(stat.version))).await?;
+        let fence = data.fence;
+        self.update_parent(zk, "try_acquire", parent, |p| p.fence = p.fence.max(fence))
+            .await?;
+        let token = Token::from_client(data.token.clone());
+        lock(&self.leases).insert(token.clone(), path.to_owned());
+        Ok(Some(Grant {
+            token,
+            fence: data.fence,
+            count: 1,
+            since_ms: data.since_ms,
+            expires_at_ms: data.expires_at_ms,
+        }))
+    }
+}
+
+#[async_trait]
+impl Backend for ZooKeeper {
+    fn describe(&self) -> Description {
+        Description {
+            kind: "zookeeper",
+            url: self.inner.url.clone(),
+            safety: Safety::Correctness,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        let zk = self.inner.client().await?;
+        must("ping", zk.check_stat(&self.inner.root)).await?;
+        Ok(())
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let result = self.attempt(claim, turn).await;
+        // A waiter keeps its place through a connection loss (e.g. a leader
+        // election) as long as its session, and so its node, lives: retry soon.
+        if let (Err(Error::Unavailable { .. }), Turn::Queued(t)) = (&result, turn)
+            && lock(&self.inner.tickets).contains_key(&(t.key.clone(), t.seq))
+        {
+            return Ok(Attempt::Busy(Busy {
+                retry_at_ms: Some(now_ms() + 500),
+                ..Busy::default()
+            }));
+        }
+        result
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        self.dequeue_node(ticket).await
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let parent = me.key_path(key);
+        for _ in 0..10 {
+            let Some(node) = me.find(&zk, "renew", &parent, token).await? else {
+                return Ok(None);
+            };
+            let Some(mut d) = node.data.clone() else {
+                return Ok(None);
+            };
+            let now = now_ms();
+            if d.expires_at_ms <= now {
+                me.expire(&zk, "renew", &parent, &node).await?;
+                return Ok(None);
+            }
+            let mut until = now + ttl.map_or(d.ttl_ms, ms);
+            if let Some(cap) = d.cap_ms {
+                until = until.min(cap);
+            }
+            d.expires_at_ms = until;
+            let bytes = serde_json::to_vec(&d).unwrap_or_default();
+            let path = format!("{parent}/{}", node.child.name);
+            match call("renew", zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
+                Ok(_) => return Ok(Some(until)),
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(zk::Error::BadVersion) => continue,
+                Err(e) => return Err(unavailable("renew", e)),
+            }
+        }
+        Err(unavailable("renew", Message("lease kept changing".into())))
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let parent = me.key_path(key);
+        for _ in 0..10 {
+            let Some(node) = me.find(&zk, "release", &parent, token).await? else {
+                return Ok(None);
+            };
+            let Some(mut d) = node.data.clone() else {
+                return Ok(None);
+            };
+            if d.expires_at_ms <= now_ms() {
+                me.expire(&zk, "release", &parent, &node).await?;
+                me.wakeups.wake(key);
+                return Ok(None);
+            }
+            let path = format!("{parent}/{}", node.child.name);
+            let version = Some(node.stat.version);
+            let result = if d.count > 1 {
+                d.count -= 1;
+                let bytes = serde_json::to_vec(&d).unwrap_or_default();
+                call("release", zk.set_data(&path, &bytes, version))
+                    .await?
+                    .map(|_| ())
+            } else {
+                d.count = 0;
+                call("release", zk.delete(&path, version)).await?
+            };
+            match result {
+                Ok(()) => {
+                    if d.count == 0 {
+                        lock(&me.leases).remove(token);
+                        me.wakeups.wake(key);
+                    }
+                    return Ok(Some(d.count));
+                }
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(zk::Error::BadVersion) => continue,
+                Err(e) => return Err(unavailable("release", e)),
+            }
+        }
+        Err(unavailable(
+            "release",
+            Message("lease kept changing".into()),
+        ))
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        let me = &self.inner;
+        let ours = lock(&me.leases).contains_key(token);
+        let zk = me.client().await?;
+        let parent = me.key_path(key);
+        let Some(node) = me.find(&zk, "status", &parent, token).await? else {
+            // Our own lease gone without our knowledge: the session took it.
+            return Ok(Status::Gone(if ours {
+                Loss::Expired
+            } else {
+                Loss::Backend
+            }));
+        };
+        let Some(d) = &node.data else {
+            return Ok(Status::Gone(Loss::Backend));
+        };
+        if d.expires_at_ms <= now_ms() {
+            me.expire(&zk, "status", &parent, &node).await?;
+            lock(&me.leases).remove(token);
+            me.wakeups.wake(key);
+            return Ok(Status::Gone(Loss::Expired));
+        }
+        Ok(Status::Held {
+            expires_at_ms: d.expires_at_ms,
+        })
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let parent = me.key_path(key);
+        let (children, nodes, limit) = me.snapshot(&zk, "inspect", key, &parent).await?;
+        let (pdata, _) = me.parent_data(&zk, "inspect", &parent).await?;
+        let holders: Vec<Holder> = nodes
+            .iter()
+            .filter(|n| n.is_held())
+            .map(Node::holder)
+            .collect();
+        let mut waiters = Vec::new();
+        for c in &children {
+            if nodes.iter().any(|n| n.child.name == c.name && n.is_held()) {
+                continue;
+            }
+            let Some(node) = me.read(&zk, "inspect", &parent, c).await? else {
+                continue;
+            };
+            let (owner, sidecar, since_ms) = match &node.data {
+                Some(d) => (d.owner.clone(), d.sidecar.clone(), d.queued_ms),
+                None => (
+                    "(foreign)".into(),
+                    String::new(),
+                    u64::try_from(node.stat.ctime).unwrap_or(0),
+                ),
+            };
+            waiters.push(Waiter {
+                owner,
+                sidecar,
+                mode: c.mode,
+                position: waiters.len() + 1,
+                since_ms,
+            });
+        }
+        let fence = holders
+            .iter()
+            .map(|h| h.fence)
+            .max()
+            .unwrap_or(0)
+            .max(pdata.fence);
+        Ok(State {
+            fence,
+            limit: (key.kind == Kind::Semaphore && !children.is_empty()).then_some(limit),
+            holders,
+            waiters,
+        })
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let mut keys = Vec::new();
+        for kind in [Kind::Lock, Kind::Semaphore] {
+            let dir = format!("{}/{}", me.root, kind.plural());
+            let names = match call("list", zk.list_children(&dir)).await? {
+                Ok(n) => n,
+                Err(zk::Error::NoNode) => Vec::new(),
+                Err(e) => return Err(unavailable("list", e)),
+            };
+            keys.extend(
+                names
+                    .iter()
+                    .filter_map(|n| decode_name(n))
+                    .map(|name| LockKey { kind, name }),
+            );
+        }
+        keys.sort();
+        let mut rows = Vec::new();
+        for key in keys {
+            if rows.len() >= limit {
+                break;
+            }
+            if !key.name.as_str().starts_with(prefix) || after.is_some_and(|a| &key <= a) {
+                continue;
+            }
+            let parent = me.key_path(&key);
+            let (children, nodes, _) = me.snapshot(&zk, "list", &key, &parent).await?;
+            if children.is_empty() {
+                continue;
+            }
+            let held = nodes.iter().filter(|n| n.is_held()).count();
+            let (pdata, _) = me.parent_data(&zk, "list", &parent).await?;
+            let fence = nodes
+                .iter()
+                .filter(|n| n.is_held())
+                .map(|n| n.holder().fence)
+                .max()
+                .unwrap_or(0)
+                .max(pdata.fence);
+            rows.push(Summary {
+                key,
+                holders: held,
+                waiters: children.len() - held,
+                fence,
+            });
+        }
+        Ok(rows)
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let now = now_ms();
+        let mut out = Vec::new();
+        for kind in [Kind::Lock, Kind::Semaphore] {
+            let dir = format!("{}/{}", me.root, kind.plural());
+            let names = match call("stale", zk.list_children(&dir)).await? {
+                Ok(n) => n,
+                Err(zk::Error::NoNode) => Vec::new(),
+                Err(e) => return Err(unavailable("stale", e)),
+            };
+            for segment in names {
+                let parent = format!("{dir}/{segment}");
+                let shown = format!("{}/{segment}", kind.plural());
+                let (raw, pstat) = match call("stale", zk.get_children(&parent)).await? {
+                    Ok(r) => r,
+                    Err(zk::Error::NoNode) => continue,
+                    Err(e) => return Err(unavailable("stale", e)),
+                };
+                if raw.is_empty() {
+                    let age = now.saturating_sub(u64::try_from(pstat.mtime).unwrap_or(0));
+                    let (pdata, _) = me.parent_data(&zk, "stale", &parent).await?;
+                    // An empty parent whose lock-delay is over is removed; a
+                    // container node would be removed by the server anyway.
+                    let cleaned = pdata.delay_until_ms <= now
+                        && matches!(
+                            call("stale", zk.delete(&parent, Some(pstat.version))).await?,
+                            Ok(())
+                        );
+                    out.push(StaleKey {
+                        key: parent.clone(),
+                        reason: "empty-parent",
+                        age_ms: age,
+                        detail: if cleaned {
+                            "lock node without claims; removed".into()
+                        } else {
+                            "lock node without claims".into()
+                        },
+                    });
+                    continue;
+                }
+                for name in raw {
+                    let path = format!("{parent}/{name}");
+                    let (bytes, stat) = match call("stale", zk.get_data(&path)).await? {
+                        Ok(r) => r,
+                        Err(zk::Error::NoNode) => continue,
+                        Err(e) => return Err(unavailable("stale", e)),
+                    };
+                    let age = now.saturating_sub(u64::try_from(stat.ctime).unwrap_or(0));
+                    if stat.ephemeral_owner == 0 {
+                        out.push(StaleKey {
+                            key: path,
+                            reason: "no-expiry",
+                            age_ms: age,
+                            detail: format!(
+                                "non-ephemeral node under {shown}: it outlives every session and blocks the lock until deleted"
+                            ),
+                        });
+                        continue;
+                    }
+                    let Ok(d) = serde_json::from_slice::<NodeData>(&bytes) else {
+                        continue;
+                    };
+                    if !d.held {
+                        continue;
+                    }
+                    if d.expires_at_ms <= now {
+                        out.push(StaleKey {
+                            key: path,
+                            reason: "expired-not-cleaned",
+                            age_ms: now - d.since_ms.min(now),
+                            detail: format!(
+                                "lease of owner {:?} on sidecar {:?} expired {} ms ago",
+                                d.owner,
+                                d.sidecar,
+                                now - d.expires_at_ms
+                            ),
+                        });
+                    } else if now.saturating_sub(d.since_ms) > ms(stale_after) {
+                        out.push(StaleKey {
+                            key: shown.clone(),
+                            reason: "held-too-long",
+                            age_ms: now - d.since_ms,
+                            detail: format!(
+                                "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",
+                                d.owner,
+                                d.sidecar,
+                                d.fence,
+                                humantime::format_duration(stale_after)
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let parent = me.key_path(key);
+        let (_, nodes, _) = me.snapshot(&zk, "force_release", key, &parent).await?;
+        let mut tokens = Vec::new();
+        let mut delay = 0;
+        for node in &nodes {
+            let Some(d) = node.data.as_ref().filter(|d| d.held) else {
+                continue;
+            };
+            let path = format!("{parent}/{}", node.child.name);
+            match call("force_release", zk.delete(&path, None)).await? {
+                Ok(()) => {
+                    let token = Token::from_client(d.token.clone());
+                    lock(&me.leases).remove(&token);
+                    tokens.push(token);
+                    delay = delay.max(d.lock_delay_ms);
+                }
+                Err(zk::Error::NoNode) => {}
+                Err(e) => return Err(unavailable("force_release", e)),
+            }
+        }
+        if delay > 0 {
+            let until = now_ms() + delay;
+            me.update_parent(&zk, "force_release", &parent, |p| {
+                p.delay_until_ms = p.delay_until_ms.max(until);
+            })
+            .await?;
+        }
+        if !tokens.is_empty() {
+            me.wakeups.wake(key);
+        }
+        Ok(tokens)
+    }
+
+    async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
+        // Every waiting node watches its blocker from the attempt that left it
+        // waiting (before that attempt answered), so delivery is already in place.
+        Ok(Box::new(()))
+    }
+
+    async fn close(&self) {
+        // Dropping the last handle closes the session, which deletes its
+        // ephemeral nodes at once (watchers hold handles only while waiting).
+        drop(self.inner.client.lock().await.take());
+    }
+}
+
+impl ZooKeeper {
+    async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let me = &self.inner;
+        let zk = me.client().await?;
+        let key = &claim.key;
+        let parent = me.key_path(key);
+        let op = "try_acquire";
+
+        // Re-entry: the same owner holding the lock in the same mode.
+        if key.kind == Kind::Lock {
+            let (_, nodes, _) = me.snapshot(&zk, op, key, &parent).await?;
+            for node in &nodes {
+                let Some(d) = &node.data else { continue };
+                if !(d.held && d.owner == claim.owner && node.child.mode == claim.mode) {
+                    continue;
+                }
+                let mut d = d.clone();
+                let now = now_ms();
+                d.count += 1;
+                d.expires_at_ms = d.expires_at_ms.max(now + ms(claim.ttl));
+                if let Some(cap) = d.cap_ms {
+                    d.expires_at_ms = d.expires_at_ms.min(cap);
+                }
+                let path = format!("{parent}/{}", node.child.name);
+                let bytes = serde_json::to_vec(&d).unwrap_or_default();
+                match call(op, zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
+                    Ok(_) => {}
+                    Err(zk::Error::NoNode | zk::Error::BadVersion) => {
+                        return Box::pin(self.try_acquire(claim, turn)).await;
+                    }
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+                if let Turn::Queued(t) = turn {
+                    self.dequeue(t).await?;
+                }
+                return Ok(Attempt::Granted(Grant {
+                    token: Token::from_client(d.token.clone()),
+                    fence: d.fence,
+                    count: d.count,
+                    since_ms: d.since_ms,
+                    expires_at_ms: d.expires_at_ms,
+                }));
+            }
+        }
+
+        // Our node: the ticket's, or a new one.
+        let (name, created) = match turn {
+            Turn::Queued(t) => {
+                let known = lock(&me.tickets).get(&(key.clone(), t.seq)).cloned();
+                let Some(name) = known else {
+                    return Err(unavailable(
+                        op,
+                        Message(
+                            "the ZooKeeper session ended and this waiter's place went with it"
+                                .into(),
+                        ),
+                    ));
+                };
+                (name, false)
+            }
+            Turn::Once | Turn::Join => {
+                if key.kind == Kind::Semaphore && claim.limit.is_none() {
+                    let children = me.children(&zk, op, &parent).await?;
+                    if children.is_empty() {
+                        return Err(Error::LimitRequired);
+                    }
+                }
+                let data = NodeData {
+                    token: Token::generate().expose().to_owned(),
+                    owner: claim.owner.clone(),
+                    sidecar: claim.sidecar.clone(),
+                    held: false,
+                    since_ms: 0,
+                    expires_at_ms: 0,
+                    ttl_ms: ms(claim.ttl),
+                    cap_ms: claim.max_hold.map(ms),
+                    lock_delay_ms: ms(claim.lock_delay),
+                    count: 1,
+                    fence: 0,
+                    limit: claim.limit,
+                    queued_ms: now_ms(),
+                };
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                let mode = if key.kind == Kind::Semaphore {
+                    Mode::Exclusive
+                } else {
+                    claim.mode
+                };
+                let prefix = format!("{parent}/{}", node_prefix(mode));
+                let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+                let mut tries = 0;
+                let seq = loop {
+                    match call(op, zk.create(&prefix, &bytes, &opts)).await? {
+                        Ok((_, seq)) => break seq,
+                        Err(zk::Error::NoNode) if tries < 5 => {
+                            tries += 1;
+                            me.ensure_parent(&zk, &parent).await?;
+                        }
+                        Err(e) => return Err(unavailable(op, e)),
+                    }
+                };
+                let name = format!("{}{seq}", &prefix[parent.len() + 1..]);
+                (name, true)
+            }
+        };
+        let path = format!("{parent}/{name}");
+
+        let (children, nodes, limit) = me.snapshot(&zk, op, key, &parent).await?;
+        let Some(at) = children.iter().position(|c| c.name == name) else {
+            if let Turn::Queued(t) = turn {
+                me.forget_ticket(key, t.seq);
+            }
+            return Err(unavailable(
+                op,
+                Message("this waiter's node is gone (ZooKeeper session ended)".into()),
+            ));
+        };
+        let seq = children[at].seq;
+        // Semaphore limit: the first node's limit is the active one.
+        if key.kind == Kind::Semaphore
+            && let Some(asked) = claim.limit
+            && asked != limit
+        {
+            if created {
+                let _ = call(op, zk.delete(&path, None)).await?;
+            }
+            return Err(Error::LimitMismatch { active: limit });
+        }
+        let own = me.read(&zk, op, &parent, &children[at]).await?;
+        let Some(own) = own else {
+            return Err(unavailable(
+                op,
+                Message("this claim's node vanished".into()),
+            ));
+        };
+        let now = now_ms();
+        let (pdata, _) = me.parent_data(&zk, op, &parent).await?;
+        let ahead: Vec<&Node> = nodes.iter().filter(|n| n.child.seq < seq).collect();
+        let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
+        let by_place = admitted(&children, at, key.kind, limit);
+        // Once/Join: busy while anyone waits ahead (fairness).
+        let fair = !matches!(turn, Turn::Once | Turn::Join)
+            || (queue_ahead == 0
+                && children[..at]
+                    .iter()
+                    .all(|c| nodes.iter().any(|n| n.child.name == c.name)));
+        let delayed = pdata.delay_until_ms > now;
+        if by_place
+            && fair
+            && !delayed
+            && let Some(d) = own.data.clone()
+            && let Some(grant) = me.grant(&zk, &parent, &path, d, own.stat.version).await?
+        {
+            if let Turn::Queued(t) = turn {
+                me.forget_ticket(key, t.seq);
+            }
+            return Ok(Attempt::Granted(grant));
+        }
+
+        // Busy.
+        let holders: Vec<Holder> = nodes
+            .iter()
+            .filter(|n| n.is_held())
+            .map(Node::holder)
+            .collect();
+        let blocking = nodes
+            .iter()
+            .filter(|n| n.child.seq < seq && n.is_held())
+            .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
+            .map(|n| n.holder().expires_at_ms)
+            .min();
+        let retry_at_ms = if delayed {
+            Some(pdata.delay_until_ms)
+        } else {
+            blocking
+        };
+        let waiting_total = children.len() - holders.len().min(children.len());
+        let mut busy = Busy {
+            holders,
+            queue_length: waiting_total,
+            position: None,
+            retry_at_ms,
+            ticket: None,
+        };
+        let position = children[..at]
+            .iter()
+            .filter(|c| !nodes.iter().any(|n| n.child.name == c.name && n.is_held()))
+            .count()
+            + 1;
+        match turn {
+            Turn::Once => {
+                let _ = call(op, zk.delete(&path, None)).await?;
+                busy.queue_length = waiting_total.saturating_sub(1);
+                return Ok(Attempt::Busy(busy));
+            }
+            Turn::Join => {
+                lock(&me.tickets).insert((key.clone(), seq), name.clone());
+                busy.ticket = Some(Ticket {
+                    key: key.clone(),
+                    seq,
+                });
+                busy.position = Some(position);
+            }
+            Turn::Queued(_) => busy.position = Some(position),
+        }
+        // Watch what blocks this node before answering, so no release is missed.
+        let follower = me.clone();
+        let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
+        let following = lock(&me.following).contains(&path);
+        if !following {
+            tokio::spawn(follower.follow(zk2, key2, parent2, name));
+        }
+        Ok(Attempt::Busy(busy))
+    }
+
+    async fn dequeue_node(&self, ticket: &Ticket) -> Result<(), Error> {
+        let me = &self.inner;
+        let name = lock(&me.tickets).remove(&(ticket.key.clone(), ticket.seq));
+        let Some(name) = name else { return Ok(()) };
+        let zk = me.client().await?;
+        let path = format!("{}/{name}", me.key_path(&ticket.key));
+        match call("dequeue", zk.delete(&path, None)).await? {
+            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+            Err(e) => Err(unavailable("dequeue", e)),
+        }
+    }
+}
