@@ -367,13 +367,14 @@ mod leases {
         // `ttl_ms` is what the lease has left when reported: allow rounding.
         let renewed = lock.keepalive(&grant.token, &[]).await;
         assert!(
-            (290..=300).contains(&renewed.ttl_ms),
+            (250..=300).contains(&renewed.ttl_ms),
             "the default is the lease's own ttl: {renewed:?}"
         );
         assert!(renewed.expires_at_ms >= grant.expires_at_ms);
 
         let extended = lock.keepalive(&grant.token, &[("ttl", "5s")]).await;
-        let low = 4990 - backend.drift_ms(5000);
+        // Slack for the round trips between computing the expiry and reading it.
+        let low = 4950 - backend.drift_ms(5000);
         assert!((low..=5000).contains(&extended.ttl_ms), "{extended:?}");
         assert!(extended.expires_at_ms >= grant.expires_at_ms + 4000);
 
