@@ -25,6 +25,9 @@ const STALE_EVERY: Duration = Duration::from_secs(60);
 /// A sentence for the operator when the backend URL is bad or the listen
 /// address cannot be bound.
 pub async fn serve(settings: Settings) -> Result<(), String> {
+    // Every hold and waiter is an open connection: allow as many as the hard limit.
+    let files = crate::bench::procs::raise_fd_limit();
+    tracing::debug!(files, "open-file limit");
     let token = CancellationToken::new();
     shutdown::on_signal(token.clone());
     let wakeups = Wakeups::default();
