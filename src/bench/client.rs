@@ -13,8 +13,7 @@ use serde::{Deserialize, Serialize};
 pub const TTL_MS: u64 = 30_000;
 
 /// Owner-checked release, the usual compare-and-delete.
-pub const RELEASE_LUA: &str =
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+pub const RELEASE_LUA: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
 
 /// An HTTP client with one keep-alive connection per host.
 #[must_use]

@@ -11,6 +11,7 @@
 //!   windows are approximate.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
@@ -145,18 +146,28 @@ impl Counter {
         }
     }
 
-    /// What the backend did while `f` ran.
-    pub async fn around<T>(c: &mut Option<Self>, f: impl Future<Output = T>) -> (T, Option<Ops>) {
+    /// What the backend did while `f` ran. With `client_round_trips` (the
+    /// baselines count what they send), round trips are taken from there.
+    pub async fn around<T>(
+        c: &mut Option<Self>,
+        client_round_trips: Option<&AtomicU64>,
+        f: impl Future<Output = T>,
+    ) -> (T, Option<Ops>) {
         let before = match c {
             Some(c) => c.read().await,
             None => None,
         };
+        let sent = client_round_trips.map(|n| n.load(Ordering::Relaxed));
         let out = f.await;
         let after = match c {
             Some(c) => c.read().await,
             None => None,
         };
-        (out, before.zip(after).map(|(b, a)| a.since(b)))
+        let mut ops = before.zip(after).map(|(b, a)| a.since(b));
+        if let (Some(o), Some(n), Some(s)) = (ops.as_mut(), client_round_trips, sent) {
+            o.round_trips = n.load(Ordering::Relaxed) - s;
+        }
+        (out, ops)
     }
 }
 

@@ -421,7 +421,7 @@ async fn run_backend(
         for &c in uncontended_clients {
             eprintln!("[{label}] uncontended, {c} clients");
             let lockers = (0..c).map(|i| target.locker_for(0, i)).collect();
-            match workloads::uncontended(lockers, args.duration, run_id).await {
+            match workloads::uncontended(lockers, args.duration, run_id, &mut counter, None).await {
                 Ok(r) => run.uncontended.push(r),
                 Err(e) => run.errors.push(format!("uncontended {c}: {e}")),
             }
@@ -440,6 +440,7 @@ async fn run_backend(
                 args.duration,
                 &name,
                 &mut counter,
+                None,
             )
             .await
             {
@@ -454,8 +455,7 @@ async fn run_backend(
             target!(pair, spawned, target);
             eprintln!("[{label}] idle, {w} waiters");
             let name = format!("bench-i-{run_id}-{w}");
-            match workloads::idle_sidecar(&target, w, args.idle_duration, &name, &mut counter)
-                .await
+            match workloads::idle_sidecar(&target, w, args.idle_duration, &name, &mut counter).await
             {
                 Ok(r) => run.idle.push(r),
                 Err(e) => run.errors.push(format!("idle {w}: {e}")),
@@ -521,7 +521,15 @@ async fn baselines(
                     }
                 }
             }
-            match workloads::uncontended(lockers, args.duration, &format!("d-{run_id}")).await {
+            match workloads::uncontended(
+                lockers,
+                args.duration,
+                &format!("d-{run_id}"),
+                &mut counter,
+                Some(&rt),
+            )
+            .await
+            {
                 Ok(r) => out.direct_redis.push(r),
                 Err(e) => out.errors.push(format!("direct {c}: {e}")),
             }
@@ -544,7 +552,16 @@ async fn baselines(
                     }
                 }
                 let name = format!("bench-pc-{run_id}-{}-{c}", poll.as_millis());
-                match workloads::contended(lockers, 0, args.duration, &name, &mut counter).await {
+                match workloads::contended(
+                    lockers,
+                    0,
+                    args.duration,
+                    &name,
+                    &mut counter,
+                    Some(&rt),
+                )
+                .await
+                {
                     Ok(r) => p.contended.push(r),
                     Err(e) => out.errors.push(format!("polling contended {c}: {e}")),
                 }
@@ -650,12 +667,12 @@ fn print_tables(r: &Report) {
     if !unc.is_empty() {
         println!("\n## Uncontended (acquire + release, own lock per client)\n");
         println!(
-            "| system | clients | pairs/s | acquire p50/p99/p999 µs | release p50/p99/p999 µs | errors |"
+            "| system | clients | pairs/s | acquire p50/p99/p999 µs | release p50/p99/p999 µs | round trips/pair | commands/pair | errors |"
         );
-        println!("|---|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
         for (label, u) in unc {
             println!(
-                "| {label} | {} | {:.0} | {}/{}/{} | {}/{}/{} | {} |",
+                "| {label} | {} | {:.0} | {}/{}/{} | {}/{}/{} | {} | {} | {} |",
                 u.clients,
                 u.pairs_per_s,
                 u.acquire.p50_us,
@@ -664,6 +681,8 @@ fn print_tables(r: &Report) {
                 u.release.p50_us,
                 u.release.p99_us,
                 u.release.p999_us,
+                opt(u.round_trips_per_pair),
+                opt(u.commands_per_pair),
                 u.errors
             );
         }
@@ -671,20 +690,21 @@ fn print_tables(r: &Report) {
     if !con.is_empty() {
         println!("\n## Contended (one lock, hold ~0)\n");
         println!(
-            "| system | clients | sidecars | handoffs/s | handoff p50/p99 µs | max wait ms | round trips/handoff | commands/handoff | errors |"
+            "| system | clients | sidecars | grants/s | handoffs/s | handoff p50/p99 µs | max wait ms | round trips/grant | commands/grant | errors |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (label, c) in con {
             println!(
-                "| {label} | {} | {} | {:.0} | {}/{} | {:.1} | {} | {} | {} |",
+                "| {label} | {} | {} | {:.0} | {:.0} | {}/{} | {:.1} | {} | {} | {} |",
                 c.clients,
                 c.sidecars,
+                c.grants_per_s,
                 c.handoffs_per_s,
                 c.handoff.p50_us,
                 c.handoff.p99_us,
                 c.max_wait_ms,
-                opt(c.round_trips_per_handoff),
-                opt(c.commands_per_handoff),
+                opt(c.round_trips_per_grant),
+                opt(c.commands_per_grant),
                 c.errors
             );
         }

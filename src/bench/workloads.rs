@@ -23,6 +23,9 @@ pub struct Uncontended {
     pub acquire: Latency,
     pub release: Latency,
     pub errors: u64,
+    pub backend_ops: Option<Ops>,
+    pub round_trips_per_pair: Option<f64>,
+    pub commands_per_pair: Option<f64>,
 }
 
 /// Workload 2 for one client count.
@@ -30,16 +33,22 @@ pub struct Uncontended {
 pub struct Contended {
     pub clients: usize,
     pub sidecars: usize,
+    /// Acquisitions within the measured time.
+    pub grants: u64,
+    pub grants_per_s: f64,
+    /// Acquisitions by a client other than the previous holder.
     pub handoffs: u64,
     pub handoffs_per_s: f64,
-    /// From the holder sending its release to the next holder receiving its grant.
+    /// From the holder sending its release to the next (other) holder receiving its grant.
     pub handoff: Latency,
     /// From asking to being granted.
     pub wait: Latency,
     pub max_wait_ms: f64,
     pub backend_ops: Option<Ops>,
-    pub round_trips_per_handoff: Option<f64>,
-    pub commands_per_handoff: Option<f64>,
+    /// Backend operations per acquisition (every grant, including the tail
+    /// after the measured time, is one acquire + one release).
+    pub round_trips_per_grant: Option<f64>,
+    pub commands_per_grant: Option<f64>,
     pub errors: u64,
 }
 
@@ -105,6 +114,10 @@ fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
+fn per_op(n: u64, d: u64) -> f64 {
+    (n as f64 / d.max(1) as f64 * 100.0).round() / 100.0
+}
+
 fn per(n: u64, d: f64) -> f64 {
     if d > 0.0 {
         (n as f64 / d * 10.0).round() / 10.0
@@ -121,54 +134,60 @@ pub async fn uncontended(
     lockers: Vec<Locker>,
     duration: Duration,
     run: &str,
+    counter: &mut Option<Counter>,
+    client_round_trips: Option<&AtomicU64>,
 ) -> Result<Uncontended, String> {
     let clients = lockers.len();
     let barrier = Arc::new(Barrier::new(clients));
-    let mut tasks = Vec::new();
-    for (i, mut locker) in lockers.into_iter().enumerate() {
-        let barrier = barrier.clone();
-        let name = format!("bench-u-{run}-{clients}-{i}");
-        tasks.push(tokio::spawn(async move {
-            // Warm-up: opens the connection.
-            let warm = async {
-                let t = locker.acquire(&name, Duration::ZERO).await?;
-                locker.release(&name, &t).await.map_err(Refused::Failed)
-            };
-            let warmed = warm.await;
-            barrier.wait().await;
-            if let Err(e) = warmed {
-                return Err(format!("{e:?}"));
-            }
-            let (mut acq, mut rel) = (histogram(), histogram());
-            let (mut pairs, mut errors) = (0u64, 0u64);
-            let start = Instant::now();
-            let deadline = start + duration;
-            while Instant::now() < deadline {
-                let t0 = Instant::now();
-                let token = match locker.acquire(&name, Duration::ZERO).await {
-                    Ok(t) => t,
-                    Err(_) => {
+    let spawn_all = async {
+        let mut tasks = Vec::new();
+        for (i, mut locker) in lockers.into_iter().enumerate() {
+            let barrier = barrier.clone();
+            let name = format!("bench-u-{run}-{clients}-{i}");
+            tasks.push(tokio::spawn(async move {
+                // Warm-up: opens the connection.
+                let warm = async {
+                    let t = locker.acquire(&name, Duration::ZERO).await?;
+                    locker.release(&name, &t).await.map_err(Refused::Failed)
+                };
+                let warmed = warm.await;
+                barrier.wait().await;
+                if let Err(e) = warmed {
+                    return Err(format!("{e:?}"));
+                }
+                let (mut acq, mut rel) = (histogram(), histogram());
+                let (mut pairs, mut errors) = (0u64, 0u64);
+                let start = Instant::now();
+                let deadline = start + duration;
+                while Instant::now() < deadline {
+                    let t0 = Instant::now();
+                    let token = match locker.acquire(&name, Duration::ZERO).await {
+                        Ok(t) => t,
+                        Err(_) => {
+                            errors += 1;
+                            continue;
+                        }
+                    };
+                    let t1 = Instant::now();
+                    if locker.release(&name, &token).await.is_err() {
                         errors += 1;
                         continue;
                     }
-                };
-                let t1 = Instant::now();
-                if locker.release(&name, &token).await.is_err() {
-                    errors += 1;
-                    continue;
+                    let t2 = Instant::now();
+                    record(&mut acq, t1 - t0);
+                    record(&mut rel, t2 - t1);
+                    pairs += 1;
                 }
-                let t2 = Instant::now();
-                record(&mut acq, t1 - t0);
-                record(&mut rel, t2 - t1);
-                pairs += 1;
-            }
-            Ok((acq, rel, pairs, errors, start.elapsed()))
-        }));
-    }
+                Ok((acq, rel, pairs, errors, start.elapsed()))
+            }));
+        }
+        futures::future::join_all(tasks).await
+    };
+    let (results, ops) = Counter::around(counter, client_round_trips, spawn_all).await;
     let (mut acq, mut rel) = (histogram(), histogram());
     let (mut pairs, mut errors, mut elapsed) = (0, 0, Duration::ZERO);
-    for t in tasks {
-        let (a, r, p, e, d) = t.await.map_err(|e| e.to_string())??;
+    for t in results {
+        let (a, r, p, e, d) = t.map_err(|e| e.to_string())??;
         acq.add(&a).map_err(|e| e.to_string())?;
         rel.add(&r).map_err(|e| e.to_string())?;
         pairs += p;
@@ -182,6 +201,10 @@ pub async fn uncontended(
         acquire: latency(&acq),
         release: latency(&rel),
         errors,
+        backend_ops: ops,
+        // Warm-up pairs run inside the counted window too.
+        round_trips_per_pair: ops.map(|o| per_op(o.round_trips, pairs + clients as u64)),
+        commands_per_pair: ops.map(|o| per_op(o.commands, pairs + clients as u64)),
     })
 }
 
@@ -196,24 +219,32 @@ pub async fn contended(
     duration: Duration,
     name: &str,
     counter: &mut Option<Counter>,
+    client_round_trips: Option<&AtomicU64>,
 ) -> Result<Contended, String> {
     let clients = lockers.len();
     let epoch = Instant::now();
-    // Nanoseconds since `epoch` at which the last holder sent its release (0: none yet).
+    // Nanoseconds since `epoch` at which the last holder sent its release (0:
+    // none yet), and which client that was.
     let last_release = Arc::new(AtomicU64::new(0));
+    let last_holder = Arc::new(AtomicU64::new(u64::MAX));
     let barrier = Arc::new(Barrier::new(clients));
     let deadline = Arc::new(std::sync::OnceLock::<Instant>::new());
     let work = async {
         let mut tasks = Vec::new();
-        for mut locker in lockers {
-            let (barrier, last_release, deadline) =
-                (barrier.clone(), last_release.clone(), deadline.clone());
+        for (id, mut locker) in lockers.into_iter().enumerate() {
+            let id = id as u64;
+            let (barrier, last_release, last_holder, deadline) = (
+                barrier.clone(),
+                last_release.clone(),
+                last_holder.clone(),
+                deadline.clone(),
+            );
             let name = name.to_owned();
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let end = *deadline.get_or_init(|| Instant::now() + duration);
                 let (mut hand, mut wait) = (histogram(), histogram());
-                let (mut grants, mut late, mut errors) = (0u64, 0u64, 0u64);
+                let (mut grants, mut handoffs, mut late, mut errors) = (0u64, 0u64, 0u64, 0u64);
                 while Instant::now() < end {
                     let t0 = Instant::now();
                     let token = match locker.acquire(&name, Duration::from_secs(600)).await {
@@ -226,10 +257,12 @@ pub async fn contended(
                     };
                     let granted = Instant::now();
                     let released_at = last_release.load(Ordering::Acquire);
+                    let previous = last_holder.swap(id, Ordering::AcqRel);
                     if granted < end {
                         grants += 1;
                         record(&mut wait, granted - t0);
-                        if released_at > 0 {
+                        if released_at > 0 && previous != id {
+                            handoffs += 1;
                             let at = epoch + Duration::from_nanos(released_at);
                             record(&mut hand, granted.saturating_duration_since(at));
                         }
@@ -242,7 +275,7 @@ pub async fn contended(
                         errors += 1;
                     }
                 }
-                (hand, wait, grants, late, errors)
+                (hand, wait, grants, handoffs, late, errors)
             }));
         }
         let mut out = Vec::new();
@@ -251,30 +284,33 @@ pub async fn contended(
         }
         out
     };
-    let (results, ops) = Counter::around(counter, work).await;
+    let (results, ops) = Counter::around(counter, client_round_trips, work).await;
     let (mut hand, mut wait) = (histogram(), histogram());
-    let (mut grants, mut all, mut errors) = (0, 0, 0);
+    let (mut grants, mut handoffs, mut all, mut errors) = (0, 0, 0, 0);
     for r in results {
-        let (h, w, g, l, e) = r.map_err(|e| e.to_string())?;
+        let (h, w, g, hs, l, e) = r.map_err(|e| e.to_string())?;
         hand.add(&h).map_err(|e| e.to_string())?;
         wait.add(&w).map_err(|e| e.to_string())?;
         grants += g;
+        handoffs += hs;
         all += g + l;
         errors += e;
     }
-    let per_handoff = |n: u64| (all > 0).then(|| (n as f64 / all as f64 * 100.0).round() / 100.0);
+    let per_grant = |n: u64| (all > 0).then(|| (n as f64 / all as f64 * 100.0).round() / 100.0);
     let w = latency(&wait);
     Ok(Contended {
         clients,
         sidecars,
-        handoffs: grants,
-        handoffs_per_s: per(grants, duration.as_secs_f64()),
+        grants,
+        grants_per_s: per(grants, duration.as_secs_f64()),
+        handoffs,
+        handoffs_per_s: per(handoffs, duration.as_secs_f64()),
         handoff: latency(&hand),
         max_wait_ms: w.max_us as f64 / 1e3,
         wait: w,
         backend_ops: ops,
-        round_trips_per_handoff: ops.and_then(|o| per_handoff(o.round_trips)),
-        commands_per_handoff: ops.and_then(|o| per_handoff(o.commands)),
+        round_trips_per_grant: ops.and_then(|o| per_grant(o.round_trips)),
+        commands_per_grant: ops.and_then(|o| per_grant(o.commands)),
         errors,
     })
 }
@@ -303,7 +339,12 @@ pub struct Hold {
 ///
 /// # Errors
 /// When the stream ends or fails before the grant.
-pub async fn hold(base: &str, name: &str, ttl: &str, api_token: Option<&str>) -> Result<Hold, String> {
+pub async fn hold(
+    base: &str,
+    name: &str,
+    ttl: &str,
+    api_token: Option<&str>,
+) -> Result<Hold, String> {
     let client = super::client::http_client();
     let mut req = client.get(format!("{base}/v1/locks/{name}/hold?ttl={ttl}&wait=60s"));
     if let Some(t) = api_token {
@@ -316,7 +357,11 @@ pub async fn hold(base: &str, name: &str, ttl: &str, api_token: Option<&str>) ->
     let mut events = SseReader::new(resp.bytes_stream().boxed());
     loop {
         match events.next().await {
-            Some(m) if m.event == "acquired" => return Ok(Hold { _events: Box::new(events) }),
+            Some(m) if m.event == "acquired" => {
+                return Ok(Hold {
+                    _events: Box::new(events),
+                });
+            }
             Some(m) if m.event == "queued" => {}
             other => return Err(format!("hold stream ended before the grant: {other:?}")),
         }
@@ -324,7 +369,12 @@ pub async fn hold(base: &str, name: &str, ttl: &str, api_token: Option<&str>) ->
 }
 
 /// Waits until `base` reports at least `n` local waiters, up to `timeout`.
-async fn until_queued(base: &str, api_token: Option<&str>, n: u64, timeout: Duration) -> Option<u64> {
+async fn until_queued(
+    base: &str,
+    api_token: Option<&str>,
+    n: u64,
+    timeout: Duration,
+) -> Option<u64> {
     let deadline = Instant::now() + timeout;
     loop {
         let q = waiters_queued(base, api_token).await;
@@ -380,7 +430,7 @@ pub async fn idle_sidecar(
     // Let the last connections settle before measuring.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
-    let ((), ops) = Counter::around(counter, tokio::time::sleep(duration)).await;
+    let ((), ops) = Counter::around(counter, None, tokio::time::sleep(duration)).await;
     let seconds = started.elapsed().as_secs_f64();
     let rss = pid.and_then(rss_kib);
     tasks.abort_all();
@@ -463,7 +513,7 @@ pub async fn idle_polling(
     }
     tokio::time::sleep(poll + Duration::from_millis(500)).await;
     let started = Instant::now();
-    let ((), ops) = Counter::around(counter, tokio::time::sleep(duration)).await;
+    let ((), ops) = Counter::around(counter, Some(&rt), tokio::time::sleep(duration)).await;
     let seconds = started.elapsed().as_secs_f64();
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
