@@ -35,10 +35,24 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
         move || {
             Command::new(SIDELOCK_BIN)
                 .args(["bench", "--workload", "all"])
-                .args(["--backend", "memory", "--backend", "redis", "--redis", &redis])
+                .args([
+                    "--backend",
+                    "memory",
+                    "--backend",
+                    "redis",
+                    "--redis",
+                    &redis,
+                ])
                 .args(["--duration", "300ms", "--idle-duration", "300ms"])
                 .args(["--clients", "1,2", "--contended-clients", "2,4"])
-                .args(["--waiters", "3", "--crash-rounds", "1", "--startup-rounds", "1"])
+                .args([
+                    "--waiters",
+                    "3",
+                    "--crash-rounds",
+                    "1",
+                    "--startup-rounds",
+                    "1",
+                ])
                 .args(["--poll", "10ms", "--json"])
                 .arg(&json)
                 .env_remove("SIDELOCK_API_TOKEN")
@@ -55,7 +69,13 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
         "sidelock bench failed: {}\n{stdout}\n{stderr}",
         out.status
     );
-    for table in ["Uncontended", "Contended", "Idle waiters", "Crash", "Startup"] {
+    for table in [
+        "Uncontended",
+        "Contended",
+        "Idle waiters",
+        "Crash",
+        "Startup",
+    ] {
         assert!(stdout.contains(table), "no {table} table in:\n{stdout}");
     }
     let report: Value =

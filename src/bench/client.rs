@@ -87,6 +87,15 @@ impl Locker {
         })
     }
 
+    /// The polling client's sleep between tries.
+    #[must_use]
+    pub fn poll_interval(&self) -> Option<Duration> {
+        match self {
+            Self::Redis { poll, .. } => *poll,
+            Self::Sidecar { .. } => None,
+        }
+    }
+
     /// Acquires `name`, waiting up to `wait` (sidelock queues; the polling
     /// client retries after its sleep). Returns the token.
     pub async fn acquire(&mut self, name: &str, wait: Duration) -> Result<String, Refused> {

@@ -719,7 +719,11 @@ fn print_tables(r: &Report) {
             println!(
                 "| {label} | {} | {} | {} | {} | {} | {} |",
                 i.waiters,
-                i.queued.map_or_else(|| "-".into(), |q| q.to_string()),
+                match (i.queued, i.waiter_errors) {
+                    (None, _) => "-".into(),
+                    (Some(q), 0) => q.to_string(),
+                    (Some(q), e) => format!("{q} ({e} refused)"),
+                },
                 opt(i.round_trips_per_s),
                 opt(i.commands_per_s),
                 opt(i.rss_kib.map(|k| (k as f64 / 1024.0 * 10.0).round() / 10.0)),
@@ -782,7 +786,11 @@ fn print_tables(r: &Report) {
         }
     }
     for run in &r.runs {
-        for e in &run.errors {
+        for e in run
+            .errors
+            .iter()
+            .chain(run.crash.iter().flat_map(|c| &c.errors))
+        {
             println!("error [{}]: {e}", run.backend);
         }
     }

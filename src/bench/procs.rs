@@ -53,6 +53,13 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .ok()
 }
 
+/// Where a started sidecar's log goes: `$TMPDIR/sidelock-bench-<id>.log`
+/// (the bench prints its path when a measurement fails).
+fn log_file(id: &str) -> Stdio {
+    let path = std::env::temp_dir().join(format!("sidelock-bench-{id}.log"));
+    std::fs::File::create(path).map_or_else(|_| Stdio::null(), Stdio::from)
+}
+
 /// A `sidelock serve` child on a free port.
 pub struct Sidecar {
     pub child: Child,
@@ -84,7 +91,7 @@ impl Sidecar {
             .env("SIDELOCK_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log_file(id))
             .kill_on_drop(true);
         let started = Instant::now();
         let mut child = cmd

@@ -58,6 +58,8 @@ pub struct Idle {
     pub waiters: usize,
     /// Waiters the sidecar reported queued (sidecar runs only).
     pub queued: Option<u64>,
+    /// Waiter requests that ended before the measurement (refused or failed).
+    pub waiter_errors: u64,
     pub seconds: f64,
     pub backend_ops: Option<Ops>,
     pub round_trips_per_s: Option<f64>,
@@ -74,6 +76,8 @@ pub struct Crash {
     pub hold_cut_ms: Vec<f64>,
     /// Holder process (`sidelock run`) killed with SIGKILL → next grant.
     pub client_killed_ms: Vec<f64>,
+    /// Rounds that could not be measured, and why.
+    pub errors: Vec<String>,
     /// Holding sidecar killed with SIGKILL → next grant on the other sidecar
     /// (bounded by the lease ttl, `sidecar_killed_ttl_ms`).
     pub sidecar_killed_ms: Vec<f64>,
@@ -227,6 +231,12 @@ pub async fn contended(
     // none yet), and which client that was.
     let last_release = Arc::new(AtomicU64::new(0));
     let last_holder = Arc::new(AtomicU64::new(u64::MAX));
+    // The client granted last: a client that has just released waits for
+    // another client's grant before it asks again, so every grant is a
+    // handoff. Without this a polling client re-takes the lock it just
+    // released while the others sleep, and only the max wait shows it.
+    let (granted_tx, granted_rx) = tokio::sync::watch::channel(u64::MAX);
+    let granted_tx = Arc::new(granted_tx);
     let barrier = Arc::new(Barrier::new(clients));
     let deadline = Arc::new(std::sync::OnceLock::<Instant>::new());
     let work = async {
@@ -239,10 +249,16 @@ pub async fn contended(
                 last_holder.clone(),
                 deadline.clone(),
             );
+            let (granted_tx, mut granted_rx) = (granted_tx.clone(), granted_rx.clone());
             let name = name.to_owned();
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let end = *deadline.get_or_init(|| Instant::now() + duration);
+                // Independent polling clients are out of phase: start each at
+                // a random point of its interval, or they try in lockstep.
+                if let Some(poll) = locker.poll_interval() {
+                    tokio::time::sleep(poll.mul_f64(rand::random::<f64>())).await;
+                }
                 let (mut hand, mut wait) = (histogram(), histogram());
                 let (mut grants, mut handoffs, mut late, mut errors) = (0u64, 0u64, 0u64, 0u64);
                 while Instant::now() < end {
@@ -258,6 +274,7 @@ pub async fn contended(
                     let granted = Instant::now();
                     let released_at = last_release.load(Ordering::Acquire);
                     let previous = last_holder.swap(id, Ordering::AcqRel);
+                    granted_tx.send_replace(id);
                     if granted < end {
                         grants += 1;
                         record(&mut wait, granted - t0);
@@ -273,6 +290,19 @@ pub async fn contended(
                     last_release.store(now.max(1), Ordering::Release);
                     if locker.release(&name, &token).await.is_err() {
                         errors += 1;
+                    }
+                    if clients > 1 {
+                        let _ = tokio::time::timeout_at(
+                            end.into(),
+                            granted_rx.wait_for(|&holder| holder != id),
+                        )
+                        .await;
+                    }
+                    // A polling client that has had its turn goes back to
+                    // sleeping, like one whose try failed (sidelock's client
+                    // queues again at the tail of the FIFO).
+                    if let Some(poll) = locker.poll_interval() {
+                        tokio::time::sleep(poll).await;
                     }
                 }
                 (hand, wait, grants, handoffs, late, errors)
@@ -368,6 +398,26 @@ pub async fn hold(
     }
 }
 
+/// Waits until `base` reports at least `n` local waiters (less those that
+/// `ended`), up to `timeout`.
+async fn until_queued_or_ended(
+    base: &str,
+    api_token: Option<&str>,
+    n: u64,
+    ended: &AtomicU64,
+    timeout: Duration,
+) -> Option<u64> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let q = waiters_queued(base, api_token).await;
+        let gone = ended.load(Ordering::Relaxed);
+        if q.is_some_and(|q| q + gone >= n) || Instant::now() > deadline {
+            return q;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits until `base` reports at least `n` local waiters, up to `timeout`.
 async fn until_queued(
     base: &str,
@@ -409,7 +459,9 @@ pub async fn idle_sidecar(
         .unwrap_or_default();
     let mut tasks = tokio::task::JoinSet::new();
     let wait = duration + Duration::from_secs(300);
+    let ended = Arc::new(AtomicU64::new(0));
     for _ in 0..waiters {
+        let ended = ended.clone();
         let mut locker = Locker::Sidecar {
             client: shared.clone(),
             base: base.clone(),
@@ -418,12 +470,14 @@ pub async fn idle_sidecar(
         let name = name.to_owned();
         tasks.spawn(async move {
             let _ = locker.acquire(&name, wait).await;
+            ended.fetch_add(1, Ordering::Relaxed);
         });
     }
-    let queued = until_queued(
+    let queued = until_queued_or_ended(
         &base,
         token,
         waiters as u64,
+        &ended,
         Duration::from_secs(60) + Duration::from_millis(10 * waiters as u64),
     )
     .await;
@@ -433,12 +487,15 @@ pub async fn idle_sidecar(
     let ((), ops) = Counter::around(counter, None, tokio::time::sleep(duration)).await;
     let seconds = started.elapsed().as_secs_f64();
     let rss = pid.and_then(rss_kib);
+    let waiter_errors = ended.load(Ordering::Relaxed);
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
     drop(holder);
     // Give the sidecar a moment to drop the waiters before the next run.
     let _ = until_queued_zero(&base, token).await;
-    Ok(idle_result(waiters, queued, seconds, ops, rss_before, rss))
+    let mut r = idle_result(waiters, queued, seconds, ops, rss_before, rss);
+    r.waiter_errors = waiter_errors;
+    Ok(r)
 }
 
 async fn until_queued_zero(base: &str, token: Option<&str>) -> Option<u64> {
@@ -464,6 +521,7 @@ fn idle_result(
     Idle {
         waiters,
         queued,
+        waiter_errors: 0,
         seconds: (seconds * 100.0).round() / 100.0,
         backend_ops: ops,
         round_trips_per_s: ops.map(|o| rate(o.round_trips)),
@@ -560,6 +618,7 @@ pub async fn crash(
         cut.push(ms(at - t0));
     }
     let mut killed = Vec::new();
+    let mut errors = Vec::new();
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     for r in 0..rounds.min(5) {
         let name = format!("bench-x-{run}-kill-{r}");
@@ -579,18 +638,27 @@ pub async fn crash(
         // Held once a try-once acquire is refused.
         let mut probe = t.locker(0);
         let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        let held = loop {
             match probe.acquire(&name, Duration::ZERO).await {
-                Err(Refused::Busy) => break,
+                Err(Refused::Busy) => break Ok(()),
                 Ok(tok) => {
                     let _ = probe.release(&name, &tok).await;
                 }
-                Err(Refused::Failed(e)) => return Err(e),
+                Err(Refused::Failed(e)) => break Err(e),
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                break Err(format!(
+                    "sidelock run exited with {status} before taking the lock"
+                ));
             }
             if Instant::now() > deadline {
-                return Err("sidelock run did not take the lock".into());
+                break Err("sidelock run did not take the lock within 20 s".into());
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        if let Err(e) = held {
+            errors.push(format!("holder process killed, round {r}: {e}"));
+            continue;
         }
         let w = waiter(t.locker(0), name.clone());
         until_queued(t.url(0), token, 1, Duration::from_secs(10)).await;
@@ -635,6 +703,7 @@ pub async fn crash(
         client_killed_max_ms: killed.iter().copied().max_by(f64::total_cmp),
         hold_cut_ms: cut,
         client_killed_ms: killed,
+        errors,
         sidecar_killed_ms: sidecar_killed,
         sidecar_killed_ttl_ms: ttl_ms,
     })
