@@ -623,7 +623,8 @@ pub async fn crash(
     for r in 0..rounds.min(5) {
         let name = format!("bench-x-{run}-kill-{r}");
         let mut cmd = tokio::process::Command::new(&exe);
-        cmd.args(["run", "--lock", &name, "--ttl", "30s", "--url", t.url(1)])
+        cmd.args(["run", "--lock", &name, "--ttl", "30s", "--wait", "30s"])
+            .args(["--url", t.url(1)])
             .args(["--", "sleep", "600"])
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
