@@ -11,7 +11,7 @@
 //! * [`client`]: the lock clients (sidelock over HTTP, Redis direct/polling) and latency histograms.
 //! * [`workloads`]: the five workloads.
 //! * [`counters`]: backend operation counters (Redis `INFO commandstats`, PostgreSQL `pg_stat_database`).
-//! * [`procs`]: child sidecars and redis-server, RSS, file limits.
+//! * [`procs`]: child sidecars and redis-server, RSS.
 
 pub mod client;
 pub mod counters;
@@ -197,7 +197,7 @@ pub async fn bench(args: BenchArgs) -> i32 {
 }
 
 async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
-    let fd_limit = procs::raise_fd_limit();
+    let fd_limit = crate::sidecar::raise_fd_limit();
     let max_waiters = args.waiters.iter().copied().max().unwrap_or(0) as u64;
     if fd_limit < max_waiters + 256 {
         eprintln!(

@@ -1,6 +1,6 @@
 //! Processes the bench starts itself: sidecars (`sidelock serve`, this very
 //! executable) and `redis-server`, each on a free loopback port and killed
-//! when dropped; plus RSS and file-descriptor limits.
+//! when dropped; plus RSS.
 
 use std::net::TcpListener;
 use std::process::Stdio;
@@ -20,23 +20,6 @@ pub fn free_port() -> Result<u16, String> {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(|e| format!("cannot find a free loopback port: {e}"))
-}
-
-/// Raises this process's soft limit of open files to its hard limit and
-/// returns the new soft limit.
-pub fn raise_fd_limit() -> u64 {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) if soft < hard => {
-            if setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
-                hard
-            } else {
-                soft
-            }
-        }
-        Ok((soft, _)) => soft,
-        Err(_) => 0,
-    }
 }
 
 /// Resident set size of `pid` in KiB (`VmRSS` in `/proc/<pid>/status`).
