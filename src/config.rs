@@ -67,6 +67,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Hold a lock through a sidecar while a command runs.
     Run(RunArgs),
+    /// Measure latency, handoffs and backend load of sidecars (see BENCHMARKS.md).
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Log output format.

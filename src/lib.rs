@@ -13,9 +13,11 @@
 //! * [`metrics`]: the Prometheus families.
 //! * [`shutdown`]: the signal that starts a graceful stop.
 //! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
+//! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
 //! * [`clock`]: monotonic Unix milliseconds.
 
 pub mod backend;
+pub mod bench;
 pub mod clock;
 pub mod config;
 pub mod core;

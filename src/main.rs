@@ -21,6 +21,10 @@ async fn main() -> std::process::ExitCode {
             let code = sidelock::run::run(args).await;
             return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
+        Some(Command::Bench(args)) => {
+            let code = sidelock::bench::bench(args).await;
+            return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
         Some(Command::Serve(args)) => args,
         None => cli.serve,
     };

@@ -25,6 +25,9 @@ const STALE_EVERY: Duration = Duration::from_secs(60);
 /// A sentence for the operator when the backend URL is bad or the listen
 /// address cannot be bound.
 pub async fn serve(settings: Settings) -> Result<(), String> {
+    // Every hold and waiter is an open connection: allow as many as the hard limit.
+    let files = raise_fd_limit();
+    tracing::debug!(files, "open-file limit");
     let token = CancellationToken::new();
     shutdown::on_signal(token.clone());
     let wakeups = Wakeups::default();
@@ -106,5 +109,22 @@ async fn monitor(core: Arc<Core>) {
             _ = health.tick() => { let _ = core.ping().await; }
             _ = stale.tick() => { let _ = core.stale().await; }
         }
+    }
+}
+
+/// Raises this process's soft limit of open files to its hard limit and
+/// returns the new soft limit.
+pub fn raise_fd_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+                hard
+            } else {
+                soft
+            }
+        }
+        Ok((soft, _)) => soft,
+        Err(_) => 0,
     }
 }

@@ -1,0 +1,192 @@
+//! What the backend has executed, read before and after a measurement.
+//!
+//! * Redis: `INFO commandstats`. It counts the commands run inside Lua
+//!   scripts too, so two figures are kept: `commands` (everything) and
+//!   `round_trips` (script calls — `EVAL*`, `FCALL*` — plus the commands a
+//!   script cannot run: pub/sub, `SCRIPT`, `CLIENT`, `HELLO`, `PING`, …).
+//!   The bench's own `INFO` calls are left out.
+//! * PostgreSQL: transactions (`xact_commit + xact_rollback` of the database
+//!   in `pg_stat_database`); each statement outside a transaction block is
+//!   one. PostgreSQL flushes these counters about once a second, so short
+//!   windows are approximate.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+/// Operations executed by the backend since some origin.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Ops {
+    pub round_trips: u64,
+    pub commands: u64,
+}
+
+impl Ops {
+    #[must_use]
+    pub fn since(self, before: Ops) -> Ops {
+        Ops {
+            round_trips: self.round_trips.saturating_sub(before.round_trips),
+            commands: self.commands.saturating_sub(before.commands),
+        }
+    }
+}
+
+/// A connection that reads the backend's counters.
+pub enum Counter {
+    Redis(redis::aio::MultiplexedConnection),
+    Postgres(tokio_postgres::Client),
+}
+
+/// Commands a client sends itself (never run inside a script).
+fn top_level(name: &str) -> bool {
+    let base = name.split('|').next().unwrap_or(name);
+    base.starts_with("eval")
+        || base.starts_with("fcall")
+        || matches!(
+            base,
+            "subscribe"
+                | "unsubscribe"
+                | "psubscribe"
+                | "punsubscribe"
+                | "ssubscribe"
+                | "sunsubscribe"
+                | "script"
+                | "client"
+                | "hello"
+                | "ping"
+                | "select"
+                | "auth"
+                | "cluster"
+                | "scan"
+                | "multi"
+                | "exec"
+        )
+}
+
+/// Parses `INFO commandstats` into calls per command.
+#[must_use]
+pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            (name != "info").then(|| (name.to_owned(), calls))
+        })
+        .collect()
+}
+
+impl Counter {
+    /// Connects to a Redis URL (`redis://…`).
+    ///
+    /// # Errors
+    /// When Redis cannot be reached.
+    pub async fn redis(url: &str) -> Result<Self, String> {
+        let client = redis::Client::open(url).map_err(|e| format!("bad Redis URL {url}: {e}"))?;
+        let c = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+        Ok(Self::Redis(c))
+    }
+
+    /// Connects to a PostgreSQL URL.
+    ///
+    /// # Errors
+    /// When PostgreSQL cannot be reached.
+    pub async fn postgres(url: &str) -> Result<Self, String> {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("cannot connect to PostgreSQL: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Self::Postgres(client))
+    }
+
+    /// The counters now; `None` when they cannot be read.
+    pub async fn read(&mut self) -> Option<Ops> {
+        match self {
+            Self::Redis(c) => {
+                let info: String = redis::cmd("INFO")
+                    .arg("commandstats")
+                    .query_async(c)
+                    .await
+                    .ok()?;
+                let stats = parse_commandstats(&info);
+                Some(Ops {
+                    round_trips: stats
+                        .iter()
+                        .filter(|(n, _)| top_level(n))
+                        .map(|(_, c)| c)
+                        .sum(),
+                    commands: stats.values().sum(),
+                })
+            }
+            Self::Postgres(c) => {
+                let row = c
+                    .query_one(
+                        "SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database \
+                         WHERE datname = current_database()",
+                        &[],
+                    )
+                    .await
+                    .ok()?;
+                let n = u64::try_from(row.get::<_, i64>(0)).ok()?;
+                Some(Ops {
+                    round_trips: n,
+                    commands: n,
+                })
+            }
+        }
+    }
+
+    /// What the backend did while `f` ran. With `client_round_trips` (the
+    /// baselines count what they send), round trips are taken from there.
+    pub async fn around<T>(
+        c: &mut Option<Self>,
+        client_round_trips: Option<&AtomicU64>,
+        f: impl Future<Output = T>,
+    ) -> (T, Option<Ops>) {
+        let before = match c {
+            Some(c) => c.read().await,
+            None => None,
+        };
+        let sent = client_round_trips.map(|n| n.load(Ordering::Relaxed));
+        let out = f.await;
+        let after = match c {
+            Some(c) => c.read().await,
+            None => None,
+        };
+        let mut ops = before.zip(after).map(|(b, a)| a.since(b));
+        if let (Some(o), Some(n), Some(s)) = (ops.as_mut(), client_round_trips, sent) {
+            o.round_trips = n.load(Ordering::Relaxed) - s;
+        }
+        (out, ops)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commandstats_split_round_trips_from_script_commands() {
+        let info = "# Commandstats\r\ncmdstat_evalsha:calls=10,usec=1\r\ncmdstat_set:calls=20,usec=1\r\n\
+                    cmdstat_info:calls=5,usec=1\r\ncmdstat_script|load:calls=1,usec=1\r\n";
+        let stats = parse_commandstats(info);
+        assert_eq!(stats.get("info"), None);
+        assert_eq!(stats["evalsha"], 10);
+        let rt: u64 = stats
+            .iter()
+            .filter(|(n, _)| top_level(n))
+            .map(|(_, c)| c)
+            .sum();
+        assert_eq!(rt, 11);
+    }
+}

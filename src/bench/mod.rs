@@ -1,0 +1,802 @@
+//! `sidelock bench`: the load generator behind BENCHMARKS.md, in the spirit
+//! of `redis-benchmark`.
+//!
+//! Against running sidecars (`--url`, `--url2`), or against sidecars it
+//! starts itself on free ports (`--backend memory|redis|postgres|URL`,
+//! repeatable), optionally with its own `redis-server` (`--spawn-redis`).
+//! With a Redis URL it also measures the baselines: direct Redis from Rust
+//! (`SET NX PX` + Lua release, no sidecar) and the common polling loop
+//! (`SET NX PX`, sleep, retry).
+//!
+//! * [`client`]: the lock clients (sidelock over HTTP, Redis direct/polling) and latency histograms.
+//! * [`workloads`]: the five workloads.
+//! * [`counters`]: backend operation counters (Redis `INFO commandstats`, PostgreSQL `pg_stat_database`).
+//! * [`procs`]: child sidecars and redis-server, RSS.
+
+pub mod client;
+pub mod counters;
+pub mod procs;
+pub mod workloads;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+
+use crate::config::parse_duration;
+use client::Locker;
+use counters::Counter;
+use procs::{RedisChild, Sidecar};
+use workloads::{Contended, Crash, Idle, Startup, Target, Uncontended};
+
+/// Which workloads to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Workload {
+    Uncontended,
+    Contended,
+    Idle,
+    Crash,
+    Startup,
+    All,
+}
+
+/// `sidelock bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// A running sidecar (used when no --backend is given).
+    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    pub url: String,
+    /// A second running sidecar on the same backend (contended, idle and crash use both).
+    #[arg(long)]
+    pub url2: Option<String>,
+    /// PID of the sidecar at --url, for RSS readings.
+    #[arg(long)]
+    pub sidecar_pid: Option<u32>,
+    /// Start sidecars on this backend instead of using --url: memory, redis
+    /// (the --redis URL), postgres (the --postgres URL) or a backend URL. Repeatable.
+    #[arg(long = "backend")]
+    pub backends: Vec<String>,
+    /// Workload to run.
+    #[arg(long, value_enum, default_value = "all")]
+    pub workload: Workload,
+    /// Client counts of the uncontended and contended workloads
+    /// [default: 1,32 and 8,64,512].
+    #[arg(long, value_delimiter = ',')]
+    pub clients: Option<Vec<usize>>,
+    /// Client counts of the contended workload (overrides --clients there).
+    #[arg(long, value_delimiter = ',')]
+    pub contended_clients: Option<Vec<usize>>,
+    /// Waiter counts of the idle workload.
+    #[arg(long, value_delimiter = ',', default_value = "10,1000,10000")]
+    pub waiters: Vec<usize>,
+    /// Length of each uncontended and contended measurement.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Length of each idle-waiters measurement.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub idle_duration: Duration,
+    /// Rounds of the crash workload.
+    #[arg(long, default_value_t = 10)]
+    pub crash_rounds: usize,
+    /// Starts measured by the startup workload.
+    #[arg(long, default_value_t = 5)]
+    pub startup_rounds: usize,
+    /// Redis for the baselines and command counts (`redis://host:port`).
+    #[arg(long)]
+    pub redis: Option<String>,
+    /// Start a redis-server on a free port and use it as --redis.
+    #[arg(long)]
+    pub spawn_redis: bool,
+    /// PostgreSQL for statement counts (and `--backend postgres`).
+    #[arg(long)]
+    pub postgres: Option<String>,
+    /// Sleeps of the polling baseline client.
+    #[arg(long, value_delimiter = ',', default_value = "10ms,100ms", value_parser = parse_duration)]
+    pub poll: Vec<Duration>,
+    /// Skip the direct and polling Redis baselines.
+    #[arg(long)]
+    pub no_baselines: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Bearer token for the sidecars' API.
+    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+}
+
+/// The machine the bench ran on.
+#[derive(Debug, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: Option<String>,
+    pub kernel: Option<String>,
+    pub loadavg_before: Option<String>,
+    pub loadavg_after: Option<String>,
+    pub fd_limit: u64,
+}
+
+/// Results of one backend.
+#[derive(Debug, Default, Serialize)]
+pub struct BackendRun {
+    pub backend: String,
+    /// Sidecars started by the bench (false: --url).
+    pub spawned: bool,
+    pub uncontended: Vec<Uncontended>,
+    pub contended: Vec<Contended>,
+    pub idle: Vec<Idle>,
+    pub crash: Option<Crash>,
+    pub startup: Option<Startup>,
+    pub errors: Vec<String>,
+}
+
+/// The polling baseline with one sleep.
+#[derive(Debug, Serialize)]
+pub struct Polling {
+    pub poll_ms: f64,
+    pub contended: Vec<Contended>,
+    pub idle: Vec<Idle>,
+}
+
+/// The Redis baselines.
+#[derive(Debug, Default, Serialize)]
+pub struct Baselines {
+    pub direct_redis: Vec<Uncontended>,
+    pub polling: Vec<Polling>,
+    pub errors: Vec<String>,
+}
+
+/// Everything `--json` writes.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub version: &'static str,
+    pub started_at_ms: u64,
+    pub machine: Machine,
+    pub settings: serde_json::Value,
+    pub runs: Vec<BackendRun>,
+    pub baselines: Option<Baselines>,
+    pub headline: serde_json::Value,
+}
+
+fn read_trim(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+fn machine(fd_limit: u64) -> Machine {
+    Machine {
+        cpus: std::thread::available_parallelism().map_or(0, usize::from),
+        cpu_model: std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+        }),
+        kernel: read_trim("/proc/sys/kernel/osrelease"),
+        loadavg_before: read_trim("/proc/loadavg"),
+        loadavg_after: None,
+        fd_limit,
+    }
+}
+
+fn has(w: Workload, which: Workload) -> bool {
+    w == which || w == Workload::All
+}
+
+/// Runs the bench; returns the process exit code.
+pub async fn bench(args: BenchArgs) -> i32 {
+    match bench_inner(args).await {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("sidelock bench: {e}");
+            1
+        }
+    }
+}
+
+async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
+    let fd_limit = crate::sidecar::raise_fd_limit();
+    let max_waiters = args.waiters.iter().copied().max().unwrap_or(0) as u64;
+    if fd_limit < max_waiters + 256 {
+        eprintln!(
+            "sidelock bench: warning: open-file limit {fd_limit} is below {} waiters; raise it (ulimit -n)",
+            max_waiters
+        );
+    }
+    let mut report = Report {
+        version: env!("CARGO_PKG_VERSION"),
+        started_at_ms: crate::clock::now_ms(),
+        machine: machine(fd_limit),
+        settings: serde_json::json!({
+            "workload": format!("{:?}", args.workload).to_lowercase(),
+            "duration_ms": args.duration.as_millis() as u64,
+            "idle_duration_ms": args.idle_duration.as_millis() as u64,
+            "waiters": args.waiters,
+            "crash_rounds": args.crash_rounds,
+            "startup_rounds": args.startup_rounds,
+            "poll_ms": args.poll.iter().map(|d| d.as_secs_f64() * 1e3).collect::<Vec<_>>(),
+        }),
+        runs: Vec::new(),
+        baselines: None,
+        headline: serde_json::Value::Null,
+    };
+    let _redis_child = if args.spawn_redis {
+        let r = RedisChild::start().await?;
+        args.redis = Some(r.url.clone());
+        Some(r)
+    } else {
+        None
+    };
+    let uncontended_clients = args.clients.clone().unwrap_or_else(|| vec![1, 32]);
+    let contended_clients = args
+        .contended_clients
+        .clone()
+        .or_else(|| args.clients.clone())
+        .unwrap_or_else(|| vec![8, 64, 512]);
+    let run_id = format!(
+        "{}-{:x}",
+        std::process::id(),
+        crate::clock::now_ms() & 0xff_ffff
+    );
+    if args.backends.is_empty() {
+        let mut urls = vec![args.url.clone()];
+        urls.extend(args.url2.clone());
+        let target = Target {
+            pids: vec![args.sidecar_pid, None],
+            urls,
+            api_token: args.api_token.clone(),
+        };
+        let mut run = BackendRun {
+            backend: args.url.clone(),
+            ..BackendRun::default()
+        };
+        let counter_url = args.redis.clone().or(args.postgres.clone());
+        run_backend(
+            &args,
+            &mut run,
+            None,
+            Some(&target),
+            counter_url.as_deref(),
+            &uncontended_clients,
+            &contended_clients,
+            &run_id,
+        )
+        .await;
+        report.runs.push(run);
+    } else {
+        for b in &args.backends {
+            let url = match b.as_str() {
+                "memory" => "memory://".to_owned(),
+                "redis" => args
+                    .redis
+                    .clone()
+                    .ok_or("--backend redis needs --redis URL or --spawn-redis")?,
+                "postgres" => args
+                    .postgres
+                    .clone()
+                    .ok_or("--backend postgres needs --postgres URL")?,
+                other => other.to_owned(),
+            };
+            let counter_url = if url.starts_with("redis://") || url.starts_with("postgres") {
+                Some(url.clone())
+            } else {
+                None
+            };
+            let mut run = BackendRun {
+                backend: redact(&url),
+                spawned: true,
+                ..BackendRun::default()
+            };
+            run_backend(
+                &args,
+                &mut run,
+                Some(&url),
+                None,
+                counter_url.as_deref(),
+                &uncontended_clients,
+                &contended_clients,
+                &run_id,
+            )
+            .await;
+            report.runs.push(run);
+        }
+    }
+    if let (Some(redis), false) = (&args.redis, args.no_baselines) {
+        report.baselines = Some(
+            baselines(
+                &args,
+                redis,
+                &uncontended_clients,
+                &contended_clients,
+                &run_id,
+            )
+            .await,
+        );
+    }
+    report.machine.loadavg_after = read_trim("/proc/loadavg");
+    report.headline = headline(&report);
+    print_tables(&report);
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("\nJSON written to {}", path.display());
+    }
+    let failed: Vec<&String> = report
+        .runs
+        .iter()
+        .flat_map(|r| &r.errors)
+        .chain(report.baselines.iter().flat_map(|b| &b.errors))
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} measurement(s) failed", failed.len()))
+    }
+}
+
+/// A backend URL without its password.
+fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+async fn counter(url: Option<&str>) -> Option<Counter> {
+    let url = url?;
+    let c = if url.starts_with("postgres") {
+        Counter::postgres(url).await
+    } else {
+        Counter::redis(url).await
+    };
+    c.map_err(|e| eprintln!("sidelock bench: no backend counters: {e}"))
+        .ok()
+}
+
+/// Sidecars the bench started for one workload.
+struct Spawned {
+    sidecars: Vec<Sidecar>,
+}
+
+impl Spawned {
+    async fn start(backend: &str, n: usize) -> Result<Self, String> {
+        let mut sidecars = Vec::new();
+        for i in 0..n {
+            sidecars.push(Sidecar::start(backend, &format!("bench-{}", i + 1)).await?);
+        }
+        Ok(Self { sidecars })
+    }
+    fn target(&self, api_token: Option<&String>) -> Target {
+        Target {
+            urls: self.sidecars.iter().map(|s| s.url.clone()).collect(),
+            pids: self.sidecars.iter().map(|s| Some(s.pid)).collect(),
+            api_token: api_token.cloned(),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_backend(
+    args: &BenchArgs,
+    run: &mut BackendRun,
+    spawn: Option<&str>,
+    external: Option<&Target>,
+    counter_url: Option<&str>,
+    uncontended_clients: &[usize],
+    contended_clients: &[usize],
+    run_id: &str,
+) {
+    let shared = spawn.is_some_and(|b| !b.starts_with("memory"));
+    let pair = if shared { 2 } else { 1 };
+    let label = run.backend.clone();
+    let mut counter = counter(counter_url).await;
+    // Fresh sidecars per workload, so RSS readings start from a clean process.
+    macro_rules! target {
+        ($n:expr, $spawned:ident, $target:ident) => {
+            let $spawned = match spawn {
+                Some(b) => match Spawned::start(b, $n).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        run.errors.push(e);
+                        return;
+                    }
+                },
+                None => None,
+            };
+            let $target = match (&$spawned, external) {
+                (Some(s), _) => s.target(args.api_token.as_ref()),
+                (None, Some(t)) => t.clone(),
+                (None, None) => return,
+            };
+        };
+    }
+    if has(args.workload, Workload::Uncontended) {
+        target!(1, spawned, target);
+        for &c in uncontended_clients {
+            eprintln!("[{label}] uncontended, {c} clients");
+            let lockers = (0..c).map(|i| target.locker_for(0, i)).collect();
+            match workloads::uncontended(lockers, args.duration, run_id, &mut counter, None).await {
+                Ok(r) => run.uncontended.push(r),
+                Err(e) => run.errors.push(format!("uncontended {c}: {e}")),
+            }
+        }
+        drop(spawned);
+    }
+    if has(args.workload, Workload::Contended) {
+        target!(pair, spawned, target);
+        for &c in contended_clients {
+            eprintln!("[{label}] contended, {c} clients");
+            let lockers = (0..c).map(|i| target.locker_for(i, i)).collect();
+            let name = format!("bench-c-{run_id}-{c}");
+            match workloads::contended(
+                lockers,
+                target.urls.len(),
+                args.duration,
+                &name,
+                &mut counter,
+                None,
+            )
+            .await
+            {
+                Ok(r) => run.contended.push(r),
+                Err(e) => run.errors.push(format!("contended {c}: {e}")),
+            }
+        }
+        drop(spawned);
+    }
+    if has(args.workload, Workload::Idle) {
+        for &w in &args.waiters {
+            target!(pair, spawned, target);
+            eprintln!("[{label}] idle, {w} waiters");
+            let name = format!("bench-i-{run_id}-{w}");
+            match workloads::idle_sidecar(&target, w, args.idle_duration, &name, &mut counter).await
+            {
+                Ok(r) => run.idle.push(r),
+                Err(e) => run.errors.push(format!("idle {w}: {e}")),
+            }
+            drop(spawned);
+        }
+    }
+    if has(args.workload, Workload::Crash) {
+        target!(pair, spawned, target);
+        eprintln!("[{label}] crash");
+        let mut spawned = spawned;
+        let respawn = match (&mut spawned, spawn) {
+            (Some(s), Some(b)) if shared => Some((&mut s.sidecars, b)),
+            _ => None,
+        };
+        match workloads::crash(&target, args.crash_rounds, run_id, respawn).await {
+            Ok(r) => run.crash = Some(r),
+            Err(e) => run.errors.push(format!("crash: {e}")),
+        }
+        drop(spawned);
+    }
+    if has(args.workload, Workload::Startup)
+        && let Some(b) = spawn
+    {
+        eprintln!("[{label}] startup");
+        match workloads::startup(b, args.startup_rounds).await {
+            Ok(r) => run.startup = Some(r),
+            Err(e) => run.errors.push(format!("startup: {e}")),
+        }
+    }
+}
+
+impl Target {
+    /// Client `i` on sidecar `sidecar` (modulo the sidecars there are).
+    fn locker_for(&self, sidecar: usize, _i: usize) -> Locker {
+        Locker::sidecar(
+            &self.urls[sidecar % self.urls.len()],
+            self.api_token.as_deref(),
+        )
+    }
+}
+
+async fn baselines(
+    args: &BenchArgs,
+    redis: &str,
+    uncontended_clients: &[usize],
+    contended_clients: &[usize],
+    run_id: &str,
+) -> Baselines {
+    let mut out = Baselines::default();
+    let mut counter = counter(Some(redis)).await;
+    let rt = Arc::new(AtomicU64::new(0));
+    if has(args.workload, Workload::Uncontended) {
+        for &c in uncontended_clients {
+            eprintln!("[direct redis] uncontended, {c} clients");
+            let mut lockers = Vec::new();
+            for _ in 0..c {
+                match Locker::redis(redis, None, rt.clone()).await {
+                    Ok(l) => lockers.push(l),
+                    Err(e) => {
+                        out.errors.push(e);
+                        return out;
+                    }
+                }
+            }
+            match workloads::uncontended(
+                lockers,
+                args.duration,
+                &format!("d-{run_id}"),
+                &mut counter,
+                Some(&rt),
+            )
+            .await
+            {
+                Ok(r) => out.direct_redis.push(r),
+                Err(e) => out.errors.push(format!("direct {c}: {e}")),
+            }
+        }
+    }
+    for &poll in &args.poll {
+        let mut p = Polling {
+            poll_ms: poll.as_secs_f64() * 1e3,
+            contended: Vec::new(),
+            idle: Vec::new(),
+        };
+        if has(args.workload, Workload::Contended) {
+            for &c in contended_clients {
+                eprintln!("[polling {poll:?}] contended, {c} clients");
+                let mut lockers = Vec::new();
+                for _ in 0..c {
+                    match Locker::redis(redis, Some(poll), rt.clone()).await {
+                        Ok(l) => lockers.push(l),
+                        Err(e) => out.errors.push(e),
+                    }
+                }
+                let name = format!("bench-pc-{run_id}-{}-{c}", poll.as_millis());
+                match workloads::contended(
+                    lockers,
+                    0,
+                    args.duration,
+                    &name,
+                    &mut counter,
+                    Some(&rt),
+                )
+                .await
+                {
+                    Ok(r) => p.contended.push(r),
+                    Err(e) => out.errors.push(format!("polling contended {c}: {e}")),
+                }
+            }
+        }
+        if has(args.workload, Workload::Idle) {
+            for &w in &args.waiters {
+                eprintln!("[polling {poll:?}] idle, {w} waiters");
+                let name = format!("bench-pi-{run_id}-{}-{w}", poll.as_millis());
+                match workloads::idle_polling(
+                    redis,
+                    poll,
+                    w,
+                    args.idle_duration,
+                    &name,
+                    &mut counter,
+                )
+                .await
+                {
+                    Ok(r) => p.idle.push(r),
+                    Err(e) => out.errors.push(format!("polling idle {w}: {e}")),
+                }
+            }
+        }
+        out.polling.push(p);
+    }
+    out
+}
+
+fn is_redis(run: &BackendRun) -> bool {
+    run.backend.starts_with("redis://") || run.backend.starts_with("rediss://")
+}
+
+/// The figures the README quotes, all from this run.
+fn headline(r: &Report) -> serde_json::Value {
+    let mut h = serde_json::Map::new();
+    let sidelock = r.runs.iter().find(|r| is_redis(r));
+    if let (Some(s), Some(b)) = (sidelock, &r.baselines) {
+        for u in &s.uncontended {
+            if let Some(d) = b.direct_redis.iter().find(|d| d.clients == u.clients)
+                && d.pairs_per_s > 0.0
+            {
+                h.insert(
+                    format!("uncontended_{}_ratio_pairs_per_s", u.clients),
+                    serde_json::json!((u.pairs_per_s / d.pairs_per_s * 100.0).round() / 100.0),
+                );
+                h.insert(
+                    format!("uncontended_{}_acquire_p50_extra_us", u.clients),
+                    serde_json::json!(u.acquire.p50_us as i64 - d.acquire.p50_us as i64),
+                );
+            }
+        }
+        for c in &s.contended {
+            h.insert(
+                format!("contended_{}_handoff_p50_us", c.clients),
+                serde_json::json!(c.handoff.p50_us),
+            );
+            for p in &b.polling {
+                if let Some(pc) = p.contended.iter().find(|pc| pc.clients == c.clients) {
+                    h.insert(
+                        format!(
+                            "contended_{}_polling_{}ms_handoff_p50_us",
+                            c.clients, p.poll_ms
+                        ),
+                        serde_json::json!(pc.handoff.p50_us),
+                    );
+                }
+            }
+        }
+    }
+    serde_json::Value::Object(h)
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v}"))
+}
+
+fn print_tables(r: &Report) {
+    let m = &r.machine;
+    println!(
+        "machine: {} cpus, {}, kernel {}, load before {}",
+        m.cpus,
+        m.cpu_model.as_deref().unwrap_or("?"),
+        m.kernel.as_deref().unwrap_or("?"),
+        m.loadavg_before.as_deref().unwrap_or("?")
+    );
+    let mut unc: Vec<(String, &Uncontended)> = Vec::new();
+    let mut con: Vec<(String, &Contended)> = Vec::new();
+    let mut idle: Vec<(String, &Idle)> = Vec::new();
+    for run in &r.runs {
+        unc.extend(run.uncontended.iter().map(|u| (run.backend.clone(), u)));
+        con.extend(run.contended.iter().map(|c| (run.backend.clone(), c)));
+        idle.extend(run.idle.iter().map(|i| (run.backend.clone(), i)));
+    }
+    if let Some(b) = &r.baselines {
+        unc.extend(b.direct_redis.iter().map(|u| ("direct redis".into(), u)));
+        for p in &b.polling {
+            let label = format!("polling {}ms", p.poll_ms);
+            con.extend(p.contended.iter().map(|c| (label.clone(), c)));
+            idle.extend(p.idle.iter().map(|i| (label.clone(), i)));
+        }
+    }
+    if !unc.is_empty() {
+        println!("\n## Uncontended (acquire + release, own lock per client)\n");
+        println!(
+            "| system | clients | pairs/s | acquire p50/p99/p999 µs | release p50/p99/p999 µs | round trips/pair | commands/pair | errors |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        for (label, u) in unc {
+            println!(
+                "| {label} | {} | {:.0} | {}/{}/{} | {}/{}/{} | {} | {} | {} |",
+                u.clients,
+                u.pairs_per_s,
+                u.acquire.p50_us,
+                u.acquire.p99_us,
+                u.acquire.p999_us,
+                u.release.p50_us,
+                u.release.p99_us,
+                u.release.p999_us,
+                opt(u.round_trips_per_pair),
+                opt(u.commands_per_pair),
+                u.errors
+            );
+        }
+    }
+    if !con.is_empty() {
+        println!("\n## Contended (one lock, hold ~0)\n");
+        println!(
+            "| system | clients | sidecars | grants/s | handoffs/s | handoff p50/p99 µs | max wait ms | round trips/grant | commands/grant | errors |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (label, c) in con {
+            println!(
+                "| {label} | {} | {} | {:.0} | {:.0} | {}/{} | {:.1} | {} | {} | {} |",
+                c.clients,
+                c.sidecars,
+                c.grants_per_s,
+                c.handoffs_per_s,
+                c.handoff.p50_us,
+                c.handoff.p99_us,
+                c.max_wait_ms,
+                opt(c.round_trips_per_grant),
+                opt(c.commands_per_grant),
+                c.errors
+            );
+        }
+    }
+    if !idle.is_empty() {
+        println!("\n## Idle waiters (lock held, waiters blocked)\n");
+        println!(
+            "| system | waiters | queued | round trips/s | commands/s | sidecar RSS MiB | KiB/waiter |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|");
+        for (label, i) in idle {
+            println!(
+                "| {label} | {} | {} | {} | {} | {} | {} |",
+                i.waiters,
+                match (i.queued, i.waiter_errors) {
+                    (None, _) => "-".into(),
+                    (Some(q), 0) => q.to_string(),
+                    (Some(q), e) => format!("{q} ({e} refused)"),
+                },
+                opt(i.round_trips_per_s),
+                opt(i.commands_per_s),
+                opt(i.rss_kib.map(|k| (k as f64 / 1024.0 * 10.0).round() / 10.0)),
+                opt(i.rss_per_waiter_kib)
+            );
+        }
+    }
+    let crash: Vec<_> = r
+        .runs
+        .iter()
+        .filter_map(|run| run.crash.as_ref().map(|c| (&run.backend, c)))
+        .collect();
+    if !crash.is_empty() {
+        println!("\n## Crash (holder gone → next waiter granted)\n");
+        println!(
+            "| backend | hold stream cut p50/max ms | holder process killed max ms | holding sidecar killed ms (ttl) |"
+        );
+        println!("|---|---:|---:|---:|");
+        for (b, c) in crash {
+            println!(
+                "| {b} | {}/{} | {} | {} |",
+                opt(c.hold_cut_p50_ms),
+                opt(c.hold_cut_max_ms),
+                opt(c.client_killed_max_ms),
+                if c.sidecar_killed_ms.is_empty() {
+                    "-".into()
+                } else {
+                    format!(
+                        "{:?} ({} ms)",
+                        c.sidecar_killed_ms,
+                        c.sidecar_killed_ttl_ms.unwrap_or(0)
+                    )
+                }
+            );
+        }
+    }
+    let start: Vec<_> = r
+        .runs
+        .iter()
+        .filter_map(|run| run.startup.as_ref().map(|s| (&run.backend, s)))
+        .collect();
+    if !start.is_empty() {
+        println!("\n## Startup\n");
+        println!("| backend | exec → /readyz 200 p50 ms | idle RSS max MiB |");
+        println!("|---|---:|---:|");
+        for (b, s) in start {
+            println!(
+                "| {b} | {} | {:.1} |",
+                s.ready_p50_ms,
+                s.idle_rss_max_kib as f64 / 1024.0
+            );
+        }
+    }
+    if let serde_json::Value::Object(h) = &r.headline
+        && !h.is_empty()
+    {
+        println!("\n## Headline\n");
+        for (k, v) in h {
+            println!("- {k}: {v}");
+        }
+    }
+    for run in &r.runs {
+        for e in run
+            .errors
+            .iter()
+            .chain(run.crash.iter().flat_map(|c| &c.errors))
+        {
+            println!("error [{}]: {e}", run.backend);
+        }
+    }
+    if let Some(b) = &r.baselines {
+        for e in &b.errors {
+            println!("error [baseline]: {e}");
+        }
+    }
+}

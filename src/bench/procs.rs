@@ -1,0 +1,177 @@
+//! Processes the bench starts itself: sidecars (`sidelock serve`, this very
+//! executable) and `redis-server`, each on a free loopback port and killed
+//! when dropped; plus RSS.
+
+use std::net::TcpListener;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::process::{Child, Command};
+
+/// How long a started process may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A free loopback port (the listener is closed before the child binds it).
+///
+/// # Errors
+/// When no port can be bound.
+pub fn free_port() -> Result<u16, String> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))
+}
+
+/// Resident set size of `pid` in KiB (`VmRSS` in `/proc/<pid>/status`).
+#[must_use]
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Where a started sidecar's log goes: `$TMPDIR/sidelock-bench-<id>.log`
+/// (the bench prints its path when a measurement fails).
+fn log_file(id: &str) -> Stdio {
+    let path = std::env::temp_dir().join(format!("sidelock-bench-{id}.log"));
+    std::fs::File::create(path).map_or_else(|_| Stdio::null(), Stdio::from)
+}
+
+/// A `sidelock serve` child on a free port.
+pub struct Sidecar {
+    pub child: Child,
+    pub url: String,
+    pub pid: u32,
+    /// Time from spawn to the first `GET /readyz` 200.
+    pub ready_after: Duration,
+}
+
+impl Sidecar {
+    /// Starts `sidelock serve --backend <backend>` and waits until `/readyz` answers 200.
+    ///
+    /// # Errors
+    /// When the process cannot start or is not ready in time.
+    pub async fn start(backend: &str, id: &str) -> Result<Self, String> {
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("cannot find this executable to start sidecars: {e}"))?;
+        let port = free_port()?;
+        let url = format!("http://127.0.0.1:{port}");
+        let mut cmd = Command::new(exe);
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("SIDELOCK_") {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--backend", backend, "--sidecar-id", id])
+            .args(["--max-waiters", "100000"])
+            .env("SIDELOCK_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file(id))
+            .kill_on_drop(true);
+        let started = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start sidelock serve: {e}"))?;
+        let pid = child.id().unwrap_or(0);
+        let probe = reqwest::Client::new();
+        let ready = format!("{url}/readyz");
+        loop {
+            if let Ok(r) = probe.get(&ready).send().await
+                && r.status().is_success()
+            {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "sidelock serve --backend {backend} exited with {status} before it was ready"
+                ));
+            }
+            if started.elapsed() > READY_TIMEOUT {
+                return Err(format!(
+                    "sidelock serve --backend {backend} not ready after {READY_TIMEOUT:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok(Self {
+            child,
+            url,
+            pid,
+            ready_after: started.elapsed(),
+        })
+    }
+
+    /// SIGKILL, and reap.
+    pub async fn kill(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// A `redis-server` child with no persistence on a free port.
+pub struct RedisChild {
+    _child: Child,
+    _dir: TempDir,
+    pub url: String,
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl RedisChild {
+    /// Starts `redis-server` and waits until it answers PING.
+    ///
+    /// # Errors
+    /// When redis-server is missing or does not become ready.
+    pub async fn start() -> Result<Self, String> {
+        let port = free_port()?;
+        let dir = std::env::temp_dir().join(format!("sidelock-bench-redis-{port}"));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--maxclients", "20000"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start redis-server (is it installed?): {e}"))?;
+        let url = format!("redis://127.0.0.1:{port}");
+        let me = Self {
+            _child: child,
+            _dir: TempDir(dir),
+            url,
+        };
+        let started = Instant::now();
+        loop {
+            if let Ok(client) = redis::Client::open(me.url.as_str())
+                && let Ok(mut c) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .is_ok()
+            {
+                return Ok(me);
+            }
+            if started.elapsed() > READY_TIMEOUT {
+                return Err(format!("redis-server on port {port} not ready"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

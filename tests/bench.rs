@@ -1,0 +1,141 @@
+//! Smoke test of `sidelock bench`: every workload runs for a fraction of a
+//! second against the memory backend and a real redis-server, and the JSON
+//! it writes has every workload's fields with sane values. Not a timed test:
+//! no latency or throughput threshold is checked here (BENCHMARKS.md has the
+//! measured numbers).
+
+mod common;
+
+use std::process::Command;
+
+use common::redis::RedisServer;
+use common::sidecar::SIDELOCK_BIN;
+use serde_json::Value;
+
+fn num(v: &Value, path: &str) -> f64 {
+    let mut cur = v;
+    for part in path.split('.') {
+        cur = match part.parse::<usize>() {
+            Ok(i) => &cur[i],
+            Err(_) => &cur[part],
+        };
+    }
+    cur.as_f64()
+        .unwrap_or_else(|| panic!("{path} is not a number in {v:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_runs_every_workload_and_writes_well_formed_json() {
+    let redis = RedisServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("bench.json");
+    let out = tokio::task::spawn_blocking({
+        let json = json.clone();
+        let redis = redis.url();
+        move || {
+            Command::new(SIDELOCK_BIN)
+                .args(["bench", "--workload", "all"])
+                .args([
+                    "--backend",
+                    "memory",
+                    "--backend",
+                    "redis",
+                    "--redis",
+                    &redis,
+                ])
+                .args(["--duration", "300ms", "--idle-duration", "300ms"])
+                .args(["--clients", "1,2", "--contended-clients", "2,4"])
+                .args([
+                    "--waiters",
+                    "3",
+                    "--crash-rounds",
+                    "1",
+                    "--startup-rounds",
+                    "1",
+                ])
+                .args(["--poll", "10ms", "--json"])
+                .arg(&json)
+                .env_remove("SIDELOCK_API_TOKEN")
+                .output()
+                .expect("run sidelock bench")
+        }
+    })
+    .await
+    .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "sidelock bench failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    for table in [
+        "Uncontended",
+        "Contended",
+        "Idle waiters",
+        "Crash",
+        "Startup",
+    ] {
+        assert!(stdout.contains(table), "no {table} table in:\n{stdout}");
+    }
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("read JSON")).expect("JSON");
+    assert!(num(&report, "machine.cpus") >= 1.0);
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{report:#}");
+    assert_eq!(runs[0]["backend"], "memory://");
+    assert!(runs[1]["backend"].as_str().unwrap().starts_with("redis://"));
+    for run in runs {
+        assert_eq!(run["errors"].as_array().map(Vec::len), Some(0), "{run:#}");
+        let unc = run["uncontended"].as_array().expect("uncontended");
+        assert_eq!(unc.len(), 2);
+        for u in unc {
+            assert!(num(u, "pairs") > 0.0, "{u:#}");
+            assert!(num(u, "pairs_per_s") > 0.0);
+            assert!(num(u, "acquire.p50_us") > 0.0);
+            assert!(num(u, "acquire.p50_us") <= num(u, "acquire.p99_us"));
+            assert!(num(u, "acquire.p99_us") <= num(u, "acquire.p999_us"));
+            assert!(num(u, "release.p50_us") > 0.0);
+            assert_eq!(num(u, "errors"), 0.0);
+        }
+        let con = run["contended"].as_array().expect("contended");
+        assert_eq!(con.len(), 2);
+        for c in con {
+            assert!(num(c, "grants") > 0.0, "{c:#}");
+            assert!(num(c, "handoffs") > 0.0, "{c:#}");
+            assert!(num(c, "handoff.p50_us") > 0.0);
+            assert!(num(c, "max_wait_ms") > 0.0);
+            assert_eq!(num(c, "errors"), 0.0);
+        }
+        let idle = &run["idle"][0];
+        assert_eq!(num(idle, "waiters"), 3.0);
+        assert_eq!(num(idle, "queued"), 3.0, "{idle:#}");
+        assert!(num(idle, "rss_kib") > 1000.0);
+        let crash = &run["crash"];
+        assert!(num(crash, "hold_cut_ms.0") > 0.0, "{crash:#}");
+        assert!(num(crash, "client_killed_ms.0") > 0.0);
+        let startup = &run["startup"];
+        assert!(num(startup, "ready_p50_ms") > 0.0);
+        assert!(num(startup, "idle_rss_max_kib") > 1000.0);
+    }
+    // Redis: commands counted, and the sidecar on Redis waits without polling.
+    let redis_run = &runs[1];
+    assert!(num(redis_run, "contended.0.commands_per_grant") > 0.0);
+    assert!(num(redis_run, "contended.0.round_trips_per_grant") > 0.0);
+    assert!(num(redis_run, "idle.0.round_trips_per_s") >= 0.0);
+    assert!(
+        !redis_run["crash"]["sidecar_killed_ms"]
+            .as_array()
+            .expect("sidecar_killed_ms")
+            .is_empty()
+    );
+    // Baselines.
+    let base = &report["baselines"];
+    assert!(num(base, "direct_redis.0.pairs_per_s") > 0.0, "{base:#}");
+    assert_eq!(num(base, "direct_redis.0.round_trips_per_pair"), 2.0);
+    let polling = &base["polling"][0];
+    assert_eq!(num(polling, "poll_ms"), 10.0);
+    assert!(num(polling, "contended.0.grants") > 0.0);
+    assert!(num(polling, "idle.0.round_trips_per_s") > 0.0);
+    assert!(report["headline"]["uncontended_1_ratio_pairs_per_s"].is_number());
+}
