@@ -139,18 +139,7 @@ impl RedisServer {
     /// scripts count too), without the `INFO` calls themselves.
     pub async fn command_counts(&self) -> BTreeMap<String, u64> {
         let info: String = self.cmd(&["INFO", "commandstats"]).await;
-        info.lines()
-            .filter_map(|l| {
-                let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-                let calls = rest
-                    .strip_prefix("calls=")?
-                    .split(',')
-                    .next()?
-                    .parse()
-                    .ok()?;
-                (name != "info").then(|| (name.to_owned(), calls))
-            })
-            .collect()
+        sidelock::bench::counters::parse_commandstats(&info)
     }
 
     /// Total calls so far, as [`Self::command_counts`] counts them.
