@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::postgres::PgCluster;
 use common::redis::{RedisNodes, RedisServer};
+use common::zookeeper::ZkServer;
 use common::{SidecarBuilder, SidecarGuard, unique_name};
 use rand::RngExt;
 use reqwest::StatusCode;
@@ -41,6 +42,7 @@ enum Deployment {
     Redis(RedisServer),
     Postgres(PgCluster),
     Redlock(RedisNodes),
+    ZooKeeper(ZkServer),
 }
 
 impl Deployment {
@@ -61,6 +63,8 @@ impl Deployment {
                 Deployment::Postgres(cluster)
             }
             "redlock" => Deployment::Redlock(RedisNodes::start(3).await),
+            // A three-node ensemble: one member at a time restarts.
+            "zookeeper" => Deployment::ZooKeeper(ZkServer::ensemble().await),
             other => panic!("unknown backend {other}"),
         }
     }
@@ -71,6 +75,7 @@ impl Deployment {
             Deployment::Redis(s) => s.url(),
             Deployment::Postgres(c) => c.url("sidelock"),
             Deployment::Redlock(n) => n.url(),
+            Deployment::ZooKeeper(z) => z.url("/safety"),
         }
     }
 
@@ -105,6 +110,11 @@ impl Deployment {
                 let i = rand::rng().random_range(0..n.nodes.len());
                 n.nodes[i].restart().await;
                 Some("redlock node restarted empty")
+            }
+            Deployment::ZooKeeper(z) => {
+                let i = rand::rng().random_range(0..z.len());
+                z.restart(i).await;
+                Some("zookeeper member restarted")
             }
         }
     }
@@ -465,4 +475,9 @@ async fn postgres_is_safe_under_sidecar_and_server_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redlock_is_safe_under_sidecar_restarts_and_an_emptied_node() {
     check("redlock").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_is_safe_under_sidecar_and_ensemble_member_restarts() {
+    check("zookeeper").await;
 }
