@@ -75,7 +75,8 @@ impl Deployment {
             Deployment::Redis(s) => s.url(),
             Deployment::Postgres(c) => c.url("sidelock"),
             Deployment::Redlock(n) => n.url(),
-            Deployment::ZooKeeper(z) => z.url("/safety"),
+            // Short sessions: a killed sidecar's nodes go when its session does.
+            Deployment::ZooKeeper(z) => format!("{}?session_timeout=2s", z.url("/safety")),
         }
     }
 
