@@ -196,18 +196,27 @@ async fn a_full_waiter_queue_answers_429_and_other_locks_stay_responsive() {
 }
 
 #[tokio::test]
-async fn slow_and_oversized_clients_do_not_stall_the_sidecar() {
+async fn ten_thousand_slow_and_oversized_clients_do_not_stall_the_sidecar() {
+    const CONNECTIONS: usize = 10_000;
+    let limit = sidelock::sidecar::raise_fd_limit();
+    assert!(
+        limit > CONNECTIONS as u64 + 500,
+        "open-file limit {limit} is too low for {CONNECTIONS} connections; raise the hard limit (ulimit -Hn)"
+    );
     let sidecar = SidecarBuilder::new("memory://").start().await;
     let addr = format!("127.0.0.1:{}", sidecar.port());
-    // Slowloris: many connections that send half a request and stall.
-    let mut stalled = Vec::new();
-    for _ in 0..200 {
+    // 10,000 concurrent connections: half slowloris (half a request, then
+    // nothing), half idle after connecting.
+    let mut stalled = Vec::with_capacity(CONNECTIONS);
+    for i in 0..CONNECTIONS {
         let mut s = tokio::net::TcpStream::connect(&addr)
             .await
             .expect("connect");
-        s.write_all(b"POST /v1/locks/slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n")
-            .await
-            .expect("write");
+        if i % 2 == 0 {
+            s.write_all(b"POST /v1/locks/slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n")
+                .await
+                .expect("write");
+        }
         stalled.push(s);
     }
     // A body far over the limit is refused without reading it all.
