@@ -293,6 +293,40 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
+/// A backend URL as it may be shown (`/v1/info`, logs, the dashboard): the
+/// password removed from the authority and from a `password=` parameter.
+/// Works on the text, so multi-host URLs (`redlock://u:pw@a:1,b:2`), which
+/// are not valid URLs, are covered too.
+pub fn redact(url: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let base = match base.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.find('/').map_or((rest, ""), |i| rest.split_at(i));
+            match authority.rsplit_once('@') {
+                Some((userinfo, hosts)) => {
+                    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+                    let at = if user.is_empty() { "" } else { "@" };
+                    format!("{scheme}://{user}{at}{hosts}{path}")
+                }
+                None => base.to_owned(),
+            }
+        }
+        None => base.to_owned(),
+    };
+    let kept: Vec<&str> = query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter(|pair| pair.split('=').next() != Some("password"))
+        .collect();
+    if kept.is_empty() {
+        base
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
 /// Backend settings from the configuration.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -346,5 +380,38 @@ pub async fn open(
         other => Err(format!(
             "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, postgres:// or zk://"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn passwords_are_removed_from_urls() {
+        assert_eq!(
+            redact("postgres://app:secret@db:5432/locks"),
+            "postgres://app@db:5432/locks"
+        );
+        assert_eq!(
+            redact("postgresql://db/locks?user=app&password=secret&sslmode=disable"),
+            "postgresql://db/locks?user=app&sslmode=disable"
+        );
+        assert_eq!(
+            redact("postgres://postgres@127.0.0.1:5432/postgres"),
+            "postgres://postgres@127.0.0.1:5432/postgres"
+        );
+        assert_eq!(
+            redact("redis://:hunter2@127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact("redlock://u:hunter2@a:1,b:2/3"),
+            "redlock://u@a:1,b:2/3"
+        );
+        assert_eq!(
+            redact("zk://a:2181,b:2181/chroot"),
+            "zk://a:2181,b:2181/chroot"
+        );
     }
 }

@@ -407,18 +407,6 @@ fn strip_query(url: &str, keys: &[&str]) -> (String, Vec<(String, String)>) {
     }
 }
 
-/// The URL without its password (in the authority or as a `password` parameter).
-fn redact(url: &str) -> String {
-    let (url, _) = strip_query(url, &["password"]);
-    match url::Url::parse(&url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(None);
-            parsed.to_string()
-        }
-        _ => url,
-    }
-}
-
 /// A hand-written lock table (`--legacy-table`): `[schema.]table[(name_column[, time_column])]`.
 #[derive(Debug, Clone)]
 struct LegacyTable {
@@ -1029,7 +1017,7 @@ impl Postgres {
         };
         let mut config: tokio_postgres::Config = driver_url
             .parse()
-            .map_err(|e| format!("backend URL {:?}: {}", redact(url), chain(&e)))?;
+            .map_err(|e| format!("backend URL {:?}: {}", super::redact(url), chain(&e)))?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(POOL_TIMEOUT);
         }
@@ -1074,7 +1062,7 @@ impl Postgres {
             schema: schema.clone(),
             instance,
             sidecar: options.sidecar.clone(),
-            url: redact(url),
+            url: super::redact(url),
             legacy,
             wakeups,
             ready: watch::channel(false).0,
@@ -1454,22 +1442,6 @@ mod tests {
         assert!(validate_schema("Upper").is_err());
         assert!(validate_schema("a-b").is_err());
         assert!(validate_schema(&"a".repeat(49)).is_err());
-    }
-
-    #[test]
-    fn passwords_are_removed_from_urls() {
-        assert_eq!(
-            redact("postgres://app:secret@db:5432/locks"),
-            "postgres://app@db:5432/locks"
-        );
-        assert_eq!(
-            redact("postgresql://db/locks?user=app&password=secret&sslmode=disable"),
-            "postgresql://db/locks?user=app&sslmode=disable"
-        );
-        assert_eq!(
-            redact("postgres://postgres@127.0.0.1:5432/postgres"),
-            "postgres://postgres@127.0.0.1:5432/postgres"
-        );
     }
 
     #[test]

@@ -157,17 +157,6 @@ fn bad_url(url: &str, e: impl std::fmt::Display) -> String {
     format!("backend URL {url:?}: {e}")
 }
 
-/// The URL with any password replaced.
-pub fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        _ => url.to_owned(),
-    }
-}
-
 /// `scheme://a:1,b:2/rest` → (["a:1","b:2"], "rest"), keeping user info on every host.
 pub fn split_hosts(url: &str) -> Result<(String, Vec<String>, String), String> {
     let (scheme, rest) = url
@@ -259,7 +248,7 @@ impl Node {
             scripts: Scripts::new(),
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
-            url: redact(url),
+            url: super::redact(url),
         })
     }
 

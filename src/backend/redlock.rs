@@ -30,7 +30,8 @@ use futures::future::join_all;
 use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
-use super::redis::{Member, Node, Step, Watchers, redact, split_hosts, watch};
+use super::redact;
+use super::redis::{Member, Node, Step, Watchers, split_hosts, watch};
 use super::{
     Attempt, Backend, Busy, Description, Error, Grant, Holder, Options, Safety, StaleKey, State,
     Status, Summary, Ticket, Turn, Watch,

@@ -291,11 +291,8 @@ impl ZooKeeper {
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("session_timeout", v)) => {
-                    session_timeout = humantime::parse_duration(v)
-                        .or_else(|_| v.parse().map(Duration::from_millis))
-                        .map_err(|_| {
-                            format!("ZooKeeper URL: session_timeout {v:?} is not a duration")
-                        })?;
+                    session_timeout = crate::config::parse_duration(v)
+                        .map_err(|e| format!("ZooKeeper URL: session_timeout: {e}"))?;
                 }
                 _ => {
                     return Err(format!(
@@ -317,7 +314,7 @@ impl ZooKeeper {
                 chroot,
                 root,
                 session_timeout,
-                url: url.to_owned(),
+                url: super::redact(url),
                 wakeups,
                 client: tokio::sync::Mutex::new(None),
                 tickets: Mutex::new(HashMap::new()),

@@ -285,7 +285,7 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
                 None
             };
             let mut run = BackendRun {
-                backend: redact(&url),
+                backend: crate::backend::redact(&url),
                 spawned: true,
                 ..BackendRun::default()
             };
@@ -334,17 +334,6 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("{} measurement(s) failed", failed.len()))
-    }
-}
-
-/// A backend URL without its password.
-fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        _ => url.to_owned(),
     }
 }
 

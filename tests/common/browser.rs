@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use tempfile::TempDir;
 
 use super::POLL_INTERVAL;
+use super::free_port;
 use super::process::ChildGuard;
 
 /// How long to wait for chromedriver to answer `/status`.
@@ -46,13 +47,6 @@ fn find_program(env: &str, names: &[&str]) -> Option<PathBuf> {
     std::env::split_paths(&path)
         .flat_map(|dir| names.iter().map(move |n| dir.join(n)))
         .find(|p| p.is_file())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
 }
 
 /// A WebDriver session in headless Chromium.

@@ -67,6 +67,14 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{}-{n}-{nanos:08x}", std::process::id())
 }
 
+/// A free loopback port (the listener is closed before a server binds it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral loopback port")
+}
+
 /// Polls `probe` every [`POLL_INTERVAL`] until it returns `Some`, panicking
 /// after `timeout`. Only for state that has no event to await (for example
 /// what `GET /v1/locks/{name}` reports).

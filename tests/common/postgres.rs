@@ -6,7 +6,7 @@
 //! 127.0.0.1:5432, user `postgres`, trust authentication. When it cannot be
 //! reached the tests fail (never skip) with a message naming that script.
 
-use std::net::TcpListener;
+use super::free_port;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -369,11 +369,4 @@ fn run_ok(cmd: &mut Command, what: &str) -> Output {
 fn running_as_root() -> bool {
     let out = run_ok(Command::new("id").arg("-u"), "id -u");
     String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("find a free port")
 }

@@ -4,24 +4,16 @@
 //! fault tests.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
+use super::free_port;
 use super::process::ChildGuard;
 
 /// How long a server may take to answer PING.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A free loopback port (the listener is closed before the server binds it).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral loopback port")
-}
 
 fn require(binary: &str) {
     let found = Command::new("sh")

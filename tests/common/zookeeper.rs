@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
+use super::free_port;
 use super::process::ChildGuard;
-use super::redis::free_port;
 
 /// How long a server may take to answer `ruok` (a cold JVM on a busy machine).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
