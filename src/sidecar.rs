@@ -47,6 +47,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         metrics,
         token.clone(),
     );
+    core.follow_losses();
     let app = Arc::new(App {
         core: core.clone(),
         settings: settings.clone(),

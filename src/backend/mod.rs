@@ -288,6 +288,26 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Releases backend resources at shutdown.
     async fn close(&self) {}
+
+    /// A feed of leases this backend lost on its own — its session expired or
+    /// it was cut off from its servers for too long to vouch for them — so
+    /// the sidecar can tell their holders at once instead of at the next
+    /// renewal. Every token sent holds nothing any more: its renew and release
+    /// answer `None` from then on. `None` (the default): the backend never
+    /// pushes losses; holders learn of them by renewing or from the expiry timer.
+    ///
+    /// # Errors
+    ///
+    /// A receiver that lagged behind missed some tokens (`RecvError::Lagged`);
+    /// the caller must then ask [`status`](Backend::status) for each lease it
+    /// keeps.
+    ///
+    /// # Cancellation safety
+    ///
+    /// Receiving is cancellation safe: a token not yet received stays queued.
+    fn losses(&self) -> Option<tokio::sync::broadcast::Receiver<Token>> {
+        None
+    }
 }
 
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.

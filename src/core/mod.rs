@@ -811,6 +811,42 @@ impl Core {
         }
     }
 
+    /// Starts ending local leases as soon as the backend reports them lost
+    /// ([`Backend::losses`]), in a task that stops at shutdown. Without it a
+    /// loss reaches holders only at their next renewal or expiry check.
+    pub fn follow_losses(self: &Arc<Self>) {
+        let Some(mut losses) = self.backend.losses() else {
+            return;
+        };
+        let me = self.clone();
+        self.tasks.spawn(async move {
+            loop {
+                let received = tokio::select! {
+                    () = me.shutdown.cancelled() => return,
+                    r = losses.recv() => r,
+                };
+                match received {
+                    Ok(token) => {
+                        if let Some(local) = me.local(&token) {
+                            me.end(&local, End::Lost(LostReason::Backend));
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        // Some tokens were missed: ask about every lease.
+                        let all: Vec<Arc<Local>> = me.lock_leases().values().cloned().collect();
+                        for local in all {
+                            let status = me.backend.status(&local.key, &local.token).await;
+                            if let Ok(Status::Gone(_)) = status {
+                                me.end(&local, End::Lost(LostReason::Backend));
+                            }
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+    }
+
     /// Marks a lease that the expiry timer found gone.
     fn lapsed(&self, lease: &Local, loss: Loss) {
         let reason = match loss {
