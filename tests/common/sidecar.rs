@@ -15,8 +15,8 @@ use super::{POLL_INTERVAL, START_TIMEOUT};
 /// The path of the binary under test, built by Cargo for integration tests.
 pub const SIDELOCK_BIN: &str = env!("CARGO_BIN_EXE_sidelock");
 
-/// What the sidecar logs once it has bound its listener.
-const LISTENING_MARKER: &str = "listening on 127.0.0.1:";
+/// What the sidecar logs once it has bound its listener, before `<ip>:<port>`.
+const LISTENING_MARKER: &str = "listening on ";
 
 /// Extra flags, environment and config file for one sidecar.
 ///
@@ -29,6 +29,10 @@ pub struct SidecarBuilder {
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
     config_toml: Option<String>,
+    /// Address to listen on (an IPv4 address of the host or of `netns`).
+    listen_ip: String,
+    /// Network namespace to run in (`ip netns exec`).
+    netns: Option<String>,
 }
 
 impl SidecarBuilder {
@@ -41,7 +45,17 @@ impl SidecarBuilder {
                 ("SIDELOCK_LOG".into(), "info,sidelock=debug".into()),
             ],
             config_toml: None,
+            listen_ip: "127.0.0.1".into(),
+            netns: None,
         }
+    }
+
+    /// Runs the sidecar inside `ns`, listening on `listen_ip` (the namespace
+    /// end of one of its links, which the test reaches from the host).
+    pub fn netns(mut self, ns: &super::netns::Netns, listen_ip: &str) -> Self {
+        self.netns = Some(ns.name().to_owned());
+        self.listen_ip = listen_ip.to_owned();
+        self
     }
 
     /// Appends one raw command-line argument.
@@ -116,12 +130,21 @@ impl SidecarBuilder {
             .prefix("sidelock-test-")
             .tempdir()
             .expect("create temp dir");
-        let mut cmd = Command::new(SIDELOCK_BIN);
+        let mut cmd = match &self.netns {
+            None => Command::new(SIDELOCK_BIN),
+            Some(ns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns, SIDELOCK_BIN]);
+                cmd
+            }
+        };
         cmd.current_dir(dir.path());
         remove_inherited_sidelock_env(&mut cmd);
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0", "--backend"])
+            .arg("--listen")
+            .arg(format!("{}:0", self.listen_ip))
+            .arg("--backend")
             .arg(&self.backend_url);
         if let Some(contents) = &self.config_toml {
             let path = dir.path().join("sidelock.toml");
@@ -132,11 +155,11 @@ impl SidecarBuilder {
 
         let log_path = dir.path().join("sidelock.log");
         let mut child = ChildGuard::spawn(cmd, "sidecar", &log_path, false);
-        let port = wait_for_listening(&mut child).await;
+        let port = wait_for_listening(&mut child, &self.listen_ip).await;
         SidecarGuard {
             child,
             port,
-            base_url: format!("http://127.0.0.1:{port}"),
+            base_url: format!("http://{}:{port}", self.listen_ip),
             log_path,
             _dir: dir,
         }
@@ -152,10 +175,10 @@ pub fn remove_inherited_sidelock_env(cmd: &mut Command) {
     }
 }
 
-async fn wait_for_listening(child: &mut ChildGuard) -> u16 {
+async fn wait_for_listening(child: &mut ChildGuard, ip: &str) -> u16 {
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
-        if let Some(port) = parse_listening_port(&child.log()) {
+        if let Some(port) = parse_listening_port(&child.log(), ip) {
             return port;
         }
         if let Some(status) = child.try_status() {
@@ -163,16 +186,17 @@ async fn wait_for_listening(child: &mut ChildGuard) -> u16 {
         }
         assert!(
             Instant::now() < deadline,
-            "sidecar did not log `{LISTENING_MARKER}PORT` within {START_TIMEOUT:?}"
+            "sidecar did not log `{LISTENING_MARKER}{ip}:PORT` within {START_TIMEOUT:?}"
         );
         tokio::time::sleep(POLL_INTERVAL).await;
     }
 }
 
-/// The port from the first `listening on 127.0.0.1:PORT` in `log`.
-fn parse_listening_port(log: &str) -> Option<u16> {
+/// The port from the first `listening on IP:PORT` in `log`.
+fn parse_listening_port(log: &str, ip: &str) -> Option<u16> {
     let log = strip_ansi(log);
-    let start = log.find(LISTENING_MARKER)? + LISTENING_MARKER.len();
+    let marker = format!("{LISTENING_MARKER}{ip}:");
+    let start = log.find(&marker)? + marker.len();
     let digits: String = log[start..]
         .chars()
         .take_while(char::is_ascii_digit)
@@ -272,10 +296,13 @@ mod tests {
     fn parses_port_from_plain_and_coloured_logs() {
         let plain =
             "2026-01-01T00:00:00Z  INFO sidelock: listening on 127.0.0.1:40123 backend=memory://\n";
-        assert_eq!(parse_listening_port(plain), Some(40123));
+        let ip = "127.0.0.1";
+        assert_eq!(parse_listening_port(plain, ip), Some(40123));
         let coloured = "\u{1b}[32m INFO\u{1b}[0m listening on 127.0.0.1:7070\n";
-        assert_eq!(parse_listening_port(coloured), Some(7070));
-        assert_eq!(parse_listening_port("starting\n"), None);
-        assert_eq!(parse_listening_port("listening on 127.0.0.1:0\n"), None);
+        assert_eq!(parse_listening_port(coloured, ip), Some(7070));
+        assert_eq!(parse_listening_port("starting\n", ip), None);
+        assert_eq!(parse_listening_port("listening on 127.0.0.1:0\n", ip), None);
+        let ns = "listening on 10.100.3.2:7071\n";
+        assert_eq!(parse_listening_port(ns, "10.100.3.2"), Some(7071));
     }
 }

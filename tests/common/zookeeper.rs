@@ -38,10 +38,10 @@ fn require() {
     );
 }
 
-/// Sends a four-letter word and returns the answer.
-pub fn four_letter(port: u16, word: &str) -> Option<String> {
+/// Sends a four-letter word to `ip:port` and returns the answer.
+pub fn four_letter_at(ip: &str, port: u16, word: &str) -> Option<String> {
     let mut s = TcpStream::connect_timeout(
-        &format!("127.0.0.1:{port}").parse().ok()?,
+        &format!("{ip}:{port}").parse().ok()?,
         Duration::from_secs(2),
     )
     .ok()?;
@@ -50,6 +50,11 @@ pub fn four_letter(port: u16, word: &str) -> Option<String> {
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     Some(out)
+}
+
+/// Sends a four-letter word to a server on loopback and returns the answer.
+pub fn four_letter(port: u16, word: &str) -> Option<String> {
+    four_letter_at("127.0.0.1", port, word)
 }
 
 /// One member: its ports and process.
@@ -64,20 +69,28 @@ pub struct ZkServer {
     /// Dropped first, so they can still print their logs from `dir`.
     members: Vec<Member>,
     dir: TempDir,
+    /// The address every member serves clients on.
+    ip: String,
 }
 
 impl ZkServer {
     /// A standalone server.
     pub async fn start() -> Self {
-        Self::start_members(1).await
+        Self::start_members(1, "127.0.0.1").await
+    }
+
+    /// A standalone server serving clients on `ip` (e.g. the host end of a
+    /// [`Link`](super::netns::Link), so a namespace can reach it).
+    pub async fn start_on(ip: &str) -> Self {
+        Self::start_members(1, ip).await
     }
 
     /// An ensemble of three.
     pub async fn ensemble() -> Self {
-        Self::start_members(3).await
+        Self::start_members(3, "127.0.0.1").await
     }
 
-    async fn start_members(n: usize) -> Self {
+    async fn start_members(n: usize, ip: &str) -> Self {
         require();
         let dir = tempfile::tempdir().expect("temp dir for ZooKeeper");
         let ports: Vec<(u16, u16, u16)> = (0..n)
@@ -99,7 +112,7 @@ impl ZkServer {
             std::fs::write(data.join("myid"), id.to_string()).expect("write myid");
             let mut cfg = format!(
                 "tickTime=200\ninitLimit=50\nsyncLimit=25\ndataDir={}\nclientPort={client}\n\
-                 clientPortAddress=127.0.0.1\n4lw.commands.whitelist=*\nadmin.enableServer=false\n\
+                 clientPortAddress={ip}\n4lw.commands.whitelist=*\nadmin.enableServer=false\n\
                  minSessionTimeout=400\nmaxSessionTimeout=60000\n\
                  znode.container.checkIntervalMs=1000\nmaxClientCnxns=0\n",
                 data.display()
@@ -117,7 +130,11 @@ impl ZkServer {
                 child: None,
             });
         }
-        let mut server = Self { members, dir };
+        let mut server = Self {
+            members,
+            dir,
+            ip: ip.to_owned(),
+        };
         for i in 0..n {
             server.launch(i);
         }
@@ -155,8 +172,8 @@ impl ZkServer {
         let deadline = Instant::now() + READY_TIMEOUT;
         let port = self.members[i].client_port;
         loop {
-            let p = port;
-            let srvr = tokio::task::spawn_blocking(move || four_letter(p, "srvr"))
+            let (ip, p) = (self.ip.clone(), port);
+            let srvr = tokio::task::spawn_blocking(move || four_letter_at(&ip, p, "srvr"))
                 .await
                 .ok()
                 .flatten();
@@ -184,7 +201,7 @@ impl ZkServer {
     pub fn hosts(&self) -> String {
         self.members
             .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .map(|m| format!("{}:{}", self.ip, m.client_port))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -206,7 +223,7 @@ impl ZkServer {
     pub fn leader(&self) -> Option<usize> {
         (0..self.members.len()).find(|&i| {
             self.members[i].child.is_some()
-                && four_letter(self.members[i].client_port, "srvr")
+                && four_letter_at(&self.ip, self.members[i].client_port, "srvr")
                     .is_some_and(|s| s.contains("Mode: leader") || s.contains("Mode: standalone"))
         })
     }
@@ -224,6 +241,6 @@ impl ZkServer {
 
     /// Runs a four-letter word on member `i`.
     pub fn word(&self, i: usize, word: &str) -> String {
-        four_letter(self.members[i].client_port, word).unwrap_or_default()
+        four_letter_at(&self.ip, self.members[i].client_port, word).unwrap_or_default()
     }
 }
