@@ -4,18 +4,56 @@
 //! `<root>/semaphores/<name>` (a container node, which the server removes when
 //! it is empty). Each claim — holder or waiter — is one ephemeral sequential
 //! child of this sidecar's session, named as Apache Curator names them:
-//! `_c_<uuid>-lock-<seq>` for exclusive locks and semaphore permits (Curator's
-//! `InterProcessMutex`), `_c_<uuid>-__READ__<seq>` for shared locks (the read
-//! side of Curator's `InterProcessReadWriteLock`); a `__WRIT__` node is an
-//! exclusive claim. The sequence suffix orders the queue:
+//!
+//! | claim | node | Curator recipe it excludes |
+//! |---|---|---|
+//! | exclusive lock | `_c_<uuid>-lock-<seq>` | `InterProcessMutex` |
+//! | exclusive lock named in `?rw_locks=` | `_c_<uuid>-__WRIT__<seq>` | `InterProcessReadWriteLock` (write side) |
+//! | shared lock | `_c_<uuid>-__READ__<seq>` | `InterProcessReadWriteLock` (read side) |
+//! | semaphore permit | `_c_<uuid>-lock-<seq>` | none |
+//!
+//! Curator's recipes sort children by the text after their own lock name, so
+//! an `InterProcessMutex` ignores `__WRIT__`/`__READ__` nodes and a read-write
+//! lock ignores `lock-` nodes: which name sidelock writes for an exclusive
+//! claim has to follow the recipe the Java side uses on that path, hence
+//! `?rw_locks=` (names, or prefixes ending in `*`). sidelock itself reads
+//! every node that is not `__READ__` as exclusive. The sequence suffix orders
+//! the queue:
 //!
 //! * an exclusive claim is admitted when its node is the first child;
 //! * a shared claim when no exclusive node comes before it;
 //! * a semaphore claim when fewer than `limit` nodes come before it.
 //!
-//! A waiter watches only the node that blocks it (its predecessor for an
-//! exclusive lock, the nearest earlier writer for a reader), so a release fires
-//! one watch. Semaphores watch the parent's children (one watch per waiter).
+//! # Watches
+//!
+//! A lock waiter watches only the node that blocks it (its predecessor for an
+//! exclusive claim, the nearest earlier exclusive node for a shared one), so a
+//! release fires one watch.
+//!
+//! A semaphore waiter at index `i` (children sorted by sequence, `L` the
+//! limit, `i >= L`) watches:
+//!
+//! * `i == L` (the head): the parent's children;
+//! * `i > L`: its predecessor (index `i - 1`, itself a waiter) for deletion
+//!   or a data change — a waiter's data changes exactly once, when it is
+//!   granted.
+//!
+//! Each registration is checked against a listing taken after it (the
+//! children watch returns one; a predecessor watch is followed by a second
+//! listing, and the waiter starts over if its index moved), so no change
+//! before the registration is missed. Why every waiter is woken when it is
+//! admitted: indexes only fall (new nodes come last), by one per deletion of
+//! an earlier node. The head is admitted by exactly such a deletion, which
+//! fires its children watch. A waiter `w` at `i > L` is admitted only after it
+//! became head; it becomes head either by its predecessor `p` being deleted
+//! (its watch fires) or by a deletion before `p` while `p` was head, which
+//! admits `p`: `p` is then granted (its data changes: `w`'s watch fires) or
+//! leaves (deleted: it fires too), and `w` re-evaluates as head. So a release
+//! fires two watches: the head's children watch, and the data watch of the
+//! head's successor when the head is granted. Joins and departures of waiters
+//! fire at most one children watch and one predecessor watch each.
+//!
+//! # Data
 //!
 //! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
 //! expiry and fence. The fence is the zxid of the write that granted the lease,
@@ -23,16 +61,37 @@
 //! removed and created again. The parent's data keeps the highest fence granted
 //! and the end of a lock-delay. The per-lock ttl is enforced here: a node whose
 //! expiry passed is deleted by whichever sidecar notices (its status check, a
-//! waiter's expiry timer); the session is the backend's own lease, and when it
-//! expires every node of this sidecar is gone and its tokens no longer hold.
+//! waiter's expiry timer).
+//!
+//! # Sessions
+//!
+//! The session is the backend's own lease: when it expires, every node of
+//! this sidecar is gone. The server expires it `T` (the negotiated session
+//! timeout) after it last heard from this sidecar, and another sidecar can be
+//! granted right after. So this sidecar stops vouching for its leases before
+//! that: a lifeline sends a request every `T/6`; the server heard from the
+//! session no earlier than the send time `s` of the last answered one, so it
+//! cannot expire the session before `s + T`. At `s + 2T/3` without a newer
+//! answer (cut off, ensemble without quorum, a process pause), the backend
+//! gives the session up: it announces every lease of the session lost on
+//! [`Backend::losses`] (the core ends them and tells hold streams), revokes
+//! their tokens (renew and release answer lost from then on, even while
+//! ZooKeeper is unreachable), drops the session's tickets and opens a new
+//! session for later requests. The old session's nodes are deleted as soon
+//! as it reconnects, or the server deletes them when it expires it. The
+//! margin of `T/3` covers delivering the loss and scheduling delays; the
+//! price is that a pause longer than `2T/3` ends the leases even if the
+//! session would have survived. An expiry the client is told of is handled
+//! the same way.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
 use zookeeper_client as zk;
 
 use super::{
@@ -51,6 +110,11 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 const EXCLUSIVE: &str = "lock-";
 /// Curator's node infix of a read lock (`InterProcessReadWriteLock`).
 const READ: &str = "__READ__";
+/// Curator's node infix of a write lock (`InterProcessReadWriteLock`).
+const WRITE: &str = "__WRIT__";
+/// Part of the session timeout that may pass without a confirmed round trip
+/// before this sidecar stops vouching for its leases (see the module doc).
+const SUSPEND_AFTER: (u32, u32) = (2, 3);
 
 /// The ZooKeeper backend.
 pub struct ZooKeeper {
@@ -74,6 +138,19 @@ struct Inner {
     following: Mutex<HashSet<String>>,
     /// Whether the parent-create call may use container nodes.
     containers: std::sync::atomic::AtomicBool,
+    /// The session whose nodes count as this sidecar's; `None` between sessions.
+    /// Locked before `leases`.
+    session: Mutex<Option<zk::SessionId>>,
+    /// Tokens reported lost, with when: they hold nothing even while their
+    /// node may still exist (abandoned session not yet closed or expired).
+    revoked: Mutex<HashMap<Token, Instant>>,
+    /// Where lost leases are announced ([`Backend::losses`]).
+    losses: broadcast::Sender<Token>,
+    /// Lock names whose exclusive claims are `__WRIT__` nodes (`?rw_locks=`).
+    rw_locks: Vec<String>,
+    /// Cancelled by [`Backend::close`]: stops the session's lifeline, which
+    /// holds a handle of the client.
+    closing: tokio_util::sync::CancellationToken,
 }
 
 /// What sidelock stores in each claim node.
@@ -250,7 +327,15 @@ fn decode_name(segment: &str) -> Option<Name> {
     Name::parse(s).ok()
 }
 
-fn node_prefix(mode: Mode) -> String {
+/// Whether `name` matches one of the `?rw_locks=` patterns (exact, or a prefix ending in `*`).
+fn matches_any(patterns: &[String], name: &str) -> bool {
+    patterns.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == p,
+    })
+}
+
+fn node_prefix(infix: &str) -> String {
     let b: [u8; 16] = rand::rng().random();
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
     let uuid = format!(
@@ -261,15 +346,11 @@ fn node_prefix(mode: Mode) -> String {
         &h[17..20],
         &h[20..32]
     );
-    let infix = match mode {
-        Mode::Exclusive => EXCLUSIVE,
-        Mode::Shared => READ,
-    };
     format!("_c_{uuid}-{infix}")
 }
 
 impl ZooKeeper {
-    /// Parses `zk://h1:port,h2:port/chroot[?session_timeout=10s]`; connects lazily.
+    /// Parses `zk://h1:port,h2:port/chroot[?session_timeout=10s&rw_locks=a,b*]`; connects lazily.
     ///
     /// # Errors
     /// A sentence for the operator when the URL is malformed.
@@ -288,15 +369,19 @@ impl ZooKeeper {
             ));
         }
         let mut session_timeout = SESSION_TIMEOUT;
+        let mut rw_locks = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("session_timeout", v)) => {
                     session_timeout = crate::config::parse_duration(v)
                         .map_err(|e| format!("ZooKeeper URL: session_timeout: {e}"))?;
                 }
+                Some(("rw_locks", v)) => {
+                    rw_locks.extend(v.split(',').filter(|p| !p.is_empty()).map(str::to_owned));
+                }
                 _ => {
                     return Err(format!(
-                        "ZooKeeper URL: unknown parameter {pair:?}; only session_timeout is accepted"
+                        "ZooKeeper URL: unknown parameter {pair:?}; only session_timeout and rw_locks are accepted"
                     ));
                 }
             }
@@ -321,6 +406,11 @@ impl ZooKeeper {
                 leases: Mutex::new(HashMap::new()),
                 following: Mutex::new(HashSet::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
+                session: Mutex::new(None),
+                revoked: Mutex::new(HashMap::new()),
+                losses: broadcast::channel(4096).0,
+                rw_locks,
+                closing: tokio_util::sync::CancellationToken::new(),
             }),
         })
     }
@@ -348,9 +438,11 @@ impl Inner {
                 return Ok(c.clone());
             }
             tracing::warn!(backend = "zookeeper", "session ended; opening a new one");
+            self.session_lost(c.session_id());
             *slot = None;
-            self.session_lost();
         }
+        // The server heard from this session no earlier than now.
+        let started = Instant::now();
         let connect = zk::Client::connector()
             .with_session_timeout(self.session_timeout)
             .with_connection_timeout(Duration::from_secs(2))
@@ -380,6 +472,16 @@ impl Inner {
             session = ?client.session_id(),
             "ZooKeeper session established"
         );
+        let sid = client.session_id();
+        *lock(&self.session) = Some(sid);
+        let lifeline = Self::lifeline(Arc::downgrade(self), client.clone(), started);
+        let closing = self.closing.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = closing.cancelled() => {}
+                () = lifeline => {}
+            }
+        });
         // Follow the session: when it ends, forget its nodes and wake every local
         // waiter (their attempts then report the loss).
         let me = Arc::downgrade(self);
@@ -389,7 +491,7 @@ impl Inner {
                 let state = states.changed().await;
                 let Some(me) = me.upgrade() else { return };
                 if state.is_terminated() {
-                    me.session_lost();
+                    me.session_lost(sid);
                     return;
                 }
                 if state == zk::SessionState::SyncConnected {
@@ -404,13 +506,137 @@ impl Inner {
         Ok(client)
     }
 
-    /// The session expired: its nodes are gone, so are its tickets and leases.
-    fn session_lost(&self) {
+    /// Session `sid` ended or was given up: its leases are announced lost and
+    /// revoked, its tickets forgotten, every local waiter woken (their
+    /// attempts then report the loss). Nothing happens if `sid` is no longer
+    /// the current session (it was handled already).
+    fn session_lost(&self, sid: zk::SessionId) {
+        let lost: Vec<Token> = {
+            let mut session = lock(&self.session);
+            if *session != Some(sid) {
+                return;
+            }
+            *session = None;
+            lock(&self.leases).drain().map(|(token, _)| token).collect()
+        };
+        if !lost.is_empty() {
+            tracing::warn!(
+                backend = "zookeeper",
+                session = ?sid,
+                leases = lost.len(),
+                "leases of the ZooKeeper session are lost"
+            );
+            let now = Instant::now();
+            // Long enough for the abandoned session to be closed or expired.
+            let keep = self.session_timeout * 3 + OP_TIMEOUT;
+            let mut revoked = lock(&self.revoked);
+            revoked.retain(|_, at| now.duration_since(*at) < keep);
+            revoked.extend(lost.iter().map(|t| (t.clone(), now)));
+        }
+        for token in lost {
+            // No receiver (the core not following) only means nobody listens.
+            let _ = self.losses.send(token);
+        }
         lock(&self.tickets).clear();
-        lock(&self.leases).clear();
         lock(&self.following).clear();
         for key in self.wakeups.keys() {
             self.wakeups.wake(&key);
+        }
+    }
+
+    fn is_revoked(&self, token: &Token) -> bool {
+        lock(&self.revoked).contains_key(token)
+    }
+
+    /// Confirms session `sid` is alive by round trips and gives it up when none
+    /// succeeded for [`SUSPEND_AFTER`] of its timeout: the server may expire it
+    /// soon after, and another sidecar be granted its locks (module doc).
+    async fn lifeline(me: std::sync::Weak<Self>, zk: zk::Client, established: Instant) {
+        let timeout = zk.session_timeout();
+        let (num, den) = SUSPEND_AFTER;
+        let budget = timeout * num / den;
+        let every = (timeout / 6).max(Duration::from_millis(50));
+        let root = match me.upgrade() {
+            Some(me) => me.root.clone(),
+            None => return,
+        };
+        let sid = zk.session_id();
+        // The server last heard from the session no earlier than this.
+        let mut heard = established;
+        loop {
+            if zk.state().is_terminated() {
+                return;
+            }
+            let Some(inner) = me.upgrade() else { return };
+            if *lock(&inner.session) != Some(sid) {
+                return;
+            }
+            drop(inner);
+            let deadline = tokio::time::Instant::from_std(heard + budget);
+            let sent = Instant::now();
+            match tokio::time::timeout_at(deadline, zk.check_stat(&root)).await {
+                Ok(Ok(_) | Err(zk::Error::NoNode)) => {
+                    heard = sent;
+                    tokio::time::sleep(every).await;
+                }
+                Ok(Err(_)) => {
+                    let retry = tokio::time::Instant::now() + every.min(Duration::from_millis(100));
+                    tokio::time::sleep_until(retry.min(deadline)).await;
+                }
+                Err(_) => {}
+            }
+            if Instant::now() >= heard + budget {
+                let Some(inner) = me.upgrade() else { return };
+                tracing::warn!(
+                    backend = "zookeeper",
+                    session = ?sid,
+                    silent_ms = ms(heard.elapsed()),
+                    session_timeout_ms = ms(timeout),
+                    "no answer from ZooKeeper for too long; giving up the session and its leases"
+                );
+                inner.session_lost(sid);
+                {
+                    let mut slot = inner.client.lock().await;
+                    if slot.as_ref().is_some_and(|c| c.session_id() == sid) {
+                        *slot = None;
+                    }
+                }
+                drop(inner);
+                Self::bury(zk, root, timeout).await;
+                return;
+            }
+        }
+    }
+
+    /// Deletes the nodes of an abandoned session as soon as it is reachable
+    /// again, so no token reported lost can hold anything there. If it never
+    /// reconnects the server expires it, which deletes them too.
+    async fn bury(zk: zk::Client, root: String, timeout: Duration) {
+        let mut states = zk.state_watcher();
+        let give_up = tokio::time::Instant::now() + timeout * 2 + OP_TIMEOUT;
+        loop {
+            let state = zk.state();
+            if state.is_terminated() {
+                return;
+            }
+            if state == zk::SessionState::SyncConnected {
+                if let Ok(Ok(paths)) = call("bury", zk.list_ephemerals(&root)).await {
+                    for path in paths {
+                        let _ = call("bury", zk.delete(&path, None)).await;
+                    }
+                    tracing::info!(backend = "zookeeper", session = ?zk.session_id(), "nodes of the abandoned session deleted");
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            } else if tokio::time::timeout_at(give_up, states.changed())
+                .await
+                .is_err()
+            {
+                return;
+            }
+            if tokio::time::Instant::now() >= give_up {
+                return;
+            }
         }
     }
 
@@ -663,41 +889,78 @@ impl Inner {
             if !lock(&self.tickets).values().any(|n| n == name) {
                 return Ok(());
             }
-            let watcher = if key.kind == Kind::Semaphore {
-                let (_, w) = must("watch", zk.list_and_watch_children(parent)).await?;
-                w
-            } else {
-                let children = self.children(zk, "watch", parent).await?;
-                let Some(at) = children.iter().position(|c| c.name == name) else {
-                    return Ok(());
-                };
-                let blocker = match children[at].mode {
-                    Mode::Exclusive => at.checked_sub(1),
-                    Mode::Shared => children[..at]
-                        .iter()
-                        .rposition(|c| c.mode == Mode::Exclusive),
-                };
-                let Some(b) = blocker else {
-                    // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
-                    self.wakeups.wake(key);
-                    return Ok(());
-                };
-                let target = format!("{parent}/{}", children[b].name);
-                match must("watch", zk.check_and_watch_stat(&target)).await? {
-                    (None, _) => {
-                        self.wakeups.wake(key);
-                        continue;
-                    }
-                    (Some(_), w) => w,
-                }
-            };
-            let event = watcher.changed().await;
-            if event.session_state.is_terminated() {
+            let children = self.children(zk, "watch", parent).await?;
+            let Some(at) = children.iter().position(|c| c.name == name) else {
                 return Ok(());
-            }
-            if event.event_type != zk::EventType::NodeDataChanged {
+            };
+            let blocker = match (key.kind, children[at].mode) {
+                (Kind::Semaphore, _) => {
+                    let limit = self.active_limit(zk, "watch", parent, &children).await? as usize;
+                    match at.cmp(&limit) {
+                        std::cmp::Ordering::Less => None,
+                        // The head of the queue: any deletion before it admits it.
+                        std::cmp::Ordering::Equal => {
+                            let (now, w) =
+                                must("watch", zk.list_and_watch_children(parent)).await?;
+                            let now = sorted(now);
+                            match now.iter().position(|c| c.name == name) {
+                                None => return Ok(()),
+                                Some(i) if i < limit => None,
+                                Some(_) => {
+                                    self.await_watch(key, w).await;
+                                    continue;
+                                }
+                            }
+                        }
+                        // Further back: its predecessor, which is deleted or
+                        // granted (a data change) before this node can be head.
+                        std::cmp::Ordering::Greater => Some(at - 1),
+                    }
+                }
+                (Kind::Lock, Mode::Exclusive) => at.checked_sub(1),
+                (Kind::Lock, Mode::Shared) => children[..at]
+                    .iter()
+                    .rposition(|c| c.mode == Mode::Exclusive),
+            };
+            let Some(b) = blocker else {
+                // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
                 self.wakeups.wake(key);
+                return Ok(());
+            };
+            let target = format!("{parent}/{}", children[b].name);
+            let watcher = match must("watch", zk.check_and_watch_stat(&target)).await? {
+                (None, _) => {
+                    self.wakeups.wake(key);
+                    continue;
+                }
+                (Some(_), w) => w,
+            };
+            if key.kind == Kind::Semaphore {
+                // A deletion between the listing and the watch may have made
+                // the predecessor head, or admitted it: look again.
+                let again = self.children(zk, "watch", parent).await?;
+                if again.iter().position(|c| c.name == name) != Some(at) {
+                    continue;
+                }
             }
+            self.await_watch(key, watcher).await;
+        }
+    }
+
+    /// Waits for one watch event; wakes local waiters unless it was a data change.
+    async fn await_watch(&self, key: &LockKey, watcher: zk::OneshotWatcher) {
+        let event = watcher.changed().await;
+        tracing::debug!(
+            backend = "zookeeper",
+            lock = %key,
+            path = %event.path,
+            event = ?event.event_type,
+            "watch fired"
+        );
+        if !event.session_state.is_terminated()
+            && event.event_type != zk::EventType::NodeDataChanged
+        {
+            self.wakeups.wake(key);
         }
     }
 
@@ -736,7 +999,22 @@ impl Inner {
         self.update_parent(zk, "try_acquire", parent, |p| p.fence = p.fence.max(fence))
             .await?;
         let token = Token::from_client(data.token.clone());
-        lock(&self.leases).insert(token.clone(), path.to_owned());
+        let current = {
+            let session = lock(&self.session);
+            let current = *session == Some(zk.session_id());
+            if current {
+                lock(&self.leases).insert(token.clone(), path.to_owned());
+            }
+            current
+        };
+        if !current {
+            // The session was given up while granting: this lease was never vouched for.
+            let _ = call("try_acquire", zk.delete(path, None)).await;
+            return Err(unavailable(
+                "try_acquire",
+                Message("the ZooKeeper session was given up while granting".into()),
+            ));
+        }
         Ok(Some(Grant {
             token,
             fence: data.fence,
@@ -789,6 +1067,9 @@ impl Backend for ZooKeeper {
         ttl: Option<Duration>,
     ) -> Result<Option<u64>, Error> {
         let me = &self.inner;
+        if me.is_revoked(token) {
+            return Ok(None);
+        }
         let zk = me.client().await?;
         let parent = me.key_path(key);
         for _ in 0..10 {
@@ -822,6 +1103,9 @@ impl Backend for ZooKeeper {
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
         let me = &self.inner;
+        if me.is_revoked(token) {
+            return Ok(None);
+        }
         let zk = me.client().await?;
         let parent = me.key_path(key);
         for _ in 0..10 {
@@ -869,6 +1153,9 @@ impl Backend for ZooKeeper {
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
         let me = &self.inner;
+        if me.is_revoked(token) {
+            return Ok(Status::Gone(Loss::Backend));
+        }
         let ours = lock(&me.leases).contains_key(token);
         let zk = me.client().await?;
         let parent = me.key_path(key);
@@ -1140,7 +1427,12 @@ impl Backend for ZooKeeper {
         Ok(Box::new(()))
     }
 
+    fn losses(&self) -> Option<broadcast::Receiver<Token>> {
+        Some(self.inner.losses.subscribe())
+    }
+
     async fn close(&self) {
+        self.inner.closing.cancel();
         // Dropping the last handle closes the session, which deletes its
         // ephemeral nodes at once (watchers hold handles only while waiting).
         drop(self.inner.client.lock().await.take());
@@ -1230,12 +1522,17 @@ impl ZooKeeper {
                     queued_ms: now_ms(),
                 };
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
-                let mode = if key.kind == Kind::Semaphore {
-                    Mode::Exclusive
-                } else {
-                    claim.mode
+                let infix = match (key.kind, claim.mode) {
+                    (Kind::Semaphore, _) => EXCLUSIVE,
+                    (Kind::Lock, Mode::Shared) => READ,
+                    (Kind::Lock, Mode::Exclusive)
+                        if matches_any(&me.rw_locks, key.name.as_str()) =>
+                    {
+                        WRITE
+                    }
+                    (Kind::Lock, Mode::Exclusive) => EXCLUSIVE,
                 };
-                let prefix = format!("{parent}/{}", node_prefix(mode));
+                let prefix = format!("{parent}/{}", node_prefix(infix));
                 let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
                 let mut tries = 0;
                 let seq = loop {
