@@ -1,14 +1,16 @@
-//! ZooKeeper-specific behaviour against real servers: no herd on release,
-//! session expiry, a leader failure in an ensemble, and interop with Apache
-//! Curator's `InterProcessMutex`. Everything the backends share is in
-//! `conformance.rs`.
+//! ZooKeeper-specific behaviour against real servers: no herd on release
+//! (locks and semaphores), session expiry, a network cut between a sidecar and
+//! ZooKeeper, a leader failure in an ensemble, and interop with Apache
+//! Curator's `InterProcessMutex` and `InterProcessReadWriteLock`. Everything
+//! the backends share is in `conformance.rs`.
 
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use common::netns::Netns;
 use common::zookeeper::ZkServer;
 use common::{SidecarBuilder, SidecarGuard, unique_name};
 use nix::sys::signal::Signal;
@@ -82,6 +84,108 @@ async fn one_release_fires_one_watch_among_200_waiters() {
     drop(waiters);
 }
 
+/// Watch events the server has triggered so far, of every kind.
+fn watches_fired(server: &ZkServer) -> u64 {
+    let out = server.word(0, "mntr");
+    [
+        "zk_sum_node_created_watch_count",
+        "zk_sum_node_deleted_watch_count",
+        "zk_sum_node_changed_watch_count",
+        "zk_sum_node_children_watch_count",
+    ]
+    .iter()
+    .map(|name| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{name} not in mntr output:\n{out}"))
+    })
+    .sum()
+}
+
+// Waiters are spread over several sidecars because the server counts one
+// watch per connection and path: a herd within one sidecar would count once.
+#[tokio::test]
+async fn a_semaphore_release_admits_the_next_waiter_and_fires_at_most_two_watches() {
+    const SIDECARS: usize = 5;
+    const WAITERS: usize = 50;
+    const ROUNDS: usize = 12;
+    let server = ZkServer::start().await;
+    let url = server.url("/semherd");
+    let mut sidecars = Vec::new();
+    for _ in 0..SIDECARS {
+        sidecars.push(sidecar(&url).await);
+    }
+    let name = unique_name("semherd");
+    let sem = sidecars[0].api().semaphore(&name);
+    let mut held = std::collections::VecDeque::new();
+    for i in 0..3 {
+        let owner = format!("h{i}");
+        let g = sem
+            .acquire(&[("owner", &owner), ("limit", "3"), ("ttl", "5m")])
+            .await;
+        held.push_back((owner, g.token));
+    }
+    let mut pending = std::collections::HashMap::new();
+    for i in 0..WAITERS {
+        let sem = sidecars[i % SIDECARS].api().semaphore(&name);
+        let owner = format!("w{i}");
+        pending.insert(
+            owner.clone(),
+            tokio::spawn(async move {
+                sem.acquire(&[
+                    ("owner", &owner),
+                    ("limit", "3"),
+                    ("wait", "3m"),
+                    ("ttl", "5m"),
+                ])
+                .await
+            }),
+        );
+    }
+    let queued = common::eventually("50 queued waiters", Duration::from_secs(90), async || {
+        let s = sem.inspect().await;
+        (s.waiters.len() == WAITERS).then_some(s)
+    })
+    .await;
+    let order: Vec<String> = queued
+        .waiter_owners()
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    // Let the joins' watch events settle before counting.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    for (round, next) in order.iter().take(ROUNDS).enumerate() {
+        let before = watches_fired(&server);
+        let (_, token) = held.pop_front().expect("a holder");
+        sem.release(&token).await;
+        let grant = common::within(
+            &format!("round {round}: {next} is granted"),
+            Duration::from_secs(20),
+            pending.remove(next).expect("a waiter"),
+        )
+        .await
+        .expect("waiter task");
+        held.push_back((next.clone(), grant.token));
+        let state = sem.inspect().await;
+        let mut holders = state.holder_owners();
+        holders.sort_unstable();
+        let mut want: Vec<&str> = held.iter().map(|(o, _)| o.as_str()).collect();
+        want.sort_unstable();
+        assert_eq!(holders, want, "round {round}: FIFO order");
+        assert_eq!(state.waiters.len(), WAITERS - round - 1, "round {round}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let fired = watches_fired(&server) - before;
+        assert!(
+            (1..=2).contains(&fired),
+            "round {round}: one release fired {fired} watches; at most 2 expected (the queue head's children watch, its successor's data watch)"
+        );
+    }
+    for (_, task) in pending {
+        task.abort();
+    }
+}
+
 #[tokio::test]
 async fn an_expired_session_loses_its_holds_and_the_sidecar_recovers() {
     let server = ZkServer::start().await;
@@ -128,6 +232,84 @@ async fn an_expired_session_loses_its_holds_and_the_sidecar_recovers() {
     }
     let state = b.api().lock(&name).inspect().await;
     assert_eq!(state.holder_owners(), ["b"]);
+}
+
+// Sidecar A reaches ZooKeeper only through a link the test cuts (a network
+// namespace), while the test keeps talking to A over a second link. ZooKeeper
+// expires A's session `session_timeout` after it last heard from A and then
+// grants B; A must have told its holder before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted() {
+    let ns = Netns::create();
+    let http = ns.link();
+    let data = ns.link();
+    let server = ZkServer::start_on(&data.host_ip).await;
+    let url = format!("{}?session_timeout=4s", server.url("/cut"));
+    let a = SidecarBuilder::new(&url)
+        .netns(&ns, &http.peer_ip)
+        .start()
+        .await;
+    let b = sidecar(&server.url("/cut")).await;
+    let name = unique_name("cut");
+    let mut held = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "a"), ("ttl", "60s")])
+        .await;
+    let first = held.expect_acquired().await;
+    let mut waiting = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "b"), ("ttl", "60s"), ("wait", "2m")])
+        .await;
+    waiting.expect_queued().await;
+
+    ns.cut(&data);
+    let cut_at = Instant::now();
+    let lost = tokio::spawn(async move {
+        let reason = held.expect_lost_within(Duration::from_secs(30)).await;
+        (reason, Instant::now(), held)
+    });
+    let granted = tokio::spawn(async move {
+        let grant = waiting
+            .expect_acquired_within(Duration::from_secs(60))
+            .await;
+        (grant, Instant::now(), waiting)
+    });
+    let (reason, lost_at, _held) = lost.await.expect("A's hold stream");
+    let (second, granted_at, _waiting) = granted.await.expect("B's hold stream");
+    eprintln!(
+        "after the cut: A's holder told lost at {:?}, B granted at {:?}",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(reason, "backend");
+    assert!(
+        lost_at < granted_at,
+        "A's holder learned of the loss {:?} after the cut, B was granted {:?} after it",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(second.owner, "b");
+    assert!(second.fence > first.fence);
+    // The token reported lost holds nothing, even asked through A while cut off.
+    let lock_a = a.api().lock(&name);
+    lock_a.keepalive_lost(&first.token).await;
+    lock_a.release_lost(&first.token).await;
+
+    ns.heal(&data);
+    let other = unique_name("after-cut");
+    common::eventually(
+        "A serves again after the cut heals",
+        Duration::from_secs(30),
+        async || {
+            let r = a.api().lock(&other).acquire_raw(&[("owner", "a2")]).await;
+            (r.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+    lock_a.keepalive_lost(&first.token).await;
+    assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
 }
 
 #[tokio::test]
@@ -249,6 +431,68 @@ public class Mutex {
 }
 "#;
 
+/// Both sides of one `InterProcessReadWriteLock`, driven line by line:
+/// `r…`/`w…` for the read/write lock, then `try`, `acquire` or `release`.
+const RWLOCK_JAVA: &str = r#"
+import java.io.*;
+import java.util.concurrent.TimeUnit;
+import org.apache.curator.framework.*;
+import org.apache.curator.framework.recipes.locks.*;
+import org.apache.curator.retry.RetryOneTime;
+
+public class RwLock {
+    public static void main(String[] args) throws Exception {
+        CuratorFramework c = CuratorFrameworkFactory.newClient(args[0], new RetryOneTime(100));
+        c.start();
+        c.blockUntilConnected();
+        InterProcessReadWriteLock rw = new InterProcessReadWriteLock(c, args[1]);
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
+        System.out.println("READY");
+        System.out.flush();
+        String line;
+        while ((line = in.readLine()) != null) {
+            if (line.equals("quit")) break;
+            InterProcessMutex m = line.charAt(0) == 'r' ? rw.readLock() : rw.writeLock();
+            String cmd = line.substring(1);
+            if (cmd.equals("try")) {
+                System.out.println(m.acquire(0, TimeUnit.MILLISECONDS) ? "ACQUIRED" : "BUSY");
+            } else if (cmd.equals("acquire")) {
+                m.acquire();
+                System.out.println("ACQUIRED");
+            } else if (cmd.equals("release")) {
+                m.release();
+                System.out.println("RELEASED");
+            }
+            System.out.flush();
+        }
+        c.close();
+    }
+}
+"#;
+
+/// Writes and compiles `class`'s source into `dir`.
+fn javac(dir: &std::path::Path, class: &str, source: &str) {
+    for jar in CURATOR_JARS {
+        assert!(
+            std::path::Path::new(jar).exists(),
+            "{jar} is missing: run scripts/setup.sh (it installs Debian's libcurator-recipes-java and zookeeper)"
+        );
+    }
+    let file = dir.join(format!("{class}.java"));
+    std::fs::write(&file, source).expect("write the Java source");
+    let javac = Command::new("javac")
+        .args(["-cp", &CURATOR_JARS.join(":"), "-d"])
+        .arg(dir)
+        .arg(&file)
+        .output()
+        .expect("javac is installed (scripts/setup.sh installs a JDK)");
+    assert!(
+        javac.status.success(),
+        "javac failed: {}",
+        String::from_utf8_lossy(&javac.stderr)
+    );
+}
+
 struct Curator {
     child: std::process::Child,
     out: std::sync::mpsc::Receiver<String>,
@@ -256,9 +500,13 @@ struct Curator {
 
 impl Curator {
     fn start(dir: &std::path::Path, connect: &str, path: &str) -> Self {
+        Self::start_class(dir, "Mutex", connect, path)
+    }
+
+    fn start_class(dir: &std::path::Path, class: &str, connect: &str, path: &str) -> Self {
         let cp = format!("{}:{}", dir.display(), CURATOR_JARS.join(":"));
         let mut child = Command::new("java")
-            .args(["-cp", &cp, "Mutex", connect, path])
+            .args(["-cp", &cp, class, connect, path])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -290,6 +538,12 @@ impl Curator {
     fn no_line_within(&mut self, d: Duration) {
         assert!(self.out.recv_timeout(d).is_err(), "Curator did not wait");
     }
+
+    /// Sends `cmd` and returns the answer.
+    fn ask(&mut self, cmd: &str) -> String {
+        self.send(cmd);
+        self.line()
+    }
 }
 
 impl Drop for Curator {
@@ -302,26 +556,9 @@ impl Drop for Curator {
 // The Curator program is read with blocking calls: keep a worker free for HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curator_interprocess_mutex_and_sidelock_exclude_each_other() {
-    for jar in CURATOR_JARS {
-        assert!(
-            std::path::Path::new(jar).exists(),
-            "{jar} is missing: run scripts/setup.sh (it installs Debian's libcurator-recipes-java and zookeeper)"
-        );
-    }
     let server = ZkServer::start().await;
     let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("Mutex.java"), MUTEX_JAVA).expect("write Mutex.java");
-    let javac = Command::new("javac")
-        .args(["-cp", &CURATOR_JARS.join(":"), "-d"])
-        .arg(dir.path())
-        .arg(dir.path().join("Mutex.java"))
-        .output()
-        .expect("javac is installed (scripts/setup.sh installs a JDK)");
-    assert!(
-        javac.status.success(),
-        "javac failed: {}",
-        String::from_utf8_lossy(&javac.stderr)
-    );
+    javac(dir.path(), "Mutex", MUTEX_JAVA);
 
     let a = sidecar(&server.url("/interop")).await;
     let name = unique_name("curator");
@@ -360,4 +597,78 @@ async fn curator_interprocess_mutex_and_sidelock_exclude_each_other() {
     curator.0.send("release");
     assert_eq!(curator.0.line(), "RELEASED");
     curator.0.send("quit");
+}
+
+// The Curator program is read with blocking calls: keep a worker free for HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interoperate() {
+    let server = ZkServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    javac(dir.path(), "RwLock", RWLOCK_JAVA);
+    // Locks named `rw-…` are the read-write ones: sidelock's writers are `__WRIT__` nodes.
+    let a = sidecar(&format!("{}?rw_locks=rw-*", server.url("/rwinterop"))).await;
+    let name = unique_name("rw");
+    let lock = a.api().lock(&name);
+    let path = format!("/rwinterop/sidelock/locks/{name}");
+    let (hosts, classes) = (server.hosts(), dir.path().to_owned());
+    let mut java = tokio::task::spawn_blocking(move || {
+        (Curator::start_class(&classes, "RwLock", &hosts, &path), ())
+    })
+    .await
+    .expect("start curator")
+    .0;
+    let shared = |owner: &'static str| [("owner", owner), ("mode", "shared"), ("ttl", "1m")];
+    let exclusive = |owner: &'static str| [("owner", owner), ("mode", "exclusive"), ("ttl", "1m")];
+
+    // A Curator writer excludes sidelock's exclusive and shared claims…
+    assert_eq!(java.ask("wacquire"), "ACQUIRED");
+    let busy = lock.acquire_raw(&exclusive("x1")).await.status();
+    assert_eq!(
+        busy,
+        StatusCode::CONFLICT,
+        "exclusive beside a Curator writer"
+    );
+    let busy = lock.acquire_raw(&shared("s1")).await.status();
+    assert_eq!(busy, StatusCode::CONFLICT, "shared beside a Curator writer");
+    // …and a waiting sidelock reader is granted when the writer leaves.
+    let mut reader = lock
+        .hold(&[("owner", "s1"), ("mode", "shared"), ("wait", "1m")])
+        .await;
+    reader.expect_queued().await;
+    assert_eq!(java.ask("wrelease"), "RELEASED");
+    reader.expect_acquired_within(Duration::from_secs(20)).await;
+
+    // A sidelock reader: Curator readers share it, Curator writers wait for it.
+    assert_eq!(java.ask("rtry"), "ACQUIRED");
+    assert_eq!(java.ask("rrelease"), "RELEASED");
+    assert_eq!(java.ask("wtry"), "BUSY");
+    java.send("wacquire");
+    java.no_line_within(Duration::from_millis(500));
+    drop(reader); // closing the hold stream releases at once
+    assert_eq!(java.line(), "ACQUIRED");
+    assert_eq!(java.ask("wrelease"), "RELEASED");
+
+    // A sidelock writer: Curator readers and writers both wait for it.
+    let mut writer = lock
+        .hold(&[("owner", "x2"), ("mode", "exclusive"), ("wait", "1m")])
+        .await;
+    writer.expect_acquired().await;
+    assert_eq!(java.ask("rtry"), "BUSY");
+    assert_eq!(java.ask("wtry"), "BUSY");
+    java.send("racquire");
+    java.no_line_within(Duration::from_millis(500));
+    drop(writer);
+    assert_eq!(java.line(), "ACQUIRED");
+
+    // A Curator reader: sidelock readers share it, sidelock writers are refused.
+    let s2 = lock.acquire(&shared("s2")).await;
+    let busy = lock.acquire_raw(&exclusive("x3")).await.status();
+    assert_eq!(
+        busy,
+        StatusCode::CONFLICT,
+        "exclusive beside a Curator reader"
+    );
+    lock.release(&s2.token).await;
+    assert_eq!(java.ask("rrelease"), "RELEASED");
+    java.send("quit");
 }
