@@ -312,6 +312,39 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
     assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
 }
 
+// The test server reaps empty container nodes every second: the lock-delay
+// must outlive the last claim of the lock node it applies to.
+#[tokio::test]
+async fn a_lock_delay_outlives_the_reaping_of_the_empty_lock_node() {
+    const DELAY: Duration = Duration::from_secs(6);
+    let server = ZkServer::start().await;
+    let a = sidecar(&server.url("/delay")).await;
+    let name = unique_name("delay");
+    let lock = a.api().lock(&name);
+    let started = Instant::now();
+    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "6s")])
+        .await;
+    common::eventually(
+        "the expired lease is deleted",
+        Duration::from_secs(10),
+        async || lock.inspect().await.holders.is_empty().then_some(()),
+    )
+    .await;
+    // Several container sweeps with no claim under the lock node.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        started.elapsed() < DELAY,
+        "the machine is too slow for this test"
+    );
+    lock.acquire_busy(&[]).await;
+    lock.acquire(&[("wait", "20s")]).await;
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= DELAY,
+        "granted {elapsed:?} after an expired lease with a {DELAY:?} lock delay"
+    );
+}
+
 #[tokio::test]
 async fn killing_the_leader_keeps_locks_exclusive_and_waiting_resumes() {
     let mut server = ZkServer::ensemble().await;

@@ -58,8 +58,10 @@
 //! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
 //! expiry and fence. The fence is the zxid of the write that granted the lease,
 //! strictly increasing across the ensemble's life, also after the parent is
-//! removed and created again. The parent's data keeps the highest fence granted
-//! and the end of a lock-delay. The per-lock ttl is enforced here: a node whose
+//! removed and created again. The parent's data keeps the highest fence
+//! granted; a lock-delay is the data of a persistent child `_sidelock_delay`,
+//! which keeps the container parent from being reaped while the delay runs
+//! and is deleted once it is over. The per-lock ttl is enforced here: a node whose
 //! expiry passed is deleted by whichever sidecar notices (its status check, a
 //! waiter's expiry timer).
 //!
@@ -112,6 +114,11 @@ const EXCLUSIVE: &str = "lock-";
 const READ: &str = "__READ__";
 /// Curator's node infix of a write lock (`InterProcessReadWriteLock`).
 const WRITE: &str = "__WRIT__";
+/// The persistent child of a lock node that carries its lock-delay. It keeps
+/// the container parent from being reaped while the delay runs. No claim
+/// name: no sequence suffix, and neither `lock-` nor Curator's infixes, so
+/// Curator sorts it after every claim.
+const DELAY_NODE: &str = "_sidelock_delay";
 /// Part of the session timeout that may pass without a confirmed round trip
 /// before this sidecar stops vouching for its leases (see the module doc).
 const SUSPEND_AFTER: (u32, u32) = (2, 3);
@@ -732,6 +739,69 @@ impl Inner {
         Ok(())
     }
 
+    /// The end of `parent`'s lock-delay (0: none) and the version of its delay node.
+    async fn delay(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+    ) -> Result<(u64, Option<i32>), Error> {
+        let path = format!("{parent}/{DELAY_NODE}");
+        match call(op, zk.get_data(&path)).await? {
+            Ok((bytes, stat)) => {
+                let until =
+                    serde_json::from_slice::<ParentData>(&bytes).map_or(0, |d| d.delay_until_ms);
+                Ok((until, Some(stat.version)))
+            }
+            Err(zk::Error::NoNode) => Ok((0, None)),
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    /// Extends `parent`'s lock-delay to `until` in its delay node, which a
+    /// container parent cannot be reaped with (the parent's own data would be lost with it).
+    async fn record_delay(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        until: u64,
+    ) -> Result<(), Error> {
+        let path = format!("{parent}/{DELAY_NODE}");
+        let data = ParentData {
+            fence: 0,
+            delay_until_ms: until,
+        };
+        let bytes = serde_json::to_vec(&data).unwrap_or_default();
+        for _ in 0..20 {
+            let result = match self.delay(zk, op, parent).await? {
+                (current, Some(_)) if current >= until => return Ok(()),
+                (_, Some(version)) => call(op, zk.set_data(&path, &bytes, Some(version)))
+                    .await?
+                    .map(|_| ()),
+                (_, None) => {
+                    let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                    call(op, zk.create(&path, &bytes, &opts)).await?.map(|_| ())
+                }
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(zk::Error::BadVersion | zk::Error::NodeExists) => {}
+                // The parent went (reaped when its last claim left): the delay still applies.
+                Err(zk::Error::NoNode) => self.ensure_parent(zk, parent).await?,
+                Err(e) => return Err(unavailable(op, e)),
+            }
+        }
+        Err(unavailable(op, Message("lock-delay kept changing".into())))
+    }
+
+    /// Deletes a delay node that is over, unless it changed since it was read.
+    async fn clear_delay(&self, zk: &zk::Client, op: &'static str, parent: &str, version: i32) {
+        let path = format!("{parent}/{DELAY_NODE}");
+        // Losing the race to a new delay (BadVersion) or to another cleaner is fine.
+        let _ = call(op, zk.delete(&path, Some(version))).await;
+    }
+
     /// Deletes a node whose lease expired (if it still is that lease), starting its lock-delay.
     async fn expire(
         &self,
@@ -747,11 +817,8 @@ impl Inner {
         match call(op, zk.delete(&path, Some(node.stat.version))).await? {
             Ok(()) => {
                 let until = d.expires_at_ms + d.lock_delay_ms;
-                if d.lock_delay_ms > 0 {
-                    self.update_parent(zk, op, parent, |p| {
-                        p.delay_until_ms = p.delay_until_ms.max(until);
-                    })
-                    .await?;
+                if d.lock_delay_ms > 0 && until > now_ms() {
+                    self.record_delay(zk, op, parent, until).await?;
                 }
                 Ok(true)
             }
@@ -1301,17 +1368,23 @@ impl Backend for ZooKeeper {
             for segment in names {
                 let parent = format!("{dir}/{segment}");
                 let shown = format!("{}/{segment}", kind.plural());
-                let (raw, pstat) = match call("stale", zk.get_children(&parent)).await? {
+                let (mut raw, pstat) = match call("stale", zk.get_children(&parent)).await? {
                     Ok(r) => r,
                     Err(zk::Error::NoNode) => continue,
                     Err(e) => return Err(unavailable("stale", e)),
                 };
+                raw.retain(|n| n != DELAY_NODE);
                 if raw.is_empty() {
                     let age = now.saturating_sub(u64::try_from(pstat.mtime).unwrap_or(0));
                     let (pdata, _) = me.parent_data(&zk, "stale", &parent).await?;
+                    let (marked, marker) = me.delay(&zk, "stale", &parent).await?;
+                    let over = pdata.delay_until_ms.max(marked) <= now;
+                    if over && let Some(version) = marker {
+                        me.clear_delay(&zk, "stale", &parent, version).await;
+                    }
                     // An empty parent whose lock-delay is over is removed; a
                     // container node would be removed by the server anyway.
-                    let cleaned = pdata.delay_until_ms <= now
+                    let cleaned = over
                         && matches!(
                             call("stale", zk.delete(&parent, Some(pstat.version))).await?,
                             Ok(())
@@ -1409,11 +1482,8 @@ impl Backend for ZooKeeper {
             }
         }
         if delay > 0 {
-            let until = now_ms() + delay;
-            me.update_parent(&zk, "force_release", &parent, |p| {
-                p.delay_until_ms = p.delay_until_ms.max(until);
-            })
-            .await?;
+            me.record_delay(&zk, "force_release", &parent, now_ms() + delay)
+                .await?;
         }
         if !tokens.is_empty() {
             me.wakeups.wake(key);
@@ -1590,7 +1660,13 @@ impl ZooKeeper {
                 && children[..at]
                     .iter()
                     .all(|c| nodes.iter().any(|n| n.child.name == c.name)));
-        let delayed = pdata.delay_until_ms > now;
+        // Parents written before delay nodes existed may carry a delay too.
+        let (marked, marker) = me.delay(&zk, op, &parent).await?;
+        let delay_until = marked.max(pdata.delay_until_ms);
+        let delayed = delay_until > now;
+        if !delayed && let Some(version) = marker {
+            me.clear_delay(&zk, op, &parent, version).await;
+        }
         if by_place
             && fair
             && !delayed
@@ -1615,11 +1691,7 @@ impl ZooKeeper {
             .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
             .map(|n| n.holder().expires_at_ms)
             .min();
-        let retry_at_ms = if delayed {
-            Some(pdata.delay_until_ms)
-        } else {
-            blocking
-        };
+        let retry_at_ms = if delayed { Some(delay_until) } else { blocking };
         let waiting_total = children.len() - holders.len().min(children.len());
         let mut busy = Busy {
             holders,
