@@ -88,7 +88,7 @@ impl Netns {
     pub fn link(&self) -> Link {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let tag = format!(
-            "{:x}{:x}",
+            "{:x}-{:x}",
             std::process::id() % 0x10000,
             SERIAL.fetch_add(1, Ordering::Relaxed) % 0x100
         );
