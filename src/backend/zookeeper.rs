@@ -1743,3 +1743,40 @@ impl ZooKeeper {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{DELAY_NODE, Mode, matches_any, parse_child, sorted};
+
+    #[test]
+    fn rw_lock_patterns_match_names_and_prefixes() {
+        let patterns = vec!["orders".to_owned(), "billing-*".to_owned()];
+        assert!(matches_any(&patterns, "orders"));
+        assert!(!matches_any(&patterns, "orders-2"));
+        assert!(matches_any(&patterns, "billing-eu"));
+        assert!(matches_any(&patterns, "billing-"));
+        assert!(!matches_any(&patterns, "billing"));
+        assert!(!matches_any(&[], "orders"));
+    }
+
+    #[test]
+    fn curator_names_parse_to_modes_and_the_delay_node_is_no_claim() {
+        let write = parse_child("_c_0a-__WRIT__0000000007").expect("a claim");
+        assert_eq!((write.seq, write.mode), (7, Mode::Exclusive));
+        let read = parse_child("_c_0a-__READ__0000000005").expect("a claim");
+        assert_eq!((read.seq, read.mode), (5, Mode::Shared));
+        let mutex = parse_child("_c_0a-lock-0000000006").expect("a claim");
+        assert_eq!(mutex.mode, Mode::Exclusive);
+        assert!(parse_child(DELAY_NODE).is_none());
+        let order: Vec<u64> = sorted(vec![
+            "_c_0a-__WRIT__0000000007".into(),
+            DELAY_NODE.into(),
+            "_c_0b-lock-0000000006".into(),
+            "_c_0c-__READ__0000000005".into(),
+        ])
+        .iter()
+        .map(|c| c.seq)
+        .collect();
+        assert_eq!(order, [5, 6, 7]);
+    }
+}
