@@ -14,6 +14,8 @@
 //! * [`postgres`]: a schema per test on the machine's PostgreSQL, and
 //!   throwaway clusters for tests that restart the server.
 //! * [`zookeeper`]: real ZooKeeper servers (standalone or an ensemble of 3).
+//! * [`netns`]: network namespaces with veth links that can be cut, for
+//!   partition tests.
 //!
 //! Every test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports, unused_macros)]
@@ -22,6 +24,7 @@ pub mod api;
 pub mod backend;
 pub mod browser;
 pub mod cli;
+pub mod netns;
 pub mod postgres;
 pub mod problem;
 pub mod process;

@@ -15,8 +15,8 @@ use super::{POLL_INTERVAL, START_TIMEOUT};
 /// The path of the binary under test, built by Cargo for integration tests.
 pub const SIDELOCK_BIN: &str = env!("CARGO_BIN_EXE_sidelock");
 
-/// What the sidecar logs once it has bound its listener.
-const LISTENING_MARKER: &str = "listening on 127.0.0.1:";
+/// What the sidecar logs once it has bound its listener, before `IP:PORT`.
+const LISTENING_MARKER: &str = "listening on ";
 
 /// Extra flags, environment and config file for one sidecar.
 ///
@@ -29,6 +29,8 @@ pub struct SidecarBuilder {
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
     config_toml: Option<String>,
+    /// A network namespace to run in, and the address there to listen on.
+    netns: Option<(String, String)>,
 }
 
 impl SidecarBuilder {
@@ -41,7 +43,15 @@ impl SidecarBuilder {
                 ("SIDELOCK_LOG".into(), "info,sidelock=debug".into()),
             ],
             config_toml: None,
+            netns: None,
         }
+    }
+
+    /// Runs the sidecar in network namespace `netns` (with `ip netns exec`),
+    /// listening on `ip` there instead of 127.0.0.1.
+    pub fn in_netns(mut self, netns: &str, ip: &str) -> Self {
+        self.netns = Some((netns.to_owned(), ip.to_owned()));
+        self
     }
 
     /// Appends one raw command-line argument.
@@ -116,12 +126,27 @@ impl SidecarBuilder {
             .prefix("sidelock-test-")
             .tempdir()
             .expect("create temp dir");
-        let mut cmd = Command::new(SIDELOCK_BIN);
+        let listen_ip = self
+            .netns
+            .as_ref()
+            .map_or("127.0.0.1", |(_, ip)| ip.as_str())
+            .to_owned();
+        let mut cmd = match &self.netns {
+            Some((netns, _)) => {
+                // `ip netns exec` execs the binary, so the pid stays the sidecar's.
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", netns.as_str(), SIDELOCK_BIN]);
+                cmd
+            }
+            None => Command::new(SIDELOCK_BIN),
+        };
         cmd.current_dir(dir.path());
         remove_inherited_sidelock_env(&mut cmd);
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0", "--backend"])
+            .arg("--listen")
+            .arg(format!("{listen_ip}:0"))
+            .arg("--backend")
             .arg(&self.backend_url);
         if let Some(contents) = &self.config_toml {
             let path = dir.path().join("sidelock.toml");
@@ -132,11 +157,11 @@ impl SidecarBuilder {
 
         let log_path = dir.path().join("sidelock.log");
         let mut child = ChildGuard::spawn(cmd, "sidecar", &log_path, false);
-        let port = wait_for_listening(&mut child).await;
+        let port = wait_for_listening(&mut child, &listen_ip).await;
         SidecarGuard {
             child,
             port,
-            base_url: format!("http://127.0.0.1:{port}"),
+            base_url: format!("http://{listen_ip}:{port}"),
             log_path,
             _dir: dir,
         }
@@ -152,10 +177,10 @@ pub fn remove_inherited_sidelock_env(cmd: &mut Command) {
     }
 }
 
-async fn wait_for_listening(child: &mut ChildGuard) -> u16 {
+async fn wait_for_listening(child: &mut ChildGuard, ip: &str) -> u16 {
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
-        if let Some(port) = parse_listening_port(&child.log()) {
+        if let Some(port) = parse_listening_port(&child.log(), ip) {
             return port;
         }
         if let Some(status) = child.try_status() {
@@ -163,16 +188,17 @@ async fn wait_for_listening(child: &mut ChildGuard) -> u16 {
         }
         assert!(
             Instant::now() < deadline,
-            "sidecar did not log `{LISTENING_MARKER}PORT` within {START_TIMEOUT:?}"
+            "sidecar did not log `{LISTENING_MARKER}{ip}:PORT` within {START_TIMEOUT:?}"
         );
         tokio::time::sleep(POLL_INTERVAL).await;
     }
 }
 
-/// The port from the first `listening on 127.0.0.1:PORT` in `log`.
-fn parse_listening_port(log: &str) -> Option<u16> {
+/// The port from the first `listening on IP:PORT` in `log`.
+fn parse_listening_port(log: &str, ip: &str) -> Option<u16> {
     let log = strip_ansi(log);
-    let start = log.find(LISTENING_MARKER)? + LISTENING_MARKER.len();
+    let marker = format!("{LISTENING_MARKER}{ip}:");
+    let start = log.find(&marker)? + marker.len();
     let digits: String = log[start..]
         .chars()
         .take_while(char::is_ascii_digit)
@@ -272,10 +298,13 @@ mod tests {
     fn parses_port_from_plain_and_coloured_logs() {
         let plain =
             "2026-01-01T00:00:00Z  INFO sidelock: listening on 127.0.0.1:40123 backend=memory://\n";
-        assert_eq!(parse_listening_port(plain), Some(40123));
+        assert_eq!(parse_listening_port(plain, "127.0.0.1"), Some(40123));
         let coloured = "\u{1b}[32m INFO\u{1b}[0m listening on 127.0.0.1:7070\n";
-        assert_eq!(parse_listening_port(coloured), Some(7070));
-        assert_eq!(parse_listening_port("starting\n"), None);
-        assert_eq!(parse_listening_port("listening on 127.0.0.1:0\n"), None);
+        assert_eq!(parse_listening_port(coloured, "127.0.0.1"), Some(7070));
+        assert_eq!(parse_listening_port("starting\n", "127.0.0.1"), None);
+        assert_eq!(
+            parse_listening_port("listening on 127.0.0.1:0\n", "127.0.0.1"),
+            None
+        );
     }
 }
