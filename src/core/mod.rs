@@ -617,10 +617,23 @@ impl Core {
             self.metrics.renewals.with_label_values(&["lost"]).inc();
             return Err(Error::LeaseLost);
         }
-        if let Some(local) = self.local(token) {
-            local.renewing.store(true, Ordering::Relaxed);
-        }
-        let renewed = self.op("renew", self.backend.renew(key, token, ttl)).await;
+        let renewal = self.op("renew", self.backend.renew(key, token, ttl));
+        let renewed = match self.local(token) {
+            Some(local) => {
+                local.renewing.store(true, Ordering::Relaxed);
+                let mut ended = local.end.subscribe();
+                tokio::select! {
+                    renewed = renewal => renewed,
+                    // A renewal hanging on an unreachable backend must not
+                    // outlive the lease: its client learns with the others.
+                    _ = ended.wait_for(Option::is_some) => {
+                        self.metrics.renewals.with_label_values(&["lost"]).inc();
+                        return Err(Error::LeaseLost);
+                    }
+                }
+            }
+            None => renewal.await,
+        };
         let local = self.local(token);
         match renewed {
             // Given up while the renewal was under way: the client was told.
