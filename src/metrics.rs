@@ -44,6 +44,7 @@ pub const LOST_REASONS: &[LostReason] = &[
     LostReason::MaxHold,
     LostReason::Shutdown,
     LostReason::Backend,
+    LostReason::Unreachable,
 ];
 
 /// Values of `op` on the backend families: the operations the core performs.

@@ -541,6 +541,67 @@ async fn locks_keep_working_through_a_sentinel_failover() {
 }
 
 #[tokio::test]
+async fn a_lease_shorter_than_a_sentinel_failover_is_lost_before_anyone_else_holds_it() {
+    let mut servers = common::redis::RedisSentinel::start().await;
+    let first = SidecarBuilder::new(&servers.url())
+        .sidecar_id("first")
+        .start()
+        .await;
+    let second = SidecarBuilder::new(&servers.url())
+        .sidecar_id("second")
+        .start()
+        .await;
+    let name = unique_name("failover-lost");
+    // The failover takes at least `down-after-milliseconds` (1 s here); the
+    // lease, renewed every ttl/3, runs out sooner.
+    let mut hold = first.api().lock(&name).hold(&[("ttl", "1s")]).await;
+    let held = hold.expect_acquired().await;
+    common::eventually(
+        "the replica acknowledges",
+        Duration::from_secs(10),
+        async || {
+            let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
+            (acked == 1).then_some(())
+        },
+    )
+    .await;
+
+    servers.master.kill();
+    let contender = {
+        let api = second.api();
+        let name = name.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let r = api.lock(&name).acquire_raw(&[("wait", "1s")]).await;
+                match r.status() {
+                    StatusCode::OK => {
+                        let grant: Value = r.json().await.expect("grant");
+                        return (grant, Instant::now());
+                    }
+                    StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {}
+                    other => panic!("acquire during the failover answered {other}"),
+                }
+                assert!(Instant::now() < deadline, "no grant after the failover");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let reason = hold.expect_lost_within(Duration::from_secs(10)).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, "unreachable");
+    let (grant, granted_at) = within(
+        "a grant on the promoted replica",
+        Duration::from_secs(40),
+        async { contender.await.expect("contender task") },
+    )
+    .await;
+    assert!(lost_at < granted_at, "`lost` came after the new grant");
+    assert_eq!(servers.master_port().await, Some(servers.replica.port()));
+    assert!(grant["fence"].as_u64().expect("fence") > held.fence);
+}
+
+#[tokio::test]
 async fn a_locks_keys_share_one_cluster_slot() {
     let cluster = common::redis::RedisCluster::start().await;
     let sidecar = SidecarBuilder::new(&cluster.url()).start().await;

@@ -33,6 +33,10 @@ pub enum LostReason {
     Backend,
     /// Released with its token by a request outside the hold stream.
     Released,
+    /// Renewals could not reach the backend before the lease's safety margin
+    /// ran out, so the sidecar gave the lease up before the backend could
+    /// expire it and grant it elsewhere.
+    Unreachable,
 }
 
 impl LostReason {
@@ -45,6 +49,7 @@ impl LostReason {
             LostReason::Shutdown => "shutdown",
             LostReason::Backend => "backend",
             LostReason::Released => "released",
+            LostReason::Unreachable => "unreachable",
         }
     }
 }

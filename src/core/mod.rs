@@ -9,8 +9,9 @@
 pub mod event;
 mod queue;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,6 +63,9 @@ pub struct Local {
     pub cap_ms: Option<u64>,
     /// Current expiry and hold count, as last seen.
     state: Mutex<(u64, u32)>,
+    /// A renewal through this sidecar has started and none has succeeded
+    /// since: the backend may not have extended the lease.
+    renewing: AtomicBool,
     /// Set once, when the lease ends.
     end: watch::Sender<Option<End>>,
 }
@@ -161,6 +165,10 @@ pub struct Core {
     pub limits: Limits,
     /// Leases granted through this sidecar and not ended, by token.
     leases: Mutex<HashMap<Token, Arc<Local>>>,
+    /// Tokens of leases given up because the backend could not be reached to
+    /// renew them: they answer 410 even if the backend comes back before
+    /// their expiry, until a task has released them there.
+    revoked: Mutex<HashSet<Token>>,
     events: broadcast::Sender<Event>,
     pub metrics: Arc<Metrics>,
     /// Cancelled on SIGTERM: ends waits, holds and event streams.
@@ -201,6 +209,7 @@ impl Core {
             sidecar,
             limits,
             leases: Mutex::new(HashMap::new()),
+            revoked: Mutex::new(HashSet::new()),
             events: broadcast::channel(1024).0,
             metrics,
             shutdown,
@@ -257,6 +266,16 @@ impl Core {
 
     fn lock_leases(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Arc<Local>>> {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_revoked(&self) -> std::sync::MutexGuard<'_, HashSet<Token>> {
+        self.revoked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `token` was given up for an unreachable backend and is not
+    /// yet released there.
+    fn is_revoked(&self, token: &Token) -> bool {
+        self.lock_revoked().contains(token)
     }
 
     /// Number of leases held through this sidecar.
@@ -456,11 +475,14 @@ impl Core {
     /// timer, metrics and the `acquired` event.
     fn granted(&self, claim: &Claim, g: Grant, started: Instant) -> Granted {
         let waited = started.elapsed();
+        // A reentrant grant of a token given up earlier holds again.
+        self.lock_revoked().remove(&g.token);
         let lease = {
             let mut leases = self.lock_leases();
             match leases.get(&g.token) {
                 Some(local) => {
                     local.set(Some(g.expires_at_ms), Some(g.count));
+                    local.renewing.store(false, Ordering::Relaxed);
                     local.clone()
                 }
                 None => {
@@ -474,6 +496,7 @@ impl Core {
                         since_ms: g.since_ms,
                         cap_ms: claim.max_hold.map(|m| g.since_ms + ms(m)),
                         state: Mutex::new((g.expires_at_ms, g.count)),
+                        renewing: AtomicBool::new(false),
                         end: watch::channel(None).0,
                     });
                     leases.insert(g.token.clone(), local.clone());
@@ -551,6 +574,9 @@ impl Core {
     /// # Errors
     /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<u32, Error> {
+        if self.is_revoked(token) {
+            return Err(Error::LeaseLost);
+        }
         let result = self.op("release", self.backend.release(key, token)).await?;
         let local = self.local(token);
         match (result, local) {
@@ -587,13 +613,39 @@ impl Core {
         token: &Token,
         ttl: Option<Duration>,
     ) -> Result<u64, Error> {
-        let renewed = self.op("renew", self.backend.renew(key, token, ttl)).await;
+        if self.is_revoked(token) {
+            self.metrics.renewals.with_label_values(&["lost"]).inc();
+            return Err(Error::LeaseLost);
+        }
+        let renewal = self.op("renew", self.backend.renew(key, token, ttl));
+        let renewed = match self.local(token) {
+            Some(local) => {
+                local.renewing.store(true, Ordering::Relaxed);
+                let mut ended = local.end.subscribe();
+                tokio::select! {
+                    renewed = renewal => renewed,
+                    // A renewal hanging on an unreachable backend must not
+                    // outlive the lease: its client learns with the others.
+                    _ = ended.wait_for(Option::is_some) => {
+                        self.metrics.renewals.with_label_values(&["lost"]).inc();
+                        return Err(Error::LeaseLost);
+                    }
+                }
+            }
+            None => renewal.await,
+        };
         let local = self.local(token);
         match renewed {
+            // Given up while the renewal was under way: the client was told.
+            Ok(Some(_)) if local.is_none() && self.is_revoked(token) => {
+                self.metrics.renewals.with_label_values(&["lost"]).inc();
+                Err(Error::LeaseLost)
+            }
             Ok(Some(expires_at_ms)) => {
                 self.metrics.renewals.with_label_values(&["ok"]).inc();
                 if let Some(local) = local {
                     local.set(Some(expires_at_ms), None);
+                    local.renewing.store(false, Ordering::Relaxed);
                 }
                 Ok(expires_at_ms)
             }
@@ -607,8 +659,69 @@ impl Core {
             }
             Err(e) => {
                 self.metrics.renewals.with_label_values(&["error"]).inc();
-                Err(e)
+                // Too close to its expiry for another try to be safe.
+                if let Some(local) = local
+                    && now_ms() + margin_ms(local.ttl) >= local.expires_at_ms()
+                {
+                    self.revoke(&local);
+                }
+                // Given up now or while the renewal was under way.
+                if self.is_revoked(token) {
+                    Err(Error::LeaseLost)
+                } else {
+                    Err(e)
+                }
             }
+        }
+    }
+
+    /// Gives up a lease whose renewals cannot reach the backend, before the
+    /// backend can expire it and grant it to someone else: ends it as lost
+    /// (the client is told now), answers 410 for its token from here on, and
+    /// releases it in the backend once the backend answers again.
+    fn revoke(&self, lease: &Arc<Local>) {
+        // Marked before the end, so no request sees it neither held nor revoked.
+        self.lock_revoked().insert(lease.token.clone());
+        if !self.end(lease, End::Lost(LostReason::Unreachable)) {
+            // It had ended already, and the client was told how.
+            self.lock_revoked().remove(&lease.token);
+            return;
+        }
+        tracing::warn!(
+            lock = %lease.key,
+            owner = %lease.owner,
+            "backend unreachable near the lease's expiry; lease given up"
+        );
+        if let Some(me) = self.me.upgrade() {
+            self.tasks.spawn(me.release_revoked(lease.clone()));
+        }
+    }
+
+    /// Releases a revoked lease in the backend, retrying until the backend
+    /// answers (it may have expired the lease meanwhile) or the token is
+    /// granted again.
+    async fn release_revoked(self: Arc<Self>, lease: Arc<Local>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if !self.is_revoked(&lease.token) {
+                return;
+            }
+            match self
+                .op("release", self.backend.release(&lease.key, &lease.token))
+                .await
+            {
+                Ok(Some(n)) if n > 0 => continue,
+                Ok(_) => {
+                    self.lock_revoked().remove(&lease.token);
+                    return;
+                }
+                Err(_) => {}
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -711,6 +824,8 @@ impl Core {
 
     async fn watchdog(&self, lease: &Arc<Local>, tx: &mpsc::Sender<HoldEvent>) {
         let every = (lease.ttl / 3).max(Duration::from_millis(1));
+        // After a failed renewal, try again sooner: the lease is running out.
+        let retry = (every / 3).max(Duration::from_millis(1));
         let mut ended = lease.end.subscribe();
         let mut next = tokio::time::Instant::now() + every;
         loop {
@@ -726,18 +841,24 @@ impl Core {
             let capped = lease
                 .cap_ms
                 .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
+            let renewal = async {
+                sleep_until(next).await;
+                self.keepalive(&lease.key, &lease.token, Some(lease.ttl))
+                    .await
+            };
+            // The renewal races the lease's end: a lease given up while a
+            // renewal hangs on an unreachable backend is reported at once.
             tokio::select! {
-                () = sleep_until(next), if !capped => {
-                    next = tokio::time::Instant::now() + every;
-                    // On an error, `ended` fires next if the lease is lost; in an
-                    // outage the lease may still be valid and the expiry timer decides.
-                    if let Ok(expires_at_ms) =
-                        self.keepalive(&lease.key, &lease.token, Some(lease.ttl)).await
-                    {
+                renewed = renewal, if !capped => match renewed {
+                    Ok(expires_at_ms) => {
+                        next = tokio::time::Instant::now() + every;
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
                         let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
-                }
+                    // On an error, `ended` fires next if the lease is lost; in an
+                    // outage the lease may still be valid and the expiry timer decides.
+                    Err(_) => next = tokio::time::Instant::now() + retry,
+                },
                 // The sender lives in `lease`, so this only fires on an end,
                 // which the top of the loop reports.
                 _ = ended.changed() => {}
@@ -777,22 +898,38 @@ impl Core {
         all.len()
     }
 
-    /// The expiry timer of one local lease: at its expiry, asks the backend
+    /// The expiry timer of one local lease. A safety margin before its
+    /// expiry, gives it up if a renewal through this sidecar is failing or
+    /// still under way (the backend is unreachable from here, and may grant
+    /// the lock elsewhere at the expiry). At its expiry, asks the backend
     /// whether it still holds (it may have been renewed through another
     /// sidecar) and ends it as expired if not.
     async fn supervise(self: Arc<Self>, lease: Arc<Local>) {
         let mut ended = lease.end.subscribe();
+        let margin = margin_ms(lease.ttl);
         loop {
             if ended.borrow_and_update().is_some() {
                 return;
             }
+            let expires_at_ms = lease.expires_at_ms();
+            let checkpoint = if expires_at_ms > now_ms() + margin {
+                expires_at_ms - margin
+            } else {
+                expires_at_ms
+            };
             tokio::select! {
-                () = sleep_until(instant_at(lease.expires_at_ms())) => {}
+                () = sleep_until(instant_at(checkpoint)) => {}
                 _ = ended.changed() => return,
                 // Shutdown releases everything itself.
                 () = self.shutdown.cancelled() => return,
             }
-            if lease.expires_at_ms() > now_ms() {
+            if lease.expires_at_ms() != expires_at_ms {
+                continue;
+            }
+            if lease.renewing.load(Ordering::Relaxed) {
+                return self.revoke(&lease);
+            }
+            if expires_at_ms > now_ms() {
                 continue;
             }
             match self
@@ -863,6 +1000,14 @@ impl Core {
 /// within this of its `max_hold` cap has reached the cap.
 pub fn drift_ms(ttl: Duration) -> u64 {
     ms(ttl) / 100 + 2
+}
+
+/// How long before a lease's expiry the sidecar gives it up when its
+/// renewals cannot reach the backend: the drift allowance plus a tenth of the
+/// ttl, so that the holder is told `lost` before the backend can expire the
+/// lease and grant it to another sidecar.
+pub fn margin_ms(ttl: Duration) -> u64 {
+    drift_ms(ttl) + ms(ttl) / 10
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had

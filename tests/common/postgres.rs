@@ -212,6 +212,12 @@ pub struct PgCluster {
 
 impl PgCluster {
     pub fn start() -> Self {
+        Self::start_listening_on(&[])
+    }
+
+    /// Starts a cluster that also listens on `addresses` (a test's own
+    /// network namespace links) and trusts clients from 10.0.0.0/8.
+    pub fn start_listening_on(addresses: &[&str]) -> Self {
         let bin = server_bin();
         let dir = tempfile::Builder::new()
             .prefix("sidelock-pgcluster-")
@@ -262,8 +268,18 @@ impl PgCluster {
                 .arg(&cluster.data),
             "initdb",
         );
+        let listen = std::iter::once("127.0.0.1")
+            .chain(addresses.iter().copied())
+            .collect::<Vec<_>>()
+            .join(",");
+        if !addresses.is_empty() {
+            let hba_path = cluster.data.join("pg_hba.conf");
+            let mut hba = std::fs::read_to_string(&hba_path).expect("read pg_hba.conf");
+            hba.push_str("\nhost all all 10.0.0.0/8 trust\n");
+            std::fs::write(&hba_path, hba).expect("write pg_hba.conf");
+        }
         let conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\n\
+            "\nport = {port}\nlisten_addresses = '{listen}'\nunix_socket_directories = '{}'\n\
              max_connections = 300\nfsync = off\nshared_preload_libraries = 'pg_stat_statements'\n\
              pg_stat_statements.track_utility = on\n",
             sockets.display()
