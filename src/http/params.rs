@@ -244,3 +244,55 @@ pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     }
     d.deserialize_any(V)
 }
+
+/// Content types a fuzz input's first byte selects from.
+const FUZZ_CONTENT_TYPES: [Option<&str>; 5] = [
+    None,
+    Some("application/json"),
+    Some("application/x-www-form-urlencoded"),
+    Some("application/json; charset=utf-8"),
+    Some("text/plain"),
+];
+
+/// Parses one fuzz input with every route's parameter set, and names, keys
+/// and durations, panicking if any answer is neither a value nor a 4xx
+/// problem. The cargo-fuzz target `params` and the corpus replay test
+/// (`tests/fuzz_corpus.rs`) both run it.
+///
+/// Input layout: byte 0 picks the body's content type, then the query string
+/// up to the first NUL byte, then the body.
+pub fn check_fuzz_input(data: &[u8]) {
+    use crate::http::locks::{
+        AdminParams, KeepaliveParams, ListParams, LockParams, SemaphoreParams, TokenParams,
+    };
+    use crate::lock::LockKey;
+
+    fn check<T: DeserializeOwned>(query: Option<&str>, ct: Option<&str>, body: &[u8]) {
+        if let Err(e) = parse::<T>(query, ct, body) {
+            let (status, _) = e.status_slug();
+            assert!(status.is_client_error(), "{status} for bad input");
+            let _ = e.problem();
+        }
+    }
+
+    let Some((&selector, rest)) = data.split_first() else {
+        return;
+    };
+    let ct = FUZZ_CONTENT_TYPES[usize::from(selector) % FUZZ_CONTENT_TYPES.len()];
+    let (query, body) = match rest.iter().position(|&b| b == 0) {
+        Some(at) => (&rest[..at], &rest[at + 1..]),
+        None => (rest, &[][..]),
+    };
+    let query = std::str::from_utf8(query).ok();
+    check::<LockParams>(query, ct, body);
+    check::<SemaphoreParams>(query, ct, body);
+    check::<KeepaliveParams>(query, ct, body);
+    check::<TokenParams>(query, ct, body);
+    check::<ListParams>(query, ct, body);
+    check::<AdminParams>(query, ct, body);
+    if let Some(text) = query {
+        let _ = Name::parse(text);
+        let _ = LockKey::parse(text);
+        let _ = parse_duration(text);
+    }
+}
