@@ -28,6 +28,9 @@ use tokio::sync::{Mutex, RwLock};
 
 const CLIENTS: usize = 32;
 const LOCKS: usize = 2;
+/// How long an emptied Redlock node stays down: the longest ttl a client asks
+/// for (2 s) plus its drift allowance (1% + 2 ms), rounded up.
+const REDLOCK_RESTART_DELAY: Duration = Duration::from_millis(2100);
 
 fn seconds() -> u64 {
     std::env::var("SIDELOCK_CHECK_SECONDS")
@@ -109,6 +112,12 @@ impl Deployment {
             }
             Deployment::Redlock(n) => {
                 let i = rand::rng().random_range(0..n.nodes.len());
+                // Redlock's delayed restart: a node that comes back empty must
+                // stay down for the longest ttl (2 s here, plus the drift),
+                // or a lease granted by a bare majority that included it can
+                // be granted again (its guarantee; see the README).
+                n.nodes[i].kill();
+                tokio::time::sleep(REDLOCK_RESTART_DELAY).await;
                 n.nodes[i].restart().await;
                 Some("redlock node restarted empty")
             }
