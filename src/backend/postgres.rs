@@ -26,13 +26,13 @@
 
 use std::collections::HashSet;
 use std::error::Error as StdError;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{
-    Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+    Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, TimeoutType,
 };
 use futures::StreamExt;
 use serde::Deserialize;
@@ -61,10 +61,16 @@ pub const LAPSE_AFTER: Duration = Duration::from_secs(10);
 pub const GHOST_AFTER: Duration = Duration::from_secs(10);
 /// Longest wait for a pooled connection, or to open one: an outage answers 503 this fast.
 const POOL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait for a pooled connection while the pool's connections are
+/// busy but working (statements finish): a burst of requests larger than
+/// the pool queues for a connection instead of answering 503.
+const BUSY_POOL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest time one operation may take before it counts as an outage.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections per sidecar unless the URL says `pool_max_size=N`.
 const DEFAULT_POOL_SIZE: usize = 10;
+/// Connections per sidecar kept for renewals, releases and status checks.
+const UPKEEP_POOL_SIZE: usize = 2;
 /// How long `watch` waits for the LISTEN connection before relying on the
 /// catch-up wake-up that follows every (re)connection.
 const LISTEN_WAIT: Duration = Duration::from_secs(2);
@@ -97,6 +103,9 @@ pub struct Postgres {
 
 struct Inner {
     pool: Pool,
+    /// Connections for renewals, releases and status checks only, so lease
+    /// upkeep never queues behind a burst of acquires on `pool`.
+    upkeep: Pool,
     /// Settings of the LISTEN connection (the pool's, another application name).
     listen_config: tokio_postgres::Config,
     sql: Sql,
@@ -118,6 +127,9 @@ struct Inner {
     reconnect: Notify,
     /// Local clock minus database clock, in ms (see [`Inner::local`]).
     offset_ms: AtomicI64,
+    /// When a pooled statement last succeeded (local ms): a pool whose
+    /// connections all are in use is busy, not down, while this moves.
+    progress_ms: AtomicU64,
     /// This sidecar's tickets: the ones requests wait with, and the ones whose
     /// dequeue failed; the heartbeat removes every other row of this instance.
     tickets: Mutex<Tickets>,
@@ -640,16 +652,24 @@ impl Inner {
         let mut tries = 0;
         loop {
             tries += 1;
-            let run = async {
-                let client = self.pool.get().await?;
-                let statement = client.prepare_cached(sql).await?;
-                Ok::<_, Failure>(client.query(&statement, params).await?)
+            // Lease upkeep has connections of its own.
+            let pool = match op {
+                "renew" | "release" | "status" => &self.upkeep,
+                _ => &self.pool,
             };
-            let result = tokio::time::timeout(OP_TIMEOUT, run)
-                .await
-                .unwrap_or_else(|_| Err(Failure::timeout(op)));
-            match result {
+            let run = async {
+                let client = self.connection(pool).await?;
+                let query = async {
+                    let statement = client.prepare_cached(sql).await?;
+                    Ok::<_, Failure>(client.query(&statement, params).await?)
+                };
+                tokio::time::timeout(OP_TIMEOUT, query)
+                    .await
+                    .unwrap_or_else(|_| Err(Failure::timeout(op)))
+            };
+            match run.await {
                 Ok(rows) => {
+                    self.progress_ms.store(now_ms(), Ordering::Relaxed);
                     if !*self.listening.borrow() {
                         self.reconnect.notify_one();
                     }
@@ -657,6 +677,27 @@ impl Inner {
                 }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
                 Err(f) => return Err(f.into_error(op)),
+            }
+        }
+    }
+
+    /// A pooled connection. Waiting for one fails after [`POOL_TIMEOUT`] in
+    /// an outage, but goes on (up to [`BUSY_POOL_TIMEOUT`]) while statements
+    /// on the pool's other connections keep succeeding.
+    async fn connection(&self, pool: &Pool) -> Result<Object, Failure> {
+        let started = tokio::time::Instant::now();
+        // Kept across the checks below, so the request keeps its place in
+        // the pool's FIFO queue.
+        let get = pool.get();
+        tokio::pin!(get);
+        loop {
+            tokio::select! {
+                got = &mut get => return Ok(got?),
+                () = tokio::time::sleep(POOL_TIMEOUT) => {}
+            }
+            let idle_ms = now_ms().saturating_sub(self.progress_ms.load(Ordering::Relaxed));
+            if idle_ms >= ms(POOL_TIMEOUT) || started.elapsed() >= BUSY_POOL_TIMEOUT {
+                return Err(PoolError::Timeout(TimeoutType::Wait).into());
             }
         }
     }
@@ -699,7 +740,7 @@ impl Inner {
     /// Creates or migrates the schema, measures the clock offset and registers
     /// this sidecar. Safe when several sidecars do it at once.
     async fn setup(&self) -> Result<(), Failure> {
-        let mut client = self.pool.get().await?;
+        let mut client = self.connection(&self.pool).await?;
         self.migrate(&mut client).await?;
         let offset = measure_offset(&client).await?;
         self.offset_ms.store(offset, Ordering::Relaxed);
@@ -1038,24 +1079,30 @@ impl Postgres {
         let mut listen_config = config.clone();
         listen_config.application_name(format!("{app} listen"));
 
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(pool_size)
-            .wait_timeout(Some(POOL_TIMEOUT))
-            .create_timeout(Some(POOL_TIMEOUT))
-            .recycle_timeout(Some(POOL_TIMEOUT))
-            .runtime(Runtime::Tokio1)
-            .build()
-            .map_err(|e| format!("PostgreSQL connection pool: {e}"))?;
+        let build = |size: usize| {
+            let manager = Manager::from_config(
+                config.clone(),
+                NoTls,
+                ManagerConfig {
+                    recycling_method: RecyclingMethod::Fast,
+                },
+            );
+            Pool::builder(manager)
+                .max_size(size)
+                // `connection()` bounds the wait, telling a busy pool from a dead one.
+                .wait_timeout(None)
+                .create_timeout(Some(POOL_TIMEOUT))
+                .recycle_timeout(Some(POOL_TIMEOUT))
+                .runtime(Runtime::Tokio1)
+                .build()
+                .map_err(|e| format!("PostgreSQL connection pool: {e}"))
+        };
+        let pool = build(pool_size)?;
+        let upkeep = build(UPKEEP_POOL_SIZE)?;
         let instance = Token::generate().expose()[..16].to_owned();
         let inner = Arc::new(Inner {
             pool,
+            upkeep,
             listen_config,
             sql: Sql::new(&schema),
             channel: format!("{schema}_wake"),
@@ -1069,6 +1116,7 @@ impl Postgres {
             listening: watch::channel(false).0,
             reconnect: Notify::new(),
             offset_ms: AtomicI64::new(0),
+            progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             stop: CancellationToken::new(),
         });
@@ -1426,6 +1474,7 @@ impl Backend for Postgres {
             tracing::warn!(error = %e, "could not remove this sidecar's rows from PostgreSQL");
         }
         inner.pool.close();
+        inner.upkeep.close();
     }
 }
 
