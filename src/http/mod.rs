@@ -140,19 +140,17 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Error {
 /// Counts requests by method, route template and status.
 async fn count_requests(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let started = Instant::now();
-    let method = request.method().as_str().to_owned();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("unmatched", |p| p.as_str())
-        .to_owned();
+    // Cheap clones (standard methods and the shared route template), not new strings.
+    let method = request.method().clone();
+    let route = request.extensions().get::<MatchedPath>().cloned();
+    let route = route.as_ref().map_or("unmatched", MatchedPath::as_str);
     let response = next.run(request).await.into_response();
     let m = &app.core.metrics;
     m.http_requests
-        .with_label_values(&[&method, &route, response.status().as_str()])
+        .with_label_values(&[method.as_str(), route, response.status().as_str()])
         .inc();
     m.http_seconds
-        .with_label_values(&[&method, &route])
+        .with_label_values(&[method.as_str(), route])
         .observe(started.elapsed().as_secs_f64());
     response
 }
