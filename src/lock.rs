@@ -120,8 +120,14 @@ pub struct Token(String);
 impl Token {
     /// A fresh unguessable token.
     pub fn generate() -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let bytes: [u8; 16] = rand::rng().random();
-        Self(bytes.iter().map(|b| format!("{b:02x}")).collect())
+        let mut hex = String::with_capacity(32);
+        for b in bytes {
+            hex.push(char::from(HEX[usize::from(b >> 4)]));
+            hex.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+        Self(hex)
     }
 
     /// Wraps a token a client presented.

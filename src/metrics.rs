@@ -342,6 +342,13 @@ impl Metrics {
 
     /// Counts an acquire outcome.
     pub fn acquired(&self, key: &LockKey, result: &str) {
+        if self.lock_labels.is_none() {
+            // The usual case, without building label vectors on every acquire.
+            self.acquires
+                .with_label_values(&[kind_label(key.kind), result])
+                .inc();
+            return;
+        }
         let mut labels = self.key_labels(key);
         labels.push(result.to_owned());
         let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
@@ -350,6 +357,12 @@ impl Metrics {
 
     /// Records a wait or hold duration.
     pub fn observe(&self, family: &HistogramVec, key: &LockKey, d: Duration) {
+        if self.lock_labels.is_none() {
+            family
+                .with_label_values(&[kind_label(key.kind)])
+                .observe(d.as_secs_f64());
+            return;
+        }
         let labels = self.key_labels(key);
         let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
         family.with_label_values(&refs).observe(d.as_secs_f64());

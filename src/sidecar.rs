@@ -25,6 +25,7 @@ const STALE_EVERY: Duration = Duration::from_secs(60);
 /// A sentence for the operator when the backend URL is bad or the listen
 /// address cannot be bound.
 pub async fn serve(settings: Settings) -> Result<(), String> {
+    separate_connection_buffers();
     // Every hold and waiter is an open connection: allow as many as the hard limit.
     let files = raise_fd_limit();
     tracing::debug!(files, "open-file limit");
@@ -127,5 +128,21 @@ pub fn raise_fd_limit() -> u64 {
         }
         Ok((soft, _)) => soft,
         Err(_) => 0,
+    }
+}
+
+/// Makes glibc serve allocations of 8 KiB and more from their own mappings.
+///
+/// Every HTTP/1 connection has an 8 KiB read buffer (hyper's fixed initial
+/// size) of which a waiting request uses a few hundred bytes. Inside the
+/// heap, the untouched rest shares pages with small allocations and becomes
+/// resident; in its own mapping it does not (about 4 KiB less per waiting
+/// connection). The buffers live as long as their connection, so the extra
+/// mmap/munmap happens once per connection, not per request.
+fn separate_connection_buffers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tunables; 8 KiB is a valid threshold.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 8 * 1024);
     }
 }

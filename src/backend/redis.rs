@@ -150,6 +150,8 @@ pub struct Node {
     skew: std::sync::atomic::AtomicI64,
     /// Where this node's URL is shown (without password).
     pub url: String,
+    /// The index key, `<prefix>index`.
+    index: String,
 }
 
 /// Converts a URL error into the operator's sentence.
@@ -249,6 +251,7 @@ impl Node {
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: super::redact(url),
+            index: format!("{prefix}index"),
         })
     }
 
@@ -337,20 +340,24 @@ impl Node {
     }
 
     fn base(&self, key: &LockKey) -> String {
-        match key.kind {
-            Kind::Lock => format!("{}{}", self.prefix, key.name),
+        // Built by hand: this runs for every script call, and `format!` costs
+        // several times more than the copies.
+        let kind = match key.kind {
+            Kind::Lock => "",
             // '/' cannot occur in lock names, so semaphores never collide with locks.
-            Kind::Semaphore => format!("{}semaphores/{}", self.prefix, key.name),
-        }
+            Kind::Semaphore => "semaphores/",
+        };
+        let name = key.name.as_str();
+        let mut base = String::with_capacity(self.prefix.len() + kind.len() + name.len());
+        base.push_str(&self.prefix);
+        base.push_str(kind);
+        base.push_str(name);
+        base
     }
 
     /// The key a lock's exclusive holder is stored under.
     pub fn main_key(&self, key: &LockKey) -> String {
         self.base(key)
-    }
-
-    fn index_key(&self) -> String {
-        format!("{}index", self.prefix)
     }
 
     fn channel(&self, key: &LockKey) -> String {
@@ -360,9 +367,14 @@ impl Node {
     /// Prepares a script invocation with the lock's keys and the common arguments.
     fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> redis::ScriptInvocation<'a> {
         let base = self.base(key);
-        let tag = format!("{{{base}}}");
         let mut inv = script.prepare_invoke();
         inv.key(&base);
+        // One buffer for every side key `{base}:<suffix>`.
+        let mut side = String::with_capacity(base.len() + 12);
+        side.push('{');
+        side.push_str(&base);
+        side.push_str("}:");
+        let stem = side.len();
         for suffix in [
             "holders",
             "expiry",
@@ -374,18 +386,28 @@ impl Node {
             "limit",
             "seq",
         ] {
-            inv.key(format!("{tag}:{suffix}"));
+            side.truncate(stem);
+            side.push_str(suffix);
+            inv.key(side.as_str());
         }
         // A Cluster cannot touch a global index from a lock's slot.
         if !self.is_cluster() {
-            inv.key(self.index_key());
+            inv.key(self.index.as_str());
         }
         inv.arg(match key.kind {
             Kind::Lock => "l",
             Kind::Semaphore => "s",
         });
-        inv.arg(self.channel(key));
-        inv.arg(key.to_string());
+        // The channel is `<prefix>wake:<kind>/<name>`, the index member `<kind>/<name>`.
+        let member_at = self.prefix.len() + "wake:".len();
+        let mut channel = String::with_capacity(member_at + 11 + key.name.as_str().len());
+        channel.push_str(&self.prefix);
+        channel.push_str("wake:");
+        channel.push_str(key.kind.plural());
+        channel.push('/');
+        channel.push_str(key.name.as_str());
+        inv.arg(channel.as_str());
+        inv.arg(&channel[member_at..]);
         inv
     }
 
@@ -401,12 +423,12 @@ impl Node {
     /// Records a key in use in the Cluster index (single nodes do it in the scripts).
     async fn index(&self, key: &LockKey) {
         if self.is_cluster() {
-            let index = self.index_key();
+            let index = &self.index;
             let member = key.to_string();
             let _ = self
                 .with_conn("index", async |c| {
                     redis::cmd("ZADD")
-                        .arg(&index)
+                        .arg(index)
                         .arg("NX")
                         .arg(0)
                         .arg(&member)
@@ -587,11 +609,11 @@ impl Node {
 
     /// Keys in the index after `after`, in order, `chunk` at a time.
     async fn indexed(&self, after: Option<&str>, chunk: usize) -> Result<Vec<String>, Error> {
-        let index = self.index_key();
+        let index = &self.index;
         let min = after.map_or_else(|| "-".to_owned(), |a| format!("({a}"));
         self.with_conn("list", async |c| {
             redis::cmd("ZRANGEBYLEX")
-                .arg(&index)
+                .arg(index)
                 .arg(&min)
                 .arg("+")
                 .arg("LIMIT")
@@ -604,11 +626,11 @@ impl Node {
     }
 
     async fn unindex(&self, member: &str) {
-        let index = self.index_key();
+        let index = &self.index;
         let _ = self
             .with_conn("list", async |c| {
                 redis::cmd("ZREM")
-                    .arg(&index)
+                    .arg(index)
                     .arg(member)
                     .query_async::<i64>(c)
                     .await

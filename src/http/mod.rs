@@ -9,15 +9,18 @@ pub mod locks;
 pub mod ops;
 pub mod params;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::Router;
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{MatchedPath, Request};
 use axum::http::{Method, Uri};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
+use tower::{Layer, Service};
 use utoipa::OpenApi;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa_axum::router::OpenApiRouter;
@@ -26,6 +29,7 @@ use utoipa_axum::routes;
 use crate::config::Settings;
 use crate::core::Core;
 use crate::error::Error;
+use crate::metrics::Metrics;
 
 /// Shared state of every handler.
 pub struct App {
@@ -92,10 +96,7 @@ fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
         .routes(routes!(force_release_lock))
         .routes(routes!(force_release_semaphore))
         .split_for_parts();
-    let v1 = v1.route_layer(middleware::from_fn_with_state(
-        app.clone(),
-        auth::require_api_token,
-    ));
+    let v1 = v1.route_layer(auth::RequireApiToken { app: app.clone() });
     let (open, open_doc) = OpenApiRouter::new()
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
@@ -122,7 +123,9 @@ pub fn router(app: Arc<App>) -> Router {
     )
     .fallback(not_found)
     .method_not_allowed_fallback(method_not_allowed)
-    .layer(middleware::from_fn_with_state(app.clone(), count_requests))
+    .layer(CountRequests {
+        metrics: app.core.metrics.clone(),
+    })
     .with_state(app)
 }
 
@@ -138,21 +141,98 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Error {
 }
 
 /// Counts requests by method, route template and status.
-async fn count_requests(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let started = Instant::now();
-    let method = request.method().as_str().to_owned();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("unmatched", |p| p.as_str())
-        .to_owned();
-    let response = next.run(request).await.into_response();
-    let m = &app.core.metrics;
-    m.http_requests
-        .with_label_values(&[&method, &route, response.status().as_str()])
-        .inc();
-    m.http_seconds
-        .with_label_values(&[&method, &route])
-        .observe(started.elapsed().as_secs_f64());
-    response
+///
+/// A layer of its own rather than `middleware::from_fn`, which boxes a
+/// future and a clone of the inner service for every request: a waiting
+/// acquire keeps both for as long as it waits.
+#[derive(Clone)]
+struct CountRequests {
+    metrics: Arc<Metrics>,
+}
+
+impl<S> Layer<S> for CountRequests {
+    type Service = Counted<S>;
+
+    fn layer(&self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+/// A service wrapped by [`CountRequests`].
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S> Service<Request> for Counted<S>
+where
+    S: Service<Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = CountedFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // Cheap clones (standard methods and the shared route template), not new strings.
+        let method = request.method().clone();
+        let route = request.extensions().get::<MatchedPath>().cloned();
+        CountedFuture {
+            inner: self.inner.call(request),
+            counted: Some(Count {
+                metrics: self.metrics.clone(),
+                method,
+                route,
+                started: Instant::now(),
+            }),
+        }
+    }
+}
+
+/// What a finished request is counted under.
+struct Count {
+    metrics: Arc<Metrics>,
+    method: Method,
+    route: Option<MatchedPath>,
+    started: Instant,
+}
+
+pin_project_lite::pin_project! {
+    /// The inner response future, counted when it completes.
+    struct CountedFuture<F> {
+        #[pin]
+        inner: F,
+        counted: Option<Count>,
+    }
+}
+
+impl<F, E> Future for CountedFuture<F>
+where
+    F: Future<Output = Result<Response, E>>,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let result = std::task::ready!(this.inner.poll(cx));
+        if let (Ok(response), Some(c)) = (&result, this.counted.take()) {
+            let route = c.route.as_ref().map_or("unmatched", MatchedPath::as_str);
+            c.metrics
+                .http_requests
+                .with_label_values(&[c.method.as_str(), route, response.status().as_str()])
+                .inc();
+            c.metrics
+                .http_seconds
+                .with_label_values(&[c.method.as_str(), route])
+                .observe(c.started.elapsed().as_secs_f64());
+        }
+        Poll::Ready(result)
+    }
 }

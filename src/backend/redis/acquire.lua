@@ -11,6 +11,30 @@ local turn, seq, token, owner, sidecar, mode = ARGV[4], ARGV[5], ARGV[6], ARGV[7
 local ttl, max_hold, lock_delay, asked, beat =
   tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
 local fifo = ARGV[15] == "1"
+clock()
+
+-- Fast path: an exclusive lock with no lease, no queue and no lock-delay
+-- (the uncontended case). prune() and the queue then have nothing to do,
+-- so only the grant itself is written. SET NX fails on a foreign holder of
+-- the main key, and the full path below answers busy.
+if IS_LOCK and mode == "x" and turn ~= "queued"
+    and redis.call("EXISTS", EXPIRY, QUEUE, DELAY) == 0 then
+  local e = NOW + ttl
+  if max_hold > 0 and max_hold < ttl then e = NOW + max_hold end
+  if redis.call("SET", MAIN, token, "NX", "PX", e - NOW) then
+    local fence = redis.call("INCR", FENCE)
+    local m = {o = owner, s = sidecar, m = mode, f = fence, c = 1, t0 = NOW,
+               ttl = ttl, cap = 0, dl = lock_delay, e = e}
+    if max_hold > 0 then m.cap = NOW + max_hold end
+    redis.call("HSET", HOLDERS, token, cjson.encode(m))
+    redis.call("ZADD", EXPIRY, e, token)
+    -- As set_expiries() with this lease the only one.
+    redis.call("PEXPIRE", HOLDERS, e + lock_delay + 1000 - NOW)
+    redis.call("PEXPIRE", EXPIRY, e + lock_delay + 1000 - NOW)
+    if INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
+    return {1, NOW, token, fence, 1, NOW, e}
+  end
+end
 
 prune()
 local was_idle = idle()
@@ -42,14 +66,14 @@ end
 
 -- Re-entry: the same owner asking again in the mode it holds.
 if IS_LOCK then
-  local all = redis.call("HGETALL", HOLDERS)
-  for i = 1, #all, 2 do
-    local m = cjson.decode(all[i + 1])
+  local h, keys = holders()
+  for _, held in ipairs(keys) do
+    local m = h[held]
     if m.o == owner and m.m == mode then
       m.c = m.c + 1
       m.e = cap(math.max(m.e, NOW + ttl), m)
-      redis.call("HSET", HOLDERS, all[i], cjson.encode(m))
-      redis.call("ZADD", EXPIRY, m.e, all[i])
+      put_holder(held, m)
+      redis.call("ZADD", EXPIRY, m.e, held)
       if mode == "x" then
         redis.call("PEXPIRE", MAIN, m.e - NOW)
       else
@@ -57,7 +81,7 @@ if IS_LOCK then
       end
       leave_queue()
       set_expiries()
-      return {1, NOW, all[i], m.f, m.c, m.t0, m.e}
+      return {1, NOW, held, m.f, m.c, m.t0, m.e}
     end
   end
 end
@@ -67,9 +91,9 @@ local room
 if not IS_LOCK then
   room = redis.call("ZCARD", EXPIRY) < limit
 elseif mode == "x" then
-  room = redis.call("EXISTS", MAIN) == 0
+  room = not main_get()
 else
-  local main = redis.call("GET", MAIN)
+  local main = main_get()
   room = (not main) or main == SHARED
 end
 
@@ -82,7 +106,7 @@ if turn == "queued" then
     local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
     redis.call("ZADD", QUEUE, tonumber(seq), seq)
     redis.call("HSET", WAITERS, seq, cjson.encode(w))
-    redis.call("HSET", BEAT, sidecar, NOW + beat)
+    put_beat(sidecar, NOW + beat)
     rank = redis.call("ZRANK", QUEUE, seq)
   end
   position = rank + 1
@@ -110,11 +134,11 @@ if delayed <= 0 and room and turn_ok then
              ttl = ttl, cap = 0, dl = lock_delay}
   if max_hold > 0 then m.cap = NOW + max_hold end
   m.e = cap(NOW + ttl, m)
-  redis.call("HSET", HOLDERS, token, cjson.encode(m))
+  put_holder(token, m)
   redis.call("ZADD", EXPIRY, m.e, token)
   if IS_LOCK then
     if mode == "x" then
-      redis.call("SET", MAIN, token, "PX", m.e - NOW)
+      main_set(token, m.e - NOW)
     else
       sync_shared()
     end
@@ -133,8 +157,8 @@ elseif not room then
   local first = redis.call("ZRANGE", EXPIRY, 0, 0, "WITHSCORES")
   if #first > 0 then retry = tonumber(first[2]) end
   if IS_LOCK then
-    local main = redis.call("GET", MAIN)
-    if main and main ~= SHARED and redis.call("HEXISTS", HOLDERS, main) == 0 then
+    local main = main_get()
+    if main and main ~= SHARED and not holders()[main] then
       local pttl = redis.call("PTTL", MAIN)
       if pttl > 0 then retry = NOW + pttl else retry = 0 end
     end
@@ -157,7 +181,7 @@ if turn == "join" then
   local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
   redis.call("ZADD", QUEUE, ticket, ticket)
   redis.call("HSET", WAITERS, ticket, cjson.encode(w))
-  redis.call("HSET", BEAT, sidecar, NOW + beat)
+  put_beat(sidecar, NOW + beat)
   position = redis.call("ZCARD", QUEUE)
   set_expiries()
   if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end

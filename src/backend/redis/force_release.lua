@@ -1,13 +1,13 @@
 -- ARGV: 1 kind, 2 channel, 3 index member.
 -- Removes every lease (lock-delay from now) and returns their tokens.
+clock()
 prune()
-local all = redis.call("HGETALL", HOLDERS)
+local h, keys = holders()
 local tokens = {}
-for i = 1, #all, 2 do
-  local m = cjson.decode(all[i + 1])
-  delay_until(NOW + m.dl)
-  drop_lease(all[i], m)
-  tokens[#tokens + 1] = all[i]
+for _, token in ipairs(keys) do tokens[#tokens + 1] = token end
+for _, token in ipairs(tokens) do
+  delay_until(NOW + h[token].dl)
+  drop_lease(token)
 end
 sync_shared()
 tidy_if_idle()

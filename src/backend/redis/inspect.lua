@@ -1,5 +1,6 @@
 -- ARGV: 1 kind, 2 channel, 3 index member.
 -- Returns {now, fence, limit, holders_json, waiters_json}.
+clock()
 prune()
 local waiters = {}
 for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do

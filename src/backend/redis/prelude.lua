@@ -19,13 +19,93 @@ local INDEX = KEYS[11] or ""
 local IS_LOCK = ARGV[1] == "l"
 local CHANNEL = ARGV[2]
 
-local t = redis.call("TIME")
-local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- The server clock in ms, read by clock() at most once: scripts and paths
+-- that never look at the time do not pay for TIME.
+local NOW = 0
+local function clock()
+  if NOW == 0 then
+    local t = redis.call("TIME")
+    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW
+end
+
+-- The main key, the holders hash and the heartbeat hash are read at most
+-- once per script run and then kept here (a script is atomic and key expiry
+-- is frozen while it runs); every write to them goes through the helpers
+-- below so the copies stay true. MAIN_V: nil until read, false when absent.
+local MAIN_V
+local H, HKEYS -- token -> decoded meta; tokens in the hash's order
+local B -- sidecar -> heartbeat deadline
+-- What this run changed, so set_expiries() only resets what moved.
+local holders_put, beats_put = false, false
+
+local function main_get()
+  if MAIN_V == nil then MAIN_V = redis.call("GET", MAIN) end
+  return MAIN_V
+end
+
+local function main_set(v, px)
+  redis.call("SET", MAIN, v, "PX", px)
+  MAIN_V = v
+end
+
+local function main_del()
+  redis.call("DEL", MAIN)
+  MAIN_V = false
+end
+
+local function holders()
+  if not H then
+    H, HKEYS = {}, {}
+    local all = redis.call("HGETALL", HOLDERS)
+    for i = 1, #all, 2 do
+      H[all[i]] = cjson.decode(all[i + 1])
+      HKEYS[#HKEYS + 1] = all[i]
+    end
+  end
+  return H, HKEYS
+end
 
 local function meta_of(token)
+  if H then return H[token] end
   local raw = redis.call("HGET", HOLDERS, token)
   if raw then return cjson.decode(raw) end
   return nil
+end
+
+local function put_holder(token, m)
+  redis.call("HSET", HOLDERS, token, cjson.encode(m))
+  holders_put = true
+  if H then
+    if not H[token] then HKEYS[#HKEYS + 1] = token end
+    H[token] = m
+  end
+end
+
+local function del_holder(token)
+  redis.call("HDEL", HOLDERS, token)
+  if H and H[token] then
+    H[token] = nil
+    for i, t in ipairs(HKEYS) do
+      if t == token then table.remove(HKEYS, i) break end
+    end
+  end
+end
+
+local function beats()
+  if not B then
+    B = {}
+    local all = redis.call("HGETALL", BEAT)
+    for i = 1, #all, 2 do B[all[i]] = tonumber(all[i + 1]) end
+  end
+  return B
+end
+
+local function put_beat(sidecar, deadline)
+  redis.call("HSET", BEAT, sidecar, deadline)
+  beats_put = true
+  if B then B[sidecar] = deadline end
 end
 
 local function delay_until(ms)
@@ -35,46 +115,49 @@ local function delay_until(ms)
   end
 end
 
-local function drop_lease(token, m)
-  redis.call("HDEL", HOLDERS, token)
+local function drop_lease(token)
+  del_holder(token)
   redis.call("ZREM", EXPIRY, token)
-  if IS_LOCK and redis.call("GET", MAIN) == token then redis.call("DEL", MAIN) end
+  if IS_LOCK and main_get() == token then main_del() end
 end
 
 -- The main key mirrors shared holders: SHARED, expiring with the last of them.
 local function sync_shared()
   if not IS_LOCK then return end
-  local main = redis.call("GET", MAIN)
+  local main = main_get()
   if main and main ~= SHARED then return end
   local last = redis.call("ZRANGE", EXPIRY, -1, -1, "WITHSCORES")
   if #last == 0 then
-    if main then redis.call("DEL", MAIN) end
+    if main then main_del() end
     return
   end
   local until_ms = tonumber(last[2])
-  if until_ms > NOW then redis.call("SET", MAIN, SHARED, "PX", until_ms - NOW) end
+  if until_ms > NOW then main_set(SHARED, until_ms - NOW) end
 end
 
+-- Empty sets and hashes do not exist in Redis.
 local function idle()
-  return redis.call("ZCARD", EXPIRY) == 0 and redis.call("ZCARD", QUEUE) == 0
+  return redis.call("EXISTS", EXPIRY, QUEUE) == 0
 end
 
 -- The earliest heartbeat deadline of a sidecar with waiters here.
 local function first_lapse()
   local first = 0
-  local beats = redis.call("HGETALL", BEAT)
-  for i = 2, #beats, 2 do
-    local d = tonumber(beats[i])
+  for _, d in pairs(beats()) do
     if first == 0 or d < first then first = d end
   end
   return first
 end
 
+-- What an idle key no longer needs: its limit, heartbeats and index entry.
+local function tidy()
+  redis.call("DEL", LIMIT, BEAT)
+  if B then B = {} end
+  if INDEX ~= "" then redis.call("ZREM", INDEX, ARGV[3] or "") end
+end
+
 local function tidy_if_idle()
-  if idle() then
-    redis.call("DEL", LIMIT, BEAT)
-    if INDEX ~= "" then redis.call("ZREM", INDEX, ARGV[3] or "") end
-  end
+  if idle() then tidy() end
 end
 
 -- Drops leases past their expiry (starting their lock-delay), exclusive
@@ -82,34 +165,42 @@ end
 -- waiters whose sidecar stopped heartbeating. Publishes if anything went.
 local function prune()
   local changed = false
+  if IS_LOCK then holders() end
   for _, token in ipairs(redis.call("ZRANGEBYSCORE", EXPIRY, "-inf", NOW)) do
     local m = meta_of(token)
     if m then delay_until(m.e + m.dl) end
-    drop_lease(token, m)
+    drop_lease(token)
     changed = true
   end
   if IS_LOCK then
-    local main = redis.call("GET", MAIN)
-    local all = redis.call("HGETALL", HOLDERS)
-    for i = 1, #all, 2 do
-      local m = cjson.decode(all[i + 1])
-      if m.m == "x" and main ~= all[i] then
+    local main = main_get()
+    local h, keys = holders()
+    local gone = {}
+    for _, token in ipairs(keys) do
+      local m = h[token]
+      if m.m == "x" and main ~= token then
         delay_until(NOW + m.dl)
-        redis.call("HDEL", HOLDERS, all[i])
-        redis.call("ZREM", EXPIRY, all[i])
-        changed = true
+        gone[#gone + 1] = token
       end
+    end
+    for _, token in ipairs(gone) do
+      del_holder(token)
+      redis.call("ZREM", EXPIRY, token)
+      changed = true
     end
   end
   local lapsed = {}
   local any_lapsed = false
-  local beats = redis.call("HGETALL", BEAT)
-  for i = 1, #beats, 2 do
-    if tonumber(beats[i + 1]) <= NOW then
-      lapsed[beats[i]] = true
+  local b = beats()
+  for sidecar, d in pairs(b) do
+    if d <= NOW then
+      lapsed[sidecar] = true
       any_lapsed = true
-      redis.call("HDEL", BEAT, beats[i])
     end
+  end
+  for sidecar in pairs(lapsed) do
+    redis.call("HDEL", BEAT, sidecar)
+    b[sidecar] = nil
   end
   if any_lapsed then
     for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do
@@ -131,24 +222,27 @@ end
 -- Side keys expire with what they describe, so a lock every sidecar
 -- abandoned disappears by itself: holder keys with the last lease, queue
 -- keys with the last heartbeat. The fence and ticket counters never expire.
+-- Only what this run wrote moves a deadline (removals leave the keys'
+-- expiry at most later than needed), so only that is reset.
 local function set_expiries()
-  -- Holder entries outlive their lease by its lock-delay (and a second), so
-  -- the script that finds a lease expired can still start its lock-delay.
-  local keep = 0
-  local all = redis.call("HGETALL", HOLDERS)
-  for i = 2, #all, 2 do
-    local m = cjson.decode(all[i])
-    keep = math.max(keep, m.e + m.dl + 1000)
+  if holders_put then
+    -- Holder entries outlive their lease by its lock-delay (and a second), so
+    -- the script that finds a lease expired can still start its lock-delay.
+    local keep = 0
+    for _, m in pairs(holders()) do
+      keep = math.max(keep, m.e + m.dl + 1000)
+    end
+    if keep > NOW then
+      redis.call("PEXPIRE", HOLDERS, keep - NOW)
+      redis.call("PEXPIRE", EXPIRY, keep - NOW)
+    end
   end
-  if keep > NOW then
-    redis.call("PEXPIRE", HOLDERS, keep - NOW)
-    redis.call("PEXPIRE", EXPIRY, keep - NOW)
-  end
-  local latest = 0
-  local beats = redis.call("HGETALL", BEAT)
-  for i = 2, #beats, 2 do latest = math.max(latest, tonumber(beats[i])) end
-  if latest > NOW then
-    for _, k in ipairs({QUEUE, WAITERS, BEAT}) do redis.call("PEXPIRE", k, latest - NOW) end
+  if beats_put then
+    local latest = 0
+    for _, d in pairs(beats()) do latest = math.max(latest, d) end
+    if latest > NOW then
+      for _, k in ipairs({QUEUE, WAITERS, BEAT}) do redis.call("PEXPIRE", k, latest - NOW) end
+    end
   end
 end
 
@@ -156,14 +250,14 @@ end
 -- main key (a legacy SET NX PX client).
 local function holders_json()
   local list = {}
-  local all = redis.call("HGETALL", HOLDERS)
-  for i = 1, #all, 2 do
-    local m = cjson.decode(all[i + 1])
+  local h, keys = holders()
+  for _, token in ipairs(keys) do
+    local m = h[token]
     list[#list + 1] = {o = m.o, s = m.s, m = m.m, f = m.f, c = m.c, t0 = m.t0, e = m.e}
   end
   if IS_LOCK then
-    local main = redis.call("GET", MAIN)
-    if main and main ~= SHARED and redis.call("HEXISTS", HOLDERS, main) == 0 then
+    local main = main_get()
+    if main and main ~= SHARED and not h[main] then
       local pttl = redis.call("PTTL", MAIN)
       local e = 0
       if pttl > 0 then e = NOW + pttl end

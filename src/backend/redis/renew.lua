@@ -1,5 +1,6 @@
 -- ARGV: 1 kind, 2 channel, 3 index member, 4 token, 5 ttl ms (0: the lease's own).
 -- Returns {now, expires} or {now, -1} when the token holds nothing.
+clock()
 local token, ttl = ARGV[4], tonumber(ARGV[5])
 prune()
 local m = meta_of(token)
@@ -8,7 +9,7 @@ if ttl == 0 then ttl = m.ttl end
 local e = NOW + ttl
 if m.cap > 0 and e > m.cap then e = m.cap end
 m.e = e
-redis.call("HSET", HOLDERS, token, cjson.encode(m))
+put_holder(token, m)
 redis.call("ZADD", EXPIRY, e, token)
 if IS_LOCK then
   if m.m == "x" then

@@ -1,5 +1,6 @@
 -- ARGV: 1 kind, 2 channel, 3 index member, 4 stale_after ms.
 -- Read-only. Returns {key, reason, age ms, detail} entries.
+clock()
 local after = tonumber(ARGV[4])
 local out = {}
 local all = redis.call("HGETALL", HOLDERS)
