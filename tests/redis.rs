@@ -301,12 +301,17 @@ async fn redis_restarted_under_load_gives_503s_then_recovers_without_double_gran
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 let token = grant["token"].as_str().expect("token").to_owned();
                 let end = Instant::now();
-                // Release until Redis answers: a 503 leaves the lease in place.
+                // Release until Redis answers: a 503 leaves the lease in place,
+                // or it may have released it with the answer lost in the crash,
+                // and then the retry answers 410 (as the README says).
+                let mut retried = false;
                 loop {
                     let r = lock.release_raw(&token).await;
                     match r.status() {
                         StatusCode::OK => break,
+                        StatusCode::GONE if retried => break,
                         StatusCode::SERVICE_UNAVAILABLE => {
+                            retried = true;
                             tokio::time::sleep(Duration::from_millis(50)).await
                         }
                         other => panic!(
