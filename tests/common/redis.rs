@@ -259,12 +259,17 @@ impl RedisCluster {
         require("redis-cli");
         let mut nodes = Vec::new();
         for _ in 0..3 {
+            // The bus port defaults to port + 10000, which does not exist for
+            // ephemeral ports above 55535: Redis then refuses to start.
+            let bus = free_port().to_string();
             nodes.push(
                 RedisServer::start_with(&[
                     "--cluster-enabled",
                     "yes",
                     "--cluster-node-timeout",
                     "2000",
+                    "--cluster-port",
+                    &bus,
                 ])
                 .await,
             );
