@@ -156,6 +156,9 @@ impl SidecarBuilder {
         let log_path = dir.path().join("sidelock.log");
         let mut child = ChildGuard::spawn(cmd, "sidecar", &log_path, false);
         let port = wait_for_listening(&mut child, &self.listen_ip).await;
+        if self.netns.is_some() {
+            wait_for_route(&self.listen_ip, port).await;
+        }
         SidecarGuard {
             child,
             port,
@@ -163,6 +166,24 @@ impl SidecarBuilder {
             log_path,
             _dir: dir,
         }
+    }
+}
+
+/// Waits until the host reaches `ip:port` (a sidecar in a namespace: its
+/// link may take a moment to carry traffic after it came up).
+async fn wait_for_route(ip: &str, port: u16) {
+    let addr: std::net::SocketAddr = format!("{ip}:{port}").parse().expect("listen address");
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(500), connect).await {
+            Ok(Ok(_)) => return,
+            other => assert!(
+                Instant::now() < deadline,
+                "the host cannot reach the sidecar at {addr} in its namespace: {other:?}"
+            ),
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
     }
 }
 
