@@ -495,15 +495,7 @@ async fn locks_keep_working_through_a_sentinel_failover() {
     let mut hold = api.lock(&before).hold(&[("ttl", "10s")]).await;
     let held = hold.expect_acquired().await;
     // Let the replica catch up, as it usually has in production.
-    common::eventually(
-        "the replica acknowledges",
-        Duration::from_secs(10),
-        async || {
-            let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
-            (acked == 1).then_some(())
-        },
-    )
-    .await;
+    servers.wait_replicated().await;
 
     let old_master = servers.master.port();
     servers.master.kill();
@@ -561,15 +553,7 @@ async fn a_lease_shorter_than_a_sentinel_failover_is_lost_before_anyone_else_hol
     // lease, renewed every ttl/3, runs out sooner.
     let mut hold = first.api().lock(&name).hold(&[("ttl", "1s")]).await;
     let held = hold.expect_acquired().await;
-    common::eventually(
-        "the replica acknowledges",
-        Duration::from_secs(10),
-        async || {
-            let acked: i64 = servers.master.cmd(&["WAIT", "1", "200"]).await;
-            (acked == 1).then_some(())
-        },
-    )
-    .await;
+    servers.wait_replicated().await;
 
     servers.master.kill();
     let contender = {

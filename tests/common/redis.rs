@@ -235,6 +235,19 @@ impl RedisSentinel {
         format!("redis+sentinel://127.0.0.1:{}/{SENTINEL_MASTER}", self.port)
     }
 
+    /// Waits until the replica has acknowledged every write so far.
+    pub async fn wait_replicated(&self) {
+        super::eventually(
+            "the replica acknowledges",
+            Duration::from_secs(10),
+            async || {
+                let acked: i64 = self.master.cmd(&["WAIT", "1", "200"]).await;
+                (acked == 1).then_some(())
+            },
+        )
+        .await;
+    }
+
     /// The port the sentinel currently names as master.
     pub async fn master_port(&self) -> Option<u16> {
         let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).ok()?;
