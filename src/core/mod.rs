@@ -177,6 +177,19 @@ pub struct Core {
     pub tasks: TaskTracker,
 }
 
+/// Clears a lease's `renewing` mark when a renewal is dropped unfinished (its
+/// client went away): it is no longer under way and may have worked, so the
+/// expiry timer asks the backend instead of giving the lease up.
+struct Underway<'a>(Option<&'a AtomicBool>);
+
+impl Drop for Underway<'_> {
+    fn drop(&mut self) {
+        if let Some(renewing) = self.0 {
+            renewing.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Decrements the waiters gauge when a waiter leaves, however it leaves.
 struct Waiting<'a> {
     metrics: &'a Metrics,
@@ -621,8 +634,9 @@ impl Core {
         let renewed = match self.local(token) {
             Some(local) => {
                 local.renewing.store(true, Ordering::Relaxed);
+                let mut underway = Underway(Some(&local.renewing));
                 let mut ended = local.end.subscribe();
-                tokio::select! {
+                let renewed = tokio::select! {
                     renewed = renewal => renewed,
                     // A renewal hanging on an unreachable backend must not
                     // outlive the lease: its client learns with the others.
@@ -630,7 +644,10 @@ impl Core {
                         self.metrics.renewals.with_label_values(&["lost"]).inc();
                         return Err(Error::LeaseLost);
                     }
-                }
+                };
+                // Finished: its result decides the mark below.
+                underway.0 = None;
+                renewed
             }
             None => renewal.await,
         };
