@@ -182,6 +182,21 @@ impl Shared {
         format!("{base}/v1/locks/{}{rest}", self.names[lock])
     }
 
+    /// Asks `base` for `lock` (acquire with POST, a hold stream with GET on
+    /// `/hold`); the response if it is a 200, else nothing.
+    async fn claim(
+        &self,
+        method: reqwest::Method,
+        base: &str,
+        lock: usize,
+        rest: &str,
+        (wait, ttl): (u64, u64),
+    ) -> Option<reqwest::Response> {
+        let url = format!("{}?wait={wait}&ttl={ttl}", self.lock_url(base, lock, rest));
+        let response = self.http.request(method, url).send().await.ok()?;
+        (response.status() == StatusCode::OK).then_some(response)
+    }
+
     /// Releases `token`, trying other sidecars when one is gone; true if the
     /// answer was 410 (the lease had ended).
     async fn release(&self, lock: usize, token: &str) -> bool {
@@ -218,18 +233,12 @@ async fn plain(shared: &Shared, lock: usize, crash: bool) {
         (r.random_range(0..800), ttl)
     };
     let base = shared.url().await;
-    let response = shared
-        .http
-        .post(format!(
-            "{}?wait={wait}&ttl={ttl}",
-            shared.lock_url(&base, lock, "")
-        ))
-        .send()
-        .await;
-    let Ok(response) = response else { return };
-    if response.status() != StatusCode::OK {
+    let Some(response) = shared
+        .claim(reqwest::Method::POST, &base, lock, "", (wait, ttl))
+        .await
+    else {
         return;
-    }
+    };
     let Ok(grant) = response.json::<Value>().await else {
         return;
     };
@@ -276,18 +285,12 @@ async fn hold(shared: &Shared, lock: usize) {
         )
     };
     let base = shared.url().await;
-    let response = shared
-        .http
-        .get(format!(
-            "{}?wait={wait}&ttl={ttl}",
-            shared.lock_url(&base, lock, "/hold")
-        ))
-        .send()
-        .await;
-    let Ok(response) = response else { return };
-    if response.status() != StatusCode::OK {
+    let Some(response) = shared
+        .claim(reqwest::Method::GET, &base, lock, "/hold", (wait, ttl))
+        .await
+    else {
         return;
-    }
+    };
     let mut events = sidelock::run::SseReader::new(response.bytes_stream());
     let grant = loop {
         match events.next().await {

@@ -989,7 +989,9 @@ impl Core {
                         // Some tokens were missed: ask about every lease.
                         let all: Vec<Arc<Local>> = me.lock_leases().values().cloned().collect();
                         for local in all {
-                            let status = me.backend.status(&local.key, &local.token).await;
+                            let status = me
+                                .op("status", me.backend.status(&local.key, &local.token))
+                                .await;
                             if let Ok(Status::Gone(_)) = status {
                                 me.end(&local, End::Lost(LostReason::Backend));
                             }

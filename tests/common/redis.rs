@@ -316,12 +316,7 @@ impl RedisCluster {
 
     /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
-            .collect();
-        format!("redis+cluster://{}", hosts.join(","))
+        format!("redis+cluster://{}", host_list(&self.nodes))
     }
 }
 
@@ -341,11 +336,15 @@ impl RedisNodes {
 
     /// `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…`.
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
-            .collect();
-        format!("redlock://{}", hosts.join(","))
+        format!("redlock://{}", host_list(&self.nodes))
     }
+}
+
+/// `127.0.0.1:<p1>,127.0.0.1:<p2>,…`: the host part of a multi-node URL.
+fn host_list(nodes: &[RedisServer]) -> String {
+    nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect::<Vec<_>>()
+        .join(",")
 }
