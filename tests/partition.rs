@@ -112,8 +112,9 @@ async fn a_holder_cut_off_from_its_backend_is_told_lost_before_the_other_side_is
         (reason, lost_at)
     });
 
-    // While the lease still has time, a renewal that cannot reach Redis is
-    // an outage (503), not a loss.
+    // A renewal that cannot reach the backend is an outage (503) while the
+    // lease has time; one still hanging when the safety margin is reached
+    // answers 410 then, with the lease given up.
     let refused = a.lock(&plain_name).keepalive_raw(&plain.token, &[]).await;
     let status = refused.status();
     assert!(
