@@ -15,7 +15,10 @@
 //! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
 //! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
 //! * [`clock`]: monotonic Unix milliseconds.
+//! * [`alloc`]: the global allocator — large buffers in mappings of their own (Linux).
 
+#[cfg(target_os = "linux")]
+pub mod alloc;
 pub mod backend;
 pub mod bench;
 pub mod clock;

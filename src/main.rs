@@ -13,6 +13,11 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// Waiting connections' untouched buffer pages stay non-resident (see the module).
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOCATOR: sidelock::alloc::Pages = sidelock::alloc::Pages;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();

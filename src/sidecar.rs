@@ -25,7 +25,6 @@ const STALE_EVERY: Duration = Duration::from_secs(60);
 /// A sentence for the operator when the backend URL is bad or the listen
 /// address cannot be bound.
 pub async fn serve(settings: Settings) -> Result<(), String> {
-    separate_connection_buffers();
     // Every hold and waiter is an open connection: allow as many as the hard limit.
     let files = raise_fd_limit();
     tracing::debug!(files, "open-file limit");
@@ -73,12 +72,11 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         app.dashboard.stats.clone(),
     ));
 
-    let router = http::router(app).into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let stop = token.clone();
-    let server =
-        axum::serve(listener, router).with_graceful_shutdown(async move { stop.cancelled().await });
     let grace = settings.shutdown_grace;
-    let drained = async { server.await.map_err(|e| format!("HTTP server failed: {e}")) };
+    let drained = async {
+        http::server::serve(listener, http::router(app), token.clone()).await;
+        Ok(())
+    };
     // The server stops when every connection is done; holds and event streams
     // end on the token, but a client that never reads must not keep us past the grace.
     let served = tokio::select! {
@@ -128,21 +126,5 @@ pub fn raise_fd_limit() -> u64 {
         }
         Ok((soft, _)) => soft,
         Err(_) => 0,
-    }
-}
-
-/// Makes glibc serve allocations of 8 KiB and more from their own mappings.
-///
-/// Every HTTP/1 connection has an 8 KiB read buffer (hyper's fixed initial
-/// size) of which a waiting request uses a few hundred bytes. Inside the
-/// heap, the untouched rest shares pages with small allocations and becomes
-/// resident; in its own mapping it does not (about 4 KiB less per waiting
-/// connection). The buffers live as long as their connection, so the extra
-/// mmap/munmap happens once per connection, not per request.
-fn separate_connection_buffers() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tunables; 8 KiB is a valid threshold.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 8 * 1024);
     }
 }

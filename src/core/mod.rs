@@ -141,17 +141,19 @@ pub enum HoldEvent {
         position: usize,
         queue_length: usize,
     },
-    Acquired(Granted),
+    // The large variants are boxed: a hold's channel allocates room for 32
+    // events up front, so the enum's size is paid 32 times per hold.
+    Acquired(Box<Granted>),
     Renewed {
         expires_at_ms: u64,
         ttl_ms: u64,
     },
     Lost(LostReason),
     Timeout {
-        busy: Busy,
+        busy: Box<Busy>,
         waited: Duration,
     },
-    Failed(Error),
+    Failed(Box<Error>),
 }
 
 /// The lock service of one sidecar.
@@ -799,18 +801,25 @@ impl Core {
     /// Events go to `tx`; the stream ends when this returns.
     pub async fn hold(&self, claim: Claim, wait: Duration, tx: mpsc::Sender<HoldEvent>) {
         let cancel = CancellationToken::new();
-        let acquire = self.acquire(&claim, wait, &cancel, Some(&tx));
-        tokio::pin!(acquire);
+        // Boxed and dropped once done: inline, the acquire's state would
+        // stay part of the task for as long as the lock is held.
+        let mut acquire = Box::pin(self.acquire(&claim, wait, &cancel, Some(&tx)));
         let outcome = loop {
             tokio::select! {
                 outcome = &mut acquire => break outcome,
                 () = tx.closed(), if !cancel.is_cancelled() => cancel.cancel(),
             }
         };
+        drop(acquire);
         let granted = match outcome {
             Ok(Outcome::Granted(g)) => g,
             Ok(Outcome::Busy { busy, waited }) => {
-                let _ = tx.send(HoldEvent::Timeout { busy, waited }).await;
+                let _ = tx
+                    .send(HoldEvent::Timeout {
+                        busy: Box::new(busy),
+                        waited,
+                    })
+                    .await;
                 return;
             }
             Ok(Outcome::Cancelled) => {
@@ -820,7 +829,7 @@ impl Core {
                 return;
             }
             Err(e) => {
-                let _ = tx.send(HoldEvent::Failed(e)).await;
+                let _ = tx.send(HoldEvent::Failed(Box::new(e))).await;
                 return;
             }
         };
@@ -831,7 +840,11 @@ impl Core {
             let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
             return;
         }
-        if tx.send(HoldEvent::Acquired(granted)).await.is_err() {
+        if tx
+            .send(HoldEvent::Acquired(Box::new(granted)))
+            .await
+            .is_err()
+        {
             // The client left as the grant arrived.
             let _ = self.release(&lease.key, &lease.token).await;
             return;
@@ -860,8 +873,8 @@ impl Core {
                 .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
             let renewal = async {
                 sleep_until(next).await;
-                self.keepalive(&lease.key, &lease.token, Some(lease.ttl))
-                    .await
+                // Boxed: the task sleeps far more than it renews.
+                Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl))).await
             };
             // The renewal races the lease's end: a lease given up while a
             // renewal hangs on an unreachable backend is reported at once.

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod locks;
 pub mod ops;
 pub mod params;
+pub mod server;
 
 use std::future::Future;
 use std::pin::Pin;
