@@ -73,6 +73,7 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
         "Uncontended",
         "Contended",
         "Idle waiters",
+        "Idle holds",
         "Crash",
         "Startup",
     ] {
@@ -111,6 +112,10 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
         assert_eq!(num(idle, "waiters"), 3.0);
         assert_eq!(num(idle, "queued"), 3.0, "{idle:#}");
         assert!(num(idle, "rss_kib") > 1000.0);
+        let holds = &run["holds"][0];
+        assert_eq!(num(holds, "waiters"), 3.0);
+        assert_eq!(num(holds, "queued"), 3.0, "{holds:#}");
+        assert!(num(holds, "rss_kib") > 1000.0);
         let crash = &run["crash"];
         assert!(num(crash, "hold_cut_ms.0") > 0.0, "{crash:#}");
         assert!(num(crash, "client_killed_ms.0") > 0.0);
@@ -138,4 +143,73 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     assert!(num(polling, "contended.0.grants") > 0.0);
     assert!(num(polling, "idle.0.round_trips_per_s") > 0.0);
     assert!(report["headline"]["uncontended_1_ratio_pairs_per_s"].is_number());
+}
+
+/// ZooKeeper and Redlock: the bench runs on them and reads their request
+/// counters (`mntr`, `INFO commandstats` summed over the nodes).
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_counts_zookeeper_and_redlock_operations() {
+    let zk = common::zookeeper::ZkServer::start().await;
+    let nodes = [
+        RedisServer::start().await,
+        RedisServer::start().await,
+        RedisServer::start().await,
+    ];
+    let redlock = format!(
+        "redlock://{}",
+        nodes
+            .iter()
+            .map(|n| n.url().trim_start_matches("redis://").to_owned())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("bench.json");
+    let out = tokio::task::spawn_blocking({
+        let json = json.clone();
+        let zk = zk.url("");
+        move || {
+            Command::new(SIDELOCK_BIN)
+                .args(["bench", "--workload", "contended", "--no-baselines"])
+                .args(["--backend", "zookeeper", "--zookeeper", &zk])
+                .args(["--backend", "redlock", "--redlock", &redlock])
+                .args(["--duration", "300ms", "--contended-clients", "4"])
+                .arg("--json")
+                .arg(&json)
+                .env_remove("SIDELOCK_API_TOKEN")
+                .output()
+                .expect("run sidelock bench")
+        }
+    })
+    .await
+    .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "sidelock bench failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("read JSON")).expect("JSON");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{report:#}");
+    assert!(runs[0]["backend"].as_str().unwrap().starts_with("zk://"));
+    assert!(
+        runs[1]["backend"]
+            .as_str()
+            .unwrap()
+            .starts_with("redlock://")
+    );
+    for run in runs {
+        assert_eq!(run["errors"].as_array().map(Vec::len), Some(0), "{run:#}");
+        assert!(num(run, "contended.0.handoffs") > 0.0, "{run:#}");
+        // Every handoff needs at least a request to the backend.
+        assert!(
+            num(run, "contended.0.round_trips_per_grant") >= 1.0,
+            "{run:#}"
+        );
+    }
+    // Redlock asks every node: more commands per grant than one node sees.
+    assert!(num(&runs[1], "contended.0.commands_per_grant") >= 3.0);
 }

@@ -5,6 +5,11 @@
 //!   `round_trips` (script calls — `EVAL*`, `FCALL*` — plus the commands a
 //!   script cannot run: pub/sub, `SCRIPT`, `CLIENT`, `HELLO`, `PING`, …).
 //!   The bench's own `INFO` calls are left out.
+//!   Redlock: the same, summed over its nodes.
+//! * ZooKeeper: requests received (`zk_packets_received` of `mntr`, summed
+//!   over the ensemble's members; session pings included — a client pings
+//!   every third of its session timeout when idle). Needs `mntr` in the
+//!   server's `4lw.commands.whitelist`.
 //! * PostgreSQL: transactions (`xact_commit + xact_rollback` of the database
 //!   in `pg_stat_database`); each statement outside a transaction block is
 //!   one. PostgreSQL flushes these counters about once a second, so short
@@ -34,8 +39,11 @@ impl Ops {
 
 /// A connection that reads the backend's counters.
 pub enum Counter {
-    Redis(redis::aio::MultiplexedConnection),
+    /// One connection per Redis node (one for Redis, one per Redlock node).
+    Redis(Vec<redis::aio::MultiplexedConnection>),
     Postgres(tokio_postgres::Client),
+    /// The ensemble's members, `host:port`; `mntr` opens a connection each time.
+    ZooKeeper(Vec<String>),
 }
 
 /// Commands a client sends itself (never run inside a script).
@@ -81,18 +89,88 @@ pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// `mntr`'s `zk_packets_received` of one member.
+async fn zk_packets_received(host: &str) -> Option<u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
+        s.write_all(b"mntr").await.ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    };
+    let out = tokio::time::timeout(std::time::Duration::from_secs(5), io)
+        .await
+        .ok()??;
+    parse_mntr(&out, "zk_packets_received")
+}
+
+/// One numeric line of ZooKeeper's `mntr` output (`key<TAB>value`).
+#[must_use]
+pub fn parse_mntr(out: &str, key: &str) -> Option<u64> {
+    out.lines().find_map(|l| {
+        let (k, v) = l.split_once('\t')?;
+        (k.trim() == key).then(|| v.trim().parse().ok())?
+    })
+}
+
 impl Counter {
-    /// Connects to a Redis URL (`redis://…`).
+    /// The counter for a backend URL: `redis://`, `rediss://`, `redlock://`,
+    /// `redlocks://`, `zk://` or `postgres://`; `None` for other schemes.
     ///
     /// # Errors
-    /// When Redis cannot be reached.
-    pub async fn redis(url: &str) -> Result<Self, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("bad Redis URL {url}: {e}"))?;
-        let c = client
-            .get_multiplexed_async_connection()
-            .await
-            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
-        Ok(Self::Redis(c))
+    /// When the backend cannot be reached.
+    pub async fn open(url: &str) -> Result<Option<Self>, String> {
+        let Some((scheme, _)) = url.split_once("://") else {
+            return Ok(None);
+        };
+        match scheme {
+            "redis" | "rediss" => Self::redis(&[url.to_owned()]).await.map(Some),
+            "redlock" | "redlocks" => {
+                let (_, hosts, path) = crate::backend::redis::split_hosts(url)?;
+                let base = if scheme == "redlocks" {
+                    "rediss"
+                } else {
+                    "redis"
+                };
+                let urls: Vec<String> = hosts
+                    .iter()
+                    .map(|h| format!("{base}://{h}/{path}"))
+                    .collect();
+                Self::redis(&urls).await.map(Some)
+            }
+            "zk" => {
+                let (_, hosts, _) = crate::backend::redis::split_hosts(url)?;
+                for h in &hosts {
+                    if zk_packets_received(h).await.is_none() {
+                        return Err(format!(
+                            "ZooKeeper at {h} does not answer `mntr` (is it in 4lw.commands.whitelist?)"
+                        ));
+                    }
+                }
+                Ok(Some(Self::ZooKeeper(hosts)))
+            }
+            "postgres" | "postgresql" => Self::postgres(url).await.map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Connects to every Redis URL (`redis://…`); the counts are summed.
+    ///
+    /// # Errors
+    /// When a node cannot be reached.
+    pub async fn redis(urls: &[String]) -> Result<Self, String> {
+        let mut conns = Vec::new();
+        for url in urls {
+            let client = redis::Client::open(url.as_str())
+                .map_err(|e| format!("bad Redis URL {url}: {e}"))?;
+            let c = client
+                .get_multiplexed_async_connection()
+                .await
+                .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+            conns.push(c);
+        }
+        Ok(Self::Redis(conns))
     }
 
     /// Connects to a PostgreSQL URL.
@@ -112,20 +190,32 @@ impl Counter {
     /// The counters now; `None` when they cannot be read.
     pub async fn read(&mut self) -> Option<Ops> {
         match self {
-            Self::Redis(c) => {
-                let info: String = redis::cmd("INFO")
-                    .arg("commandstats")
-                    .query_async(c)
-                    .await
-                    .ok()?;
-                let stats = parse_commandstats(&info);
-                Some(Ops {
-                    round_trips: stats
+            Self::Redis(conns) => {
+                let mut ops = Ops::default();
+                for c in conns {
+                    let info: String = redis::cmd("INFO")
+                        .arg("commandstats")
+                        .query_async(c)
+                        .await
+                        .ok()?;
+                    let stats = parse_commandstats(&info);
+                    ops.round_trips += stats
                         .iter()
                         .filter(|(n, _)| top_level(n))
                         .map(|(_, c)| c)
-                        .sum(),
-                    commands: stats.values().sum(),
+                        .sum::<u64>();
+                    ops.commands += stats.values().sum::<u64>();
+                }
+                Some(ops)
+            }
+            Self::ZooKeeper(hosts) => {
+                let mut n = 0;
+                for h in hosts {
+                    n += zk_packets_received(h).await?;
+                }
+                Some(Ops {
+                    round_trips: n,
+                    commands: n,
                 })
             }
             Self::Postgres(c) => {
@@ -188,5 +278,14 @@ mod tests {
             .map(|(_, c)| c)
             .sum();
         assert_eq!(rt, 11);
+    }
+
+    #[test]
+    fn mntr_lines_are_read_by_key() {
+        let out = "zk_version\t3.8.0\nzk_packets_received\t1234\nzk_packets_sent\t99\n";
+        assert_eq!(parse_mntr(out, "zk_packets_received"), Some(1234));
+        assert_eq!(parse_mntr(out, "zk_packets_sent"), Some(99));
+        assert_eq!(parse_mntr(out, "zk_version"), None);
+        assert_eq!(parse_mntr(out, "zk_missing"), None);
     }
 }

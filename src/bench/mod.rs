@@ -56,7 +56,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub sidecar_pid: Option<u32>,
     /// Start sidecars on this backend instead of using --url: memory, redis
-    /// (the --redis URL), postgres (the --postgres URL) or a backend URL. Repeatable.
+    /// (the --redis URL), redlock (--redlock), zookeeper (--zookeeper),
+    /// postgres (--postgres) or a backend URL. Repeatable.
     #[arg(long = "backend")]
     pub backends: Vec<String>,
     /// Workload to run.
@@ -93,6 +94,16 @@ pub struct BenchArgs {
     /// PostgreSQL for statement counts (and `--backend postgres`).
     #[arg(long)]
     pub postgres: Option<String>,
+    /// Redlock nodes for `--backend redlock` (`redlock://h1:p1,h2:p2,h3:p3`).
+    #[arg(long)]
+    pub redlock: Option<String>,
+    /// Start three redis-servers on free ports and use them as --redlock.
+    #[arg(long)]
+    pub spawn_redlock: bool,
+    /// ZooKeeper for `--backend zookeeper` (`zk://host:2181[,…]`); request
+    /// counts need `mntr` in its `4lw.commands.whitelist`.
+    #[arg(long)]
+    pub zookeeper: Option<String>,
     /// Sleeps of the polling baseline client.
     #[arg(long, value_delimiter = ',', default_value = "10ms,100ms", value_parser = parse_duration)]
     pub poll: Vec<Duration>,
@@ -127,6 +138,8 @@ pub struct BackendRun {
     pub uncontended: Vec<Uncontended>,
     pub contended: Vec<Contended>,
     pub idle: Vec<Idle>,
+    /// Workload 3 with hold streams (one lock each) instead of waiters.
+    pub holds: Vec<Idle>,
     pub crash: Option<Crash>,
     pub startup: Option<Startup>,
     pub errors: Vec<String>,
@@ -229,6 +242,17 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
     } else {
         None
     };
+    let mut _redlock_children = Vec::new();
+    if args.spawn_redlock {
+        for _ in 0..3 {
+            _redlock_children.push(RedisChild::start().await?);
+        }
+        let hosts: Vec<&str> = _redlock_children
+            .iter()
+            .map(|r| r.url.trim_start_matches("redis://"))
+            .collect();
+        args.redlock = Some(format!("redlock://{}", hosts.join(",")));
+    }
     let uncontended_clients = args.clients.clone().unwrap_or_else(|| vec![1, 32]);
     let contended_clients = args
         .contended_clients
@@ -252,7 +276,12 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
             backend: args.url.clone(),
             ..BackendRun::default()
         };
-        let counter_url = args.redis.clone().or(args.postgres.clone());
+        let counter_url = args
+            .redis
+            .clone()
+            .or(args.redlock.clone())
+            .or(args.zookeeper.clone())
+            .or(args.postgres.clone());
         run_backend(
             &args,
             &mut run,
@@ -277,13 +306,17 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
                     .postgres
                     .clone()
                     .ok_or("--backend postgres needs --postgres URL")?,
+                "redlock" => args
+                    .redlock
+                    .clone()
+                    .ok_or("--backend redlock needs --redlock URL or --spawn-redlock")?,
+                "zookeeper" => args
+                    .zookeeper
+                    .clone()
+                    .ok_or("--backend zookeeper needs --zookeeper URL")?,
                 other => other.to_owned(),
             };
-            let counter_url = if url.starts_with("redis://") || url.starts_with("postgres") {
-                Some(url.clone())
-            } else {
-                None
-            };
+            let counter_url = Some(url.clone());
             let mut run = BackendRun {
                 backend: crate::backend::redact(&url),
                 spawned: true,
@@ -338,14 +371,11 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
 }
 
 async fn counter(url: Option<&str>) -> Option<Counter> {
-    let url = url?;
-    let c = if url.starts_with("postgres") {
-        Counter::postgres(url).await
-    } else {
-        Counter::redis(url).await
-    };
-    c.map_err(|e| eprintln!("sidelock bench: no backend counters: {e}"))
+    Counter::open(url?)
+        .await
+        .map_err(|e| eprintln!("sidelock bench: no backend counters: {e}"))
         .ok()
+        .flatten()
 }
 
 /// Sidecars the bench started for one workload.
@@ -448,6 +478,14 @@ async fn run_backend(
             {
                 Ok(r) => run.idle.push(r),
                 Err(e) => run.errors.push(format!("idle {w}: {e}")),
+            }
+            drop(spawned);
+            target!(pair, spawned, target);
+            eprintln!("[{label}] idle, {w} holds");
+            let name = format!("bench-h-{run_id}-{w}");
+            match workloads::idle_holds(&target, w, args.idle_duration, &name, &mut counter).await {
+                Ok(r) => run.holds.push(r),
+                Err(e) => run.errors.push(format!("holds {w}: {e}")),
             }
             drop(spawned);
         }
@@ -624,6 +662,35 @@ fn headline(r: &Report) -> serde_json::Value {
     serde_json::Value::Object(h)
 }
 
+/// A table of idle waiters or holds; `columns`: the count, the granted or
+/// queued count, the per-item RSS heading.
+fn print_idle(title: &str, columns: [&str; 3], rows: &[(String, &Idle)]) {
+    if rows.is_empty() {
+        return;
+    }
+    let [count, granted, per] = columns;
+    println!("\n## {title}\n");
+    println!(
+        "| system | {count} | {granted} | round trips/s | commands/s | sidecar RSS MiB | {per} |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (label, i) in rows {
+        println!(
+            "| {label} | {} | {} | {} | {} | {} | {} |",
+            i.waiters,
+            match (i.queued, i.waiter_errors) {
+                (None, _) => "-".into(),
+                (Some(q), 0) => q.to_string(),
+                (Some(q), e) => format!("{q} ({e} refused)"),
+            },
+            opt(i.round_trips_per_s),
+            opt(i.commands_per_s),
+            opt(i.rss_kib.map(|k| (k as f64 / 1024.0 * 10.0).round() / 10.0)),
+            opt(i.rss_per_waiter_kib)
+        );
+    }
+}
+
 fn opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v}"))
 }
@@ -698,28 +765,21 @@ fn print_tables(r: &Report) {
             );
         }
     }
-    if !idle.is_empty() {
-        println!("\n## Idle waiters (lock held, waiters blocked)\n");
-        println!(
-            "| system | waiters | queued | round trips/s | commands/s | sidecar RSS MiB | KiB/waiter |"
-        );
-        println!("|---|---:|---:|---:|---:|---:|---:|");
-        for (label, i) in idle {
-            println!(
-                "| {label} | {} | {} | {} | {} | {} | {} |",
-                i.waiters,
-                match (i.queued, i.waiter_errors) {
-                    (None, _) => "-".into(),
-                    (Some(q), 0) => q.to_string(),
-                    (Some(q), e) => format!("{q} ({e} refused)"),
-                },
-                opt(i.round_trips_per_s),
-                opt(i.commands_per_s),
-                opt(i.rss_kib.map(|k| (k as f64 / 1024.0 * 10.0).round() / 10.0)),
-                opt(i.rss_per_waiter_kib)
-            );
-        }
-    }
+    print_idle(
+        "Idle waiters (lock held, waiters blocked)",
+        ["waiters", "queued", "KiB/waiter"],
+        &idle,
+    );
+    let holds: Vec<(String, &Idle)> = r
+        .runs
+        .iter()
+        .flat_map(|run| run.holds.iter().map(move |h| (run.backend.clone(), h)))
+        .collect();
+    print_idle(
+        "Idle holds (hold streams, one lock each, renewed by the watchdog)",
+        ["holds", "granted", "KiB/hold"],
+        &holds,
+    );
     let crash: Vec<_> = r
         .runs
         .iter()

@@ -498,6 +498,50 @@ pub async fn idle_sidecar(
     Ok(r)
 }
 
+/// Workload 3, holds: `holds` hold streams on as many lock names, each
+/// granted, kept open for `duration` (the watchdog renews them), on sidecar 1.
+/// Reported in the same shape as waiters: `waiters` is the number of holds
+/// asked, `queued` the number granted, `waiter_errors` those refused.
+///
+/// # Errors
+/// Never for a refused hold (counted); only when nothing can be measured.
+pub async fn idle_holds(
+    t: &Target,
+    holds: usize,
+    duration: Duration,
+    name: &str,
+    counter: &mut Option<Counter>,
+) -> Result<Idle, String> {
+    use futures::StreamExt as _;
+    let token = t.api_token.as_deref();
+    let base = t.url(0).to_owned();
+    let pid = t.pids.first().copied().flatten();
+    let rss_before = pid.and_then(rss_kib);
+    // At most 64 grants in flight, so a slow backend refuses none for time.
+    let opened: Vec<Result<Hold, String>> = futures::stream::iter(0..holds)
+        .map(|i| {
+            let (base, name) = (&base, format!("{name}-{i}"));
+            async move { hold(base, &name, "30s", token).await }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let granted = opened.iter().filter(|h| h.is_ok()).count() as u64;
+    if granted == 0 && holds > 0 {
+        let why = opened.into_iter().find_map(Result::err).unwrap_or_default();
+        return Err(format!("no hold was granted: {why}"));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let ((), ops) = Counter::around(counter, None, tokio::time::sleep(duration)).await;
+    let seconds = started.elapsed().as_secs_f64();
+    let rss = pid.and_then(rss_kib);
+    drop(opened);
+    let mut r = idle_result(holds, Some(granted), seconds, ops, rss_before, rss);
+    r.waiter_errors = holds as u64 - granted;
+    Ok(r)
+}
+
 async fn until_queued_zero(base: &str, token: Option<&str>) -> Option<u64> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
