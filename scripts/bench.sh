@@ -42,7 +42,7 @@ java -Xms64m -Xmx512m -Dzookeeper.jmx.log4j.disable=true \
   -cp "$zkdir:/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar" \
   org.apache.zookeeper.server.quorum.QuorumPeerMain "$zkdir/zoo.cfg" > "$zkdir/zookeeper.log" 2>&1 &
 zkpid=$!
-trap 'kill $zkpid 2>/dev/null; wait $zkpid 2>/dev/null; rm -rf "$zkdir"' EXIT
+trap 'kill $zkpid 2>/dev/null; wait $zkpid 2>/dev/null || true; rm -rf "$zkdir"' EXIT
 for _ in $(seq 600); do
   [[ "$(exec 3<>/dev/tcp/127.0.0.1/$zkport && printf ruok >&3 && cat <&3)" == imok ]] 2>/dev/null && break
   sleep 0.1
