@@ -8,7 +8,7 @@ mod common;
 
 use std::process::Command;
 
-use common::redis::RedisServer;
+use common::redis::{RedisNodes, RedisServer};
 use common::sidecar::SIDELOCK_BIN;
 use serde_json::Value;
 
@@ -24,36 +24,19 @@ fn num(v: &Value, path: &str) -> f64 {
         .unwrap_or_else(|| panic!("{path} is not a number in {v:#}"))
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn bench_runs_every_workload_and_writes_well_formed_json() {
-    let redis = RedisServer::start().await;
+/// Runs `sidelock bench <args> --json <tmp>` (`args` split on whitespace);
+/// asserts it succeeded and returns its printed tables and the JSON it wrote.
+async fn run_bench(args: &str) -> (String, Value) {
+    let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
     let dir = tempfile::tempdir().expect("temp dir");
     let json = dir.path().join("bench.json");
     let out = tokio::task::spawn_blocking({
         let json = json.clone();
-        let redis = redis.url();
         move || {
             Command::new(SIDELOCK_BIN)
-                .args(["bench", "--workload", "all"])
-                .args([
-                    "--backend",
-                    "memory",
-                    "--backend",
-                    "redis",
-                    "--redis",
-                    &redis,
-                ])
-                .args(["--duration", "300ms", "--idle-duration", "300ms"])
-                .args(["--clients", "1,2", "--contended-clients", "2,4"])
-                .args([
-                    "--waiters",
-                    "3",
-                    "--crash-rounds",
-                    "1",
-                    "--startup-rounds",
-                    "1",
-                ])
-                .args(["--poll", "10ms", "--json"])
+                .arg("bench")
+                .args(&args)
+                .arg("--json")
                 .arg(&json)
                 .env_remove("SIDELOCK_API_TOKEN")
                 .output()
@@ -62,13 +45,28 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     })
     .await
     .expect("join");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
         "sidelock bench failed: {}\n{stdout}\n{stderr}",
         out.status
     );
+    let report =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("read JSON")).expect("JSON");
+    (stdout, report)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_runs_every_workload_and_writes_well_formed_json() {
+    let redis = RedisServer::start().await;
+    let args = format!(
+        "--workload all --backend memory --backend redis --redis {} \
+         --duration 300ms --idle-duration 300ms --clients 1,2 --contended-clients 2,4 \
+         --waiters 3 --crash-rounds 1 --startup-rounds 1 --poll 10ms",
+        redis.url()
+    );
+    let (stdout, report) = run_bench(&args).await;
     for table in [
         "Uncontended",
         "Contended",
@@ -79,8 +77,6 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     ] {
         assert!(stdout.contains(table), "no {table} table in:\n{stdout}");
     }
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("read JSON")).expect("JSON");
     assert!(num(&report, "machine.cpus") >= 1.0);
     let runs = report["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2, "{report:#}");
@@ -150,48 +146,14 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bench_counts_zookeeper_and_redlock_operations() {
     let zk = common::zookeeper::ZkServer::start().await;
-    let nodes = [
-        RedisServer::start().await,
-        RedisServer::start().await,
-        RedisServer::start().await,
-    ];
-    let redlock = format!(
-        "redlock://{}",
-        nodes
-            .iter()
-            .map(|n| n.url().trim_start_matches("redis://").to_owned())
-            .collect::<Vec<_>>()
-            .join(",")
+    let redlock = RedisNodes::start(3).await;
+    let args = format!(
+        "--workload contended --no-baselines --backend zookeeper --zookeeper {} \
+         --backend redlock --redlock {} --duration 300ms --contended-clients 4",
+        zk.url(""),
+        redlock.url()
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json = dir.path().join("bench.json");
-    let out = tokio::task::spawn_blocking({
-        let json = json.clone();
-        let zk = zk.url("");
-        move || {
-            Command::new(SIDELOCK_BIN)
-                .args(["bench", "--workload", "contended", "--no-baselines"])
-                .args(["--backend", "zookeeper", "--zookeeper", &zk])
-                .args(["--backend", "redlock", "--redlock", &redlock])
-                .args(["--duration", "300ms", "--contended-clients", "4"])
-                .arg("--json")
-                .arg(&json)
-                .env_remove("SIDELOCK_API_TOKEN")
-                .output()
-                .expect("run sidelock bench")
-        }
-    })
-    .await
-    .expect("join");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "sidelock bench failed: {}\n{stdout}\n{stderr}",
-        out.status
-    );
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("read JSON")).expect("JSON");
+    let (_, report) = run_bench(&args).await;
     let runs = report["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2, "{report:#}");
     assert!(runs[0]["backend"].as_str().unwrap().starts_with("zk://"));
