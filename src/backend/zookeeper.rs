@@ -143,6 +143,12 @@ struct Inner {
     leases: Mutex<HashMap<Token, String>>,
     /// Waiting nodes whose blocker is being watched.
     following: Mutex<HashSet<String>>,
+    /// Shared children listings by (session, parent path), while in use. A
+    /// listing is O(queue length): a burst of n waiters joining one lock,
+    /// each listing on its own, would cost O(n²) bytes on the wire and in
+    /// memory, and queue n large responses on the session's one connection
+    /// ahead of the lifeline's pings.
+    listers: Mutex<HashMap<(i64, String), Arc<Lister>>>,
     /// Whether the parent-create call may use container nodes.
     containers: std::sync::atomic::AtomicBool,
     /// The session whose nodes count as this sidecar's; `None` between sessions.
@@ -188,6 +194,16 @@ struct ParentData {
     fence: u64,
     #[serde(default)]
     delay_until_ms: u64,
+}
+
+/// What a waiting node waits for, by its place among the parent's children.
+enum Blocker {
+    /// Nothing: it is admitted by place.
+    Nothing,
+    /// Any deletion before it (a semaphore's queue head watches the children).
+    Earlier,
+    /// The deletion (or grant) of this node.
+    Node(String),
 }
 
 /// One child of a lock node.
@@ -237,6 +253,11 @@ impl Node {
 }
 
 fn parse_child(name: &str) -> Option<Child> {
+    child_from(name.to_owned())
+}
+
+/// The claim named `name` (its sequence and mode), or `None` for other nodes.
+fn child_from(name: String) -> Option<Child> {
     let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
     if digits < 10 {
         return None;
@@ -247,17 +268,50 @@ fn parse_child(name: &str) -> Option<Child> {
     } else {
         Mode::Exclusive
     };
-    Some(Child {
-        name: name.to_owned(),
-        seq,
-        mode,
-    })
+    Some(Child { name, seq, mode })
 }
 
 fn sorted(names: Vec<String>) -> Vec<Child> {
-    let mut children: Vec<Child> = names.iter().filter_map(|n| parse_child(n)).collect();
+    let mut children: Vec<Child> = names.into_iter().filter_map(child_from).collect();
     children.sort_by_key(|c| c.seq);
     children
+}
+
+/// A parent's children sorted by sequence, shared by the callers that
+/// asked for them at about the same time.
+type Listing = Arc<Vec<Child>>;
+
+/// A caller of [`Inner::children`]; the last one to leave (also when its
+/// future is dropped) removes the parent's [`Lister`] and its listing.
+struct ListerUse<'a> {
+    listers: &'a Mutex<HashMap<(i64, String), Arc<Lister>>>,
+    id: (i64, String),
+    lister: Arc<Lister>,
+}
+
+impl Drop for ListerUse<'_> {
+    fn drop(&mut self) {
+        let mut listers = lock(self.listers);
+        // Only the map and this caller hold it: nobody waits for a listing.
+        if Arc::strong_count(&self.lister) == 2 {
+            listers.remove(&self.id);
+        }
+    }
+}
+
+/// One parent's listings. Callers that arrive while a listing is under way
+/// wait for it to end, then share one new listing: one request per batch of
+/// callers instead of one each, and every caller's listing is issued after
+/// it asked, so it shows every change the caller saw before asking (a
+/// session's requests are answered in order; watch events come before
+/// later answers).
+#[derive(Default)]
+struct Lister {
+    /// Listings issued so far.
+    issued: std::sync::atomic::AtomicU64,
+    /// The newest completed listing with its issue number. Whoever holds the
+    /// lock and finds it stale issues the next listing.
+    last: tokio::sync::Mutex<Option<(u64, Listing)>>,
 }
 
 /// Whether the child at `index` is admitted by its place alone.
@@ -412,6 +466,7 @@ impl ZooKeeper {
                 tickets: Mutex::new(HashMap::new()),
                 leases: Mutex::new(HashMap::new()),
                 following: Mutex::new(HashSet::new()),
+                listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
@@ -668,17 +723,41 @@ impl Inner {
         }
     }
 
+    /// The children of `path`, listed after this call began (shared with
+    /// concurrent callers, see [`Lister`]).
     async fn children(
         &self,
         zk: &zk::Client,
         op: &'static str,
         path: &str,
-    ) -> Result<Vec<Child>, Error> {
-        match call(op, zk.list_children(path)).await? {
-            Ok(names) => Ok(sorted(names)),
-            Err(zk::Error::NoNode) => Ok(Vec::new()),
-            Err(e) => Err(unavailable(op, e)),
+    ) -> Result<Listing, Error> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let id = (zk.session_id().0, path.to_owned());
+        let lister = lock(&self.listers).entry(id.clone()).or_default().clone();
+        let user = ListerUse {
+            listers: &self.listers,
+            id,
+            lister,
+        };
+        let lister = &user.lister;
+        let seen = lister.issued.load(SeqCst);
+        let mut last = lister.last.lock().await;
+        if let Some((n, listing)) = &*last
+            && *n > seen
+        {
+            return Ok(listing.clone());
         }
+        let n = lister.issued.fetch_add(1, SeqCst) + 1;
+        let listed = match call(op, zk.list_children(path)).await {
+            Ok(Ok(names)) => Ok(Arc::new(sorted(names))),
+            Ok(Err(zk::Error::NoNode)) => Ok(Arc::new(Vec::new())),
+            Ok(Err(e)) => Err(unavailable(op, e)),
+            Err(e) => Err(e),
+        };
+        if let Ok(listing) = &listed {
+            *last = Some((n, listing.clone()));
+        }
+        listed
     }
 
     async fn read(
@@ -836,7 +915,7 @@ impl Inner {
         op: &'static str,
         key: &LockKey,
         parent: &str,
-    ) -> Result<(Vec<Child>, Vec<Node>, u32), Error> {
+    ) -> Result<(Listing, Vec<Node>, u32), Error> {
         for _ in 0..10 {
             let children = self.children(zk, op, parent).await?;
             let mut limit = 0;
@@ -921,8 +1000,8 @@ impl Inner {
             lock(&self.leases).remove(token);
             return Ok(None);
         }
-        for c in self.children(zk, op, parent).await? {
-            if let Some(node) = self.read(zk, op, parent, &c).await?
+        for c in self.children(zk, op, parent).await?.iter() {
+            if let Some(node) = self.read(zk, op, parent, c).await?
                 && node
                     .data
                     .as_ref()
@@ -935,66 +1014,105 @@ impl Inner {
     }
 
     /// Watches what blocks the waiting node `name` and wakes local waiters on
-    /// `key` when it changes, until the node is granted or leaves.
-    async fn follow(self: Arc<Self>, zk: zk::Client, key: LockKey, parent: String, name: String) {
+    /// `key` when it changes, until the node is granted or leaves. `listing`
+    /// is the parent's children as the attempt that queued the node saw them
+    /// (taken after the node was created), which saves the first listing.
+    async fn follow(
+        self: Arc<Self>,
+        zk: zk::Client,
+        key: LockKey,
+        parent: String,
+        name: String,
+        listing: Listing,
+    ) {
         let path = format!("{parent}/{name}");
         if !lock(&self.following).insert(path.clone()) {
             return;
         }
-        let _ = self.follow_loop(&zk, &key, &parent, &name).await;
+        let _ = self.follow_loop(&zk, &key, &parent, &name, listing).await;
         lock(&self.following).remove(&path);
     }
 
+    // Listings are dropped before every wait for a watch: a waiter parked
+    // with the listing it joined on would keep O(queue length) bytes alive
+    // for as long as it waits, O(n²) for a queue of n.
     async fn follow_loop(
         &self,
         zk: &zk::Client,
         key: &LockKey,
         parent: &str,
         name: &str,
+        listing: Listing,
     ) -> Result<(), Error> {
+        let Some(seq) = parse_child(name).map(|c| c.seq) else {
+            return Ok(());
+        };
+        let mut listing = Some(listing);
         loop {
-            if !lock(&self.tickets).values().any(|n| n == name) {
+            if !lock(&self.tickets).contains_key(&(key.clone(), seq)) {
                 return Ok(());
             }
-            let children = self.children(zk, "watch", parent).await?;
+            let children = match listing.take() {
+                Some(children) => children,
+                None => self.children(zk, "watch", parent).await?,
+            };
             let Some(at) = children.iter().position(|c| c.name == name) else {
                 return Ok(());
             };
-            let blocker = match (key.kind, children[at].mode) {
+            let (blocker, limit) = match (key.kind, children[at].mode) {
                 (Kind::Semaphore, _) => {
                     let limit = self.active_limit(zk, "watch", parent, &children).await? as usize;
                     match at.cmp(&limit) {
-                        std::cmp::Ordering::Less => None,
+                        std::cmp::Ordering::Less => (Blocker::Nothing, limit),
                         // The head of the queue: any deletion before it admits it.
-                        std::cmp::Ordering::Equal => {
-                            let (now, w) =
-                                must("watch", zk.list_and_watch_children(parent)).await?;
-                            let now = sorted(now);
-                            match now.iter().position(|c| c.name == name) {
-                                None => return Ok(()),
-                                Some(i) if i < limit => None,
-                                Some(_) => {
-                                    self.await_watch(key, w).await;
-                                    continue;
-                                }
-                            }
-                        }
+                        std::cmp::Ordering::Equal => (Blocker::Earlier, limit),
                         // Further back: its predecessor, which is deleted or
                         // granted (a data change) before this node can be head.
-                        std::cmp::Ordering::Greater => Some(at - 1),
+                        std::cmp::Ordering::Greater => {
+                            (Blocker::Node(children[at - 1].name.clone()), limit)
+                        }
                     }
                 }
-                (Kind::Lock, Mode::Exclusive) => at.checked_sub(1),
-                (Kind::Lock, Mode::Shared) => children[..at]
-                    .iter()
-                    .rposition(|c| c.mode == Mode::Exclusive),
+                (Kind::Lock, Mode::Exclusive) => (
+                    at.checked_sub(1).map_or(Blocker::Nothing, |b| {
+                        Blocker::Node(children[b].name.clone())
+                    }),
+                    0,
+                ),
+                (Kind::Lock, Mode::Shared) => (
+                    children[..at]
+                        .iter()
+                        .rev()
+                        .find(|c| c.mode == Mode::Exclusive)
+                        .map_or(Blocker::Nothing, |c| Blocker::Node(c.name.clone())),
+                    0,
+                ),
             };
-            let Some(b) = blocker else {
-                // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
-                self.wakeups.wake(key);
-                return Ok(());
+            drop(children);
+            let blocker = match blocker {
+                Blocker::Node(blocker) => blocker,
+                Blocker::Nothing => {
+                    // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
+                    self.wakeups.wake(key);
+                    return Ok(());
+                }
+                Blocker::Earlier => {
+                    let (now, w) = must("watch", zk.list_and_watch_children(parent)).await?;
+                    let position = sorted(now).iter().position(|c| c.name == name);
+                    match position {
+                        None => return Ok(()),
+                        Some(i) if i < limit => {
+                            self.wakeups.wake(key);
+                            return Ok(());
+                        }
+                        Some(_) => {
+                            self.await_watch(key, w).await;
+                            continue;
+                        }
+                    }
+                }
             };
-            let target = format!("{parent}/{}", children[b].name);
+            let target = format!("{parent}/{blocker}");
             let watcher = match must("watch", zk.check_and_watch_stat(&target)).await? {
                 (None, _) => {
                     self.wakeups.wake(key);
@@ -1006,7 +1124,9 @@ impl Inner {
                 // A deletion between the listing and the watch may have made
                 // the predecessor head, or admitted it: look again.
                 let again = self.children(zk, "watch", parent).await?;
-                if again.iter().position(|c| c.name == name) != Some(at) {
+                let moved = again.iter().position(|c| c.name == name) != Some(at);
+                drop(again);
+                if moved {
                     continue;
                 }
             }
@@ -1260,7 +1380,7 @@ impl Backend for ZooKeeper {
             .map(Node::holder)
             .collect();
         let mut waiters = Vec::new();
-        for c in &children {
+        for c in children.iter() {
             if nodes.iter().any(|n| n.child.name == c.name && n.is_held()) {
                 continue;
             }
@@ -1726,7 +1846,7 @@ impl ZooKeeper {
         let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
         let following = lock(&me.following).contains(&path);
         if !following {
-            tokio::spawn(follower.follow(zk2, key2, parent2, name));
+            tokio::spawn(follower.follow(zk2, key2, parent2, name, children));
         }
         Ok(Attempt::Busy(busy))
     }
