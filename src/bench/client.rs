@@ -25,6 +25,112 @@ pub fn http_client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
+/// One keep-alive HTTP/1.1 connection to a sidecar, opened on first use and
+/// again after an error: hyper's own client connection, the HTTP
+/// counterpart of the direct baseline's one multiplexed Redis connection, so
+/// the bench's client costs little next to the sidecar it measures (a pooled
+/// client such as reqwest spends more CPU per request than the sidecar's
+/// memory backend).
+pub struct Connection {
+    /// `host:port` of the sidecar.
+    authority: String,
+    /// `Authorization` header value, when the API needs a token.
+    auth: Option<axum::http::HeaderValue>,
+    /// The open connection's request handle; `None` until used or after an error.
+    sender:
+        Option<hyper::client::conn::http1::SendRequest<http_body_util::Empty<axum::body::Bytes>>>,
+}
+
+impl Clone for Connection {
+    /// A clone opens a connection of its own.
+    fn clone(&self) -> Self {
+        Self {
+            authority: self.authority.clone(),
+            auth: self.auth.clone(),
+            sender: None,
+        }
+    }
+}
+
+/// A response's status and body.
+pub struct Response {
+    pub status: u16,
+    pub body: axum::body::Bytes,
+}
+
+impl Connection {
+    /// A connection to the sidecar at `base` (`http://host:port`).
+    #[must_use]
+    pub fn new(base: &str, api_token: Option<&str>) -> Self {
+        let authority = base
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        let auth =
+            api_token.and_then(|t| axum::http::HeaderValue::try_from(format!("Bearer {t}")).ok());
+        Self {
+            authority,
+            auth,
+            sender: None,
+        }
+    }
+
+    async fn open(
+        &self,
+    ) -> Result<
+        hyper::client::conn::http1::SendRequest<http_body_util::Empty<axum::body::Bytes>>,
+        String,
+    > {
+        let stream = tokio::net::TcpStream::connect(&self.authority)
+            .await
+            .map_err(|e| format!("cannot connect to {}: {e}", self.authority))?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    /// Sends `method path_and_query` and reads the whole response.
+    ///
+    /// # Errors
+    /// When the sidecar cannot be reached or the connection fails.
+    pub async fn send(
+        &mut self,
+        method: axum::http::Method,
+        path: &str,
+    ) -> Result<Response, String> {
+        use http_body_util::BodyExt as _;
+        let mut sender = match self.sender.take() {
+            Some(s) if !s.is_closed() => s,
+            _ => self.open().await?,
+        };
+        let mut req = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(axum::http::header::HOST, self.authority.as_str());
+        if let Some(auth) = &self.auth {
+            req = req.header(axum::http::header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(http_body_util::Empty::new())
+            .map_err(|e| e.to_string())?;
+        sender.ready().await.map_err(|e| e.to_string())?;
+        let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        self.sender = Some(sender);
+        Ok(Response { status, body })
+    }
+}
+
 /// Why an acquire did not grant.
 #[derive(Debug)]
 pub enum Refused {
@@ -41,9 +147,7 @@ struct GrantBody {
 #[derive(Clone)]
 pub enum Locker {
     Sidecar {
-        client: reqwest::Client,
-        base: String,
-        api_token: Option<String>,
+        conn: Connection,
     },
     Redis {
         conn: redis::aio::MultiplexedConnection,
@@ -59,9 +163,7 @@ impl Locker {
     #[must_use]
     pub fn sidecar(base: &str, api_token: Option<&str>) -> Self {
         Self::Sidecar {
-            client: http_client(),
-            base: base.trim_end_matches('/').to_owned(),
-            api_token: api_token.map(str::to_owned),
+            conn: Connection::new(base, api_token),
         }
     }
 
@@ -100,36 +202,20 @@ impl Locker {
     /// client retries after its sleep). Returns the token.
     pub async fn acquire(&mut self, name: &str, wait: Duration) -> Result<String, Refused> {
         match self {
-            Self::Sidecar {
-                client,
-                base,
-                api_token,
-            } => {
-                let url = format!(
-                    "{base}/v1/locks/{name}?ttl={TTL_MS}&wait={}",
-                    wait.as_millis()
-                );
-                let mut req = client.post(url);
-                if let Some(t) = api_token {
-                    req = req.bearer_auth(t);
-                }
-                let resp = req
-                    .send()
+            Self::Sidecar { conn } => {
+                let path = format!("/v1/locks/{name}?ttl={TTL_MS}&wait={}", wait.as_millis());
+                let resp = conn
+                    .send(axum::http::Method::POST, &path)
                     .await
-                    .map_err(|e| Refused::Failed(e.to_string()))?;
-                match resp.status().as_u16() {
-                    200 => resp
-                        .json::<GrantBody>()
-                        .await
+                    .map_err(Refused::Failed)?;
+                match resp.status {
+                    200 => serde_json::from_slice::<GrantBody>(&resp.body)
                         .map(|g| g.token)
                         .map_err(|e| Refused::Failed(e.to_string())),
-                    409 => {
-                        let _ = resp.bytes().await;
-                        Err(Refused::Busy)
-                    }
+                    409 => Err(Refused::Busy),
                     s => Err(Refused::Failed(format!(
                         "acquire answered {s}: {}",
-                        resp.text().await.unwrap_or_default()
+                        String::from_utf8_lossy(&resp.body)
                     ))),
                 }
             }
@@ -168,22 +254,13 @@ impl Locker {
     /// Releases `name` held with `token`.
     pub async fn release(&mut self, name: &str, token: &str) -> Result<(), String> {
         match self {
-            Self::Sidecar {
-                client,
-                base,
-                api_token,
-            } => {
-                let mut req = client.delete(format!("{base}/v1/locks/{name}?token={token}"));
-                if let Some(t) = api_token {
-                    req = req.bearer_auth(t);
-                }
-                let resp = req.send().await.map_err(|e| e.to_string())?;
-                let status = resp.status();
-                let _ = resp.bytes().await;
-                if status.is_success() {
+            Self::Sidecar { conn } => {
+                let path = format!("/v1/locks/{name}?token={token}");
+                let resp = conn.send(axum::http::Method::DELETE, &path).await?;
+                if resp.status == 200 {
                     Ok(())
                 } else {
-                    Err(format!("release answered {status}"))
+                    Err(format!("release answered {}", resp.status))
                 }
             }
             Self::Redis {

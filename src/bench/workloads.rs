@@ -453,20 +453,12 @@ pub async fn idle_sidecar(
     let base = t.url(0).to_owned();
     let pid = t.pids.first().copied().flatten();
     let rss_before = pid.and_then(rss_kib);
-    let shared = reqwest::Client::builder()
-        .tcp_nodelay(true)
-        .build()
-        .unwrap_or_default();
     let mut tasks = tokio::task::JoinSet::new();
     let wait = duration + Duration::from_secs(300);
     let ended = Arc::new(AtomicU64::new(0));
     for _ in 0..waiters {
         let ended = ended.clone();
-        let mut locker = Locker::Sidecar {
-            client: shared.clone(),
-            base: base.clone(),
-            api_token: t.api_token.clone(),
-        };
+        let mut locker = Locker::sidecar(&base, t.api_token.as_deref());
         let name = name.to_owned();
         tasks.spawn(async move {
             let _ = locker.acquire(&name, wait).await;
