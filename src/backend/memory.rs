@@ -272,6 +272,10 @@ impl Backend for Memory {
                     since_ms: now,
                     expires_at_ms,
                 };
+                if e.leases.is_empty() {
+                    // Most locks have one holder: room for one, not Vec's default four.
+                    e.leases.reserve_exact(1);
+                }
                 e.leases.push(lease);
                 if let Turn::Queued(t) = turn {
                     e.queue.retain(|q| q.seq != t.seq);
