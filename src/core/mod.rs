@@ -9,13 +9,13 @@
 pub mod event;
 mod queue;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::broadcast;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -66,8 +66,11 @@ pub struct Local {
     /// A renewal through this sidecar has started and none has succeeded
     /// since: the backend may not have extended the lease.
     renewing: AtomicBool,
-    /// Set once, when the lease ends.
-    end: watch::Sender<Option<End>>,
+    /// How the lease ended; set once.
+    end: std::sync::OnceLock<End>,
+    /// Cancelled once `end` is set. (A token rather than a watch channel:
+    /// every lease has one, and a watch channel is several times larger.)
+    ended: CancellationToken,
 }
 
 impl Local {
@@ -121,6 +124,10 @@ pub struct Granted {
     pub count: u32,
     pub expires_at_ms: u64,
     pub waited: Duration,
+    /// The lease is new and its expiry timer is the caller's to run (a
+    /// hold runs it inside its watchdog); otherwise it has a task of its own
+    /// or, re-entered, had one already.
+    supervise_here: bool,
 }
 
 /// The result of an acquire that did not fail.
@@ -141,8 +148,7 @@ pub enum HoldEvent {
         position: usize,
         queue_length: usize,
     },
-    // The large variants are boxed: a hold's channel allocates room for 32
-    // events up front, so the enum's size is paid 32 times per hold.
+    // The large variants are boxed: a hold keeps a few events' room.
     Acquired(Box<Granted>),
     Renewed {
         expires_at_ms: u64,
@@ -154,6 +160,57 @@ pub enum HoldEvent {
         waited: Duration,
     },
     Failed(Box<Error>),
+}
+
+/// The events of one hold not yet handed to its client, and whether the
+/// client is still there.
+///
+/// A hold has no task or channel of its own: [`Core::hold`] runs inside the
+/// client's response stream, which polls it and then hands out what it
+/// reported (with ten thousand holds, a task and a channel each were a
+/// fifth of the sidecar's memory). The stream leaves when the client
+/// closes it, and lets the hold finish elsewhere: stop waiting, or release.
+#[derive(Default)]
+pub struct HoldEvents {
+    /// Reported and not yet handed out, oldest first.
+    queue: Mutex<VecDeque<HoldEvent>>,
+    /// Cancelled when the client has gone.
+    left: CancellationToken,
+}
+
+impl HoldEvents {
+    /// Queues `event`. A position update replaces one not yet handed out.
+    /// Returns false, queuing nothing, once the client has gone.
+    pub fn send(&self, event: HoldEvent) -> bool {
+        if self.left.is_cancelled() {
+            return false;
+        }
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if let (HoldEvent::Queued { .. }, Some(last @ HoldEvent::Queued { .. })) =
+            (&event, queue.back_mut())
+        {
+            *last = event;
+        } else {
+            queue.push_back(event);
+        }
+        true
+    }
+
+    /// The oldest event not yet handed out.
+    pub fn next(&self) -> Option<HoldEvent> {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let event = queue.pop_front();
+        if queue.is_empty() {
+            // A hold spends nearly all its life with nothing to report.
+            queue.shrink_to_fit();
+        }
+        event
+    }
+
+    /// Marks the client gone: the hold stops waiting or releases its lease.
+    pub fn leave(&self) {
+        self.left.cancel();
+    }
 }
 
 /// The lock service of one sidecar.
@@ -318,7 +375,7 @@ impl Core {
         claim: &Claim,
         wait: Duration,
         cancel: &CancellationToken,
-        progress: Option<&mpsc::Sender<HoldEvent>>,
+        progress: Option<&HoldEvents>,
     ) -> Result<Outcome, Error> {
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started) + wait;
@@ -332,7 +389,14 @@ impl Core {
         }
         let turn = if queueing { Turn::Join } else { Turn::Once };
         let busy = match self.attempt(claim, turn).await? {
-            Attempt::Granted(g) => return Ok(Outcome::Granted(self.granted(claim, g, started))),
+            Attempt::Granted(g) => {
+                return Ok(Outcome::Granted(self.granted(
+                    claim,
+                    g,
+                    started,
+                    progress.is_some(),
+                )));
+            }
             Attempt::Busy(busy) => busy,
         };
         let Some(ticket) = busy.ticket.clone().filter(|_| queueing) else {
@@ -383,7 +447,12 @@ impl Core {
                         let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
                         place.leave_granted(pass_on);
                         drop(watch);
-                        return Ok(Outcome::Granted(self.granted(claim, g, started)));
+                        return Ok(Outcome::Granted(self.granted(
+                            claim,
+                            g,
+                            started,
+                            progress.is_some(),
+                        )));
                     }
                     Ok(Attempt::Busy(b)) => {
                         retry_at = b.retry_at_ms;
@@ -437,9 +506,9 @@ impl Core {
         offset: usize,
         reported: &mut Option<usize>,
         queue_length: usize,
-        progress: Option<&mpsc::Sender<HoldEvent>>,
+        progress: Option<&HoldEvents>,
     ) {
-        let Some(tx) = progress else { return };
+        let Some(events) = progress else { return };
         let (local, local_len) = place.position();
         let position = local + offset;
         if *reported == Some(position) {
@@ -447,8 +516,7 @@ impl Core {
         }
         *reported = Some(position);
         let queue_length = queue_length.max(local_len + offset).max(position);
-        // A full channel only drops a position update; the next one follows.
-        let _ = tx.try_send(HoldEvent::Queued {
+        events.send(HoldEvent::Queued {
             position,
             queue_length,
         });
@@ -488,7 +556,11 @@ impl Core {
 
     /// Records a grant: the local lease (new, or re-entered), its expiry
     /// timer, metrics and the `acquired` event.
-    fn granted(&self, claim: &Claim, g: Grant, started: Instant) -> Granted {
+    /// A grant of `claim` as a local lease. A new lease gets its expiry
+    /// timer ([`Core::supervise`]) in a task of its own unless `inline`
+    /// (a hold, which runs it itself).
+    fn granted(&self, claim: &Claim, g: Grant, started: Instant, inline: bool) -> Granted {
+        let mut supervise_here = false;
         let waited = started.elapsed();
         // A reentrant grant of a token given up earlier holds again.
         self.lock_revoked().remove(&g.token);
@@ -512,15 +584,18 @@ impl Core {
                         cap_ms: claim.max_hold.map(|m| g.since_ms + ms(m)),
                         state: Mutex::new((g.expires_at_ms, g.count)),
                         renewing: AtomicBool::new(false),
-                        end: watch::channel(None).0,
+                        end: std::sync::OnceLock::new(),
+                        ended: CancellationToken::new(),
                     });
                     leases.insert(g.token.clone(), local.clone());
                     self.metrics
                         .held
                         .with_label_values(&[kind_label(claim.key.kind)])
                         .inc();
-                    if let Some(me) = self.me.upgrade() {
-                        self.tasks.spawn(me.supervise(local.clone()));
+                    if inline {
+                        supervise_here = true;
+                    } else {
+                        self.supervise_elsewhere(&local);
                     }
                     local
                 }
@@ -537,22 +612,17 @@ impl Core {
             count: g.count,
             expires_at_ms: g.expires_at_ms,
             waited,
+            supervise_here,
         }
     }
 
     /// Ends a local lease once: removes it, counts it, publishes the event.
     /// Returns false if it had ended already.
     fn end(&self, local: &Local, end: End) -> bool {
-        let first = local.end.send_if_modified(|slot| {
-            if slot.is_some() {
-                return false;
-            }
-            *slot = Some(end);
-            true
-        });
-        if !first {
+        if local.end.set(end).is_err() {
             return false;
         }
+        local.ended.cancel();
         self.lock_leases().remove(&local.token);
         let m = &self.metrics;
         m.held
@@ -637,12 +707,11 @@ impl Core {
             Some(local) => {
                 local.renewing.store(true, Ordering::Relaxed);
                 let mut underway = Underway(Some(&local.renewing));
-                let mut ended = local.end.subscribe();
                 let renewed = tokio::select! {
                     renewed = renewal => renewed,
                     // A renewal hanging on an unreachable backend must not
                     // outlive the lease: its client learns with the others.
-                    _ = ended.wait_for(Option::is_some) => {
+                    () = local.ended.cancelled() => {
                         self.metrics.renewals.with_label_values(&["lost"]).inc();
                         return Err(Error::LeaseLost);
                     }
@@ -798,82 +867,82 @@ impl Core {
 
     /// Runs a hold stream: acquire, then renew every ttl/3 until the client
     /// goes away (release), the lease is lost, or the sidecar shuts down.
-    /// Events go to `tx`; the stream ends when this returns.
-    pub async fn hold(&self, claim: Claim, wait: Duration, tx: mpsc::Sender<HoldEvent>) {
-        let cancel = CancellationToken::new();
+    /// Events go to `events`; the stream ends when this returns. Leaving
+    /// (`events.leave()`) ends it early: the wait is given up, a lease released.
+    ///
+    /// The claim comes boxed: an argument stays part of the hold's state
+    /// for as long as the lock is held, a box only while it is acquired.
+    pub async fn hold(&self, claim: Box<Claim>, wait: Duration, events: &HoldEvents) {
         // Boxed and dropped once done: inline, the acquire's state would
-        // stay part of the task for as long as the lock is held.
-        let mut acquire = Box::pin(self.acquire(&claim, wait, &cancel, Some(&tx)));
-        let outcome = loop {
-            tokio::select! {
-                outcome = &mut acquire => break outcome,
-                () = tx.closed(), if !cancel.is_cancelled() => cancel.cancel(),
-            }
-        };
-        drop(acquire);
+        // stay part of the hold for as long as the lock is held.
+        let outcome =
+            Box::pin(async move { self.acquire(&claim, wait, &events.left, Some(events)).await })
+                .await;
         let granted = match outcome {
             Ok(Outcome::Granted(g)) => g,
             Ok(Outcome::Busy { busy, waited }) => {
-                let _ = tx
-                    .send(HoldEvent::Timeout {
-                        busy: Box::new(busy),
-                        waited,
-                    })
-                    .await;
+                events.send(HoldEvent::Timeout {
+                    busy: Box::new(busy),
+                    waited,
+                });
                 return;
             }
             Ok(Outcome::Cancelled) => {
                 if self.shutdown.is_cancelled() {
-                    let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
+                    events.send(HoldEvent::Lost(LostReason::Shutdown));
                 }
                 return;
             }
             Err(e) => {
-                let _ = tx.send(HoldEvent::Failed(Box::new(e))).await;
+                events.send(HoldEvent::Failed(Box::new(e)));
                 return;
             }
         };
         let lease = granted.lease.clone();
+        let supervise = granted.supervise_here;
         if self.shutdown.is_cancelled() {
             // Granted by an attempt already in flight when shutdown began.
-            self.release_fully(&lease).await;
-            let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
+            Box::pin(self.release_fully(&lease)).await;
+            events.send(HoldEvent::Lost(LostReason::Shutdown));
             return;
         }
-        if tx
-            .send(HoldEvent::Acquired(Box::new(granted)))
-            .await
-            .is_err()
-        {
+        if !events.send(HoldEvent::Acquired(Box::new(granted))) {
             // The client left as the grant arrived.
-            let _ = self.release(&lease.key, &lease.token).await;
+            let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+            if supervise {
+                self.supervise_elsewhere(&lease);
+            }
             return;
         }
-        self.watchdog(&lease, &tx).await;
+        self.watchdog(&lease, events, supervise).await;
     }
 
-    async fn watchdog(&self, lease: &Arc<Local>, tx: &mpsc::Sender<HoldEvent>) {
+    // The rare ends (release, shutdown) are boxed: inline, their state
+    // would be part of every hold for as long as it waits for the next renewal.
+    // With `supervise`, the lease's expiry timer runs here too (a task of
+    // its own per hold would cost more than the hold's own state), and goes
+    // to a task of its own if the hold ends before the lease.
+    async fn watchdog(&self, lease: &Arc<Local>, events: &HoldEvents, mut supervise: bool) {
         let every = (lease.ttl / 3).max(Duration::from_millis(1));
         // After a failed renewal, try again sooner: the lease is running out.
         let retry = (every / 3).max(Duration::from_millis(1));
-        let mut ended = lease.end.subscribe();
         let mut next = tokio::time::Instant::now() + every;
         loop {
-            let end = *ended.borrow_and_update();
-            if let Some(end) = end {
+            if let Some(&end) = lease.end.get() {
                 let reason = match end {
                     End::Lost(reason) => reason,
                     End::Released => LostReason::Released,
                 };
-                let _ = tx.send(HoldEvent::Lost(reason)).await;
+                events.send(HoldEvent::Lost(reason));
                 return;
             }
             let capped = lease
                 .cap_ms
                 .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
+            let (seen, checkpoint) = expiry_checkpoint(lease);
             let renewal = async {
                 sleep_until(next).await;
-                // Boxed: the task sleeps far more than it renews.
+                // Boxed: the hold sleeps far more than it renews.
                 Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl))).await
             };
             // The renewal races the lease's end: a lease given up while a
@@ -883,22 +952,33 @@ impl Core {
                     Ok(expires_at_ms) => {
                         next = tokio::time::Instant::now() + every;
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
-                        let _ = tx.try_send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
+                        events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                     // On an error, `ended` fires next if the lease is lost; in an
                     // outage the lease may still be valid and the expiry timer decides.
                     Err(_) => next = tokio::time::Instant::now() + retry,
                 },
-                // The sender lives in `lease`, so this only fires on an end,
-                // which the top of the loop reports.
-                _ = ended.changed() => {}
-                () = tx.closed() => {
-                    let _ = self.release(&lease.key, &lease.token).await;
+                // Whether a renewal is under way is read before this select
+                // drops it (a dropped renewal no longer counts as under way).
+                renewing = async {
+                    sleep_until(instant_at(checkpoint)).await;
+                    lease.renewing.load(Ordering::Relaxed)
+                }, if supervise => {
+                    supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
+                }
+                // The top of the loop reports the end.
+                () = lease.ended.cancelled() => {}
+                () = events.left.cancelled() => {
+                    let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+                    if supervise {
+                        // Still held (re-entered, or the release failed).
+                        self.supervise_elsewhere(lease);
+                    }
                     return;
                 }
                 () = self.shutdown.cancelled() => {
-                    let _ = tx.send(HoldEvent::Lost(LostReason::Shutdown)).await;
-                    self.release_fully(lease).await;
+                    events.send(HoldEvent::Lost(LostReason::Shutdown));
+                    Box::pin(self.release_fully(lease)).await;
                     return;
                 }
             }
@@ -934,46 +1014,72 @@ impl Core {
     /// the lock elsewhere at the expiry). At its expiry, asks the backend
     /// whether it still holds (it may have been renewed through another
     /// sidecar) and ends it as expired if not.
-    async fn supervise(self: Arc<Self>, lease: Arc<Local>) {
-        let mut ended = lease.end.subscribe();
-        let margin = margin_ms(lease.ttl);
+    async fn supervise(&self, lease: &Arc<Local>) {
         loop {
-            if ended.borrow_and_update().is_some() {
+            if lease.end.get().is_some() {
                 return;
             }
-            let expires_at_ms = lease.expires_at_ms();
-            let checkpoint = if expires_at_ms > now_ms() + margin {
-                expires_at_ms - margin
-            } else {
-                expires_at_ms
-            };
+            let (seen, checkpoint) = expiry_checkpoint(lease);
             tokio::select! {
                 () = sleep_until(instant_at(checkpoint)) => {}
-                _ = ended.changed() => return,
+                () = lease.ended.cancelled() => return,
                 // Shutdown releases everything itself.
                 () = self.shutdown.cancelled() => return,
             }
-            if lease.expires_at_ms() != expires_at_ms {
-                continue;
+            let renewing = lease.renewing.load(Ordering::Relaxed);
+            if !self.check_expiry(lease, seen, renewing).await {
+                return;
             }
-            if lease.renewing.load(Ordering::Relaxed) {
-                return self.revoke(&lease);
+        }
+    }
+
+    /// Runs [`Core::supervise`] for `lease` in a task of its own, unless it
+    /// has ended.
+    fn supervise_elsewhere(&self, lease: &Arc<Local>) {
+        if lease.end.get().is_some() {
+            return;
+        }
+        if let Some(me) = self.me.upgrade() {
+            let lease = lease.clone();
+            self.tasks.spawn(async move { me.supervise(&lease).await });
+        }
+    }
+
+    /// The expiry timer's look at `lease` at its checkpoint, `seen` its
+    /// expiry when the checkpoint was set, `renewing` whether a renewal was
+    /// under way there. False once the lease has ended.
+    async fn check_expiry(&self, lease: &Arc<Local>, seen: u64, renewing: bool) -> bool {
+        if lease.end.get().is_some() {
+            return false;
+        }
+        if lease.expires_at_ms() != seen {
+            return true;
+        }
+        if renewing {
+            self.revoke(lease);
+            return false;
+        }
+        if seen > now_ms() {
+            return true;
+        }
+        match self
+            .op("status", self.backend.status(&lease.key, &lease.token))
+            .await
+        {
+            Ok(Status::Held { expires_at_ms }) => {
+                // Renewed through another sidecar. The floor stops a backend
+                // whose clock runs behind ours from making this loop spin.
+                lease.set(Some(expires_at_ms.max(now_ms() + 10)), None);
+                true
             }
-            if expires_at_ms > now_ms() {
-                continue;
+            Ok(Status::Gone(loss)) => {
+                self.lapsed(lease, loss);
+                false
             }
-            match self
-                .op("status", self.backend.status(&lease.key, &lease.token))
-                .await
-            {
-                Ok(Status::Held { expires_at_ms }) => {
-                    // Renewed through another sidecar. The floor stops a backend
-                    // whose clock runs behind ours from making this loop spin.
-                    lease.set(Some(expires_at_ms.max(now_ms() + 10)), None);
-                }
-                Ok(Status::Gone(loss)) => return self.lapsed(&lease, loss),
-                // Past its expiry by our clock and unconfirmable: nobody here renewed it.
-                Err(_) => return self.lapsed(&lease, Loss::Expired),
+            // Past its expiry by our clock and unconfirmable: nobody here renewed it.
+            Err(_) => {
+                self.lapsed(lease, Loss::Expired);
+                false
             }
         }
     }
@@ -1038,6 +1144,19 @@ pub fn drift_ms(ttl: Duration) -> u64 {
 /// renewals cannot reach the backend: the drift allowance plus a tenth of the
 /// ttl, so that the holder is told `lost` before the backend can expire the
 /// lease and grant it to another sidecar.
+/// When the expiry timer next looks at `lease`: its expiry as seen now,
+/// and the safety margin before it (the expiry itself once inside the margin).
+fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
+    let expires_at_ms = lease.expires_at_ms();
+    let margin = margin_ms(lease.ttl);
+    let checkpoint = if expires_at_ms > now_ms() + margin {
+        expires_at_ms - margin
+    } else {
+        expires_at_ms
+    };
+    (expires_at_ms, checkpoint)
+}
+
 pub fn margin_ms(ttl: Duration) -> u64 {
     drift_ms(ttl) + ms(ttl) / 10
 }

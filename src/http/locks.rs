@@ -11,7 +11,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures::Stream;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, oneshot};
 use tokio_util::sync::CancellationToken;
 use utoipa::{IntoParams, ToSchema};
 
@@ -19,7 +19,7 @@ use super::params::{LockName, Params, count, duration};
 use super::{App, auth};
 use crate::backend::{Holder, StaleKey, Waiter};
 use crate::clock::ms;
-use crate::core::{Granted, HoldEvent, Outcome};
+use crate::core::{Granted, HoldEvent, HoldEvents, Outcome};
 use crate::error::{Error, Problem};
 use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
 
@@ -446,25 +446,80 @@ fn hold_event(event: HoldEvent) -> SseEvent {
 }
 
 /// Starts a hold: the lease lives as long as the returned stream is open.
-fn hold(
-    app: Arc<App>,
-    key: LockKey,
-    ask: Ask,
-) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Error> {
+fn hold(app: Arc<App>, key: LockKey, ask: Ask) -> Result<axum::response::Response, Error> {
+    use axum::response::IntoResponse as _;
     let (claim, wait) = ask.into_claim(key, &app)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    let (tx, rx) = mpsc::channel(16);
+    let events = Arc::new(HoldEvents::default());
     let core = app.core.clone();
-    app.core
-        .tasks
-        .spawn(async move { core.hold(claim, wait, tx).await });
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        let event = rx.recv().await?;
-        Some((Ok(hold_event(event)), rx))
-    });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE)))
+    let reported = events.clone();
+    let claim = Box::new(claim);
+    let stream = HoldStream {
+        hold: Some(Box::pin(async move {
+            core.hold(claim, wait, &reported).await;
+        })),
+        events,
+        tasks: app.core.tasks.clone(),
+    };
+    let mut response = Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
+        .into_response();
+    // hyper keeps a response's header map for the connection's next
+    // response, which a hold never sends: sized for the two headers of SSE
+    // (hyper writes transfer-encoding itself), not the default six.
+    let mut headers = HeaderMap::with_capacity(2);
+    headers.extend(response.headers_mut().drain());
+    *response.headers_mut() = headers;
+    Ok(response)
+}
+
+/// A hold's event stream, which also runs the hold: each poll advances it
+/// ([`crate::core::Core::hold`]) and then hands out what it reported. The
+/// connection's task is the hold's only task.
+struct HoldStream {
+    /// The hold until it has returned.
+    hold: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
+    events: Arc<HoldEvents>,
+    /// Where a hold whose client left finishes.
+    tasks: tokio_util::task::TaskTracker,
+}
+
+impl Stream for HoldStream {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if let Some(hold) = self.hold.as_mut()
+            && hold.as_mut().poll(cx).is_ready()
+        {
+            self.hold = None;
+        }
+        match self.events.next() {
+            Some(event) => Poll::Ready(Some(Ok(hold_event(event)))),
+            None if self.hold.is_none() => Poll::Ready(None),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for HoldStream {
+    /// The client left (or the connection ended): the hold finishes in a
+    /// task of its own, giving up its wait or releasing its lease, and a
+    /// grant racing the departure is released there too.
+    fn drop(&mut self) {
+        let Some(hold) = self.hold.take() else {
+            return;
+        };
+        self.events.leave();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.tasks.spawn_on(hold, &runtime);
+        }
+    }
 }
 
 async fn release(app: &App, key: LockKey, token: Option<String>) -> Result<Json<Released>, Error> {
@@ -598,7 +653,7 @@ macro_rules! kind_routes {
             State(app): State<Arc<App>>,
             LockName(name): LockName,
             Params(p): Params<$params>,
-        ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Error> {
+        ) -> Result<axum::response::Response, Error> {
             hold(app, key($kind, name), p.into())
         }
 
