@@ -940,32 +940,49 @@ impl Core {
                 .cap_ms
                 .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
             let (seen, checkpoint) = expiry_checkpoint(lease);
-            let renewal = async {
+            let checkpoint = instant_at(checkpoint);
+            // The next renewal and the expiry checkpoint share one timer
+            // until the renewal starts; then the renewal races the
+            // checkpoint, and whether it is under way is read before it is
+            // dropped (a dropped renewal no longer counts as under way).
+            let tick = async {
+                if capped || (supervise && checkpoint <= next) {
+                    if !supervise {
+                        return std::future::pending().await;
+                    }
+                    sleep_until(checkpoint).await;
+                    return Tick::Checkpoint(lease.renewing.load(Ordering::Relaxed));
+                }
                 sleep_until(next).await;
                 // Boxed: the hold sleeps far more than it renews.
-                Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl))).await
+                let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl)));
+                if !supervise {
+                    return Tick::Renewed(renewal.await.ok());
+                }
+                tokio::select! {
+                    renewed = renewal => Tick::Renewed(renewed.ok()),
+                    renewing = async {
+                        sleep_until(checkpoint).await;
+                        lease.renewing.load(Ordering::Relaxed)
+                    } => Tick::Checkpoint(renewing),
+                }
             };
             // The renewal races the lease's end: a lease given up while a
             // renewal hangs on an unreachable backend is reported at once.
             tokio::select! {
-                renewed = renewal, if !capped => match renewed {
-                    Ok(expires_at_ms) => {
+                tick = tick => match tick {
+                    Tick::Renewed(Some(expires_at_ms)) => {
                         next = tokio::time::Instant::now() + every;
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
                         events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                     // On an error, `ended` fires next if the lease is lost; in an
                     // outage the lease may still be valid and the expiry timer decides.
-                    Err(_) => next = tokio::time::Instant::now() + retry,
+                    Tick::Renewed(None) => next = tokio::time::Instant::now() + retry,
+                    Tick::Checkpoint(renewing) => {
+                        supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
+                    }
                 },
-                // Whether a renewal is under way is read before this select
-                // drops it (a dropped renewal no longer counts as under way).
-                renewing = async {
-                    sleep_until(instant_at(checkpoint)).await;
-                    lease.renewing.load(Ordering::Relaxed)
-                }, if supervise => {
-                    supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
-                }
                 // The top of the loop reports the end.
                 () = lease.ended.cancelled() => {}
                 () = events.left.cancelled() => {
@@ -1144,6 +1161,14 @@ pub fn drift_ms(ttl: Duration) -> u64 {
 /// renewals cannot reach the backend: the drift allowance plus a tenth of the
 /// ttl, so that the holder is told `lost` before the backend can expire the
 /// lease and grant it to another sidecar.
+/// What woke a hold's watchdog.
+enum Tick {
+    /// A renewal ended, with the new expiry if it worked.
+    Renewed(Option<u64>),
+    /// The expiry checkpoint came; whether a renewal was under way then.
+    Checkpoint(bool),
+}
+
 /// When the expiry timer next looks at `lease`: its expiry as seen now,
 /// and the safety margin before it (the expiry itself once inside the margin).
 fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
