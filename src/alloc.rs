@@ -15,23 +15,86 @@
 //! of its own, page-aligned, and only the pages a buffer really writes
 //! become resident — one for a waiting request's read buffer, none for its
 //! write buffer. Everything smaller goes to the system allocator.
-//! The cost is a `mmap`/`munmap` pair per large allocation, which glibc
-//! already made with its threshold at this size; the connection buffers
-//! live as long as their connection.
+//! The cost is a `mmap`/`munmap` pair per large allocation, and hyper
+//! allocates a fresh read buffer for nearly every request (the previous
+//! request still shares the old one when it reserves room for the next
+//! read). A mapping is also a page fault on first write and, in a
+//! multi-threaded process, a TLB shootdown on `munmap`: measured, a third
+//! of the throughput with 32 clients. So while the process has few
+//! connections open ([`CONNECTIONS`] below [`REUSE_BELOW`]), freed buffers
+//! of hyper's size are kept in [`SPARES`] and handed out again, written
+//! pages and all; with many connections open — the waiting and holding
+//! ones that this module exists for — every buffer is a fresh mapping
+//! again, so idle connections still cost only the pages they write.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 /// Allocations from this size up get a mapping of their own.
 pub const THRESHOLD: usize = 8 * 1024;
 /// Alignment every mapping has (the smallest page size of the platforms we run on).
 const PAGE: usize = 4096;
 
+/// Open HTTP connections of this process, kept by the server's accept loop.
+pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+/// Freed buffers are kept for reuse only below this many open connections
+/// (at most [`SPARES`]' length of them, 256 KiB).
+pub const REUSE_BELOW: usize = 256;
+/// Freed mappings of exactly [`THRESHOLD`] bytes (hyper's buffer size),
+/// kept for reuse; null slots are empty.
+static SPARES: [AtomicPtr<u8>; 32] = [const { AtomicPtr::new(ptr::null_mut()) }; 32];
+
+fn reusing() -> bool {
+    CONNECTIONS.load(Ordering::Relaxed) < REUSE_BELOW
+}
+
+/// A kept mapping of [`THRESHOLD`] bytes, or null.
+fn take_spare() -> *mut u8 {
+    for slot in &SPARES {
+        if !slot.load(Ordering::Relaxed).is_null() {
+            let p = slot.swap(ptr::null_mut(), Ordering::Acquire);
+            if !p.is_null() {
+                return p;
+            }
+        }
+    }
+    ptr::null_mut()
+}
+
+/// Keeps the mapping `p` of [`THRESHOLD`] bytes; false when every slot is taken.
+fn keep_spare(p: *mut u8) -> bool {
+    SPARES.iter().any(|slot| {
+        slot.compare_exchange(ptr::null_mut(), p, Ordering::Release, Ordering::Relaxed)
+            .is_ok()
+    })
+}
+
 /// Large allocations in their own mappings, the rest from [`System`].
 pub struct Pages;
 
 fn mapped(layout: Layout) -> bool {
     layout.size() >= THRESHOLD && layout.align() <= PAGE
+}
+
+/// A fresh anonymous mapping of `size` bytes, or null.
+fn map(size: usize) -> *mut u8 {
+    // SAFETY: an anonymous private mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        ptr::null_mut()
+    } else {
+        p.cast()
+    }
 }
 
 // SAFETY: every pointer is either from System (and returned to it) or from a
@@ -44,28 +107,19 @@ unsafe impl GlobalAlloc for Pages {
             // SAFETY: forwarded with the caller's guarantees.
             return unsafe { System.alloc(layout) };
         }
-        // SAFETY: an anonymous private mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                ptr::null_mut(),
-                layout.size(),
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            ptr::null_mut()
-        } else {
-            p.cast()
+        if layout.size() == THRESHOLD && reusing() {
+            let p = take_spare();
+            if !p.is_null() {
+                return p;
+            }
         }
+        map(layout.size())
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if mapped(layout) {
-            // SAFETY: as `alloc`; anonymous mappings are zero-filled.
-            unsafe { self.alloc(layout) }
+            // Never a spare: fresh anonymous mappings are zero-filled.
+            map(layout.size())
         } else {
             // SAFETY: forwarded with the caller's guarantees.
             unsafe { System.alloc_zeroed(layout) }
@@ -74,6 +128,9 @@ unsafe impl GlobalAlloc for Pages {
 
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
         if mapped(layout) {
+            if layout.size() == THRESHOLD && reusing() && keep_spare(p) {
+                return;
+            }
             // SAFETY: `p` is a mapping of `layout.size()` bytes made by `alloc`.
             unsafe {
                 libc::munmap(p.cast(), layout.size());
@@ -147,6 +204,24 @@ mod tests {
                 }
                 a.dealloc(q, Layout::from_size_align(to, 8).unwrap());
             }
+        }
+    }
+
+    #[test]
+    fn zeroed_buffers_are_zero_even_with_a_written_one_kept_for_reuse() {
+        let layout = Layout::from_size_align(THRESHOLD, 8).unwrap();
+        // SAFETY: every block is freed with its layout.
+        unsafe {
+            let p = Pages.alloc(layout);
+            p.write_bytes(7, THRESHOLD);
+            Pages.dealloc(p, layout);
+            let zeroed = Pages.alloc_zeroed(layout);
+            assert!((0..THRESHOLD).all(|i| *zeroed.add(i) == 0));
+            Pages.dealloc(zeroed, layout);
+            let q = Pages.alloc(layout);
+            assert!(!q.is_null());
+            assert_eq!(q as usize % PAGE, 0);
+            Pages.dealloc(q, layout);
         }
     }
 

@@ -8,6 +8,7 @@
 //! size is the memory cost of waiting (see BENCHMARKS.md).
 
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
@@ -59,6 +60,7 @@ async fn connection(
     router: Router,
     stop: CancellationToken,
 ) {
+    let _open = Open::count();
     let service = router.map_request(move |mut req: hyper::Request<Incoming>| {
         req.extensions_mut().insert(ConnectInfo(peer));
         req.map(axum::body::Body::new)
@@ -73,6 +75,22 @@ async fn connection(
             conn.as_mut().graceful_shutdown();
             log_end(conn.await);
         }
+    }
+}
+
+/// One open connection in [`crate::alloc::CONNECTIONS`], for as long as it lives.
+struct Open;
+
+impl Open {
+    fn count() -> Self {
+        crate::alloc::CONNECTIONS.fetch_add(1, Ordering::Relaxed);
+        Open
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        crate::alloc::CONNECTIONS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
