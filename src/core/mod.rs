@@ -360,9 +360,8 @@ impl Core {
         self.wakeups.total()
     }
 
-    /// Acquires `claim`, waiting up to `wait` in FIFO order.
-    ///
-    /// `progress` receives `queued` updates for hold streams.
+    /// Acquires `claim`, waiting up to `wait` in FIFO order. A new lease
+    /// gets its expiry timer in a task of its own.
     ///
     /// # Errors
     /// Backend outages, semaphore limit errors, and 429 when the local queue is full.
@@ -371,6 +370,18 @@ impl Core {
     /// Not cancellation safe: a grant may be lost if the future is dropped.
     /// Cancel through `cancel` instead, which dequeues cleanly.
     pub async fn acquire(
+        &self,
+        claim: &Claim,
+        wait: Duration,
+        cancel: &CancellationToken,
+    ) -> Result<Outcome, Error> {
+        self.acquire_for(claim, wait, cancel, None).await
+    }
+
+    /// [`Core::acquire`], for a hold when `hold` is its events: they receive
+    /// `queued` updates, and the hold runs the expiry timer of a lease it
+    /// creates itself ([`Granted::supervise_here`]).
+    async fn acquire_for(
         &self,
         claim: &Claim,
         wait: Duration,
@@ -875,9 +886,11 @@ impl Core {
     pub async fn hold(&self, claim: Box<Claim>, wait: Duration, events: &HoldEvents) {
         // Boxed and dropped once done: inline, the acquire's state would
         // stay part of the hold for as long as the lock is held.
-        let outcome =
-            Box::pin(async move { self.acquire(&claim, wait, &events.left, Some(events)).await })
-                .await;
+        let outcome = Box::pin(async move {
+            self.acquire_for(&claim, wait, &events.left, Some(events))
+                .await
+        })
+        .await;
         let granted = match outcome {
             Ok(Outcome::Granted(g)) => g,
             Ok(Outcome::Busy { busy, waited }) => {

@@ -389,7 +389,7 @@ async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>
     let (tx, rx) = oneshot::channel();
     let core = app.core.clone();
     app.core.tasks.spawn(async move {
-        let outcome = core.acquire(&claim, wait, &cancel, None).await;
+        let outcome = core.acquire(&claim, wait, &cancel).await;
         if let Err(Ok(Outcome::Granted(g))) = tx.send(outcome) {
             tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
             let _ = core.release(&g.lease.key, &g.lease.token).await;
