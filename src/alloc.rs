@@ -226,6 +226,28 @@ mod tests {
     }
 
     #[test]
+    fn with_many_connections_open_a_freed_buffer_is_not_handed_out_again() {
+        // Other tests of this process only lose spares' speed meanwhile.
+        CONNECTIONS.fetch_add(REUSE_BELOW, Ordering::Relaxed);
+        let layout = Layout::from_size_align(THRESHOLD, 8).unwrap();
+        // SAFETY: every block is freed with its layout.
+        let fresh = unsafe {
+            let p = Pages.alloc(layout);
+            p.write_bytes(7, THRESHOLD);
+            Pages.dealloc(p, layout);
+            let q = Pages.alloc(layout);
+            let fresh = (0..THRESHOLD).all(|i| *q.add(i) == 0);
+            Pages.dealloc(q, layout);
+            fresh
+        };
+        CONNECTIONS.fetch_sub(REUSE_BELOW, Ordering::Relaxed);
+        assert!(
+            fresh,
+            "a written buffer was reused with many connections open"
+        );
+    }
+
+    #[test]
     fn large_zeroed_blocks_are_zero_and_page_aligned() {
         let layout = Layout::from_size_align(THRESHOLD + 1, 64).unwrap();
         // SAFETY: non-zero layout, freed with the same layout.
