@@ -32,20 +32,25 @@ pub fn http_client() -> reqwest::Client {
 /// client such as reqwest spends more CPU per request than the sidecar's
 /// memory backend).
 pub struct Connection {
-    /// `host:port` of the sidecar.
-    authority: String,
+    /// `host:port` of the sidecar, or why its URL cannot be used.
+    authority: Result<String, String>,
+    /// The URL's path, put before every request's path.
+    prefix: String,
     /// `Authorization` header value, when the API needs a token.
     auth: Option<axum::http::HeaderValue>,
     /// The open connection's request handle; `None` until used or after an error.
-    sender:
-        Option<hyper::client::conn::http1::SendRequest<http_body_util::Empty<axum::body::Bytes>>>,
+    sender: Option<Sender>,
 }
+
+/// The request handle of an open connection.
+type Sender = hyper::client::conn::http1::SendRequest<http_body_util::Empty<axum::body::Bytes>>;
 
 impl Clone for Connection {
     /// A clone opens a connection of its own.
     fn clone(&self) -> Self {
         Self {
             authority: self.authority.clone(),
+            prefix: self.prefix.clone(),
             auth: self.auth.clone(),
             sender: None,
         }
@@ -59,31 +64,37 @@ pub struct Response {
 }
 
 impl Connection {
-    /// A connection to the sidecar at `base` (`http://host:port`).
+    /// A connection to the sidecar at `base` (`http://host[:port][/path]`).
+    /// A URL it cannot use makes every request fail, saying why.
     #[must_use]
     pub fn new(base: &str, api_token: Option<&str>) -> Self {
-        let authority = base
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_owned();
+        let uri = base.parse::<axum::http::Uri>();
+        let authority = match &uri {
+            Ok(u) if u.scheme_str() == Some("http") => match u.authority() {
+                Some(a) => Ok(format!("{}:{}", a.host(), a.port_u16().unwrap_or(80))),
+                None => Err(format!("{base}: no host")),
+            },
+            Ok(_) => Err(format!("{base}: the bench speaks plain http:// only")),
+            Err(e) => Err(format!("{base}: {e}")),
+        };
+        let prefix = uri
+            .map(|u| u.path().trim_end_matches('/').to_owned())
+            .unwrap_or_default();
         let auth =
             api_token.and_then(|t| axum::http::HeaderValue::try_from(format!("Bearer {t}")).ok());
         Self {
             authority,
+            prefix,
             auth,
             sender: None,
         }
     }
 
-    async fn open(
-        &self,
-    ) -> Result<
-        hyper::client::conn::http1::SendRequest<http_body_util::Empty<axum::body::Bytes>>,
-        String,
-    > {
-        let stream = tokio::net::TcpStream::connect(&self.authority)
+    async fn open(&self) -> Result<Sender, String> {
+        let authority = self.authority.as_deref().map_err(Clone::clone)?;
+        let stream = tokio::net::TcpStream::connect(authority)
             .await
-            .map_err(|e| format!("cannot connect to {}: {e}", self.authority))?;
+            .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
         let _ = stream.set_nodelay(true);
         let (sender, conn) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -107,10 +118,11 @@ impl Connection {
             Some(s) if !s.is_closed() => s,
             _ => self.open().await?,
         };
+        let authority = self.authority.as_deref().map_err(Clone::clone)?;
         let mut req = axum::http::Request::builder()
             .method(method)
-            .uri(path)
-            .header(axum::http::header::HOST, self.authority.as_str());
+            .uri(format!("{}{path}", self.prefix))
+            .header(axum::http::header::HOST, authority);
         if let Some(auth) = &self.auth {
             req = req.header(axum::http::header::AUTHORIZATION, auth.clone());
         }
@@ -322,5 +334,23 @@ pub fn latency(h: &Histogram<u64>) -> Latency {
         p999_us: h.value_at_quantile(0.999),
         max_us: h.max(),
         mean_us: (h.mean() * 10.0).round() / 10.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Connection;
+
+    #[test]
+    fn sidecar_urls_give_the_address_and_path_or_say_why_not() {
+        let c = Connection::new("http://127.0.0.1:7070/", None);
+        assert_eq!(c.authority.as_deref(), Ok("127.0.0.1:7070"));
+        assert_eq!(c.prefix, "");
+        let c = Connection::new("http://sidecar/base/", None);
+        assert_eq!(c.authority.as_deref(), Ok("sidecar:80"));
+        assert_eq!(c.prefix, "/base");
+        let e = Connection::new("https://sidecar:7070", None).authority;
+        assert!(e.unwrap_err().contains("plain http://"));
+        assert!(Connection::new("not a url", None).authority.is_err());
     }
 }
