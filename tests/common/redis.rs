@@ -14,6 +14,10 @@ use super::process::ChildGuard;
 
 /// How long a server may take to answer PING.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Starts of a new server on fresh ports before its test fails.
+const START_ATTEMPTS: u32 = 3;
+/// An argument of [`RedisServer::start_with`] that stands for a free port.
+pub const FREE_PORT: &str = "<free port>";
 
 fn require(binary: &str) {
     let found = Command::new("sh")
@@ -42,21 +46,50 @@ impl RedisServer {
         Self::start_with(&[]).await
     }
 
-    /// Starts a server with extra `redis-server` arguments.
+    /// Starts a server with extra `redis-server` arguments; each
+    /// [`FREE_PORT`] among them becomes another free port.
+    ///
+    /// A port found free can be taken by another process before the server
+    /// binds it: a server that exits before it is ready is started again on
+    /// new ports, up to [`START_ATTEMPTS`] times.
     pub async fn start_with(extra: &[&str]) -> Self {
         require("redis-server");
         let dir = tempfile::tempdir().expect("temp dir for redis-server");
         let mut server = Self {
             dir,
-            port: free_port(),
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            port: 0,
+            extra: Vec::new(),
             child: None,
         };
-        server.launch().await;
-        server
+        for attempt in 1..=START_ATTEMPTS {
+            server.port = free_port();
+            server.extra = extra
+                .iter()
+                .map(|s| {
+                    if *s == FREE_PORT {
+                        free_port().to_string()
+                    } else {
+                        (*s).to_owned()
+                    }
+                })
+                .collect();
+            match server.try_launch().await {
+                Ok(()) => return server,
+                Err(e) if attempt < START_ATTEMPTS => eprintln!("{e}\nstarting again on new ports"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
+    /// Starts the server on its port, panicking if it does not become ready.
     async fn launch(&mut self) {
+        if let Err(e) = self.try_launch().await {
+            panic!("{e}");
+        }
+    }
+
+    async fn try_launch(&mut self) -> Result<(), String> {
         let mut cmd = Command::new("redis-server");
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -67,10 +100,11 @@ impl RedisServer {
         let log = self.dir.path().join(format!("redis-{}.log", self.port));
         let label = format!("redis-server :{}", self.port);
         self.child = Some(ChildGuard::spawn(cmd, &label, &log, false));
-        self.wait_ready().await;
+        self.wait_ready().await
     }
 
-    async fn wait_ready(&mut self) {
+    /// Waits for PING; an error (with the server's log) if it exited first.
+    async fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Ok(mut c) = self.connection().await
@@ -79,16 +113,18 @@ impl RedisServer {
                     .await
                     .is_ok()
             {
-                return;
+                return Ok(());
             }
             if let Some(child) = self.child.as_mut()
                 && let Some(status) = child.try_status()
             {
-                panic!(
+                let error = format!(
                     "{} exited with {status} before it was ready:\n{}",
                     child.label(),
                     child.log()
                 );
+                self.child = None;
+                return Err(error);
             }
             assert!(
                 Instant::now() < deadline,
@@ -274,7 +310,6 @@ impl RedisCluster {
         for _ in 0..3 {
             // The bus port defaults to port + 10000, which does not exist for
             // ephemeral ports above 55535: Redis then refuses to start.
-            let bus = free_port().to_string();
             nodes.push(
                 RedisServer::start_with(&[
                     "--cluster-enabled",
@@ -282,7 +317,7 @@ impl RedisCluster {
                     "--cluster-node-timeout",
                     "2000",
                     "--cluster-port",
-                    &bus,
+                    FREE_PORT,
                 ])
                 .await,
             );
