@@ -11,7 +11,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures::Stream;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use utoipa::{IntoParams, ToSchema};
 
@@ -377,31 +377,85 @@ fn key(kind: Kind, name: Name) -> LockKey {
     LockKey { kind, name }
 }
 
-/// Acquires in a task of its own, so that a client that disconnects while
-/// waiting cancels cleanly and a grant that races the disconnect is released.
+/// Acquires in the request's own task. A client that disconnects drops
+/// the request; the acquire then finishes in a task of its own
+/// ([`Acquiring`]): a wait is given up and a grant that raced the departure
+/// is released.
 async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>, Error> {
     let (claim, wait) = ask.into_claim(key, &app)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
     let cancel = CancellationToken::new();
-    let _cancel_on_drop = cancel.clone().drop_guard();
-    let (tx, rx) = oneshot::channel();
     let core = app.core.clone();
-    app.core.tasks.spawn(async move {
-        let outcome = core.acquire(&claim, wait, &cancel).await;
-        if let Err(Ok(Outcome::Granted(g))) = tx.send(outcome) {
-            tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
-            let _ = core.release(&g.lease.key, &g.lease.token).await;
-        }
-    });
-    match rx.await.map_err(|_| Error::ShuttingDown)?? {
+    let left = cancel.clone();
+    let acquiring = Acquiring {
+        acquire: Some(Box::pin(
+            async move { core.acquire(&claim, wait, &left).await },
+        )),
+        cancel,
+        core: app.core.clone(),
+    };
+    match acquiring.await? {
         Outcome::Granted(g) => Ok(Json(acquired(&g))),
         Outcome::Busy { busy, waited } => Err(Error::Busy {
             busy: Box::new(busy),
             waited_ms: ms(waited),
         }),
         Outcome::Cancelled => Err(Error::ShuttingDown),
+    }
+}
+
+/// An acquire in flight for a request. [`Core::acquire`] must not be
+/// dropped midway (a grant could be lost), so when the request goes away
+/// first the acquire is cancelled and run to its end in a task, where a
+/// grant is released. (A task per acquire from the start would cost every
+/// request a hand-over between tasks.)
+///
+/// [`Core::acquire`]: crate::core::Core::acquire
+struct Acquiring {
+    /// The acquire until it has returned.
+    acquire: Option<futures::future::BoxFuture<'static, Result<Outcome, Error>>>,
+    /// Ends a wait early.
+    cancel: CancellationToken,
+    core: Arc<crate::core::Core>,
+}
+
+impl Future for Acquiring {
+    type Output = Result<Outcome, Error>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(acquire) = self.acquire.as_mut() else {
+            return std::task::Poll::Ready(Err(Error::ShuttingDown));
+        };
+        let outcome = std::task::ready!(acquire.as_mut().poll(cx));
+        self.acquire = None;
+        std::task::Poll::Ready(outcome)
+    }
+}
+
+impl Drop for Acquiring {
+    fn drop(&mut self) {
+        let Some(acquire) = self.acquire.take() else {
+            return;
+        };
+        self.cancel.cancel();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let core = self.core.clone();
+        self.core.tasks.spawn_on(
+            async move {
+                if let Ok(Outcome::Granted(g)) = acquire.await {
+                    tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
+                    let _ = core.release(&g.lease.key, &g.lease.token).await;
+                }
+            },
+            &runtime,
+        );
     }
 }
 
