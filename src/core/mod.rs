@@ -7,6 +7,7 @@
 //! (watchdog), and publishes [`Event`]s and metrics.
 
 pub mod event;
+mod expiry;
 mod queue;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -71,6 +72,8 @@ pub struct Local {
     /// Cancelled once `end` is set. (A token rather than a watch channel:
     /// every lease has one, and a watch channel is several times larger.)
     ended: CancellationToken,
+    /// Where the shared expiry timer has it filed, if it has.
+    filing: expiry::Filing,
 }
 
 impl Local {
@@ -125,7 +128,7 @@ pub struct Granted {
     pub expires_at_ms: u64,
     pub waited: Duration,
     /// The lease is new and its expiry timer is the caller's to run (a
-    /// hold runs it inside its watchdog); otherwise it has a task of its own
+    /// hold runs it inside its watchdog); otherwise the shared timer has it
     /// or, re-entered, had one already.
     supervise_here: bool,
 }
@@ -234,6 +237,8 @@ pub struct Core {
     pub shutdown: CancellationToken,
     /// Every background task, so shutdown can wait for them.
     pub tasks: TaskTracker,
+    /// The expiry timer of leases without a hold.
+    expiries: expiry::Expiries,
 }
 
 /// Clears a lease's `renewing` mark when a renewal is dropped unfinished (its
@@ -286,6 +291,7 @@ impl Core {
             metrics,
             shutdown,
             tasks: TaskTracker::new(),
+            expiries: expiry::Expiries::default(),
         })
     }
 
@@ -361,7 +367,7 @@ impl Core {
     }
 
     /// Acquires `claim`, waiting up to `wait` in FIFO order. A new lease
-    /// gets its expiry timer in a task of its own.
+    /// is filed with the shared expiry timer.
     ///
     /// # Errors
     /// Backend outages, semaphore limit errors, and 429 when the local queue is full.
@@ -565,11 +571,10 @@ impl Core {
         }
     }
 
-    /// Records a grant: the local lease (new, or re-entered), its expiry
-    /// timer, metrics and the `acquired` event.
-    /// A grant of `claim` as a local lease. A new lease gets its expiry
-    /// timer ([`Core::supervise`]) in a task of its own unless `inline`
-    /// (a hold, which runs it itself).
+    /// Records a grant of `claim`: the local lease (new, or re-entered),
+    /// metrics and the `acquired` event. A new lease's expiry timer goes to
+    /// the shared timer ([`Core::supervise_elsewhere`]) unless `inline` (a
+    /// hold, which runs it itself).
     fn granted(&self, claim: &Claim, g: Grant, started: Instant, inline: bool) -> Granted {
         let mut supervise_here = false;
         let waited = started.elapsed();
@@ -597,6 +602,7 @@ impl Core {
                         renewing: AtomicBool::new(false),
                         end: std::sync::OnceLock::new(),
                         ended: CancellationToken::new(),
+                        filing: expiry::Filing::default(),
                     });
                     leases.insert(g.token.clone(), local.clone());
                     self.metrics
@@ -634,6 +640,7 @@ impl Core {
             return false;
         }
         local.ended.cancel();
+        self.expiries.remove(local);
         self.lock_leases().remove(&local.token);
         let m = &self.metrics;
         m.held
@@ -932,9 +939,9 @@ impl Core {
 
     // The rare ends (release, shutdown) are boxed: inline, their state
     // would be part of every hold for as long as it waits for the next renewal.
-    // With `supervise`, the lease's expiry timer runs here too (a task of
-    // its own per hold would cost more than the hold's own state), and goes
-    // to a task of its own if the hold ends before the lease.
+    // With `supervise`, the lease's expiry timer runs here too (its
+    // checkpoints and renewals share one timer), and goes to the shared
+    // timer if the hold ends before the lease.
     async fn watchdog(&self, lease: &Arc<Local>, events: &HoldEvents, mut supervise: bool) {
         let every = (lease.ttl / 3).max(Duration::from_millis(1));
         // After a failed renewal, try again sooner: the lease is running out.
@@ -1038,60 +1045,51 @@ impl Core {
         all.len()
     }
 
-    /// The expiry timer of one local lease. A safety margin before its
-    /// expiry, gives it up if a renewal through this sidecar is failing or
+    /// Hands the expiry timer of `lease` to the shared timer
+    /// ([`expiry::Expiries`]), unless it has ended.
+    ///
+    /// The expiry timer of a lease: a safety margin before its expiry, it
+    /// gives the lease up if a renewal through this sidecar is failing or
     /// still under way (the backend is unreachable from here, and may grant
-    /// the lock elsewhere at the expiry). At its expiry, asks the backend
-    /// whether it still holds (it may have been renewed through another
-    /// sidecar) and ends it as expired if not.
-    async fn supervise(&self, lease: &Arc<Local>) {
-        loop {
-            if lease.end.get().is_some() {
-                return;
-            }
-            let (seen, checkpoint) = expiry_checkpoint(lease);
-            tokio::select! {
-                () = sleep_until(instant_at(checkpoint)) => {}
-                () = lease.ended.cancelled() => return,
-                // Shutdown releases everything itself.
-                () = self.shutdown.cancelled() => return,
-            }
-            let renewing = lease.renewing.load(Ordering::Relaxed);
-            if !self.check_expiry(lease, seen, renewing).await {
-                return;
-            }
-        }
-    }
-
-    /// Runs [`Core::supervise`] for `lease` in a task of its own, unless it
-    /// has ended.
+    /// the lock elsewhere at the expiry). At its expiry, it asks the backend
+    /// whether the lease still holds (it may have been renewed through
+    /// another sidecar) and ends it as expired if not.
     fn supervise_elsewhere(&self, lease: &Arc<Local>) {
-        if lease.end.get().is_some() {
-            return;
-        }
-        if let Some(me) = self.me.upgrade() {
-            let lease = lease.clone();
-            self.tasks.spawn(async move { me.supervise(&lease).await });
-        }
+        self.expiries.file(self, lease);
     }
 
     /// The expiry timer's look at `lease` at its checkpoint, `seen` its
     /// expiry when the checkpoint was set, `renewing` whether a renewal was
     /// under way there. False once the lease has ended.
     async fn check_expiry(&self, lease: &Arc<Local>, seen: u64, renewing: bool) -> bool {
+        match self.look(lease, seen, renewing) {
+            Look::Ended => false,
+            Look::Again => true,
+            Look::Ask => self.ask_expired(lease).await,
+        }
+    }
+
+    /// What [`Core::check_expiry`] can tell without the backend.
+    fn look(&self, lease: &Arc<Local>, seen: u64, renewing: bool) -> Look {
         if lease.end.get().is_some() {
-            return false;
+            return Look::Ended;
         }
         if lease.expires_at_ms() != seen {
-            return true;
+            return Look::Again;
         }
         if renewing {
             self.revoke(lease);
-            return false;
+            return Look::Ended;
         }
         if seen > now_ms() {
-            return true;
+            return Look::Again;
         }
+        Look::Ask
+    }
+
+    /// Asks the backend about `lease`, past its expiry by our clock; ends it
+    /// unless renewed through another sidecar. False once it has ended.
+    async fn ask_expired(&self, lease: &Arc<Local>) -> bool {
         match self
             .op("status", self.backend.status(&lease.key, &lease.token))
             .await
@@ -1170,16 +1168,22 @@ pub fn drift_ms(ttl: Duration) -> u64 {
     ms(ttl) / 100 + 2
 }
 
-/// How long before a lease's expiry the sidecar gives it up when its
-/// renewals cannot reach the backend: the drift allowance plus a tenth of the
-/// ttl, so that the holder is told `lost` before the backend can expire the
-/// lease and grant it to another sidecar.
 /// What woke a hold's watchdog.
 enum Tick {
     /// A renewal ended, with the new expiry if it worked.
     Renewed(Option<u64>),
     /// The expiry checkpoint came; whether a renewal was under way then.
     Checkpoint(bool),
+}
+
+/// What the expiry timer found at a checkpoint, before asking the backend.
+enum Look {
+    /// The lease has ended (or was given up now).
+    Ended,
+    /// Not due yet: look again at the next checkpoint.
+    Again,
+    /// Past its expiry by our clock: ask the backend.
+    Ask,
 }
 
 /// When the expiry timer next looks at `lease`: its expiry as seen now,
@@ -1195,6 +1199,10 @@ fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
     (expires_at_ms, checkpoint)
 }
 
+/// How long before a lease's expiry the sidecar gives it up when its
+/// renewals cannot reach the backend: the drift allowance plus a tenth of the
+/// ttl, so that the holder is told `lost` before the backend can expire the
+/// lease and grant it to another sidecar.
 pub fn margin_ms(ttl: Duration) -> u64 {
     drift_ms(ttl) + ms(ttl) / 10
 }
