@@ -1,6 +1,7 @@
 //! `redis://`, `rediss://`, `redis+sentinel://`, `redis+cluster://`: leases in Redis.
 //!
-//! Every operation is one Lua script (`redis/*.lua`, sharing `prelude.lua`),
+//! Every operation is one Lua script (`redis/*.lua`, sharing `prelude.lua`;
+//! the uncontended acquire and release return before it, from `*_fast.lua`),
 //! atomic on the node that owns the lock's slot. An exclusive lock is the
 //! plain string key `<prefix><name>` holding the token with a PX expiry —
 //! the classic `SET key token NX PX ttl` protocol — so hand-written clients
@@ -49,7 +50,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 const PRELUDE: &str = include_str!("redis/prelude.lua");
 
 fn script(body: &str) -> Script {
-    Script::new(&format!("{PRELUDE}\n{body}"))
+    fast_script("", body)
+}
+
+/// A script whose `fast` head runs before the prelude and returns when it
+/// can: the prelude's set-up is a good part of a short script's time.
+fn fast_script(fast: &str, body: &str) -> Script {
+    Script::new(&format!("{fast}\n{PRELUDE}\n{body}"))
 }
 
 /// The compiled scripts.
@@ -70,8 +77,14 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Self {
-            acquire: script(include_str!("redis/acquire.lua")),
-            release: script(include_str!("redis/release.lua")),
+            acquire: fast_script(
+                include_str!("redis/acquire_fast.lua"),
+                include_str!("redis/acquire.lua"),
+            ),
+            release: fast_script(
+                include_str!("redis/release_fast.lua"),
+                include_str!("redis/release.lua"),
+            ),
             renew: script(include_str!("redis/renew.lua")),
             status: script(include_str!("redis/status.lua")),
             inspect: script(include_str!("redis/inspect.lua")),

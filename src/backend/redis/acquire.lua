@@ -13,29 +13,6 @@ local ttl, max_hold, lock_delay, asked, beat =
 local fifo = ARGV[15] == "1"
 clock()
 
--- Fast path: an exclusive lock with no lease, no queue and no lock-delay
--- (the uncontended case). prune() and the queue then have nothing to do,
--- so only the grant itself is written. SET NX fails on a foreign holder of
--- the main key, and the full path below answers busy.
-if IS_LOCK and mode == "x" and turn ~= "queued"
-    and redis.call("EXISTS", EXPIRY, QUEUE, DELAY) == 0 then
-  local e = NOW + ttl
-  if max_hold > 0 and max_hold < ttl then e = NOW + max_hold end
-  if redis.call("SET", MAIN, token, "NX", "PX", e - NOW) then
-    local fence = redis.call("INCR", FENCE)
-    local m = {o = owner, s = sidecar, m = mode, f = fence, c = 1, t0 = NOW,
-               ttl = ttl, cap = 0, dl = lock_delay, e = e}
-    if max_hold > 0 then m.cap = NOW + max_hold end
-    redis.call("HSET", HOLDERS, token, cjson.encode(m))
-    redis.call("ZADD", EXPIRY, e, token)
-    -- As set_expiries() with this lease the only one.
-    redis.call("PEXPIRE", HOLDERS, e + lock_delay + 1000 - NOW)
-    redis.call("PEXPIRE", EXPIRY, e + lock_delay + 1000 - NOW)
-    if INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
-    return {1, NOW, token, fence, 1, NOW, e}
-  end
-end
-
 prune()
 local was_idle = idle()
 
