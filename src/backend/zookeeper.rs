@@ -1035,7 +1035,9 @@ impl Inner {
 
     // Listings are dropped before every wait for a watch: a waiter parked
     // with the listing it joined on would keep O(queue length) bytes alive
-    // for as long as it waits, O(n²) for a queue of n.
+    // for as long as it waits, O(n²) for a queue of n. The calls are boxed:
+    // inline, the largest call's state would be part of every waiter's task
+    // for as long as it waits for its watch.
     async fn follow_loop(
         &self,
         zk: &zk::Client,
@@ -1054,14 +1056,15 @@ impl Inner {
             }
             let children = match listing.take() {
                 Some(children) => children,
-                None => self.children(zk, "watch", parent).await?,
+                None => Box::pin(self.children(zk, "watch", parent)).await?,
             };
             let Some(at) = children.iter().position(|c| c.name == name) else {
                 return Ok(());
             };
             let (blocker, limit) = match (key.kind, children[at].mode) {
                 (Kind::Semaphore, _) => {
-                    let limit = self.active_limit(zk, "watch", parent, &children).await? as usize;
+                    let limit =
+                        Box::pin(self.active_limit(zk, "watch", parent, &children)).await? as usize;
                     match at.cmp(&limit) {
                         std::cmp::Ordering::Less => (Blocker::Nothing, limit),
                         // The head of the queue: any deletion before it admits it.
@@ -1097,7 +1100,8 @@ impl Inner {
                     return Ok(());
                 }
                 Blocker::Earlier => {
-                    let (now, w) = must("watch", zk.list_and_watch_children(parent)).await?;
+                    let (now, w) =
+                        Box::pin(must("watch", zk.list_and_watch_children(parent))).await?;
                     let position = sorted(now).iter().position(|c| c.name == name);
                     match position {
                         None => return Ok(()),
@@ -1113,7 +1117,7 @@ impl Inner {
                 }
             };
             let target = format!("{parent}/{blocker}");
-            let watcher = match must("watch", zk.check_and_watch_stat(&target)).await? {
+            let watcher = match Box::pin(must("watch", zk.check_and_watch_stat(&target))).await? {
                 (None, _) => {
                     self.wakeups.wake(key);
                     continue;
@@ -1123,7 +1127,7 @@ impl Inner {
             if key.kind == Kind::Semaphore {
                 // A deletion between the listing and the watch may have made
                 // the predecessor head, or admitted it: look again.
-                let again = self.children(zk, "watch", parent).await?;
+                let again = Box::pin(self.children(zk, "watch", parent)).await?;
                 let moved = again.iter().position(|c| c.name == name) != Some(at);
                 drop(again);
                 if moved {
