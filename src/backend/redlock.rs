@@ -51,8 +51,20 @@ pub struct Redlock {
     /// This sidecar's tickets: local number → each node's ticket number.
     tickets: Mutex<NodeTickets>,
     next_seq: AtomicU64,
+    /// Admits [`ATTEMPTS_IN_FLIGHT`] acquire attempts at a time.
+    attempts: tokio::sync::Semaphore,
     stop: CancellationToken,
 }
+
+/// Acquire attempts sent to the nodes at once. A node answers one script at
+/// a time, so a burst of attempts (10,000 waiters arriving together) waits
+/// somewhere: in the node connections' queues, where the later attempts
+/// outlast the per-node time limit and fail (and the queued requests and
+/// the buffers that grow to hold them take memory), or here, before an
+/// attempt's clock starts. An attempt ends within its per-node time limit
+/// plus the clean-up calls' own timeouts, so an outage cannot hold these
+/// places for long.
+const ATTEMPTS_IN_FLIGHT: usize = 128;
 
 /// A local ticket (key, number) → that ticket's number on each node, if it has one.
 type NodeTickets = HashMap<(LockKey, u64), Vec<Option<u64>>>;
@@ -102,6 +114,7 @@ impl Redlock {
             legacy_pattern: options.legacy_pattern.clone(),
             tickets: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
+            attempts: tokio::sync::Semaphore::new(ATTEMPTS_IN_FLIGHT),
             stop,
         })
     }
@@ -178,6 +191,8 @@ impl Backend for Redlock {
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        // Never closed.
+        let _admitted = self.attempts.acquire().await;
         let token = Token::generate();
         let started = Instant::now();
         let start_ms = now_ms();
