@@ -1,12 +1,15 @@
 -- Runs before the prelude (whose set-up is a good part of a short
--- script's time): the exclusive holder releasing a re-entered hold, or its
--- last hold while nobody else holds or waits (then there is nobody to wake
--- and nothing to prune, and the key goes idle). Otherwise nothing has been
--- written and the full script goes on. KEYS and ARGV as in release.lua.
+-- script's time): with nobody queued, the exclusive holder releasing a
+-- re-entered hold, or its last hold while nobody else holds (then there is
+-- nobody to wake and nothing to prune, and the key goes idle). Otherwise
+-- nothing has been written and the full script goes on; the queue is looked
+-- at first, so that a contended release pays one call here.
+-- KEYS and ARGV as in release.lua.
 do
   local MAIN, HOLDERS, EXPIRY, QUEUE = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
   local token = ARGV[4]
-  if ARGV[1] == "l" and redis.call("GET", MAIN) == token then
+  if ARGV[1] == "l" and redis.call("EXISTS", QUEUE) == 0
+      and redis.call("GET", MAIN) == token then
     local raw = redis.call("HGET", HOLDERS, token)
     if raw then
       local m = cjson.decode(raw)
@@ -17,7 +20,7 @@ do
       end
       -- Holders are a subset of EXPIRY's members: with this lease its only
       -- member, the holder, expiry, limit and heartbeat keys all go.
-      if redis.call("EXISTS", QUEUE) == 0 and redis.call("ZCARD", EXPIRY) == 1 then
+      if redis.call("ZCARD", EXPIRY) == 1 then
         redis.call("DEL", MAIN, HOLDERS, EXPIRY, KEYS[9], KEYS[7])
         if KEYS[11] then redis.call("ZREM", KEYS[11], ARGV[3]) end
         return {0, 0}
