@@ -1035,9 +1035,9 @@ impl Inner {
 
     // Listings are dropped before every wait for a watch: a waiter parked
     // with the listing it joined on would keep O(queue length) bytes alive
-    // for as long as it waits, O(n²) for a queue of n. The calls are boxed:
-    // inline, the largest call's state would be part of every waiter's task
-    // for as long as it waits for its watch.
+    // for as long as it waits, O(n²) for a queue of n. The calls and the
+    // wait are boxed: inline, the largest call's state would be part of
+    // every waiter's task for as long as it waits for its watch.
     async fn follow_loop(
         &self,
         zk: &zk::Client,
@@ -1110,7 +1110,7 @@ impl Inner {
                             return Ok(());
                         }
                         Some(_) => {
-                            self.await_watch(key, w).await;
+                            Box::pin(self.await_watch(key, w)).await;
                             continue;
                         }
                     }
@@ -1134,7 +1134,7 @@ impl Inner {
                     continue;
                 }
             }
-            self.await_watch(key, watcher).await;
+            Box::pin(self.await_watch(key, watcher)).await;
         }
     }
 
