@@ -86,7 +86,7 @@
 //! session would have survived. An expiry the client is told of is handled
 //! the same way.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -138,11 +138,9 @@ struct Inner {
     /// The current session; replaced when it expires.
     client: tokio::sync::Mutex<Option<zk::Client>>,
     /// Waiting nodes of this sidecar by (key, sequence): the tickets.
-    tickets: Mutex<HashMap<(LockKey, u64), String>>,
+    tickets: Mutex<HashMap<(LockKey, u64), Queued>>,
     /// Leases granted through this sidecar: token → node path.
     leases: Mutex<HashMap<Token, String>>,
-    /// Waiting nodes whose blocker is being watched.
-    following: Mutex<HashSet<String>>,
     /// Shared children listings by (session, parent path), while in use. A
     /// listing is O(queue length): a burst of n waiters joining one lock,
     /// each listing on its own, would cost O(n²) bytes on the wire and in
@@ -164,6 +162,14 @@ struct Inner {
     /// Cancelled by [`Backend::close`]: stops the session's lifeline, which
     /// holds a handle of the client.
     closing: tokio_util::sync::CancellationToken,
+}
+
+/// A waiting node of this sidecar.
+struct Queued {
+    /// The node's name under its lock's parent.
+    name: String,
+    /// Whether a task watches what blocks it ([`Inner::follow`]).
+    following: bool,
 }
 
 /// What sidelock stores in each claim node.
@@ -465,7 +471,6 @@ impl ZooKeeper {
                 client: tokio::sync::Mutex::new(None),
                 tickets: Mutex::new(HashMap::new()),
                 leases: Mutex::new(HashMap::new()),
-                following: Mutex::new(HashSet::new()),
                 listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
                 session: Mutex::new(None),
@@ -600,7 +605,6 @@ impl Inner {
             let _ = self.losses.send(token);
         }
         lock(&self.tickets).clear();
-        lock(&self.following).clear();
         for key in self.wakeups.keys() {
             self.wakeups.wake(&key);
         }
@@ -1025,12 +1029,18 @@ impl Inner {
         name: String,
         listing: Listing,
     ) {
-        let path = format!("{parent}/{name}");
-        if !lock(&self.following).insert(path.clone()) {
+        let Some(seq) = parse_child(&name).map(|c| c.seq) else {
             return;
+        };
+        match lock(&self.tickets).get_mut(&(key.clone(), seq)) {
+            Some(queued) if !queued.following => queued.following = true,
+            // Followed already, or no longer waiting.
+            _ => return,
         }
         let _ = self.follow_loop(&zk, &key, &parent, &name, listing).await;
-        lock(&self.following).remove(&path);
+        if let Some(queued) = lock(&self.tickets).get_mut(&(key.clone(), seq)) {
+            queued.following = false;
+        }
     }
 
     // Listings are dropped before every wait for a watch: a waiter parked
@@ -1124,6 +1134,7 @@ impl Inner {
                 }
                 (Some(_), w) => w,
             };
+            drop(target);
             if key.kind == Kind::Semaphore {
                 // A deletion between the listing and the watch may have made
                 // the predecessor head, or admitted it: look again.
@@ -1681,7 +1692,9 @@ impl ZooKeeper {
         // Our node: the ticket's, or a new one.
         let (name, created) = match turn {
             Turn::Queued(t) => {
-                let known = lock(&me.tickets).get(&(key.clone(), t.seq)).cloned();
+                let known = lock(&me.tickets)
+                    .get(&(key.clone(), t.seq))
+                    .map(|q| q.name.clone());
                 let Some(name) = known else {
                     return Err(unavailable(
                         op,
@@ -1836,7 +1849,13 @@ impl ZooKeeper {
                 return Ok(Attempt::Busy(busy));
             }
             Turn::Join => {
-                lock(&me.tickets).insert((key.clone(), seq), name.clone());
+                lock(&me.tickets).insert(
+                    (key.clone(), seq),
+                    Queued {
+                        name: name.clone(),
+                        following: false,
+                    },
+                );
                 busy.ticket = Some(Ticket {
                     key: key.clone(),
                     seq,
@@ -1848,7 +1867,9 @@ impl ZooKeeper {
         // Watch what blocks this node before answering, so no release is missed.
         let follower = me.clone();
         let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
-        let following = lock(&me.following).contains(&path);
+        let following = lock(&me.tickets)
+            .get(&(key.clone(), seq))
+            .is_some_and(|q| q.following);
         if !following {
             tokio::spawn(follower.follow(zk2, key2, parent2, name, children));
         }
@@ -1857,7 +1878,9 @@ impl ZooKeeper {
 
     async fn dequeue_node(&self, ticket: &Ticket) -> Result<(), Error> {
         let me = &self.inner;
-        let name = lock(&me.tickets).remove(&(ticket.key.clone(), ticket.seq));
+        let name = lock(&me.tickets)
+            .remove(&(ticket.key.clone(), ticket.seq))
+            .map(|q| q.name);
         let Some(name) = name else { return Ok(()) };
         let zk = me.client().await?;
         let path = format!("{}/{name}", me.key_path(&ticket.key));
