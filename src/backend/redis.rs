@@ -1002,13 +1002,16 @@ pub struct Member {
 }
 
 impl Member {
-    /// Starts the member's heartbeat and pub/sub tasks.
+    /// Starts the member's heartbeat and pub/sub tasks. With
+    /// `global_tickets`, the node's ticket numbers are the local queues'
+    /// (one Redis): a release that names the next ticket wakes only it.
     pub fn start(
         node: Node,
         sidecar: &str,
         watchers: &Watchers,
         wakeups: &Wakeups,
         stop: &CancellationToken,
+        global_tickets: bool,
     ) -> Arc<Self> {
         let (subs, rx) = mpsc::unbounded_channel();
         let member = Arc::new(Self {
@@ -1024,6 +1027,7 @@ impl Member {
             watchers.clone(),
             wakeups.clone(),
             stop.clone(),
+            global_tickets,
         ));
         tokio::spawn(heartbeats(Arc::downgrade(&member), stop.clone()));
         member
@@ -1197,6 +1201,7 @@ async fn pubsub(
     watchers: Watchers,
     wakeups: Wakeups,
     stop: CancellationToken,
+    global_tickets: bool,
 ) {
     let mut backoff = Duration::from_millis(50);
     loop {
@@ -1262,13 +1267,25 @@ async fn pubsub(
                         .get(msg.get_channel_name())
                         .map(|(k, _)| k.clone());
                     if let Some(key) = key {
-                        wakeups.wake(&key);
+                        match next_ticket(&msg).filter(|_| global_tickets) {
+                            Some(seq) => wakeups.wake_ticket(&key, seq),
+                            None => wakeups.wake(&key),
+                        }
                     }
                 }
             }
         }
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
     }
+}
+
+/// The ticket a release message names (`h<seq>`: only its holder can be
+/// admitted), if it names one.
+fn next_ticket(msg: &redis::Msg) -> Option<u64> {
+    std::str::from_utf8(msg.get_payload_bytes().strip_prefix(b"h")?)
+        .ok()?
+        .parse()
+        .ok()
 }
 
 /// Unsubscribes when the last local watcher of a channel goes.
@@ -1311,7 +1328,7 @@ impl Redis {
         let node = Node::open(url, &options.redis_prefix)?;
         let watchers = Watchers::default();
         let stop = CancellationToken::new();
-        let member = Member::start(node, &options.sidecar, &watchers, &wakeups, &stop);
+        let member = Member::start(node, &options.sidecar, &watchers, &wakeups, &stop, true);
         Ok(Self {
             member,
             legacy_pattern: options.legacy_pattern.clone(),

@@ -103,6 +103,8 @@ impl Redlock {
                     &watchers,
                     &wakeups,
                     &stop,
+                    // Each node numbers its own tickets.
+                    false,
                 ))
             })
             .collect::<Result<Vec<_>, String>>()?;

@@ -39,6 +39,18 @@ impl Wakeups {
         }
     }
 
+    /// Only the waiter holding ticket `seq` may get in: wake it if it is the
+    /// local head (tickets sort globally, so the global head is the head of
+    /// its sidecar's queue).
+    pub fn wake_ticket(&self, key: &LockKey, seq: u64) {
+        let queues = self.lock();
+        if let Some(head) = queues.get(key).and_then(|q| q.slots.first())
+            && head.seq == seq
+        {
+            head.notify.notify_one();
+        }
+    }
+
     /// Number of local waiters on `key`.
     pub fn len(&self, key: &LockKey) -> usize {
         self.lock().get(key).map_or(0, |q| q.slots.len())
@@ -157,5 +169,37 @@ impl Drop for Place {
         {
             next.notify.notify_one();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::Wakeups;
+    use crate::lock::{Kind, LockKey, Name};
+
+    #[test]
+    fn a_named_ticket_wakes_only_its_holder_at_the_head() {
+        let wakeups = Wakeups::default();
+        let key = LockKey {
+            kind: Kind::Lock,
+            name: Name::parse("q").unwrap(),
+        };
+        let head = wakeups.join(&key, 5);
+        let second = wakeups.join(&key, 7);
+
+        wakeups.wake_ticket(&key, 7);
+        assert!(
+            head.notified().now_or_never().is_none(),
+            "7 is not the head"
+        );
+        assert!(
+            second.notified().now_or_never().is_none(),
+            "only heads wake"
+        );
+
+        wakeups.wake_ticket(&key, 5);
+        assert!(head.notified().now_or_never().is_some(), "5 is the head");
     }
 }

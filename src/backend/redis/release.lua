@@ -4,6 +4,24 @@
 -- The common cases run first, in release_fast.lua.
 local token = ARGV[4]
 
+-- Wakes whoever may be admitted now. When the queue's head is an exclusive
+-- claim on a lock, nobody behind it can be: the message names its ticket
+-- ("h<seq>"), and only the sidecar whose local head holds that ticket wakes
+-- it, where "r" wakes every sidecar's head (all but one to find it busy).
+local function publish_release()
+  if IS_LOCK then
+    local head = redis.call("ZRANGE", QUEUE, 0, 0)[1]
+    if head then
+      local raw = redis.call("HGET", WAITERS, head)
+      if raw and cjson.decode(raw).m == "x" then
+        redis.call("PUBLISH", CHANNEL, "h" .. head)
+        return
+      end
+    end
+  end
+  redis.call("PUBLISH", CHANNEL, "r")
+end
+
 -- The exclusive holder releasing its last hold while others hold or wait.
 -- Its lease is live (the main key expires with it), so prune() can only
 -- matter for what is left after it goes.
@@ -13,7 +31,7 @@ if IS_LOCK and main_get() == token and meta_of(token) then
   prune()
   sync_shared()
   tidy_if_idle()
-  redis.call("PUBLISH", CHANNEL, "r")
+  publish_release()
   return {NOW, 0}
 end
 
@@ -29,5 +47,5 @@ end
 drop_lease(token)
 sync_shared()
 tidy_if_idle()
-redis.call("PUBLISH", CHANNEL, "r")
+publish_release()
 return {NOW, 0}
