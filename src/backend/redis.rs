@@ -11,7 +11,8 @@
 //!
 //! Waiting never polls: scripts `PUBLISH` on the lock's channel whenever a
 //! waiter may get in, each sidecar subscribes once per contended lock on one
-//! pub/sub connection and wakes its local queue head, and waiters keep a
+//! pub/sub connection and wakes its local queue head (only the named one,
+//! when a release names the next ticket: `h<seq>`), and waiters keep a
 //! timer at the blocking lease's expiry for holders that die. Queued tickets
 //! carry a heartbeat, refreshed for all of a sidecar's tickets on a lock by
 //! one script call every [`HEARTBEAT_EVERY`]; tickets of a dead sidecar lapse
