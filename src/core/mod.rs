@@ -210,9 +210,10 @@ impl HoldEvents {
         event
     }
 
-    /// Marks the client gone: the hold stops waiting or releases its lease.
-    pub fn leave(&self) {
-        self.left.cancel();
+    /// Cancelled to mark the client gone: the hold stops waiting or
+    /// releases its lease.
+    pub fn left(&self) -> &CancellationToken {
+        &self.left
     }
 }
 
@@ -886,7 +887,8 @@ impl Core {
     /// Runs a hold stream: acquire, then renew every ttl/3 until the client
     /// goes away (release), the lease is lost, or the sidecar shuts down.
     /// Events go to `events`; the stream ends when this returns. Leaving
-    /// (`events.leave()`) ends it early: the wait is given up, a lease released.
+    /// (cancelling `events.left()`) ends it early: the wait is given up, a
+    /// lease released.
     ///
     /// The claim comes boxed: an argument stays part of the hold's state
     /// for as long as the lock is held, a box only while it is acquired.

@@ -379,24 +379,27 @@ fn key(kind: Kind, name: Name) -> LockKey {
 
 /// Acquires in the request's own task. A client that disconnects drops
 /// the request; the acquire then finishes in a task of its own
-/// ([`Acquiring`]): a wait is given up and a grant that raced the departure
+/// ([`Finishing`]): a wait is given up and a grant that raced the departure
 /// is released.
 async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>, Error> {
     let (claim, wait) = ask.into_claim(key, &app)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    let cancel = CancellationToken::new();
+    let left = CancellationToken::new();
     let core = app.core.clone();
-    let left = cancel.clone();
-    let acquiring = Acquiring {
-        acquire: Some(Box::pin(
-            async move { core.acquire(&claim, wait, &left).await },
-        )),
-        cancel,
-        core: app.core.clone(),
+    let cancel = left.clone();
+    let acquire = async move {
+        let outcome = core.acquire(&claim, wait, &cancel).await;
+        if cancel.is_cancelled()
+            && let Ok(Outcome::Granted(g)) = &outcome
+        {
+            tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
+            let _ = core.release(&g.lease.key, &g.lease.token).await;
+        }
+        outcome
     };
-    match acquiring.await? {
+    match Finishing::new(acquire, left, &app.core.tasks).await? {
         Outcome::Granted(g) => Ok(Json(acquired(&g))),
         Outcome::Busy { busy, waited } => Err(Error::Busy {
             busy: Box::new(busy),
@@ -406,56 +409,72 @@ async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>
     }
 }
 
-/// An acquire in flight for a request. [`Core::acquire`] must not be
-/// dropped midway (a grant could be lost), so when the request goes away
-/// first the acquire is cancelled and run to its end in a task, where a
-/// grant is released. (A task per acquire from the start would cost every
-/// request a hand-over between tasks.)
-///
-/// [`Core::acquire`]: crate::core::Core::acquire
-struct Acquiring {
-    /// The acquire until it has returned.
-    acquire: Option<futures::future::BoxFuture<'static, Result<Outcome, Error>>>,
-    /// Ends a wait early.
-    cancel: CancellationToken,
-    core: Arc<crate::core::Core>,
+/// Work a request runs in its own task that must not stop midway (an
+/// acquire could lose a grant, a hold its release). Dropped unfinished (the
+/// client left), it cancels `left` and finishes in a task, where the work
+/// gives up its wait or releases what it got. (A task per request from the
+/// start would cost every request a hand-over between tasks, and every hold
+/// a task.)
+struct Finishing<T: Send + 'static> {
+    /// The work until it has returned.
+    work: Option<futures::future::BoxFuture<'static, T>>,
+    /// Tells the work that its client left.
+    left: CancellationToken,
+    /// Where unfinished work finishes.
+    tasks: tokio_util::task::TaskTracker,
 }
 
-impl Future for Acquiring {
-    type Output = Result<Outcome, Error>;
+impl<T: Send + 'static> Finishing<T> {
+    fn new(
+        work: impl Future<Output = T> + Send + 'static,
+        left: CancellationToken,
+        tasks: &tokio_util::task::TaskTracker,
+    ) -> Self {
+        Self {
+            work: Some(Box::pin(work)),
+            left,
+            tasks: tasks.clone(),
+        }
+    }
 
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let Some(acquire) = self.acquire.as_mut() else {
-            return std::task::Poll::Ready(Err(Error::ShuttingDown));
-        };
-        let outcome = std::task::ready!(acquire.as_mut().poll(cx));
-        self.acquire = None;
-        std::task::Poll::Ready(outcome)
+    fn is_done(&self) -> bool {
+        self.work.is_none()
     }
 }
 
-impl Drop for Acquiring {
+impl<T: Send + 'static> Future for Finishing<T> {
+    type Output = T;
+
+    /// # Panics
+    /// When polled after it returned (the `Future` contract).
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<T> {
+        let work = self
+            .work
+            .as_mut()
+            .expect("Finishing polled after it returned");
+        let output = std::task::ready!(work.as_mut().poll(cx));
+        self.work = None;
+        std::task::Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for Finishing<T> {
     fn drop(&mut self) {
-        let Some(acquire) = self.acquire.take() else {
+        let Some(work) = self.work.take() else {
             return;
         };
-        self.cancel.cancel();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let core = self.core.clone();
-        self.core.tasks.spawn_on(
-            async move {
-                if let Ok(Outcome::Granted(g)) = acquire.await {
-                    tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
-                    let _ = core.release(&g.lease.key, &g.lease.token).await;
-                }
-            },
-            &runtime,
-        );
+        self.left.cancel();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.tasks.spawn_on(
+                async move {
+                    work.await;
+                },
+                &runtime,
+            );
+        }
     }
 }
 
@@ -510,12 +529,10 @@ fn hold(app: Arc<App>, key: LockKey, ask: Ask) -> Result<axum::response::Respons
     let core = app.core.clone();
     let reported = events.clone();
     let claim = Box::new(claim);
+    let hold = async move { core.hold(claim, wait, &reported).await };
     let stream = HoldStream {
-        hold: Some(Box::pin(async move {
-            core.hold(claim, wait, &reported).await;
-        })),
+        hold: Finishing::new(hold, events.left().clone(), &app.core.tasks),
         events,
-        tasks: app.core.tasks.clone(),
     };
     let mut response = Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
@@ -531,13 +548,12 @@ fn hold(app: Arc<App>, key: LockKey, ask: Ask) -> Result<axum::response::Respons
 
 /// A hold's event stream, which also runs the hold: each poll advances it
 /// ([`crate::core::Core::hold`]) and then hands out what it reported. The
-/// connection's task is the hold's only task.
+/// connection's task is the hold's only task; when the client leaves, the
+/// hold finishes elsewhere ([`Finishing`]), giving up its wait or releasing
+/// its lease.
 struct HoldStream {
-    /// The hold until it has returned.
-    hold: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
+    hold: Finishing<()>,
     events: Arc<HoldEvents>,
-    /// Where a hold whose client left finishes.
-    tasks: tokio_util::task::TaskTracker,
 }
 
 impl Stream for HoldStream {
@@ -548,30 +564,13 @@ impl Stream for HoldStream {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
-        if let Some(hold) = self.hold.as_mut()
-            && hold.as_mut().poll(cx).is_ready()
-        {
-            self.hold = None;
+        if !self.hold.is_done() {
+            let _ = std::pin::Pin::new(&mut self.hold).poll(cx);
         }
         match self.events.next() {
             Some(event) => Poll::Ready(Some(Ok(hold_event(event)))),
-            None if self.hold.is_none() => Poll::Ready(None),
+            None if self.hold.is_done() => Poll::Ready(None),
             None => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for HoldStream {
-    /// The client left (or the connection ended): the hold finishes in a
-    /// task of its own, giving up its wait or releasing its lease, and a
-    /// grant racing the departure is released there too.
-    fn drop(&mut self) {
-        let Some(hold) = self.hold.take() else {
-            return;
-        };
-        self.events.leave();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            self.tasks.spawn_on(hold, &runtime);
         }
     }
 }
