@@ -31,6 +31,24 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
+/// Makes every thread allocate its small blocks from one malloc arena.
+///
+/// glibc gives threads that contend for the main arena arenas of their
+/// own, up to eight per core. Each keeps its own free holes, which other
+/// threads' allocations cannot fill: with 10,000 waiting or holding
+/// connections, whose blocks are allocated by whichever worker accepted or
+/// polled them, one arena is 2 to 3 MiB smaller than three, and pairs/s
+/// with 32 clients did not change (`BENCHMARKS.md`). glibc's per-thread
+/// caches still serve most allocations without the arena's lock.
+/// Call it before any thread is started; without glibc it does nothing.
+pub fn share_one_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets a tunable of the allocator; it takes no pointers.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
 /// Allocations from this size up get a mapping of their own.
 pub const THRESHOLD: usize = 8 * 1024;
 /// Alignment every mapping has (the smallest page size of the platforms we run on).

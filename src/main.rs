@@ -18,8 +18,23 @@ fn init_tracing(format: LogFormat) {
 #[global_allocator]
 static ALLOCATOR: sidelock::alloc::Pages = sidelock::alloc::Pages;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // Before any thread allocates: the arena limit is read when the second
+    // arena would be made.
+    sidelock::alloc::share_one_arena();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("sidelock: cannot start the runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> std::process::ExitCode {
     let cli = Cli::parse();
     let serve = match cli.command {
         Some(Command::Run(args)) => {
