@@ -1052,17 +1052,27 @@ pub struct Member {
     subs: mpsc::UnboundedSender<Sub>,
 }
 
+/// Whose numbering a node's queue tickets follow, which decides how a
+/// release message that names the next ticket (`h<seq>`) wakes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Numbering {
+    /// The node's tickets are the local queues' own (one Redis): only the
+    /// named ticket is woken.
+    Shared,
+    /// Each node numbers its tickets its own way (Redlock): every named
+    /// ticket wakes the local queue head, as a plain release does.
+    PerNode,
+}
+
 impl Member {
-    /// Starts the member's heartbeat and pub/sub tasks. With
-    /// `global_tickets`, the node's ticket numbers are the local queues'
-    /// (one Redis): a release that names the next ticket wakes only it.
+    /// Starts the member's heartbeat and pub/sub tasks.
     pub fn start(
         node: Node,
         sidecar: &str,
         watchers: &Watchers,
         wakeups: &Wakeups,
         stop: &CancellationToken,
-        global_tickets: bool,
+        numbering: Numbering,
     ) -> Arc<Self> {
         let (subs, rx) = mpsc::unbounded_channel();
         let member = Arc::new(Self {
@@ -1078,7 +1088,7 @@ impl Member {
             watchers.clone(),
             wakeups.clone(),
             stop.clone(),
-            global_tickets,
+            numbering,
         ));
         tokio::spawn(heartbeats(Arc::downgrade(&member), stop.clone()));
         member
@@ -1252,7 +1262,7 @@ async fn pubsub(
     watchers: Watchers,
     wakeups: Wakeups,
     stop: CancellationToken,
-    global_tickets: bool,
+    numbering: Numbering,
 ) {
     let mut backoff = Duration::from_millis(50);
     loop {
@@ -1318,7 +1328,7 @@ async fn pubsub(
                         .get(msg.get_channel_name())
                         .map(|(k, _)| k.clone());
                     if let Some(key) = key {
-                        match next_ticket(&msg).filter(|_| global_tickets) {
+                        match next_ticket(&msg).filter(|_| numbering == Numbering::Shared) {
                             Some(seq) => wakeups.wake_ticket(&key, seq),
                             None => wakeups.wake(&key),
                         }
@@ -1379,7 +1389,14 @@ impl Redis {
         let node = Node::open(url, &options.redis_prefix)?;
         let watchers = Watchers::default();
         let stop = CancellationToken::new();
-        let member = Member::start(node, &options.sidecar, &watchers, &wakeups, &stop, true);
+        let member = Member::start(
+            node,
+            &options.sidecar,
+            &watchers,
+            &wakeups,
+            &stop,
+            Numbering::Shared,
+        );
         Ok(Self {
             member,
             legacy_pattern: options.legacy_pattern.clone(),

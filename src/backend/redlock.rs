@@ -31,7 +31,7 @@ use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
 use super::redact;
-use super::redis::{Member, Node, Step, Watchers, split_hosts, watch};
+use super::redis::{Member, Node, Numbering, Step, Watchers, split_hosts, watch};
 use super::{
     Attempt, Backend, Busy, Description, Error, Grant, Holder, Options, Safety, StaleKey, State,
     Status, Summary, Ticket, Turn, Watch,
@@ -103,8 +103,7 @@ impl Redlock {
                     &watchers,
                     &wakeups,
                     &stop,
-                    // Each node numbers its own tickets.
-                    false,
+                    Numbering::PerNode,
                 ))
             })
             .collect::<Result<Vec<_>, String>>()?;
