@@ -26,7 +26,7 @@ fn main() -> std::process::ExitCode {
         .enable_all()
         .build()
     {
-        Ok(runtime) => runtime.block_on(run()),
+        Ok(runtime) => runtime.block_on(run_command()),
         Err(e) => {
             eprintln!("sidelock: cannot start the runtime: {e}");
             std::process::ExitCode::FAILURE
@@ -34,7 +34,8 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> std::process::ExitCode {
+/// Runs the command line's command: `serve` (the default), `run` or `bench`.
+async fn run_command() -> std::process::ExitCode {
     let cli = Cli::parse();
     let serve = match cli.command {
         Some(Command::Run(args)) => {

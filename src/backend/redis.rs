@@ -60,6 +60,20 @@ fn fast_script(fast: &str, body: &str) -> Script {
     Script::new(&format!("{fast}\n{PRELUDE}\n{body}"))
 }
 
+/// The suffixes of a lock's side keys `{<base>}:<suffix>`, in the order the
+/// scripts' `KEYS` hold them (after the base key, before the index).
+const SIDE_KEYS: [&str; 9] = [
+    "holders",
+    "expiry",
+    "fence",
+    "queue",
+    "waiters",
+    "heartbeat",
+    "delay",
+    "limit",
+    "seq",
+];
+
 /// The compiled scripts.
 struct Scripts {
     acquire: Script,
@@ -362,31 +376,7 @@ impl Node {
     where
         F: AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     {
-        let cached = lock(&self.conn).clone();
-        let mut conn = match cached {
-            Some(c) => c,
-            None => {
-                let _connecting = self.connecting.lock().await;
-                // Made by the caller that held the lock before.
-                let cached = lock(&self.conn).clone();
-                match cached {
-                    Some(c) => c,
-                    None => {
-                        let c = tokio::time::timeout(CALL_TIMEOUT, self.connect())
-                            .await
-                            .map_err(|_| {
-                                unavailable(
-                                    op,
-                                    RedisError::from((ErrorKind::Io, "connect timed out")),
-                                )
-                            })?
-                            .map_err(|e| unavailable(op, e))?;
-                        *lock(&self.conn) = Some(c.clone());
-                        c
-                    }
-                }
-            }
-        };
+        let mut conn = self.connection(op).await?;
         match f(&mut conn).await {
             Ok(v) => Ok(v),
             Err(e) => {
@@ -401,6 +391,24 @@ impl Node {
                 Err(unavailable(op, e))
             }
         }
+    }
+
+    /// The cached connection, made first if there is none.
+    async fn connection(&self, op: &'static str) -> Result<Conn, Error> {
+        if let Some(c) = lock(&self.conn).clone() {
+            return Ok(c);
+        }
+        let _connecting = self.connecting.lock().await;
+        // Made by the caller that held the lock before.
+        if let Some(c) = lock(&self.conn).clone() {
+            return Ok(c);
+        }
+        let c = tokio::time::timeout(CALL_TIMEOUT, self.connect())
+            .await
+            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
+            .map_err(|e| unavailable(op, e))?;
+        *lock(&self.conn) = Some(c.clone());
+        Ok(c)
     }
 
     fn base(&self, key: &LockKey) -> String {
@@ -432,8 +440,8 @@ impl Node {
     fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> Call<'a> {
         let base = self.base(key);
         // A Cluster cannot touch a global index from a lock's slot.
-        let keys = if self.is_cluster() { 10 } else { 11 };
-        let mut inv = Call::new(script, keys);
+        let index = !self.is_cluster();
+        let mut inv = Call::new(script, 1 + SIDE_KEYS.len() + usize::from(index));
         inv.arg(&base);
         // One buffer for every side key `{base}:<suffix>`.
         let mut side = String::with_capacity(base.len() + 12);
@@ -441,22 +449,12 @@ impl Node {
         side.push_str(&base);
         side.push_str("}:");
         let stem = side.len();
-        for suffix in [
-            "holders",
-            "expiry",
-            "fence",
-            "queue",
-            "waiters",
-            "heartbeat",
-            "delay",
-            "limit",
-            "seq",
-        ] {
+        for suffix in SIDE_KEYS {
             side.truncate(stem);
             side.push_str(suffix);
             inv.arg(side.as_str());
         }
-        if !self.is_cluster() {
+        if index {
             inv.arg(self.index.as_str());
         }
         inv.arg(match key.kind {
