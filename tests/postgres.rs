@@ -1,7 +1,7 @@
 //! The PostgreSQL backend beyond the shared conformance suite (which also
 //! runs on it): FIFO across sidecars, statement cost of idle waiters, outages
-//! and restarts, concurrent start-up, waiters of dead sidecars, missed
-//! notifications, and every stale reason.
+//! and restarts, concurrent start-up, upgrading a version 1 schema, waiters
+//! of dead sidecars, missed notifications, and every stale reason.
 //!
 //! Tests use the machine's server (a schema or database of their own, see
 //! `common::postgres`), except those that stop the server or count
@@ -457,7 +457,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1]);
+    assert_eq!(versions, [1, 2]);
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -471,6 +471,55 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         sidecar.api().lock(&name).acquire_busy(&[]).await;
     }
     sidecars[3].api().lock(&name).release(&grant.token).await;
+}
+
+/// A schema an older sidelock left at version 1 is migrated on start-up:
+/// its fences carry on, and the replaced `acquire()` still drops the waiter
+/// of a sidecar process that is gone (here one without a `sidecars` row at
+/// all), which would otherwise hold the queue and answer busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
+    let database = TestDatabase::new().await;
+    let client = database.client().await;
+    let version_1 = include_str!("../src/backend/postgres/0001_init.sql")
+        .replace("{s}", "sidelock")
+        .replace("{channel}", "'sidelock_wake'");
+    let name = unique_name("upgraded");
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA sidelock;
+             CREATE TABLE sidelock.schema_migrations (
+                 version     integer PRIMARY KEY,
+                 description text NOT NULL,
+                 applied_at  timestamptz NOT NULL DEFAULT now());
+             {version_1}
+             INSERT INTO sidelock.schema_migrations (version, description) VALUES (1, 'init');
+             INSERT INTO sidelock.keys (kind, name, fence) VALUES ('lock', '{name}', 41);
+             INSERT INTO sidelock.waiters (kind, name, owner, sidecar, instance, mode, queued_at)
+             VALUES ('lock', '{name}', 'ghost', 'gone', 'gone-instance', 'exclusive', now());"
+        ))
+        .await
+        .expect("set up a version 1 schema");
+
+    let sidecar = SidecarBuilder::new(&database.url()).start().await;
+    assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
+    let versions: Vec<i32> = client
+        .query(
+            "SELECT version FROM sidelock.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .expect("read schema_migrations")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, [1, 2]);
+
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[]).await;
+    assert_eq!(grant.fence, 42);
+    assert!(lock.inspect().await.waiters.is_empty());
+    lock.release(&grant.token).await;
 }
 
 /// A waiter whose sidecar dies is listed as orphaned once its heartbeat is

@@ -4,7 +4,8 @@
 //! tables of one schema (`--pg-schema`, default `sidelock`), created and
 //! migrated here at start-up under an advisory lock, so sidecars that start
 //! together on an empty database do not race. The SQL is in
-//! `postgres/0001_init.sql`; the README documents every table and index.
+//! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
+//! replaces functions of 0001); the README documents every table and index.
 //!
 //! * Every operation is one call of a PL/pgSQL function, i.e. one statement
 //!   and one transaction. Acquire takes the key's row lock, frees expired
@@ -90,11 +91,18 @@ struct Migration {
     sql: &'static str,
 }
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "keys, leases, sidecars and waiters with their functions",
-    sql: include_str!("postgres/0001_init.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "keys, leases, sidecars and waiters with their functions",
+        sql: include_str!("postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "acquire and inspect check waiters' sidecars with a join, not live() per row",
+        sql: include_str!("postgres/0002_liveness_joins.sql"),
+    },
+];
 
 /// The PostgreSQL backend.
 pub struct Postgres {
@@ -191,14 +199,18 @@ active AS (
      WHERE l.expires_at > t.now AND starts_with(l.name, $1)
     UNION
     SELECT w.kind, w.name FROM {s}.waiters w, t
-     WHERE starts_with(w.name, $1) AND {s}.live(w.instance, t.now - {s}.millis($5))
+     WHERE starts_with(w.name, $1)
+       AND EXISTS (SELECT 1 FROM {s}.sidecars c
+                    WHERE c.instance = w.instance AND c.heartbeat_at > t.now - {s}.millis($5))
 )
 SELECT a.kind, a.name, k.fence,
        (SELECT count(*) FROM {s}.leases l
          WHERE l.kind = a.kind AND l.name = a.name AND l.expires_at > t.now) AS holders,
        (SELECT count(*) FROM {s}.waiters w
          WHERE w.kind = a.kind AND w.name = a.name
-           AND {s}.live(w.instance, t.now - {s}.millis($5))) AS waiters
+           AND EXISTS (SELECT 1 FROM {s}.sidecars c
+                        WHERE c.instance = w.instance
+                          AND c.heartbeat_at > t.now - {s}.millis($5))) AS waiters
   FROM active a JOIN {s}.keys k ON k.kind = a.kind AND k.name = a.name, t
  WHERE $2::text IS NULL OR (a.kind, a.name) > ($2::text, $3::text)
  ORDER BY a.kind, a.name
