@@ -94,6 +94,10 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
             assert!(num(u, "acquire.p99_us") <= num(u, "acquire.p999_us"));
             assert!(num(u, "release.p50_us") > 0.0);
             assert_eq!(num(u, "errors"), 0.0);
+            // CPU per pair: the bench and its sidecar always, Redis on the
+            // Redis run (its server is local); ticks may round a share to 0.
+            assert!(num(u, "cpu_us_per_pair.bench") >= 0.0, "{u:#}");
+            assert!(num(u, "cpu_us_per_pair.sidecar") >= 0.0, "{u:#}");
         }
         let con = run["contended"].as_array().expect("contended");
         assert_eq!(con.len(), 2);
@@ -121,6 +125,8 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     }
     // Redis: commands counted, and the sidecar on Redis waits without polling.
     let redis_run = &runs[1];
+    assert!(num(redis_run, "uncontended.0.cpu_us_per_pair.redis") >= 0.0);
+    assert!(runs[0]["uncontended"][0]["cpu_us_per_pair"]["redis"].is_null());
     assert!(num(redis_run, "contended.0.commands_per_grant") > 0.0);
     assert!(num(redis_run, "contended.0.round_trips_per_grant") > 0.0);
     assert!(num(redis_run, "idle.0.round_trips_per_s") >= 0.0);
@@ -134,6 +140,8 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     let base = &report["baselines"];
     assert!(num(base, "direct_redis.0.pairs_per_s") > 0.0, "{base:#}");
     assert_eq!(num(base, "direct_redis.0.round_trips_per_pair"), 2.0);
+    assert!(num(base, "direct_redis.0.cpu_us_per_pair.redis") >= 0.0);
+    assert!(base["direct_redis"][0]["cpu_us_per_pair"]["sidecar"].is_null());
     let polling = &base["polling"][0];
     assert_eq!(num(polling, "poll_ms"), 10.0);
     assert!(num(polling, "contended.0.grants") > 0.0);

@@ -236,6 +236,37 @@ impl Counter {
         }
     }
 
+    /// The backend's server processes that run on this machine, for CPU
+    /// readings: Redis nodes whose `INFO server` `process_id` is a local
+    /// `redis-server`. Other backends: none.
+    pub async fn local_pids(&mut self) -> Vec<(&'static str, u32)> {
+        let Self::Redis(conns) = self else {
+            return Vec::new();
+        };
+        let mut pids = Vec::new();
+        for c in conns {
+            let Ok(info) = redis::cmd("INFO")
+                .arg("server")
+                .query_async::<String>(c)
+                .await
+            else {
+                continue;
+            };
+            let pid = info
+                .lines()
+                .find_map(|l| l.strip_prefix("process_id:"))
+                .and_then(|v| v.trim().parse::<u32>().ok());
+            // A remote server's PID may be some other local process.
+            if let Some(pid) = pid
+                && std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|comm| comm.starts_with("redis"))
+            {
+                pids.push(("redis", pid));
+            }
+        }
+        pids
+    }
+
     /// What the backend did while `f` ran. With `client_round_trips` (the
     /// baselines count what they send), round trips are taken from there.
     pub async fn around<T>(

@@ -437,10 +437,28 @@ async fn run_backend(
     }
     if has(args.workload, Workload::Uncontended) {
         target!(1, spawned, target);
+        let mut processes: Vec<(&'static str, u32)> = target
+            .pids
+            .iter()
+            .flatten()
+            .map(|&pid| ("sidecar", pid))
+            .collect();
+        if let Some(c) = counter.as_mut() {
+            processes.extend(c.local_pids().await);
+        }
         for &c in uncontended_clients {
             eprintln!("[{label}] uncontended, {c} clients");
             let lockers = (0..c).map(|i| target.locker_for(0, i)).collect();
-            match workloads::uncontended(lockers, args.duration, run_id, &mut counter, None).await {
+            match workloads::uncontended(
+                lockers,
+                args.duration,
+                run_id,
+                &mut counter,
+                None,
+                &processes,
+            )
+            .await
+            {
                 Ok(r) => run.uncontended.push(r),
                 Err(e) => run.errors.push(format!("uncontended {c}: {e}")),
             }
@@ -536,6 +554,10 @@ async fn baselines(
     let mut counter = counter(Some(redis)).await;
     let rt = Arc::new(AtomicU64::new(0));
     if has(args.workload, Workload::Uncontended) {
+        let processes = match counter.as_mut() {
+            Some(c) => c.local_pids().await,
+            None => Vec::new(),
+        };
         for &c in uncontended_clients {
             eprintln!("[direct redis] uncontended, {c} clients");
             let mut lockers = Vec::new();
@@ -554,6 +576,7 @@ async fn baselines(
                 &format!("d-{run_id}"),
                 &mut counter,
                 Some(&rt),
+                &processes,
             )
             .await
             {
@@ -695,6 +718,22 @@ fn opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v}"))
 }
 
+/// `bench 48 + sidecar 93 + redis 83 = 224`, or `-` when nothing was read.
+fn cpu_shares(shares: &std::collections::BTreeMap<&'static str, f64>) -> String {
+    if shares.is_empty() {
+        return "-".into();
+    }
+    let parts: Vec<String> = ["bench", "sidecar", "redis"]
+        .iter()
+        .filter_map(|role| shares.get(role).map(|us| format!("{role} {us:.0}")))
+        .collect();
+    format!(
+        "{} = {:.0}",
+        parts.join(" + "),
+        shares.values().sum::<f64>()
+    )
+}
+
 fn print_tables(r: &Report) {
     let m = &r.machine;
     println!(
@@ -723,12 +762,12 @@ fn print_tables(r: &Report) {
     if !unc.is_empty() {
         println!("\n## Uncontended (acquire + release, own lock per client)\n");
         println!(
-            "| system | clients | pairs/s | acquire p50/p99/p999 µs | release p50/p99/p999 µs | round trips/pair | commands/pair | errors |"
+            "| system | clients | pairs/s | acquire p50/p99/p999 µs | release p50/p99/p999 µs | round trips/pair | commands/pair | CPU µs/pair | errors |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---|---:|");
         for (label, u) in unc {
             println!(
-                "| {label} | {} | {:.0} | {}/{}/{} | {}/{}/{} | {} | {} | {} |",
+                "| {label} | {} | {:.0} | {}/{}/{} | {}/{}/{} | {} | {} | {} | {} |",
                 u.clients,
                 u.pairs_per_s,
                 u.acquire.p50_us,
@@ -739,6 +778,7 @@ fn print_tables(r: &Report) {
                 u.release.p999_us,
                 opt(u.round_trips_per_pair),
                 opt(u.commands_per_pair),
+                cpu_shares(&u.cpu_us_per_pair),
                 u.errors
             );
         }

@@ -1,6 +1,6 @@
 //! Processes the bench starts itself: sidecars (`sidelock serve`, this very
 //! executable) and `redis-server`, each on a free loopback port and killed
-//! when dropped; plus RSS.
+//! when dropped; plus RSS and CPU time of processes on this machine.
 
 use std::net::TcpListener;
 use std::process::Stdio;
@@ -34,6 +34,59 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .trim()
         .parse()
         .ok()
+}
+
+/// CPU time `pid` has used, all its threads, in clock ticks (`utime +
+/// stime` of `/proc/<pid>/stat`).
+#[must_use]
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces: count after it.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// The CPU time processes use during a measurement, by role (`bench`,
+/// `sidecar`, `redis`); the processes of one role are summed.
+pub struct CpuMeter {
+    /// Role, PID and its CPU ticks at the start.
+    start: Vec<(&'static str, u32, u64)>,
+}
+
+impl CpuMeter {
+    /// Starts measuring this process (`bench`) and `others`; a process
+    /// that cannot be read (gone, or not on this machine) is left out.
+    #[must_use]
+    pub fn start(others: &[(&'static str, u32)]) -> Self {
+        let start = std::iter::once(("bench", std::process::id()))
+            .chain(others.iter().copied())
+            .filter_map(|(role, pid)| Some((role, pid, cpu_ticks(pid)?)))
+            .collect();
+        Self { start }
+    }
+
+    /// Microseconds of CPU per operation for each role since the start.
+    #[must_use]
+    pub fn per_op(&self, ops: u64) -> std::collections::BTreeMap<&'static str, f64> {
+        // SAFETY: sysconf only reads a configuration value.
+        let ticks_per_s = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+            t if t > 0 => t as f64,
+            _ => 100.0,
+        };
+        let mut out = std::collections::BTreeMap::new();
+        for &(role, pid, before) in &self.start {
+            if let Some(now) = cpu_ticks(pid) {
+                let us = now.saturating_sub(before) as f64 / ticks_per_s * 1e6;
+                *out.entry(role).or_insert(0.0) += us / ops.max(1) as f64;
+            }
+        }
+        for v in out.values_mut() {
+            *v = (*v * 10.0).round() / 10.0;
+        }
+        out
+    }
 }
 
 /// Where a started sidecar's log goes: `$TMPDIR/sidelock-bench-<id>.log`

@@ -1,6 +1,7 @@
 //! The workloads: uncontended pairs, contended handoffs, idle waiters,
 //! crash recovery and start-up.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use tokio::sync::Barrier;
 
 use super::client::{Latency, Locker, Refused, histogram, latency, record};
 use super::counters::{Counter, Ops};
-use super::procs::{Sidecar, rss_kib};
+use super::procs::{CpuMeter, Sidecar, rss_kib};
 use crate::run::SseReader;
 
 /// Workload 1 for one client count.
@@ -26,6 +27,10 @@ pub struct Uncontended {
     pub backend_ops: Option<Ops>,
     pub round_trips_per_pair: Option<f64>,
     pub commands_per_pair: Option<f64>,
+    /// CPU time per pair (µs) of the bench, the sidecars and the backend's
+    /// servers (when they run on this machine), warm-up included: with the
+    /// cores saturated, pairs/s is the inverse of their sum.
+    pub cpu_us_per_pair: BTreeMap<&'static str, f64>,
 }
 
 /// Workload 2 for one client count.
@@ -140,6 +145,7 @@ pub async fn uncontended(
     run: &str,
     counter: &mut Option<Counter>,
     client_round_trips: Option<&AtomicU64>,
+    processes: &[(&'static str, u32)],
 ) -> Result<Uncontended, String> {
     let clients = lockers.len();
     let barrier = Arc::new(Barrier::new(clients));
@@ -187,6 +193,7 @@ pub async fn uncontended(
         }
         futures::future::join_all(tasks).await
     };
+    let cpu = CpuMeter::start(processes);
     let (results, ops) = Counter::around(counter, client_round_trips, spawn_all).await;
     let (mut acq, mut rel) = (histogram(), histogram());
     let (mut pairs, mut errors, mut elapsed) = (0, 0, Duration::ZERO);
@@ -209,6 +216,7 @@ pub async fn uncontended(
         // Warm-up pairs run inside the counted window too.
         round_trips_per_pair: ops.map(|o| per_op(o.round_trips, pairs + clients as u64)),
         commands_per_pair: ops.map(|o| per_op(o.commands, pairs + clients as u64)),
+        cpu_us_per_pair: cpu.per_op(pairs + clients as u64),
     })
 }
 
