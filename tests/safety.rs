@@ -106,6 +106,25 @@ impl Deployment {
         !matches!(self, Deployment::Memory)
     }
 
+    /// What the backend holds, for a run that stalled: ZooKeeper's sessions
+    /// and their ephemeral nodes (`dump`, answered by the leader) and each
+    /// member's mode; nothing for the others.
+    fn describe(&self) -> String {
+        let Deployment::ZooKeeper(z) = self else {
+            return String::new();
+        };
+        (0..z.len())
+            .map(|i| {
+                format!(
+                    "--- zookeeper member {} ---\n{}{}",
+                    i + 1,
+                    z.word(i, "srvr"),
+                    z.word(i, "dump")
+                )
+            })
+            .collect()
+    }
+
     /// Restarts the backend (Redlock: one node, which comes back empty).
     async fn restart(&mut self) -> Option<&'static str> {
         match self {
@@ -488,6 +507,9 @@ async fn check(kind: &str) {
         format!("{report:#}"),
     );
     eprintln!("{report}");
+    if intervals.len() < MIN_GRANTS {
+        eprintln!("{}", deployment.describe());
+    }
     assert!(
         intervals.len() >= MIN_GRANTS,
         "too few grants to judge: {report}"

@@ -1644,6 +1644,91 @@ impl Backend for ZooKeeper {
     }
 }
 
+/// A claim node this sidecar is creating, or created, that nothing tracks
+/// yet: not a lease, not a ticket. If the create's answer is lost
+/// (`ConnectionLoss`: the node may exist all the same), or the request fails
+/// or is cancelled before the node becomes a lease or a ticket, dropping
+/// this deletes the node in the background. Otherwise the node would stay
+/// while this sidecar's session lives, and block the queue for everyone.
+/// The node is found by its name prefix, as Curator's protected mode does.
+struct Unclaimed {
+    me: Arc<Inner>,
+    zk: zk::Client,
+    parent: String,
+    /// The node's name without its sequence: `_c_<uuid>-<infix>`.
+    prefix: String,
+    armed: bool,
+}
+
+impl Unclaimed {
+    /// The node in `slot`, if any, is accounted for (a lease, a ticket, or
+    /// deleted).
+    fn settle(slot: &mut Option<Self>) {
+        if let Some(mut node) = slot.take() {
+            node.armed = false;
+        }
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // Outside a runtime (the process is ending) the session closes
+        // with it, which deletes the node.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let discard = self.me.clone().discard(
+                self.zk.clone(),
+                std::mem::take(&mut self.parent),
+                std::mem::take(&mut self.prefix),
+            );
+            runtime.spawn(discard);
+        }
+    }
+}
+
+impl Inner {
+    /// Deletes the children of `parent` whose names start with `prefix`,
+    /// retrying while ZooKeeper is unreachable, until they are gone, the
+    /// session that owns them ends (which deletes them) or the backend
+    /// closes.
+    async fn discard(self: Arc<Self>, zk: zk::Client, parent: String, prefix: String) {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let attempt = async {
+                for name in zk.list_children(&parent).await? {
+                    if name.starts_with(&prefix) {
+                        match zk.delete(&format!("{parent}/{name}"), None).await {
+                            Ok(()) | Err(zk::Error::NoNode) => {
+                                tracing::info!(backend = "zookeeper", node = %name, %parent,
+                                    "deleted a claim node its request could not account for");
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                }
+                Ok(())
+            };
+            let done = tokio::select! {
+                () = self.closing.cancelled() => return,
+                r = tokio::time::timeout(OP_TIMEOUT, attempt) => r,
+            };
+            match done {
+                Ok(
+                    Ok(())
+                    | Err(zk::Error::NoNode | zk::Error::SessionExpired | zk::Error::ClientClosed),
+                ) => return,
+                Ok(Err(e)) => tracing::debug!(backend = "zookeeper", error = %e, %parent,
+                    "retrying the deletion of an unaccounted claim node"),
+                Err(_) => {}
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
 impl ZooKeeper {
     async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
         let me = &self.inner;
@@ -1690,6 +1775,7 @@ impl ZooKeeper {
         }
 
         // Our node: the ticket's, or a new one.
+        let mut unclaimed: Option<Unclaimed> = None;
         let (name, created) = match turn {
             Turn::Queued(t) => {
                 let known = lock(&me.tickets)
@@ -1739,7 +1825,15 @@ impl ZooKeeper {
                     }
                     (Kind::Lock, Mode::Exclusive) => EXCLUSIVE,
                 };
-                let prefix = format!("{parent}/{}", node_prefix(infix));
+                let name_prefix = node_prefix(infix);
+                let prefix = format!("{parent}/{name_prefix}");
+                unclaimed = Some(Unclaimed {
+                    me: me.clone(),
+                    zk: zk.clone(),
+                    parent: parent.clone(),
+                    prefix: name_prefix,
+                    armed: true,
+                });
                 let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
                 let mut tries = 0;
                 let seq = loop {
@@ -1774,8 +1868,10 @@ impl ZooKeeper {
             && let Some(asked) = claim.limit
             && asked != limit
         {
-            if created {
-                let _ = call(op, zk.delete(&path, None)).await?;
+            if created
+                && let Ok(()) | Err(zk::Error::NoNode) = call(op, zk.delete(&path, None)).await?
+            {
+                Unclaimed::settle(&mut unclaimed);
             }
             return Err(Error::LimitMismatch { active: limit });
         }
@@ -1813,6 +1909,7 @@ impl ZooKeeper {
             if let Turn::Queued(t) = turn {
                 me.forget_ticket(key, t.seq);
             }
+            Unclaimed::settle(&mut unclaimed);
             return Ok(Attempt::Granted(grant));
         }
 
@@ -1844,7 +1941,9 @@ impl ZooKeeper {
             + 1;
         match turn {
             Turn::Once => {
-                let _ = call(op, zk.delete(&path, None)).await?;
+                if let Ok(()) | Err(zk::Error::NoNode) = call(op, zk.delete(&path, None)).await? {
+                    Unclaimed::settle(&mut unclaimed);
+                }
                 busy.queue_length = waiting_total.saturating_sub(1);
                 return Ok(Attempt::Busy(busy));
             }
@@ -1856,6 +1955,7 @@ impl ZooKeeper {
                         following: false,
                     },
                 );
+                Unclaimed::settle(&mut unclaimed);
                 busy.ticket = Some(Ticket {
                     key: key.clone(),
                     seq,
@@ -1883,10 +1983,16 @@ impl ZooKeeper {
             .map(|q| q.name);
         let Some(name) = name else { return Ok(()) };
         let zk = me.client().await?;
-        let path = format!("{}/{name}", me.key_path(&ticket.key));
-        match call("dequeue", zk.delete(&path, None)).await? {
-            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
-            Err(e) => Err(unavailable("dequeue", e)),
+        let parent = me.key_path(&ticket.key);
+        let path = format!("{parent}/{name}");
+        match call("dequeue", zk.delete(&path, None)).await {
+            Ok(Ok(()) | Err(zk::Error::NoNode)) => Ok(()),
+            Ok(Err(e)) => Err(unavailable("dequeue", e)),
+            // The ticket is forgotten already: its node must not outlive it.
+            Err(e) => {
+                tokio::spawn(me.clone().discard(zk, parent, name));
+                Err(e)
+            }
         }
     }
 }
