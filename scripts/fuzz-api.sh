@@ -21,11 +21,15 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 [ -n "${port:-}" ] || { echo "fuzz: the sidecar did not start:"; cat "$log"; exit 1; }
+# One worker: schemathesis parses Python source (`ast`) from its worker
+# threads, and CPython 3.11's `ast` is not safe across threads ("SystemError:
+# AST constructor recursion depth mismatch" ended one CI run as a runtime
+# error of the tool, not a finding about the API).
 .venv/bin/st run "http://127.0.0.1:$port/openapi.json" \
   -H "Authorization: Bearer fuzz-admin-token" \
   --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,response_headers_conformance \
   --exclude-path-regex '(/hold|/events)$' \
-  --max-examples "$examples" --workers 2 --request-timeout 5 --no-color
+  --max-examples "$examples" --workers 1 --request-timeout 5 --no-color
 if grep -q "panicked" "$log"; then
   echo "fuzz: the sidecar panicked:"; cat "$log"; exit 1
 fi
