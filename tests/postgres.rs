@@ -63,6 +63,20 @@ async fn assert_unavailable(response: reqwest::Response) {
     .await;
 }
 
+/// The schema versions applied to the `sidelock` schema, in order.
+async fn migration_versions(client: &tokio_postgres::Client) -> Vec<i32> {
+    client
+        .query(
+            "SELECT version FROM sidelock.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .expect("read schema_migrations")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 async fn readyz_status(sidecar: &SidecarGuard) -> StatusCode {
     sidecar.api().get(&["readyz"], &[]).await.status()
 }
@@ -447,17 +461,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
     }
     let client = database.client().await;
-    let versions: Vec<i32> = client
-        .query(
-            "SELECT version FROM sidelock.schema_migrations ORDER BY version",
-            &[],
-        )
-        .await
-        .expect("read schema_migrations")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(versions, [1, 2]);
+    assert_eq!(migration_versions(&client).await, [1, 2]);
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -503,17 +507,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
 
     let sidecar = SidecarBuilder::new(&database.url()).start().await;
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
-    let versions: Vec<i32> = client
-        .query(
-            "SELECT version FROM sidelock.schema_migrations ORDER BY version",
-            &[],
-        )
-        .await
-        .expect("read schema_migrations")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(versions, [1, 2]);
+    assert_eq!(migration_versions(&client).await, [1, 2]);
 
     let lock = sidecar.api().lock(&name);
     let grant = lock.acquire(&[]).await;
