@@ -68,7 +68,9 @@ def measure(r, pid, label, acquire, release):
             for reply in pipe.execute():
                 # Granted (`SET` → True, scripts → {1, …}), then released
                 # (1, or {0, 0}: released, no holds left).
-                assert reply in (True, 1, [0, 0]) or reply[0] == 1, f"{label}: {reply}"
+                granted = reply is True or (isinstance(reply, list) and reply[:1] == [1])
+                released = reply == 1 or reply == [0, 0]
+                assert granted or released, f"{label}: unexpected reply {reply!r}"
     used_us = (cpu() - before) * 1e6 / 100  # clock ticks of 10 ms
     evalsha = r.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0)
     print(f"{label:34} {used_us / PAIRS:6.1f} µs per pair   EVALSHA {evalsha:5.2f} µs per call")

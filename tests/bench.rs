@@ -95,9 +95,10 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
             assert!(num(u, "release.p50_us") > 0.0);
             assert_eq!(num(u, "errors"), 0.0);
             // CPU per pair: the bench and its sidecar always, Redis on the
-            // Redis run (its server is local); ticks may round a share to 0.
-            assert!(num(u, "cpu_us_per_pair.bench") >= 0.0, "{u:#}");
-            assert!(num(u, "cpu_us_per_pair.sidecar") >= 0.0, "{u:#}");
+            // Redis run (its server is local). One share may round to 0
+            // clock ticks in 300 ms; both together cannot.
+            let cpu = num(u, "cpu_us_per_pair.bench") + num(u, "cpu_us_per_pair.sidecar");
+            assert!(cpu > 0.0, "{u:#}");
         }
         let con = run["contended"].as_array().expect("contended");
         assert_eq!(con.len(), 2);

@@ -1774,9 +1774,9 @@ impl ZooKeeper {
             }
         }
 
-        // Our node: the ticket's, or a new one.
-        let mut unclaimed: Option<Unclaimed> = None;
-        let (name, created) = match turn {
+        // Our node: the ticket's, or a new one (then untracked until it is
+        // a lease or a ticket).
+        let (name, mut unclaimed) = match turn {
             Turn::Queued(t) => {
                 let known = lock(&me.tickets)
                     .get(&(key.clone(), t.seq))
@@ -1790,7 +1790,7 @@ impl ZooKeeper {
                         ),
                     ));
                 };
-                (name, false)
+                (name, None)
             }
             Turn::Once | Turn::Join => {
                 if key.kind == Kind::Semaphore && claim.limit.is_none() {
@@ -1825,15 +1825,15 @@ impl ZooKeeper {
                     }
                     (Kind::Lock, Mode::Exclusive) => EXCLUSIVE,
                 };
-                let name_prefix = node_prefix(infix);
-                let prefix = format!("{parent}/{name_prefix}");
-                unclaimed = Some(Unclaimed {
+                // Armed before the create: its answer may be lost.
+                let unclaimed = Unclaimed {
                     me: me.clone(),
                     zk: zk.clone(),
                     parent: parent.clone(),
-                    prefix: name_prefix,
+                    prefix: node_prefix(infix),
                     armed: true,
-                });
+                };
+                let prefix = format!("{parent}/{}", unclaimed.prefix);
                 let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
                 let mut tries = 0;
                 let seq = loop {
@@ -1846,8 +1846,7 @@ impl ZooKeeper {
                         Err(e) => return Err(unavailable(op, e)),
                     }
                 };
-                let name = format!("{}{seq}", &prefix[parent.len() + 1..]);
-                (name, true)
+                (format!("{}{seq}", unclaimed.prefix), Some(unclaimed))
             }
         };
         let path = format!("{parent}/{name}");
@@ -1868,7 +1867,7 @@ impl ZooKeeper {
             && let Some(asked) = claim.limit
             && asked != limit
         {
-            if created
+            if unclaimed.is_some()
                 && let Ok(()) | Err(zk::Error::NoNode) = call(op, zk.delete(&path, None)).await?
             {
                 Unclaimed::settle(&mut unclaimed);

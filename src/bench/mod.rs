@@ -718,14 +718,14 @@ fn opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v}"))
 }
 
-/// `bench 48 + sidecar 93 + redis 83 = 224`, or `-` when nothing was read.
+/// `bench 48 + redis 83 + sidecar 93 = 224`, or `-` when nothing was read.
 fn cpu_shares(shares: &std::collections::BTreeMap<&'static str, f64>) -> String {
     if shares.is_empty() {
         return "-".into();
     }
-    let parts: Vec<String> = ["bench", "sidecar", "redis"]
+    let parts: Vec<String> = shares
         .iter()
-        .filter_map(|role| shares.get(role).map(|us| format!("{role} {us:.0}")))
+        .map(|(role, us)| format!("{role} {us:.0}"))
         .collect();
     format!(
         "{} = {:.0}",
