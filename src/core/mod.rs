@@ -343,6 +343,12 @@ impl Core {
         self.lock_leases().get(token).cloned()
     }
 
+    /// The local lease of `token` if it is a lease on `key`: a request about
+    /// one name must never touch another name's lease, even with its token.
+    fn local_on(&self, key: &LockKey, token: &Token) -> Option<Arc<Local>> {
+        self.local(token).filter(|l| l.key == *key)
+    }
+
     fn lock_leases(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Arc<Local>>> {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -682,7 +688,7 @@ impl Core {
             return Err(Error::LeaseLost);
         }
         let result = self.op("release", self.backend.release(key, token)).await?;
-        let local = self.local(token);
+        let local = self.local_on(key, token);
         match (result, local) {
             (Some(0), Some(local)) => {
                 self.end(&local, End::Released);
@@ -702,9 +708,9 @@ impl Core {
         }
     }
 
-    /// The ttl of a lease granted through this sidecar.
-    pub fn lease_ttl(&self, token: &Token) -> Option<Duration> {
-        self.local(token).map(|l| l.ttl)
+    /// The ttl of a lease on `key` granted through this sidecar.
+    pub fn lease_ttl(&self, key: &LockKey, token: &Token) -> Option<Duration> {
+        self.local_on(key, token).map(|l| l.ttl)
     }
 
     /// Extends a lease to `ttl` (default: its own) from now.
@@ -722,7 +728,7 @@ impl Core {
             return Err(Error::LeaseLost);
         }
         let renewal = self.op("renew", self.backend.renew(key, token, ttl));
-        let renewed = match self.local(token) {
+        let renewed = match self.local_on(key, token) {
             Some(local) => {
                 local.renewing.store(true, Ordering::Relaxed);
                 let mut underway = Underway(Some(&local.renewing));
@@ -741,7 +747,7 @@ impl Core {
             }
             None => renewal.await,
         };
-        let local = self.local(token);
+        let local = self.local_on(key, token);
         match renewed {
             // Given up while the renewal was under way: the client was told.
             Ok(Some(_)) if local.is_none() && self.is_revoked(token) => {
@@ -877,7 +883,7 @@ impl Core {
         tracing::warn!(lock = %key, holders = tokens.len(), who, "force-released");
         self.metrics.force_releases.inc();
         for token in &tokens {
-            if let Some(local) = self.local(token) {
+            if let Some(local) = self.local_on(key, token) {
                 self.end(&local, End::Lost(LostReason::ForceReleased));
             }
         }

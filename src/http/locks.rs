@@ -599,7 +599,7 @@ async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<R
             return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
         }
     }
-    let asked = p.ttl.or_else(|| app.core.lease_ttl(&token));
+    let asked = p.ttl.or_else(|| app.core.lease_ttl(&key, &token));
     let expires_at_ms = app.core.keepalive(&key, &token, p.ttl).await?;
     let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());
     if let Some(ttl) = asked {
