@@ -30,10 +30,19 @@ pub fn now_ms() -> u64 {
     a.epoch_ms + a.instant.elapsed().as_millis() as u64
 }
 
-/// The tokio instant at which [`now_ms`] reaches `at_ms` (now if it has passed).
+/// The tokio instant at which [`now_ms`] reaches `at_ms` (now if it has
+/// passed; [`after`]'s far future if it lies beyond that).
 pub fn instant_at(at_ms: u64) -> tokio::time::Instant {
     let now = now_ms();
-    tokio::time::Instant::now() + Duration::from_millis(at_ms.saturating_sub(now))
+    after(Duration::from_millis(at_ms.saturating_sub(now)))
+}
+
+/// The tokio instant `d` from now, saturating at about 30 years ahead (an
+/// `Instant` sum can overflow where a `u64` of milliseconds does not).
+pub fn after(d: Duration) -> tokio::time::Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+    let now = tokio::time::Instant::now();
+    now.checked_add(d.min(FAR)).unwrap_or(now)
 }
 
 /// Milliseconds in a duration, saturating at `u64::MAX`.

@@ -13,6 +13,21 @@ use serde::{Deserialize, Deserializer};
 
 use crate::core::Limits;
 
+/// The longest duration any setting may name, and the bound of a request's
+/// `max_hold`: 365 days. Every time sum stays far from overflowing with it.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `d` for a person: whole days as `N days` (humantime writes 365 days as
+/// months), anything else as humantime does.
+pub fn format_duration(d: Duration) -> String {
+    const DAY: u64 = 24 * 3600;
+    if d.subsec_nanos() == 0 && d.as_secs() >= DAY && d.as_secs().is_multiple_of(DAY) {
+        format!("{} days", d.as_secs() / DAY)
+    } else {
+        humantime::format_duration(d).to_string()
+    }
+}
+
 /// Parses `250ms`, `30s`, `5m`, `1h`, `1m30s`; a bare integer is milliseconds.
 ///
 /// # Errors
@@ -224,18 +239,34 @@ impl Settings {
             None => ServeArgs::default(),
         };
         let a = args.under(file);
-        let max_ttl = a.max_ttl.unwrap_or(Duration::from_secs(3600));
+        let d = Limits::default();
+        let max_ttl = a.max_ttl.unwrap_or(d.max_ttl);
         let limits = Limits {
             // An unset default follows a lowered max_ttl instead of contradicting it.
-            default_ttl: a
-                .default_ttl
-                .unwrap_or(Duration::from_secs(30).min(max_ttl)),
+            default_ttl: a.default_ttl.unwrap_or(d.default_ttl.min(max_ttl)),
             max_ttl,
-            max_wait: a.max_wait.unwrap_or(Duration::from_secs(3600)),
-            lock_delay: a.lock_delay.unwrap_or(Duration::ZERO),
-            stale_after: a.stale_after.unwrap_or(Duration::from_secs(3600)),
-            max_waiters: a.max_waiters.unwrap_or(10_000),
+            max_wait: a.max_wait.unwrap_or(d.max_wait),
+            lock_delay: a.lock_delay.unwrap_or(d.lock_delay),
+            stale_after: a.stale_after.unwrap_or(d.stale_after),
+            max_waiters: a.max_waiters.unwrap_or(d.max_waiters),
         };
+        for (setting, value) in [
+            ("default_ttl", a.default_ttl),
+            ("max_ttl", a.max_ttl),
+            ("max_wait", a.max_wait),
+            ("lock_delay", a.lock_delay),
+            ("stale_after", a.stale_after),
+            ("shutdown_grace", a.shutdown_grace),
+        ] {
+            if let Some(value) = value.filter(|v| *v > MAX_DURATION) {
+                return Err(format!(
+                    "{setting} ({} ms) is above the longest allowed duration, {} ({} ms)",
+                    value.as_millis(),
+                    format_duration(MAX_DURATION),
+                    MAX_DURATION.as_millis()
+                ));
+            }
+        }
         if limits.max_ttl.is_zero() {
             return Err("max_ttl must be above 0".into());
         }
@@ -320,6 +351,44 @@ mod tests {
         assert_eq!(ok.max_wait, Some(Duration::from_millis(1500)));
         let err = toml::from_str::<ServeArgs>("max_tll = \"2m\"").unwrap_err();
         assert!(err.to_string().contains("max_tll"));
+    }
+
+    #[test]
+    fn durations_above_the_maximum_are_refused_from_every_source() {
+        let huge = Duration::from_millis(u64::MAX);
+        let just_over = MAX_DURATION + Duration::from_millis(1);
+        for value in [huge, just_over] {
+            for setting in [
+                "default_ttl",
+                "max_ttl",
+                "max_wait",
+                "lock_delay",
+                "stale_after",
+                "shutdown_grace",
+            ] {
+                let text = format!(
+                    "{setting} = {}",
+                    value.as_millis().min(u128::from(u64::MAX))
+                );
+                let args: ServeArgs = match toml::from_str(&text) {
+                    Ok(args) => args,
+                    // TOML integers stop at i64::MAX: give the value as text.
+                    Err(_) => {
+                        toml::from_str(&format!("{setting} = \"{}\"", value.as_millis())).unwrap()
+                    }
+                };
+                let err = Settings::resolve(args).unwrap_err();
+                assert!(err.contains(setting), "{err}");
+                assert!(err.contains("365 days (31536000000 ms)"), "{err}");
+            }
+        }
+        let at_max = ServeArgs {
+            max_ttl: Some(MAX_DURATION),
+            max_wait: Some(MAX_DURATION),
+            lock_delay: Some(MAX_DURATION),
+            ..ServeArgs::default()
+        };
+        assert!(Settings::resolve(at_max).is_ok());
     }
 
     #[test]

@@ -76,7 +76,7 @@ impl Entry {
         self.leases.retain(|l| {
             let live = l.expires_at_ms > now;
             if !live {
-                delay = delay.max(l.expires_at_ms + ms(l.lock_delay));
+                delay = delay.max(l.expires_at_ms.saturating_add(ms(l.lock_delay)));
             }
             live
         });
@@ -229,7 +229,7 @@ impl Backend for Memory {
                 .flatten();
             if let Some(l) = reentry {
                 l.count += 1;
-                l.expires_at_ms = l.expires_at_ms.max(now + ms(claim.ttl));
+                l.expires_at_ms = l.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
                 if let Some(cap) = l.cap_ms {
                     l.expires_at_ms = l.expires_at_ms.min(cap);
                 }
@@ -247,8 +247,8 @@ impl Backend for Memory {
             }
             if now >= e.delay_until_ms && e.room_for(claim) && e.turn_has_come(claim, turn) {
                 e.fence += 1;
-                let cap_ms = claim.max_hold.map(|m| now + ms(m));
-                let mut expires_at_ms = now + ms(claim.ttl);
+                let cap_ms = claim.max_hold.map(|m| now.saturating_add(ms(m)));
+                let mut expires_at_ms = now.saturating_add(ms(claim.ttl));
                 if let Some(cap) = cap_ms {
                     expires_at_ms = expires_at_ms.min(cap);
                 }
@@ -331,7 +331,7 @@ impl Backend for Memory {
     ) -> Result<Option<u64>, Error> {
         Ok(self.with_entry(key, |e, now| {
             let renewed = e.lease_mut(token).map(|l| {
-                let mut until = now + ms(ttl.unwrap_or(l.ttl));
+                let mut until = now.saturating_add(ms(ttl.unwrap_or(l.ttl)));
                 if let Some(cap) = l.cap_ms {
                     until = until.min(cap);
                 }
@@ -462,7 +462,7 @@ impl Backend for Memory {
         Ok(self.with_entry(key, |e, now| {
             let leases = std::mem::take(&mut e.leases);
             for l in &leases {
-                e.delay_until_ms = e.delay_until_ms.max(now + ms(l.lock_delay));
+                e.delay_until_ms = e.delay_until_ms.max(now.saturating_add(ms(l.lock_delay)));
             }
             e.forget_idle_limit();
             let tokens: Vec<Token> = leases.into_iter().map(|l| l.token).collect();

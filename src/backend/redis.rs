@@ -907,7 +907,7 @@ impl Node {
         let Some(Value::Int(server)) = reply.get(at) else {
             return Clock { skew: 0 };
         };
-        let measured = server - now_ms() as i64;
+        let measured = server.saturating_sub(i64::try_from(now_ms()).unwrap_or(i64::MAX));
         let settled = self.skew.load(Relaxed);
         if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
             self.skew.store(measured, Relaxed);

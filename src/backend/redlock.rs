@@ -279,7 +279,11 @@ impl Backend for Redlock {
                 fence,
                 count,
                 since_ms,
-                expires_at_ms: node_expiry.min(start_ms + ms(claim.ttl) - drift(claim.ttl)),
+                expires_at_ms: node_expiry.min(
+                    start_ms
+                        .saturating_add(ms(claim.ttl))
+                        .saturating_sub(drift(claim.ttl)),
+                ),
             }));
         }
 

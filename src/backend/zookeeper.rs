@@ -899,7 +899,7 @@ impl Inner {
         let path = format!("{parent}/{}", node.child.name);
         match call(op, zk.delete(&path, Some(node.stat.version))).await? {
             Ok(()) => {
-                let until = d.expires_at_ms + d.lock_delay_ms;
+                let until = d.expires_at_ms.saturating_add(d.lock_delay_ms);
                 if d.lock_delay_ms > 0 && until > now_ms() {
                     self.record_delay(zk, op, parent, until).await?;
                 }
@@ -1182,8 +1182,8 @@ impl Inner {
         let now = now_ms();
         data.held = true;
         data.since_ms = now;
-        data.cap_ms = data.cap_ms.map(|hold| now + hold);
-        data.expires_at_ms = now + data.ttl_ms;
+        data.cap_ms = data.cap_ms.map(|hold| now.saturating_add(hold));
+        data.expires_at_ms = now.saturating_add(data.ttl_ms);
         if let Some(cap) = data.cap_ms {
             data.expires_at_ms = data.expires_at_ms.min(cap);
         }
@@ -1286,7 +1286,7 @@ impl Backend for ZooKeeper {
                 me.expire(&zk, "renew", &parent, &node).await?;
                 return Ok(None);
             }
-            let mut until = now + ttl.map_or(d.ttl_ms, ms);
+            let mut until = now.saturating_add(ttl.map_or(d.ttl_ms, ms));
             if let Some(cap) = d.cap_ms {
                 until = until.min(cap);
             }
@@ -1617,8 +1617,13 @@ impl Backend for ZooKeeper {
             }
         }
         if delay > 0 {
-            me.record_delay(&zk, "force_release", &parent, now_ms() + delay)
-                .await?;
+            me.record_delay(
+                &zk,
+                "force_release",
+                &parent,
+                now_ms().saturating_add(delay),
+            )
+            .await?;
         }
         if !tokens.is_empty() {
             me.wakeups.wake(key);
@@ -1748,7 +1753,7 @@ impl ZooKeeper {
                 let mut d = d.clone();
                 let now = now_ms();
                 d.count += 1;
-                d.expires_at_ms = d.expires_at_ms.max(now + ms(claim.ttl));
+                d.expires_at_ms = d.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
                 if let Some(cap) = d.cap_ms {
                     d.expires_at_ms = d.expires_at_ms.min(cap);
                 }

@@ -26,7 +26,7 @@ pub(crate) use queue::Place;
 pub use queue::Wakeups;
 
 use crate::backend::{self, Attempt, Backend, Busy, Grant, Loss, State, Status, Summary, Turn};
-use crate::clock::{instant_at, ms, now_ms};
+use crate::clock::{after, instant_at, ms, now_ms};
 use crate::error::Error;
 use crate::lock::{Claim, Kind, LockKey, Mode, Token};
 use crate::metrics::{Metrics, kind_label};
@@ -41,6 +41,20 @@ pub struct Limits {
     pub stale_after: Duration,
     /// Local waiters per key before acquires are refused with 429.
     pub max_waiters: usize,
+}
+
+impl Default for Limits {
+    /// The defaults of the configuration.
+    fn default() -> Self {
+        Self {
+            default_ttl: Duration::from_secs(30),
+            max_ttl: Duration::from_secs(3600),
+            max_wait: Duration::from_secs(3600),
+            lock_delay: Duration::ZERO,
+            stale_after: Duration::from_secs(3600),
+            max_waiters: 10_000,
+        }
+    }
 }
 
 /// How a lease granted through this sidecar ended.
@@ -402,7 +416,9 @@ impl Core {
         progress: Option<&HoldEvents>,
     ) -> Result<Outcome, Error> {
         let started = Instant::now();
-        let deadline = tokio::time::Instant::from_std(started) + wait;
+        let deadline = tokio::time::Instant::from_std(started)
+            .checked_add(wait)
+            .unwrap_or_else(|| after(wait));
         let key = &claim.key;
         let queueing = !wait.is_zero();
         if queueing && self.wakeups.len(key) >= self.limits.max_waiters {
@@ -604,7 +620,7 @@ impl Core {
                         fence: g.fence,
                         ttl: claim.ttl,
                         since_ms: g.since_ms,
-                        cap_ms: claim.max_hold.map(|m| g.since_ms + ms(m)),
+                        cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
                         state: Mutex::new((g.expires_at_ms, g.count)),
                         renewing: AtomicBool::new(false),
                         end: std::sync::OnceLock::new(),
@@ -774,7 +790,7 @@ impl Core {
                 self.metrics.renewals.with_label_values(&["error"]).inc();
                 // Too close to its expiry for another try to be safe.
                 if let Some(local) = local
-                    && now_ms() + margin_ms(local.ttl) >= local.expires_at_ms()
+                    && now_ms().saturating_add(margin_ms(local.ttl)) >= local.expires_at_ms()
                 {
                     self.revoke(&local);
                 }
@@ -954,7 +970,7 @@ impl Core {
         let every = (lease.ttl / 3).max(Duration::from_millis(1));
         // After a failed renewal, try again sooner: the lease is running out.
         let retry = (every / 3).max(Duration::from_millis(1));
-        let mut next = tokio::time::Instant::now() + every;
+        let mut next = after(every);
         loop {
             if let Some(&end) = lease.end.get() {
                 let reason = match end {
@@ -964,9 +980,9 @@ impl Core {
                 events.send(HoldEvent::Lost(reason));
                 return;
             }
-            let capped = lease
-                .cap_ms
-                .is_some_and(|cap| lease.expires_at_ms() + drift_ms(lease.ttl) >= cap);
+            let capped = lease.cap_ms.is_some_and(|cap| {
+                lease.expires_at_ms().saturating_add(drift_ms(lease.ttl)) >= cap
+            });
             let (seen, checkpoint) = expiry_checkpoint(lease);
             let checkpoint = instant_at(checkpoint);
             // The next renewal and the expiry checkpoint share one timer
@@ -1000,13 +1016,13 @@ impl Core {
             tokio::select! {
                 tick = tick => match tick {
                     Tick::Renewed(Some(expires_at_ms)) => {
-                        next = tokio::time::Instant::now() + every;
+                        next = after(every);
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
                         events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                     // On an error, `ended` fires next if the lease is lost; in an
                     // outage the lease may still be valid and the expiry timer decides.
-                    Tick::Renewed(None) => next = tokio::time::Instant::now() + retry,
+                    Tick::Renewed(None) => next = after(retry),
                     Tick::Checkpoint(renewing) => {
                         supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
                     }
@@ -1105,7 +1121,7 @@ impl Core {
             Ok(Status::Held { expires_at_ms }) => {
                 // Renewed through another sidecar. The floor stops a backend
                 // whose clock runs behind ours from making this loop spin.
-                lease.set(Some(expires_at_ms.max(now_ms() + 10)), None);
+                lease.set(Some(expires_at_ms.max(now_ms().saturating_add(10))), None);
                 true
             }
             Ok(Status::Gone(loss)) => {
@@ -1199,7 +1215,7 @@ enum Look {
 fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
     let expires_at_ms = lease.expires_at_ms();
     let margin = margin_ms(lease.ttl);
-    let checkpoint = if expires_at_ms > now_ms() + margin {
+    let checkpoint = if expires_at_ms > now_ms().saturating_add(margin) {
         expires_at_ms - margin
     } else {
         expires_at_ms
@@ -1212,7 +1228,7 @@ fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
 /// ttl, so that the holder is told `lost` before the backend can expire the
 /// lease and grant it to another sidecar.
 pub fn margin_ms(ttl: Duration) -> u64 {
-    drift_ms(ttl) + ms(ttl) / 10
+    drift_ms(ttl).saturating_add(ms(ttl) / 10)
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had
@@ -1221,7 +1237,7 @@ pub fn margin_ms(ttl: Duration) -> u64 {
 fn lapse_reason(lease: &Local) -> LostReason {
     let now = now_ms();
     match lease.cap_ms {
-        Some(cap) if now + drift_ms(lease.ttl) >= cap => LostReason::MaxHold,
+        Some(cap) if now.saturating_add(drift_ms(lease.ttl)) >= cap => LostReason::MaxHold,
         _ if now < lease.expires_at_ms() => LostReason::Backend,
         _ => LostReason::Expired,
     }

@@ -19,7 +19,8 @@ use super::params::{LockName, Params, count, duration};
 use super::{App, auth};
 use crate::backend::{Holder, StaleKey, Waiter};
 use crate::clock::ms;
-use crate::core::{Granted, HoldEvent, HoldEvents, Outcome};
+use crate::config::MAX_DURATION;
+use crate::core::{Granted, HoldEvent, HoldEvents, Limits, Outcome};
 use crate::error::{Error, Problem};
 use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
 
@@ -29,6 +30,19 @@ const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
 /// Longest accepted owner identity.
 const MAX_OWNER_LEN: usize = 200;
 
+// Only a schema (the parameters parse with `duration`): numbers of any size
+// are part of it so that API fuzzers try huge ones.
+/// A duration: text such as `30s`, or a whole number of milliseconds.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum DurationValue {
+    /// `250ms`, `30s`, `5m`, `1h`, `1m30s`.
+    Text(String),
+    /// Milliseconds.
+    Millis(u64),
+}
+
 /// Parameters of acquiring or holding a lock (query string, JSON or form body).
 #[derive(Debug, Deserialize, IntoParams, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -36,13 +50,13 @@ const MAX_OWNER_LEN: usize = 200;
 pub struct LockParams {
     /// Lease duration, e.g. `30s` (default `--default-ttl`, at most `--max-ttl`).
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "30s")]
-    #[schema(value_type = Option<String>, example = "30s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "30s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
     pub ttl: Option<Duration>,
     /// How long to wait in the queue if the lock is busy (default 0: try once; at most `--max-wait`).
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "10s")]
-    #[schema(value_type = Option<String>, example = "10s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "10s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
     pub wait: Option<Duration>,
     /// Caller identity; the same owner acquiring again in the same mode re-enters.
     pub owner: Option<String>,
@@ -50,13 +64,13 @@ pub struct LockParams {
     pub mode: Option<Mode>,
     /// Cap on the total time keepalives and the watchdog may keep the lease alive.
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "10m")]
-    #[schema(value_type = Option<String>, example = "10m")]
+    #[param(value_type = Option<DurationValue>, inline, example = "10m")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "10m")]
     pub max_hold: Option<Duration>,
     /// After a lease ends by expiry or loss, nobody is granted for this long (default `--lock-delay`).
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "0s")]
-    #[schema(value_type = Option<String>, example = "0s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "0s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "0s")]
     pub lock_delay: Option<Duration>,
 }
 
@@ -71,21 +85,21 @@ pub struct SemaphoreParams {
     #[schema(value_type = Option<u32>, minimum = 1)]
     pub limit: Option<u32>,
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "30s")]
-    #[schema(value_type = Option<String>, example = "30s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "30s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
     pub ttl: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "10s")]
-    #[schema(value_type = Option<String>, example = "10s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "10s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
     pub wait: Option<Duration>,
     pub owner: Option<String>,
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "10m")]
-    #[schema(value_type = Option<String>, example = "10m")]
+    #[param(value_type = Option<DurationValue>, inline, example = "10m")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "10m")]
     pub max_hold: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "0s")]
-    #[schema(value_type = Option<String>, example = "0s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "0s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "0s")]
     pub lock_delay: Option<Duration>,
 }
 
@@ -111,8 +125,8 @@ pub struct KeepaliveParams {
     pub token: Option<String>,
     /// New lease duration from now (default: the lease's own ttl).
     #[serde(default, deserialize_with = "duration")]
-    #[param(value_type = Option<String>, example = "30s")]
-    #[schema(value_type = Option<String>, example = "30s")]
+    #[param(value_type = Option<DurationValue>, inline, example = "30s")]
+    #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
     pub ttl: Option<Duration>,
 }
 
@@ -225,7 +239,7 @@ pub struct ForceReleased {
 }
 
 /// The parameters every acquire shares, whichever kind.
-struct Ask {
+pub(crate) struct Ask {
     ttl: Option<Duration>,
     wait: Option<Duration>,
     owner: Option<String>,
@@ -267,29 +281,25 @@ fn out_of_range(parameter: &'static str, value: Duration, max: Duration, flag: &
     Error::OutOfRange {
         parameter,
         detail: format!(
-            "{parameter} {} is above the maximum of {} ({flag})",
-            humantime::format_duration(value),
-            humantime::format_duration(max)
+            "{parameter} {} ms is above the maximum of {} ms ({}, {flag})",
+            value.as_millis(),
+            ms(max),
+            crate::config::format_duration(max)
         ),
         max_ms: Some(ms(max)),
     }
 }
 
 impl Ask {
-    /// Checks the parameters against the limits and builds the claim and its wait.
-    fn into_claim(self, key: LockKey, app: &App) -> Result<(Claim, Duration), Error> {
-        let limits = &app.core.limits;
-        let ttl = self.ttl.unwrap_or(limits.default_ttl);
-        if ttl.is_zero() {
-            return Err(Error::OutOfRange {
-                parameter: "ttl",
-                detail: "ttl must be above 0".into(),
-                max_ms: Some(ms(limits.max_ttl)),
-            });
-        }
-        if ttl > limits.max_ttl {
-            return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
-        }
+    /// Checks the parameters against `limits` and builds the claim of
+    /// `sidecar` and its wait.
+    pub(crate) fn into_claim(
+        self,
+        key: LockKey,
+        limits: &Limits,
+        sidecar: &str,
+    ) -> Result<(Claim, Duration), Error> {
+        let ttl = check_ttl(self.ttl, limits)?.unwrap_or(limits.default_ttl);
         let wait = self.wait.unwrap_or(Duration::ZERO);
         if wait > limits.max_wait {
             return Err(out_of_range("wait", wait, limits.max_wait, "--max-wait"));
@@ -301,6 +311,14 @@ impl Ask {
                 lock_delay,
                 limits.max_ttl,
                 "--max-ttl",
+            ));
+        }
+        if let Some(max_hold) = self.max_hold.filter(|m| *m > MAX_DURATION) {
+            return Err(out_of_range(
+                "max_hold",
+                max_hold,
+                MAX_DURATION,
+                "the longest max_hold",
             ));
         }
         if self.max_hold.is_some_and(|m| m.is_zero()) {
@@ -325,7 +343,7 @@ impl Ask {
             key,
             mode: self.mode.unwrap_or(Mode::Exclusive),
             owner,
-            sidecar: app.core.sidecar.clone(),
+            sidecar: sidecar.to_owned(),
             ttl,
             limit: self.limit,
             lock_delay,
@@ -333,6 +351,23 @@ impl Ask {
         };
         Ok((claim, wait))
     }
+}
+
+/// Checks a requested ttl (acquire or keepalive) against `--max-ttl`.
+pub(crate) fn check_ttl(ttl: Option<Duration>, limits: &Limits) -> Result<Option<Duration>, Error> {
+    if let Some(ttl) = ttl {
+        if ttl.is_zero() {
+            return Err(Error::OutOfRange {
+                parameter: "ttl",
+                detail: "ttl must be above 0".into(),
+                max_ms: Some(ms(limits.max_ttl)),
+            });
+        }
+        if ttl > limits.max_ttl {
+            return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
+        }
+    }
+    Ok(ttl)
 }
 
 fn check_owner(owner: String) -> Result<String, Error> {
@@ -382,7 +417,7 @@ fn key(kind: Kind, name: Name) -> LockKey {
 /// ([`Finishing`]): a wait is given up and a grant that raced the departure
 /// is released.
 async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>, Error> {
-    let (claim, wait) = ask.into_claim(key, &app)?;
+    let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
@@ -521,7 +556,7 @@ fn hold_event(event: HoldEvent) -> SseEvent {
 /// Starts a hold: the lease lives as long as the returned stream is open.
 fn hold(app: Arc<App>, key: LockKey, ask: Ask) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
-    let (claim, wait) = ask.into_claim(key, &app)?;
+    let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
@@ -586,19 +621,7 @@ async fn release(app: &App, key: LockKey, token: Option<String>) -> Result<Json<
 
 async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<Renewed>, Error> {
     let token = require_token(p.token)?;
-    let limits = &app.core.limits;
-    if let Some(ttl) = p.ttl {
-        if ttl.is_zero() {
-            return Err(Error::OutOfRange {
-                parameter: "ttl",
-                detail: "ttl must be above 0".into(),
-                max_ms: Some(ms(limits.max_ttl)),
-            });
-        }
-        if ttl > limits.max_ttl {
-            return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
-        }
-    }
+    check_ttl(p.ttl, &app.core.limits)?;
     let asked = p.ttl.or_else(|| app.core.lease_ttl(&key, &token));
     let expires_at_ms = app.core.keepalive(&key, &token, p.ttl).await?;
     let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());

@@ -256,7 +256,9 @@ const FUZZ_CONTENT_TYPES: [Option<&str>; 5] = [
 
 /// Parses one fuzz input with every route's parameter set, and names, keys
 /// and durations, panicking if any answer is neither a value nor a 4xx
-/// problem. The cargo-fuzz target `params` and the corpus replay test
+/// problem. Acquire and keepalive parameters that parse are then checked
+/// against the default limits as a request's are (bounds, owner), and a
+/// claim that passes must have sums of time that do not overflow. The cargo-fuzz target `params` and the corpus replay test
 /// (`tests/fuzz_corpus.rs`) both run it.
 ///
 /// Input layout: byte 0 picks the body's content type, then the query string
@@ -267,11 +269,30 @@ pub fn check_fuzz_input(data: &[u8]) {
     };
     use crate::lock::LockKey;
 
-    fn check<T: DeserializeOwned>(query: Option<&str>, ct: Option<&str>, body: &[u8]) {
-        if let Err(e) = parse::<T>(query, ct, body) {
-            let (status, _) = e.status_slug();
-            assert!(status.is_client_error(), "{status} for bad input");
-            let _ = e.problem();
+    fn client_error(e: &Error) {
+        let (status, _) = e.status_slug();
+        assert!(status.is_client_error(), "{status} for bad input");
+        let _ = e.problem();
+    }
+    fn check<T: DeserializeOwned>(query: Option<&str>, ct: Option<&str>, body: &[u8]) -> Option<T> {
+        parse::<T>(query, ct, body)
+            .map_err(|e| client_error(&e))
+            .ok()
+    }
+    fn claim(ask: crate::http::locks::Ask, limits: &crate::core::Limits) {
+        let key = LockKey::parse("locks/fuzz").expect("a valid key");
+        match ask.into_claim(key, limits, "fuzz") {
+            Ok((claim, wait)) => {
+                let now = crate::clock::now_ms();
+                let _ = crate::clock::after(wait);
+                for d in [Some(claim.ttl), Some(claim.lock_delay), claim.max_hold]
+                    .into_iter()
+                    .flatten()
+                {
+                    assert!(now.checked_add(crate::clock::ms(d)).is_some());
+                }
+            }
+            Err(e) => client_error(&e),
         }
     }
 
@@ -284,9 +305,18 @@ pub fn check_fuzz_input(data: &[u8]) {
         None => (rest, &[][..]),
     };
     let query = std::str::from_utf8(query).ok();
-    check::<LockParams>(query, ct, body);
-    check::<SemaphoreParams>(query, ct, body);
-    check::<KeepaliveParams>(query, ct, body);
+    let limits = crate::core::Limits::default();
+    if let Some(p) = check::<LockParams>(query, ct, body) {
+        claim(p.into(), &limits);
+    }
+    if let Some(p) = check::<SemaphoreParams>(query, ct, body) {
+        claim(p.into(), &limits);
+    }
+    if let Some(p) = check::<KeepaliveParams>(query, ct, body)
+        && let Err(e) = crate::http::locks::check_ttl(p.ttl, &limits)
+    {
+        client_error(&e);
+    }
     check::<TokenParams>(query, ct, body);
     check::<ListParams>(query, ct, body);
     check::<AdminParams>(query, ct, body);

@@ -4,7 +4,13 @@
 use reqwest::StatusCode;
 use rstest::rstest;
 
-use crate::common::{self, Api, Kind, Resource, TestBackend, unique_name};
+use crate::common::{self, Api, Kind, Resource, TestBackend, assert_problem, unique_name};
+
+/// Unix milliseconds.
+fn now_ms() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
 
 /// The value of the one sample `series` (`name{labels}` exactly as exposed),
 /// 0 if absent.
@@ -168,5 +174,208 @@ async fn a_token_under_the_wrong_name_leaves_its_lease_alone(#[case] backend: Te
             // Try once: granted only if the first sidecar released it on SIGTERM.
             take(&here, "successor").await;
         }
+    }
+}
+
+/// The longest `max_hold` a request may ask for: 365 days.
+const MAX_HOLD_MS: u64 = 365 * 24 * 3600 * 1000;
+/// `--max-ttl` of the duration tests' sidecars (also the bound of `lock_delay`).
+const MAX_TTL_MS: u64 = 600_000;
+/// `--max-wait` of the duration tests' sidecars.
+const MAX_WAIT_MS: u64 = 5_000;
+
+/// Where a parameter goes.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    Query,
+    /// A JSON body, the value as a number.
+    JsonNumber,
+    /// A JSON body, the value as a string.
+    JsonText,
+    Form,
+}
+
+impl Source {
+    const ALL: [Source; 4] = [
+        Source::Query,
+        Source::JsonNumber,
+        Source::JsonText,
+        Source::Form,
+    ];
+}
+
+/// Sends `method segments` with `fixed` in the query and `(name, value)`
+/// through `source`.
+async fn send_with(
+    api: &Api,
+    method: reqwest::Method,
+    segments: &[&str],
+    fixed: &[(&str, &str)],
+    (name, value): (&str, u64),
+    source: Source,
+) -> reqwest::Response {
+    use crate::common::api::Body;
+    let text = value.to_string();
+    let mut query: Vec<(&str, &str)> = fixed.to_vec();
+    let body = match source {
+        Source::Query => {
+            query.push((name, &text));
+            Body::Empty
+        }
+        Source::JsonNumber => Body::Json(serde_json::json!({ name: value })),
+        Source::JsonText => Body::Json(serde_json::json!({ name: text })),
+        Source::Form => Body::Form(vec![(name.to_owned(), text.clone())]),
+    };
+    api.send(method, segments, &query, body).await
+}
+
+/// The values past `max` every duration parameter is tried with.
+fn too_large(max: u64) -> [u64; 4] {
+    [u64::MAX, i64::MAX as u64, 1 << 53, max + 1]
+}
+
+/// Asserts a 400 `out-of-range` naming `parameter` and `max_ms`.
+async fn assert_out_of_range(response: reqwest::Response, parameter: &str, max_ms: u64) {
+    let problem = assert_problem(response, StatusCode::BAD_REQUEST, "out-of-range").await;
+    assert_eq!(problem["parameter"], parameter, "{problem}");
+    assert_eq!(problem["max_ms"], max_ms, "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(parameter),
+        "the detail names {parameter}: {problem}"
+    );
+}
+
+async fn duration_sidecar(backend: &common::BackendGuard) -> common::SidecarGuard {
+    backend
+        .sidecar()
+        .max_ttl(&format!("{MAX_TTL_MS}ms"))
+        .max_wait(&format!("{MAX_WAIT_MS}ms"))
+        .start()
+        .await
+}
+
+/// Finding 4: every duration parameter of acquire, hold and keepalive, for
+/// locks and semaphores, given as u64::MAX, i64::MAX, 2^53 or its maximum
+/// + 1 ms, in the query, a JSON body (number or text) or a form body, is a
+/// 400 `out-of-range` naming the parameter and its maximum; exactly at the
+/// maximum it is accepted, the expiry lies ahead, and nobody else is granted.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[case::postgres(TestBackend::Postgres)]
+#[tokio::test]
+async fn huge_durations_are_refused_and_the_maximum_holds(#[case] backend: TestBackend) {
+    use reqwest::Method;
+    let backend = backend.start().await;
+    let sidecar = duration_sidecar(&backend).await;
+    let api = sidecar.api();
+    let bounds = [
+        ("ttl", MAX_TTL_MS),
+        ("wait", MAX_WAIT_MS),
+        ("lock_delay", MAX_TTL_MS),
+        ("max_hold", MAX_HOLD_MS),
+    ];
+    for kind in [Kind::Lock, Kind::Semaphore] {
+        let name = unique_name("huge");
+        let fixed: &[(&str, &str)] = match kind {
+            Kind::Lock => &[],
+            Kind::Semaphore => &[("limit", "1")],
+        };
+        for (parameter, max) in bounds {
+            for value in too_large(max) {
+                for source in Source::ALL {
+                    let r = send_with(
+                        &api,
+                        Method::POST,
+                        &["v1", kind.segment(), &name],
+                        fixed,
+                        (parameter, value),
+                        source,
+                    )
+                    .await;
+                    assert_out_of_range(r, parameter, max).await;
+                }
+                let r = send_with(
+                    &api,
+                    Method::GET,
+                    &["v1", kind.segment(), &name, "hold"],
+                    fixed,
+                    (parameter, value),
+                    Source::Query,
+                )
+                .await;
+                assert_out_of_range(r, parameter, max).await;
+            }
+        }
+        // Exactly at each maximum: granted, expiring ahead, exclusive.
+        let resource = match kind {
+            Kind::Lock => api.lock(&name),
+            Kind::Semaphore => api.semaphore(&name),
+        };
+        for (parameter, max) in bounds {
+            let before = now_ms();
+            let text = max.to_string();
+            let mut params: Vec<(&str, &str)> = fixed.to_vec();
+            params.extend([(parameter, text.as_str()), ("owner", "first")]);
+            let grant = resource.acquire(&params).await;
+            assert!(
+                grant.expires_at_ms > before,
+                "{parameter}={max}: the lease expires in the past ({} <= {before})",
+                grant.expires_at_ms
+            );
+            let mut second: Vec<(&str, &str)> = fixed.to_vec();
+            second.push(("owner", "second"));
+            resource.acquire_busy(&second).await;
+            // The keepalive's ttl at its maximum, from every source.
+            for source in Source::ALL {
+                let r = send_with(
+                    &api,
+                    Method::POST,
+                    &["v1", kind.segment(), &name, "keepalive"],
+                    &[("token", &grant.token)],
+                    ("ttl", MAX_TTL_MS),
+                    source,
+                )
+                .await;
+                let renewed: common::Keepalive = common::api::expect_json(r, StatusCode::OK).await;
+                assert!(renewed.expires_at_ms > before + MAX_TTL_MS / 2);
+            }
+            resource.acquire_busy(&second).await;
+            for value in too_large(MAX_TTL_MS) {
+                for source in Source::ALL {
+                    let r = send_with(
+                        &api,
+                        Method::POST,
+                        &["v1", kind.segment(), &name, "keepalive"],
+                        &[("token", &grant.token)],
+                        ("ttl", value),
+                        source,
+                    )
+                    .await;
+                    assert_out_of_range(r, "ttl", MAX_TTL_MS).await;
+                }
+            }
+            resource.release(&grant.token).await;
+        }
+        // A hold at the maximum max_hold stays open and exclusive.
+        let hold_max = MAX_HOLD_MS.to_string();
+        let mut params: Vec<(&str, &str)> = fixed.to_vec();
+        params.extend([("max_hold", hold_max.as_str()), ("ttl", "3s")]);
+        let mut stream = resource.hold(&params).await;
+        let grant = stream.expect_acquired().await;
+        let mut second: Vec<(&str, &str)> = fixed.to_vec();
+        second.push(("owner", "second"));
+        resource.acquire_busy(&second).await;
+        // The watchdog renews it (a wrapped cap would end it at once).
+        match stream.next_within(common::EVENT_TIMEOUT).await {
+            Ok(Some(common::HoldEvent::Renewed(r))) => {
+                assert!(r.expires_at_ms > grant.expires_at_ms - 3000)
+            }
+            other => {
+                panic!("expected `renewed` on a hold with max_hold at its maximum, got {other:?}")
+            }
+        }
+        resource.acquire_busy(&second).await;
     }
 }
