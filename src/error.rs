@@ -34,6 +34,9 @@ pub enum Error {
     BodyTooLarge { limit: usize },
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// The backend cannot keep the guarantee asked for; says why and what to use instead.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("no such route: {0}")]
     NotFound(String),
     #[error("method {method} is not allowed on {path}")]
@@ -63,6 +66,7 @@ impl From<backend::Error> for Error {
             backend::Error::LimitRequired => Error::InvalidParameter(
                 "limit is required: this semaphore is not in use, so its number of permits must be given (limit=N, 1 or more)".into(),
             ),
+            backend::Error::Unsupported(why) => Error::Unsupported(why),
             e @ backend::Error::Unavailable { .. } => Error::Unavailable(e),
         }
     }
@@ -94,6 +98,7 @@ impl Error {
             Error::LimitMismatch { .. } => (S::BAD_REQUEST, "limit-mismatch"),
             Error::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body-too-large"),
             Error::UnsupportedMediaType(_) => (S::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type"),
+            Error::Unsupported(_) => (S::BAD_REQUEST, "unsupported"),
             Error::NotFound(_) => (S::NOT_FOUND, "not-found"),
             Error::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method-not-allowed"),
             Error::Busy { .. } => (S::CONFLICT, "lock-busy"),

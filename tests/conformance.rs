@@ -33,6 +33,17 @@ async fn setup(backend: TestBackend) -> (BackendGuard, SidecarGuard) {
     (backend, sidecar)
 }
 
+/// The most permits a semaphore may have on `backend`: Redlock refuses more
+/// than 1 (a majority quorum cannot bound a counting semaphore; see
+/// `refuses_more_permits_than_it_can_bound`), the others take any number.
+fn max_permits(backend: TestBackend, wanted: u32) -> u32 {
+    if backend == TestBackend::Redlock {
+        1
+    } else {
+        wanted
+    }
+}
+
 /// Milliseconds since the Unix epoch (the unit of every `*_ms` timestamp).
 fn now_ms() -> u64 {
     let since_epoch = SystemTime::now()
@@ -739,11 +750,16 @@ mod semaphores {
     async fn a_semaphore_admits_up_to_its_limit(backend: TestBackend) {
         let (_backend, sidecar) = setup(backend).await;
         let semaphore = sidecar.api().semaphore(&unique_name("pool"));
-        let owners = owner_names("worker", 4);
+        let limit = max_permits(backend, 3);
+        let n = limit as usize;
+        let limit = limit.to_string();
+        let owners = owner_names("worker", n + 1);
 
         let mut permits = Vec::new();
-        for owner in &owners[..3] {
-            let permit = semaphore.acquire(&[("limit", "3"), ("owner", owner)]).await;
+        for owner in &owners[..n] {
+            let permit = semaphore
+                .acquire(&[("limit", &limit), ("owner", owner)])
+                .await;
             assert_eq!(permit.kind, "semaphore");
             assert_eq!(permit.count, 1);
             permits.push(permit);
@@ -752,23 +768,53 @@ mod semaphores {
         assert_strictly_increasing(&fences, "semaphore permits");
         let state = semaphore.inspect().await;
         assert_eq!(state.kind, "semaphore");
-        assert_eq!(state.limit, Some(3));
-        assert_eq!(state.holder_owners(), as_strs(&owners[..3]));
+        assert_eq!(state.limit, Some(n as u64));
+        assert_eq!(state.holder_owners(), as_strs(&owners[..n]));
 
         let busy = semaphore
-            .acquire_busy(&[("limit", "3"), ("owner", &owners[3])])
+            .acquire_busy(&[("limit", &limit), ("owner", &owners[n])])
             .await;
-        assert_eq!(busy["holders"].as_array().map(Vec::len), Some(3), "{busy}");
+        assert_eq!(busy["holders"].as_array().map(Vec::len), Some(n), "{busy}");
 
-        let mut fourth = semaphore
-            .hold(&[("limit", "3"), ("owner", &owners[3]), ("wait", "30s")])
+        let mut next = semaphore
+            .hold(&[("limit", &limit), ("owner", &owners[n]), ("wait", "30s")])
             .await;
-        assert_eq!(fourth.expect_queued().await.position, 1);
+        assert_eq!(next.expect_queued().await.position, 1);
         assert!(semaphore.release(&permits[0].token).await.released);
-        let grant = fourth.expect_acquired().await;
-        assert_eq!(grant.owner, owners[3]);
-        assert!(grant.fence > fences[2]);
-        assert_eq!(semaphore.inspect().await.holders.len(), 3);
+        let grant = next.expect_acquired().await;
+        assert_eq!(grant.owner, owners[n]);
+        assert!(grant.fence > fences[n - 1]);
+        assert_eq!(semaphore.inspect().await.holders.len(), n);
+    }
+
+    /// Redlock refuses semaphores with more than one permit (400
+    /// `unsupported`, before anything is written); the other backends grant them.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn refuses_more_permits_than_it_can_bound(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let semaphore = sidecar.api().semaphore(&unique_name("bounded"));
+        for limit in ["2", "3", "1000"] {
+            let response = semaphore.acquire_raw(&[("limit", limit)]).await;
+            if backend == TestBackend::Redlock {
+                let problem =
+                    assert_problem(response, StatusCode::BAD_REQUEST, "unsupported").await;
+                let detail = problem["detail"].as_str().unwrap_or_default();
+                assert!(detail.contains("majority"), "{detail}");
+                assert!(detail.contains("limit=1"), "{detail}");
+                let state = semaphore.inspect().await;
+                assert!(
+                    state.holders.is_empty() && state.limit.is_none(),
+                    "{state:?}"
+                );
+            } else {
+                let permit: Grant = expect_json(response, StatusCode::OK).await;
+                semaphore.release(&permit.token).await;
+            }
+        }
+        let permit = semaphore.acquire(&[("limit", "1")]).await;
+        assert_eq!(semaphore.inspect().await.limit, Some(1));
+        semaphore.release(&permit.token).await;
     }
 
     #[apply(backends)]
@@ -786,18 +832,30 @@ mod semaphores {
         )
         .await;
 
-        let permit = semaphore.acquire(&[("limit", "2")]).await;
-        let mismatch = assert_problem(
-            semaphore.acquire_raw(&[("limit", "3")]).await,
-            bad,
-            "limit-mismatch",
-        )
-        .await;
-        assert_eq!(mismatch["limit"], 2, "{mismatch}");
+        // On Redlock the active limit is 1 and 2 is refused before it is compared.
+        let active = max_permits(backend, 2);
+        let other = if active == 1 { "2" } else { "3" };
+        let permit = semaphore.acquire(&[("limit", &active.to_string())]).await;
+        if backend == TestBackend::Redlock {
+            assert_problem(
+                semaphore.acquire_raw(&[("limit", other)]).await,
+                bad,
+                "unsupported",
+            )
+            .await;
+        } else {
+            let mismatch = assert_problem(
+                semaphore.acquire_raw(&[("limit", other)]).await,
+                bad,
+                "limit-mismatch",
+            )
+            .await;
+            assert_eq!(mismatch["limit"], active, "{mismatch}");
+        }
         for mode in ["shared", "exclusive"] {
             assert_problem(
                 semaphore
-                    .acquire_raw(&[("limit", "2"), ("mode", mode)])
+                    .acquire_raw(&[("limit", &active.to_string()), ("mode", mode)])
                     .await,
                 bad,
                 "invalid-parameter",
@@ -807,8 +865,9 @@ mod semaphores {
 
         // Once idle, the limit may change.
         semaphore.release(&permit.token).await;
-        semaphore.acquire(&[("limit", "5")]).await;
-        assert_eq!(semaphore.inspect().await.limit, Some(5));
+        let changed = max_permits(backend, 5);
+        semaphore.acquire(&[("limit", &changed.to_string())]).await;
+        assert_eq!(semaphore.inspect().await.limit, Some(u64::from(changed)));
     }
 }
 
@@ -925,7 +984,8 @@ mod observability {
             expected.push(("lock".to_owned(), name, grant.fence));
         }
         let name = format!("{prefix}-s");
-        let permit = api.semaphore(&name).acquire(&[("limit", "2")]).await;
+        let limit = max_permits(backend, 2).to_string();
+        let permit = api.semaphore(&name).acquire(&[("limit", &limit)]).await;
         expected.push(("semaphore".to_owned(), name, permit.fence));
         // Neither an idle lock nor another prefix is listed.
         let idle = api.lock(&format!("{prefix}-idle"));
@@ -1594,10 +1654,14 @@ mod auth {
         .await;
 
         let semaphore = user.semaphore(&unique_name("administered"));
-        for _ in 0..2 {
-            semaphore.acquire(&[("limit", "2")]).await;
+        let permits = max_permits(backend.backend(), 2);
+        for _ in 0..permits {
+            semaphore.acquire(&[("limit", &permits.to_string())]).await;
         }
-        assert_eq!(admin.semaphore(semaphore.name()).force_release().await, 2);
+        assert_eq!(
+            admin.semaphore(semaphore.name()).force_release().await,
+            u64::from(permits)
+        );
         assert!(semaphore.inspect().await.holders.is_empty());
     }
 }

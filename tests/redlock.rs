@@ -4,8 +4,12 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
 use common::redis::RedisNodes;
-use common::{SidecarBuilder, SidecarGuard, assert_problem, unique_name};
+use common::{SidecarBuilder, SidecarGuard, SseStream, assert_problem, problem_type, unique_name};
 use reqwest::StatusCode;
 
 async fn five() -> (RedisNodes, SidecarGuard, SidecarGuard) {
@@ -115,4 +119,152 @@ async fn a_node_killed_or_emptied_while_a_lock_is_held_does_not_let_a_second_cli
         next.fence,
         grant.fence
     );
+}
+
+/// Clients looping on one semaphore through two sidecars, each acquiring
+/// (wait 3 s), holding 20 ms and releasing until `run` is over.
+const SEMAPHORE_CLIENTS: usize = 12;
+
+/// The most permits held at once and the number of grants. A client counts
+/// itself as a holder only between its grant's answer and sending its
+/// release, inside its lease: a count above the limit is a real over-grant.
+async fn hammer(
+    sidecars: &[SidecarGuard],
+    name: &str,
+    limit: &str,
+    run: Duration,
+) -> (usize, usize) {
+    let held = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(AtomicUsize::new(0));
+    let deadline = Instant::now() + run;
+    let clients: Vec<_> = (0..SEMAPHORE_CLIENTS)
+        .map(|i| {
+            let semaphore = sidecars[i % sidecars.len()].api().semaphore(name);
+            let (held, most, grants) = (held.clone(), most.clone(), grants.clone());
+            let limit = limit.to_owned();
+            let owner = format!("client-{i}");
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let params = [("limit", limit.as_str()), ("wait", "3s"), ("owner", &owner)];
+                    let response = semaphore.acquire_raw(&params).await;
+                    if response.status() != StatusCode::OK {
+                        assert_problem(response, StatusCode::CONFLICT, "lock-busy").await;
+                        continue;
+                    }
+                    let grant: common::Grant = response.json().await.expect("grant body");
+                    let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    grants.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    held.fetch_sub(1, Ordering::SeqCst);
+                    semaphore.release(&grant.token).await;
+                }
+            })
+        })
+        .collect();
+    for client in clients {
+        client.await.expect("client task");
+    }
+    (most.load(Ordering::SeqCst), grants.load(Ordering::SeqCst))
+}
+
+/// Asserts that the problem refuses a Redlock semaphore, naming why and what
+/// to use instead.
+fn assert_unsupported_detail(problem: &serde_json::Value) {
+    assert_eq!(problem["type"], problem_type("unsupported"), "{problem}");
+    assert_eq!(problem["status"], 400, "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    for needle in ["majority", "redis://", "zk://", "postgres://", "limit=1"] {
+        assert!(
+            detail.contains(needle),
+            "{needle:?} missing from {detail:?}"
+        );
+    }
+}
+
+/// Asserts that an acquire is refused with 400 `unsupported`.
+async fn assert_unsupported(response: reqwest::Response) {
+    let problem = assert_problem(response, StatusCode::BAD_REQUEST, "unsupported").await;
+    assert_unsupported_detail(&problem);
+}
+
+/// Asserts that a hold stream ends with an `error` event carrying the
+/// `unsupported` problem, before any other event.
+async fn assert_hold_unsupported(response: reqwest::Response) {
+    let mut stream = SseStream::from_response(response).await;
+    let event = stream.next().await.expect("an `error` event");
+    assert_eq!(event.event, "error", "{}", event.data);
+    assert_unsupported_detail(&event.json());
+    assert!(
+        stream.next().await.is_none(),
+        "the stream ends after the error"
+    );
+}
+
+/// Two sidecars, 12 clients looping on one semaphore: with `limit=3` a
+/// majority quorum let 4 hold permits at once (no fault injected), so
+/// Redlock refuses `limit > 1` on acquire and hold, on either sidecar, and
+/// nothing is written; `limit=1` (an exclusive lock) never over-grants.
+#[tokio::test]
+async fn a_semaphore_never_holds_more_permits_than_its_limit() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecars = [
+        SidecarBuilder::new(&nodes.url()).start().await,
+        SidecarBuilder::new(&nodes.url()).start().await,
+    ];
+    let name = unique_name("counted");
+    for sidecar in &sidecars {
+        let semaphore = sidecar.api().semaphore(&name);
+        for limit in ["2", "3", "4294967295"] {
+            for wait in ["0", "1s"] {
+                let params = [("limit", limit), ("wait", wait)];
+                assert_unsupported(semaphore.acquire_raw(&params).await).await;
+                assert_hold_unsupported(semaphore.hold_raw(&params).await).await;
+            }
+        }
+        let state = semaphore.inspect().await;
+        assert!(
+            state.holders.is_empty() && state.waiters.is_empty(),
+            "{state:?}"
+        );
+        assert_eq!(state.limit, None, "nothing was written");
+    }
+
+    let (most, grants) = hammer(&sidecars, &name, "1", Duration::from_secs(3)).await;
+    assert!(grants > 0, "no permit was granted");
+    assert!(
+        most <= 1,
+        "{most} permits of a limit=1 semaphore were held at once ({grants} grants)"
+    );
+}
+
+/// A semaphore in use with 3 permits on every node (as a `redis://`
+/// sidecar, or an older version, left it) is refused too when the claim
+/// leaves `limit` out, and the refusal writes nothing.
+#[tokio::test]
+async fn a_semaphore_in_use_with_more_than_one_permit_is_refused_without_limit() {
+    let nodes = RedisNodes::start(3).await;
+    let name = unique_name("inherited");
+    let mut plain = Vec::new();
+    for node in &nodes.nodes {
+        let sidecar = SidecarBuilder::new(&node.url()).start().await;
+        sidecar
+            .api()
+            .semaphore(&name)
+            .acquire(&[("limit", "3"), ("owner", "old"), ("ttl", "30s")])
+            .await;
+        plain.push(sidecar);
+    }
+    let redlock = SidecarBuilder::new(&nodes.url()).start().await;
+    let semaphore = redlock.api().semaphore(&name);
+    assert_unsupported(semaphore.acquire_raw(&[("owner", "new")]).await).await;
+    assert_hold_unsupported(semaphore.hold_raw(&[("owner", "new")]).await).await;
+    assert_unsupported(semaphore.acquire_raw(&[("limit", "3")]).await).await;
+    assert_eq!(semaphore.inspect().await.limit, Some(3));
+    for sidecar in &plain {
+        let state = sidecar.api().semaphore(&name).inspect().await;
+        assert_eq!(state.holder_owners(), ["old"], "{state:?}");
+        assert!(state.waiters.is_empty(), "{state:?}");
+    }
 }

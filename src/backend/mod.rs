@@ -37,6 +37,10 @@ pub enum Error {
     /// A semaphore with no holders or waiters was used without `limit`.
     #[error("semaphore limit is required")]
     LimitRequired,
+    /// This backend cannot keep the guarantee the claim asks for; the
+    /// sentence says why and what to use instead.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// How much a backend's locks can be trusted; shown by `/v1/info` and the dashboard.
@@ -224,7 +228,9 @@ pub enum Status {
 ///
 /// [`Error::Unavailable`] when the backend cannot be reached; callers answer
 /// 503 and retry later. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
-/// are the client's mistakes with semaphores.
+/// are the client's mistakes with semaphores. [`Error::Unsupported`]: a claim
+/// this backend refuses (Redlock: semaphores with more than one permit),
+/// before anything is written.
 ///
 /// # Cancellation safety
 ///

@@ -503,12 +503,15 @@ impl Node {
 
     /// One acquire attempt with `token` as the new lease's token; see the
     /// `Backend` contract. With `fifo` off the queue is shown but not enforced.
+    /// A semaphore whose limit is above `max_permits` (0: any) is refused
+    /// with [`Error::Unsupported`] before anything is written.
     pub async fn try_acquire(
         &self,
         claim: &Claim,
         step: Step,
         token: &Token,
         fifo: bool,
+        max_permits: u32,
     ) -> Result<Attempt, Error> {
         let mut inv = self.invocation(&self.scripts.acquire, &claim.key);
         let (turn_arg, seq) = match step {
@@ -527,7 +530,8 @@ impl Node {
             .arg(ms(claim.lock_delay))
             .arg(claim.limit.unwrap_or(0))
             .arg(ms(HEARTBEAT_TTL))
-            .arg(if fifo { "1" } else { "0" });
+            .arg(if fifo { "1" } else { "0" })
+            .arg(max_permits);
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
         let clock = self.clock(&reply, 1);
         let attempt = match int(&reply, 0) {
@@ -557,6 +561,12 @@ impl Node {
                 return Err(Error::LimitMismatch {
                     active: int(&reply, 2) as u32,
                 });
+            }
+            4 => {
+                return Err(Error::Unsupported(format!(
+                    "this semaphore is in use with limit {}, above the {max_permits} this backend allows",
+                    int(&reply, 2)
+                )));
             }
             _ => return Err(Error::LimitRequired),
         };
@@ -1138,11 +1148,15 @@ impl Member {
         step: Step,
         token: &Token,
         fifo: bool,
+        max_permits: u32,
     ) -> Result<Attempt, Error> {
         if lock(&self.suspect).contains(&claim.key) {
             self.reconcile(&claim.key).await;
         }
-        let result = self.node.try_acquire(claim, step, token, fifo).await;
+        let result = self
+            .node
+            .try_acquire(claim, step, token, fifo, max_permits)
+            .await;
         let attempt = self.check(&claim.key, result)?;
         match (&attempt, step) {
             (
@@ -1429,7 +1443,7 @@ impl Backend for Redis {
             Turn::Queued(t) => Step::Queued(t.seq),
         };
         self.member
-            .try_acquire(claim, step, &Token::generate(), true)
+            .try_acquire(claim, step, &Token::generate(), true, 0)
             .await
     }
 

@@ -12,6 +12,32 @@
 //! contention is resolved by notification-driven retries with a random
 //! delay after a split vote.
 //!
+//! # Which claims a majority can bound
+//!
+//! Every grant needs a majority `Q = ⌊N/2⌋ + 1` of the N nodes, and each node
+//! checks the claim against what it has granted itself.
+//!
+//! * **Exclusive and shared locks are safe** (under Redlock's assumptions on
+//!   clocks, delays and persistence). Any two majorities share a node, and
+//!   that node has granted both leases: an exclusive lease and any other
+//!   lease on the key cannot both hold a majority, because the shared node
+//!   refused the second. Shared holders never exclude each other, so their
+//!   number is unbounded by design.
+//! * **Counting semaphores with `limit > 1` are refused.** Each node admits
+//!   up to L holders and each grant needs Q of them, so the N·L places of the
+//!   nodes fit up to ⌊N·L / Q⌋ grants, no two of them on one node more than L
+//!   times: 4 holders for N = 3, L = 3 (two sidecars, 12 clients, no fault
+//!   needed — `tests/redlock.rs`). A majority vote cannot tell that a
+//!   permit's majority overlaps others' only in places each node still had
+//!   free. Unanimity (all N nodes must grant) would bound it at L, but then
+//!   one node down stops every semaphore, which throws away the only reason
+//!   to run Redlock, so it is not offered. `try_acquire` answers
+//!   [`Error::Unsupported`] for `limit > 1` before anything is written, and
+//!   the nodes refuse to go on with a semaphore whose active limit is above 1
+//!   (one an older version created): use `redis://`, `zk://` or
+//!   `postgres://` for semaphores. `limit = 1` stays allowed: ⌊N / Q⌋ = 1, it
+//!   is an exclusive lock.
+//!
 //! Fences: each node counts its own; a grant takes the highest count of its
 //! majority and raises the other granting nodes' counters to it, so any later
 //! majority (which shares a node with this one) continues above it — as long
@@ -38,7 +64,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::{Wakeups, drift_ms as drift};
-use crate::lock::{Claim, LockKey, Token};
+use crate::lock::{Claim, Kind, LockKey, Token};
 
 /// The Redlock backend.
 pub struct Redlock {
@@ -65,6 +91,25 @@ pub struct Redlock {
 /// plus the clean-up calls' own timeouts, so an outage cannot hold these
 /// places for long.
 const ATTEMPTS_IN_FLIGHT: usize = 128;
+
+/// The most permits a Redlock semaphore may have: a majority quorum bounds
+/// one holder, not more (see the module doc).
+const MAX_PERMITS: u32 = 1;
+
+/// The refusal of a semaphore with more than [`MAX_PERMITS`] permits:
+/// why, and what to use instead.
+fn unsupported_semaphore(nodes: usize, limit: Option<u32>) -> Error {
+    let asked = limit.map_or_else(
+        || "this semaphore is in use with more than 1 permit".to_owned(),
+        |l| format!("limit={l} is refused"),
+    );
+    Error::Unsupported(format!(
+        "{asked}: the redlock backend cannot bound a semaphore with more than 1 permit, because a \
+         majority quorum cannot (each of the {nodes} nodes admits `limit` holders and each grant \
+         needs only a majority, so more than `limit` clients can hold permits at once); use a \
+         redis://, zk:// or postgres:// backend for semaphores, or limit=1 (an exclusive lock)"
+    ))
+}
 
 /// A local ticket (key, number) → that ticket's number on each node, if it has one.
 type NodeTickets = HashMap<(LockKey, u64), Vec<Option<u64>>>;
@@ -192,6 +237,9 @@ impl Backend for Redlock {
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        if claim.key.kind == Kind::Semaphore && claim.limit.is_some_and(|l| l > MAX_PERMITS) {
+            return Err(unsupported_semaphore(self.members.len(), claim.limit));
+        }
         // Never closed.
         let _admitted = self.attempts.acquire().await;
         let token = Token::generate();
@@ -211,7 +259,7 @@ impl Backend for Redlock {
                     (Turn::Queued(_), None) => Step::Join,
                 };
                 let token = &token;
-                async move { m.try_acquire(claim, step, token, false).await }
+                async move { m.try_acquire(claim, step, token, false, MAX_PERMITS).await }
             })
             .await;
 
@@ -227,6 +275,10 @@ impl Backend for Redlock {
                 Ok(Attempt::Busy(b)) => {
                     answered += 1;
                     busy.push((i, b));
+                }
+                Err(Error::Unsupported(_)) => {
+                    self.undo(&claim.key, &grants).await;
+                    return Err(unsupported_semaphore(self.members.len(), None));
                 }
                 Err(e @ (Error::LimitMismatch { .. } | Error::LimitRequired)) => {
                     self.undo(&claim.key, &grants).await;

@@ -3,14 +3,17 @@
 -- 10 ttl ms, 11 max_hold ms (0: none), 12 lock_delay ms, 13 limit (0: none),
 -- 14 heartbeat ms, 15 fifo ("1": grants follow the queue; "0": newcomers
 -- still wait behind the queue, but queued claims are not ordered among
--- themselves, as in Redlock, where each node may see joins in another order).
+-- themselves, as in Redlock, where each node may see joins in another order),
+-- 16 most permits a semaphore may have (0: any; Redlock: 1).
 -- Returns {1, now, token, fence, count, since, expires} when granted,
 -- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
--- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required.
+-- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required,
+-- {4, now, limit} when the limit is above the most permits allowed.
 local turn, seq, token, owner, sidecar, mode = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local ttl, max_hold, lock_delay, asked, beat =
   tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
 local fifo = ARGV[15] == "1"
+local most = tonumber(ARGV[16] or "0")
 clock()
 
 prune()
@@ -24,9 +27,11 @@ if not IS_LOCK then
     limit = active
   else
     if asked == 0 then return {3, NOW} end
-    redis.call("SET", LIMIT, asked)
     limit = asked
   end
+  -- Before the limit or anything else is written.
+  if most > 0 and limit > most then return {4, NOW, limit} end
+  if limit ~= active then redis.call("SET", LIMIT, limit) end
 end
 
 local function leave_queue()
