@@ -156,6 +156,9 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Error {
 
 /// Counts requests by method, route template and status.
 ///
+/// Every label value is drawn from a fixed set: the standard methods and
+/// `other`, the route templates and `unmatched`, the status codes.
+///
 /// A layer of its own rather than `middleware::from_fn`, which boxes a
 /// future and a clone of the inner service for every request: a waiting
 /// acquire keeps both for as long as it waits.
@@ -195,8 +198,8 @@ where
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        // Cheap clones (standard methods and the shared route template), not new strings.
-        let method = request.method().clone();
+        // A static label and a cheap clone of the shared route template, not new strings.
+        let method = method_label(request.method());
         let route = request.extensions().get::<MatchedPath>().cloned();
         CountedFuture {
             inner: self.inner.call(request),
@@ -213,7 +216,7 @@ where
 /// What a finished request is counted under.
 struct Count {
     metrics: Arc<Metrics>,
-    method: Method,
+    method: &'static str,
     route: Option<MatchedPath>,
     started: Instant,
 }
@@ -238,15 +241,33 @@ where
         let result = std::task::ready!(this.inner.poll(cx));
         if let (Ok(response), Some(c)) = (&result, this.counted.take()) {
             let route = c.route.as_ref().map_or("unmatched", MatchedPath::as_str);
+            let method = c.method;
             c.metrics
                 .http_requests
-                .with_label_values(&[c.method.as_str(), route, response.status().as_str()])
+                .with_label_values(&[method, route, response.status().as_str()])
                 .inc();
             c.metrics
                 .http_seconds
-                .with_label_values(&[c.method.as_str(), route])
+                .with_label_values(&[method, route])
                 .observe(c.started.elapsed().as_secs_f64());
         }
         Poll::Ready(result)
+    }
+}
+
+/// The `method` label of a request: a standard method, or `other` for any
+/// extension method, so a client cannot add series by inventing methods.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "other",
     }
 }
