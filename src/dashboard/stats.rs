@@ -337,8 +337,8 @@ pub async fn sample(core: Arc<Core>, stats: Arc<Stats>) {
 
 #[utoipa::path(get, path = "/v1/stats", tag = "operations",
     responses(
-        (status = 200, body = StatsView),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = StatsView, description = "Per-bucket acquisitions and wait-time percentiles"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
     ))]
 /// Acquisitions and wait-time percentiles per 5-second bucket over the last
 /// 15 minutes (the dashboard's charts).

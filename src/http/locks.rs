@@ -677,13 +677,13 @@ macro_rules! kind_routes {
         #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams),
             responses(
-                (status = 200, body = Released),
-                (status = 400, body = Problem, content_type = "application/problem+json"),
-                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 200, body = Released, description = "Released one hold; `remaining` holds are left"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
                 (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost: the token no longer holds the lock"),
-                (status = 413, body = Problem, content_type = "application/problem+json"),
-                (status = 415, body = Problem, content_type = "application/problem+json"),
-                (status = 503, body = Problem, content_type = "application/problem+json"),
+                (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
+                (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
+                (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Release one hold of a lease.
         pub async fn $release(
@@ -697,13 +697,13 @@ macro_rules! kind_routes {
         #[utoipa::path(post, path = concat!($path, "/{name}/keepalive"), tag = $tag,
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), KeepaliveParams),
             responses(
-                (status = 200, body = Renewed),
-                (status = 400, body = Problem, content_type = "application/problem+json"),
-                (status = 401, body = Problem, content_type = "application/problem+json"),
+                (status = 200, body = Renewed, description = "Renewed: the new expiry"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
                 (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost"),
-                (status = 413, body = Problem, content_type = "application/problem+json"),
-                (status = 415, body = Problem, content_type = "application/problem+json"),
-                (status = 503, body = Problem, content_type = "application/problem+json"),
+                (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
+                (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
+                (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Extend a lease to `ttl` from now.
         pub async fn $keepalive(
@@ -718,11 +718,11 @@ macro_rules! kind_routes {
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), $params),
             responses(
                 (status = 200, content_type = "text/event-stream", description = "SSE: queued, acquired, renewed, lost, timeout (and error). The lease lives while the stream is open."),
-                (status = 400, body = Problem, content_type = "application/problem+json"),
-                (status = 401, body = Problem, content_type = "application/problem+json"),
-                (status = 413, body = Problem, content_type = "application/problem+json"),
-                (status = 415, body = Problem, content_type = "application/problem+json"),
-                (status = 503, body = Problem, content_type = "application/problem+json"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
+                (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
+                (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Hold: acquire and keep the lease while the stream is open (watchdog renewal).
         pub async fn $hold(
@@ -736,10 +736,10 @@ macro_rules! kind_routes {
         #[utoipa::path(get, path = concat!($path, "/{name}"), tag = $tag,
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$")),
             responses(
-                (status = 200, body = LockView),
-                (status = 400, body = Problem, content_type = "application/problem+json"),
-                (status = 401, body = Problem, content_type = "application/problem+json"),
-                (status = 503, body = Problem, content_type = "application/problem+json"),
+                (status = 200, body = LockView, description = "Holders and waiters across all sidecars"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// The global state: holders and waiters across all sidecars.
         pub async fn $inspect(
@@ -783,10 +783,10 @@ fn parse_cursor(cursor: &str) -> Result<LockKey, Error> {
 
 #[utoipa::path(get, path = "/v1/locks", tag = "locks", params(ListParams),
     responses(
-        (status = 200, body = LockList),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = LockList, description = "One page of held or contended locks"),
+        (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Held or contended locks and semaphores, by kind and name, paginated.
 pub async fn list_locks(
@@ -830,9 +830,9 @@ pub async fn list_locks(
 
 #[utoipa::path(get, path = "/v1/stale", tag = "operations",
     responses(
-        (status = 200, body = StaleList),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = StaleList, description = "Keys an operator should look at"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Keys an operator should look at, with the reason.
 pub async fn stale(
@@ -847,7 +847,7 @@ pub async fn stale(
 #[utoipa::path(get, path = "/v1/events", tag = "operations",
     responses(
         (status = 200, content_type = "text/event-stream", description = "SSE of this sidecar's lock events; event name = type"),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
     ))]
 /// Live lock events of this sidecar.
 pub async fn events(
@@ -903,11 +903,11 @@ async fn force_release(
     params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), AdminParams),
     security(("admin_token" = [])),
     responses(
-        (status = 200, body = ForceReleased),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = ForceReleased, description = "Every holder removed"),
+        (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
         (status = 403, body = Problem, content_type = "application/problem+json", description = "No admin token configured, or not the admin token"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Force-release every holder of a lock (admin token required).
 pub async fn force_release_lock(
@@ -924,11 +924,11 @@ pub async fn force_release_lock(
     params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), AdminParams),
     security(("admin_token" = [])),
     responses(
-        (status = 200, body = ForceReleased),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
-        (status = 403, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = ForceReleased, description = "Every holder removed"),
+        (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 403, body = Problem, content_type = "application/problem+json", description = "No admin token configured, or not the admin token"),
+        (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Force-release every holder of a semaphore (admin token required).
 pub async fn force_release_semaphore(

@@ -55,7 +55,7 @@ pub struct Info {
     pub waiting: usize,
 }
 
-#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Health)))]
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Health, description = "The process is alive")))]
 /// The process is alive.
 pub async fn healthz() -> Json<Health> {
     Json(Health { status: "ok" })
@@ -63,7 +63,7 @@ pub async fn healthz() -> Json<Health> {
 
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
-        (status = 200, body = Health),
+        (status = 200, body = Health, description = "The backend answers"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unreachable or shutting down"),
     ))]
 /// The backend answers and the sidecar is not shutting down.
@@ -102,8 +102,8 @@ pub(crate) fn info_of(app: &App) -> Info {
 
 #[utoipa::path(get, path = "/v1/info", tag = "operations",
     responses(
-        (status = 200, body = Info),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 200, body = Info, description = "This sidecar, its backend (without credentials) and limits"),
+        (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
     ))]
 /// Sidecar id, version, backend and its safety class, limits.
 pub async fn info(State(app): State<Arc<App>>) -> Json<Info> {
