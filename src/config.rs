@@ -281,10 +281,11 @@ impl Settings {
             return Err("max_waiters must be at least 1".into());
         }
         let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
-            Some(id) if id.len() > 200 || id.chars().any(char::is_control) => {
-                return Err("sidecar_id must be at most 200 printable characters".into());
+            // Shown next to every holder, like an owner: the same rule.
+            Some(id) => {
+                crate::lock::check_plain_text("sidecar_id", &id, 200)?;
+                id
             }
-            Some(id) => id,
             None => default_sidecar_id(),
         };
         Ok(Self {
@@ -389,6 +390,21 @@ mod tests {
             ..ServeArgs::default()
         };
         assert!(Settings::resolve(at_max).is_ok());
+    }
+
+    #[test]
+    fn a_sidecar_id_that_could_spoof_another_is_refused() {
+        for id in ["pod-1\u{202e}", "pod\u{200b}1", "pod-1\n", &"p".repeat(201)] {
+            let args = ServeArgs {
+                sidecar_id: Some(id.into()),
+                ..ServeArgs::default()
+            };
+            let err = Settings::resolve(args).unwrap_err();
+            assert!(
+                err.contains("sidecar_id") && err.contains("allowed"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -54,6 +54,52 @@ impl fmt::Display for Name {
     }
 }
 
+/// Checks caller-chosen text that operators read (an owner, a
+/// force-release reason): 1 to `max_chars` characters, none that can make
+/// it look like other text or like several lines — control characters,
+/// format characters (bidi overrides and isolates, zero-width characters,
+/// the byte order mark, tags), line and paragraph separators, private-use
+/// and unassigned code points, spaces other than U+0020 — and no space at
+/// either end.
+///
+/// # Errors
+/// A sentence naming `what`, the first offending character and what is allowed.
+pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), String> {
+    use unicode_properties::{GeneralCategory as G, UnicodeGeneralCategory};
+    let allowed = format!(
+        "allowed: 1 to {max_chars} characters of any script, digits, punctuation, symbols and \
+         inner spaces (U+0020); not control, format (bidi, zero-width), line or paragraph \
+         separator, private-use or unassigned characters, nor other spaces"
+    );
+    let len = s.chars().count();
+    if len == 0 || len > max_chars {
+        return Err(format!("{what} is {len} characters long; {allowed}"));
+    }
+    if s.starts_with(' ') || s.ends_with(' ') {
+        return Err(format!("{what} starts or ends with a space; {allowed}"));
+    }
+    let bad = s.chars().find(|&c| {
+        matches!(
+            c.general_category(),
+            G::Control
+                | G::Format
+                | G::LineSeparator
+                | G::ParagraphSeparator
+                | G::PrivateUse
+                | G::Surrogate
+                | G::Unassigned
+        ) || (c.general_category() == G::SpaceSeparator && c != ' ')
+    });
+    match bad {
+        Some(c) => Err(format!(
+            "{what} contains U+{:04X} ({:?}); {allowed}",
+            u32::from(c),
+            c.general_category()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Whether a key is a lock (exclusive/shared) or a counting semaphore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, ToSchema)]
 #[serde(rename_all = "lowercase")]

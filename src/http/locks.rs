@@ -22,13 +22,16 @@ use crate::clock::ms;
 use crate::config::MAX_DURATION;
 use crate::core::{Granted, HoldEvent, HoldEvents, Limits, Outcome};
 use crate::error::{Error, Problem};
-use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token, check_plain_text};
 
 /// Keep-alive comments on SSE streams: at least this often.
 const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
 
-/// Longest accepted owner identity.
+/// Longest accepted owner identity, in characters.
 const MAX_OWNER_LEN: usize = 200;
+
+/// Longest accepted force-release reason, in bytes of UTF-8.
+const MAX_REASON_BYTES: usize = 1024;
 
 // Only a schema (the parameters parse with `duration`): numbers of any size
 // are part of it so that API fuzzers try huge ones.
@@ -371,13 +374,23 @@ pub(crate) fn check_ttl(ttl: Option<Duration>, limits: &Limits) -> Result<Option
 }
 
 fn check_owner(owner: String) -> Result<String, Error> {
-    let len = owner.chars().count();
-    if len == 0 || len > MAX_OWNER_LEN || owner.chars().any(char::is_control) {
+    check_plain_text("owner", &owner, MAX_OWNER_LEN).map_err(Error::InvalidParameter)?;
+    Ok(owner)
+}
+
+/// Checks a force-release reason: plain text of at most [`MAX_REASON_BYTES`].
+pub(crate) fn check_reason(reason: Option<String>) -> Result<Option<String>, Error> {
+    let Some(reason) = reason else {
+        return Ok(None);
+    };
+    if reason.len() > MAX_REASON_BYTES {
         return Err(Error::InvalidParameter(format!(
-            "owner must be 1 to {MAX_OWNER_LEN} characters without control characters"
+            "reason is {} bytes long; at most {MAX_REASON_BYTES} bytes (1 KiB) of UTF-8 are allowed",
+            reason.len()
         )));
     }
-    Ok(owner)
+    check_plain_text("reason", &reason, MAX_REASON_BYTES).map_err(Error::InvalidParameter)?;
+    Ok(Some(reason))
 }
 
 fn require_token(token: Option<String>) -> Result<Token, Error> {
@@ -887,6 +900,7 @@ async fn force_release(
     reason: Option<String>,
 ) -> Result<Json<ForceReleased>, Error> {
     auth::require_admin(&app.settings, headers)?;
+    let reason = check_reason(reason)?;
     let agent = headers
         .get(axum::http::header::USER_AGENT)
         .and_then(|v| v.to_str().ok())

@@ -319,7 +319,11 @@ pub fn check_fuzz_input(data: &[u8]) {
     }
     check::<TokenParams>(query, ct, body);
     check::<ListParams>(query, ct, body);
-    check::<AdminParams>(query, ct, body);
+    if let Some(p) = check::<AdminParams>(query, ct, body)
+        && let Err(e) = crate::http::locks::check_reason(p.reason)
+    {
+        client_error(&e);
+    }
     if let Some(text) = query {
         let _ = Name::parse(text);
         let _ = LockKey::parse(text);

@@ -379,3 +379,197 @@ async fn huge_durations_are_refused_and_the_maximum_holds(#[case] backend: TestB
         resource.acquire_busy(&second).await;
     }
 }
+
+/// Characters that let a string look like another one (or like several
+/// lines) on the dashboard and in logs, one of each class refused.
+const SPOOFING: &[(char, &str)] = &[
+    ('\u{0}', "NUL"),
+    ('\u{7}', "BEL"),
+    ('\u{1b}', "ESC"),
+    ('\n', "line feed"),
+    ('\r', "carriage return"),
+    ('\u{7f}', "DEL"),
+    ('\u{85}', "next line"),
+    ('\u{ad}', "soft hyphen"),
+    ('\u{61c}', "Arabic letter mark"),
+    ('\u{200b}', "zero-width space"),
+    ('\u{200c}', "zero-width non-joiner"),
+    ('\u{200d}', "zero-width joiner"),
+    ('\u{200e}', "left-to-right mark"),
+    ('\u{200f}', "right-to-left mark"),
+    ('\u{202a}', "left-to-right embedding"),
+    ('\u{202e}', "right-to-left override"),
+    ('\u{2060}', "word joiner"),
+    ('\u{2066}', "left-to-right isolate"),
+    ('\u{2069}', "pop directional isolate"),
+    ('\u{feff}', "byte order mark"),
+    ('\u{2028}', "line separator"),
+    ('\u{2029}', "paragraph separator"),
+    ('\u{e000}', "private use"),
+    ('\u{378}', "unassigned"),
+    ('\u{a0}', "no-break space"),
+    ('\u{3000}', "ideographic space"),
+    ('\u{e0041}', "tag latin capital A"),
+];
+
+/// Sends `(name, value)` to `method segments` through every source that
+/// route takes; each answer must be 400 `invalid-parameter` naming `name`.
+async fn assert_refused_everywhere(
+    api: &Api,
+    method: reqwest::Method,
+    segments: &[&str],
+    fixed: &[(&str, &str)],
+    (name, value): (&str, &str),
+) {
+    use crate::common::api::Body;
+    let mut query: Vec<(&str, &str)> = fixed.to_vec();
+    query.push((name, value));
+    let mut answers = vec![
+        api.send(method.clone(), segments, &query, Body::Empty)
+            .await,
+    ];
+    if method != reqwest::Method::GET {
+        let mut json = serde_json::Map::new();
+        json.insert(name.to_owned(), value.into());
+        answers.push(
+            api.send(method.clone(), segments, fixed, Body::Json(json.into()))
+                .await,
+        );
+        answers.push(
+            api.send(
+                method.clone(),
+                segments,
+                fixed,
+                Body::Form(vec![(name.to_owned(), value.to_owned())]),
+            )
+            .await,
+        );
+    }
+    for answer in answers {
+        let problem = assert_problem(answer, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains(name), "the detail names {name}: {problem}");
+        assert!(
+            detail.contains("allowed"),
+            "the detail says what is allowed: {problem}"
+        );
+    }
+}
+
+/// Finding 11: an owner with a control, format (bidi, zero-width), line or
+/// paragraph separator, private-use, unassigned or non-ASCII space
+/// character, a leading or trailing space, or more than 200 characters is a
+/// 400 on acquire and hold of locks and semaphores, from every source;
+/// 200 characters of plain text (letters of any script) are accepted and
+/// shown as given.
+#[tokio::test]
+async fn owners_that_could_spoof_another_are_refused() {
+    use reqwest::Method;
+    let backend = TestBackend::Memory.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    for kind in [Kind::Lock, Kind::Semaphore] {
+        let name = unique_name("owner");
+        let fixed: &[(&str, &str)] = match kind {
+            Kind::Lock => &[],
+            Kind::Semaphore => &[("limit", "1")],
+        };
+        let mut bad: Vec<String> = SPOOFING
+            .iter()
+            .flat_map(|(c, _)| {
+                [
+                    format!("alice{c}"),
+                    format!("{c}alice"),
+                    format!("ali{c}ce"),
+                ]
+            })
+            .collect();
+        bad.extend([
+            " alice".to_owned(),
+            "alice ".to_owned(),
+            "é".repeat(201),
+            "a".repeat(201),
+            String::new(),
+        ]);
+        for owner in &bad {
+            for segments in [
+                vec!["v1", kind.segment(), name.as_str()],
+                vec!["v1", kind.segment(), name.as_str(), "hold"],
+            ] {
+                let method = if segments.len() == 4 {
+                    Method::GET
+                } else {
+                    Method::POST
+                };
+                assert_refused_everywhere(&api, method, &segments, fixed, ("owner", owner)).await;
+            }
+        }
+        let resource = match kind {
+            Kind::Lock => api.lock(&name),
+            Kind::Semaphore => api.semaphore(&name),
+        };
+        for owner in ["é".repeat(200), "worker 7 (Zürich, 東京)".to_owned()] {
+            let mut params: Vec<(&str, &str)> = fixed.to_vec();
+            params.push(("owner", &owner));
+            let grant = resource.acquire(&params).await;
+            assert_eq!(grant.owner, owner);
+            assert_eq!(resource.inspect().await.holders[0].owner, owner);
+            resource.release(&grant.token).await;
+        }
+    }
+}
+
+/// Finding 11: an admin force-release `reason` is at most 1 KiB of text
+/// without control, format, separator, private-use or unassigned
+/// characters; past that, or with one, it is a 400 and nothing is logged
+/// or released. Exactly 1 KiB is accepted.
+#[tokio::test]
+async fn force_release_reasons_are_bounded_and_plain() {
+    use reqwest::Method;
+    let backend = TestBackend::Memory.start().await;
+    let sidecar = backend
+        .sidecar()
+        .admin_token(common::ADMIN_TOKEN)
+        .start()
+        .await;
+    let api = sidecar.api();
+    let admin = api.with_bearer(common::ADMIN_TOKEN);
+    let name = unique_name("reason");
+    let lock = api.lock(&name);
+    let grant = lock.acquire(&[("owner", "holder")]).await;
+    let segments = ["v1", "admin", "locks", name.as_str()];
+    let mut bad: Vec<String> = SPOOFING
+        .iter()
+        .map(|(c, _)| format!("maintenance{c}window"))
+        .collect();
+    bad.extend(["x".repeat(1025), "é".repeat(513), "y".repeat(60_000)]);
+    for reason in &bad {
+        assert_refused_everywhere(&admin, Method::DELETE, &segments, &[], ("reason", reason)).await;
+    }
+    // Nothing was released by the refused requests, nor logged.
+    lock.keepalive(&grant.token, &[]).await;
+    let log = sidecar.log();
+    assert!(
+        !log.contains(&"x".repeat(1025)),
+        "a refused reason was logged"
+    );
+    assert!(
+        !log.contains("force-released"),
+        "a refused request force-released"
+    );
+    let reason = "z".repeat(1024);
+    let r = admin
+        .send(
+            Method::DELETE,
+            &segments,
+            &[("reason", &reason)],
+            crate::common::api::Body::Empty,
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    lock.release_lost(&grant.token).await;
+    assert!(
+        sidecar.log().contains(&reason),
+        "the accepted reason is logged"
+    );
+}
