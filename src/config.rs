@@ -141,6 +141,21 @@ pub struct ServeArgs {
     #[arg(long, env = "SIDELOCK_SHUTDOWN_GRACE", value_parser = parse_duration)]
     #[serde(default, deserialize_with = "de_duration")]
     pub shutdown_grace: Option<Duration>,
+    /// Time a client has to send a whole request head [default: 10s].
+    #[arg(long, env = "SIDELOCK_HEADER_READ_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub header_read_timeout: Option<Duration>,
+    /// Time a connection may stay idle between requests [default: 60s].
+    #[arg(long, env = "SIDELOCK_IDLE_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub idle_timeout: Option<Duration>,
+    /// Time a client has to send a request's body after its head [default: 30s].
+    #[arg(long, env = "SIDELOCK_BODY_READ_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub body_read_timeout: Option<Duration>,
+    /// Open connections at most (lowered to fit the open-file limit) [default: 30000].
+    #[arg(long, env = "SIDELOCK_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
     /// Log format [default: text].
     #[arg(long, env = "SIDELOCK_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -178,7 +193,8 @@ macro_rules! layer {
 impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
-            lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace, log_format,
+            lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace,
+            header_read_timeout, idle_timeout, body_read_timeout, max_connections, log_format,
             redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token)
     }
 }
@@ -221,6 +237,8 @@ pub struct Settings {
     pub limits: Limits,
     pub metrics_lock_labels: bool,
     pub shutdown_grace: Duration,
+    /// Per-connection timeouts and the cap on open connections.
+    pub connections: crate::http::server::ConnectionLimits,
     pub log_format: LogFormat,
     pub api_token: Option<String>,
     pub admin_token: Option<String>,
@@ -280,6 +298,24 @@ impl Settings {
         if limits.max_waiters == 0 {
             return Err("max_waiters must be at least 1".into());
         }
+        let connections = crate::http::server::ConnectionLimits {
+            header_read: a.header_read_timeout.unwrap_or(Duration::from_secs(10)),
+            idle: a.idle_timeout.unwrap_or(Duration::from_secs(60)),
+            body_read: a.body_read_timeout.unwrap_or(Duration::from_secs(30)),
+            max_connections: a.max_connections.unwrap_or(30_000),
+        };
+        for (name, value) in [
+            ("header_read_timeout", connections.header_read),
+            ("idle_timeout", connections.idle),
+            ("body_read_timeout", connections.body_read),
+        ] {
+            if value.is_zero() {
+                return Err(format!("{name} must be above 0"));
+            }
+        }
+        if connections.max_connections == 0 {
+            return Err("max_connections must be at least 1".into());
+        }
         let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
             // Shown next to every holder, like an owner: the same rule.
             Some(id) => {
@@ -297,6 +333,7 @@ impl Settings {
             limits,
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
             shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
+            connections,
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),
             admin_token: a.admin_token.filter(|t| !t.is_empty()),
@@ -405,6 +442,30 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn file_sets_connection_timeouts_and_cap() {
+        let file: ServeArgs = toml::from_str(
+            "header_read_timeout = \"2s\"\nidle_timeout = \"5s\"\nbody_read_timeout = 700\nmax_connections = 99",
+        )
+        .unwrap();
+        let s = Settings::resolve(file).unwrap();
+        assert_eq!(
+            s.connections,
+            crate::http::server::ConnectionLimits {
+                header_read: Duration::from_secs(2),
+                idle: Duration::from_secs(5),
+                body_read: Duration::from_millis(700),
+                max_connections: 99,
+            }
+        );
+        let zero: ServeArgs = toml::from_str("idle_timeout = \"0s\"").unwrap();
+        assert!(
+            Settings::resolve(zero)
+                .unwrap_err()
+                .contains("idle_timeout")
+        );
     }
 
     #[test]

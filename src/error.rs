@@ -53,6 +53,14 @@ pub enum Error {
     Forbidden(&'static str),
     #[error("{limit} requests already wait for this lock here")]
     TooManyWaiters { limit: usize },
+    #[error(
+        "this sidecar has {limit} connections open, each with a request in flight; retry later, or raise --max-connections"
+    )]
+    TooManyConnections { limit: usize },
+    #[error(
+        "the request body did not arrive within the body-read timeout of {timeout_ms} ms; send the whole body at once"
+    )]
+    BodyTimedOut { timeout_ms: u64 },
     #[error("the lock backend is unavailable")]
     Unavailable(#[source] backend::Error),
     #[error("the sidecar is shutting down")]
@@ -106,6 +114,8 @@ impl Error {
             Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
             Error::Forbidden(_) => (S::FORBIDDEN, "forbidden"),
             Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
+            Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
+            Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
         }

@@ -73,8 +73,17 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     ));
 
     let grace = settings.shutdown_grace;
+    let limits = settings.connections.clone();
+    let cap = limits.cap_within(files);
+    if cap < limits.max_connections {
+        tracing::warn!(
+            cap,
+            files,
+            "max_connections lowered to fit the open-file limit"
+        );
+    }
     let drained = async {
-        http::server::serve(listener, http::router(app), token.clone()).await;
+        http::server::serve(listener, http::router(app), limits, cap, token.clone()).await;
         Ok(())
     };
     // The server stops when every connection is done; holds and event streams

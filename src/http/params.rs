@@ -31,10 +31,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
                 return Err(Error::BodyTooLarge { limit: MAX_BODY });
             }
-            Err(_) => {
-                return Err(Error::InvalidParameter(
-                    "the request body could not be read".into(),
-                ));
+            Err(e) => {
+                return Err(match body_timeout(&*e) {
+                    Some(timeout) => Error::BodyTimedOut {
+                        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                    },
+                    None => Error::InvalidParameter("the request body could not be read".into()),
+                });
             }
         };
         let content_type = parts
@@ -43,6 +46,18 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
             .and_then(|v| v.to_str().ok());
         parse(parts.uri.query(), content_type, &bytes).map(Params)
     }
+}
+
+/// The body-read timeout, when `e` (or an error behind it) says it passed.
+fn body_timeout(e: &(dyn std::error::Error + 'static)) -> Option<Duration> {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(t) = e.downcast_ref::<crate::http::server::BodyTimedOut>() {
+            return Some(t.timeout);
+        }
+        next = e.source();
+    }
+    None
 }
 
 /// Parameters of type `T` from a query string and a body of `content_type`

@@ -1,37 +1,98 @@
-//! The accept loop: one task per HTTP/1.1 connection, graceful shutdown on
-//! the sidecar's token.
+//! The accept loop: one task per HTTP/1.1 connection, per-connection
+//! timeouts, a cap on open connections, graceful shutdown on the sidecar's
+//! token.
 //!
 //! `axum::serve` would do, but its connections sniff for HTTP/2 first, and
 //! the task of every connection carries that auto-detecting state as well
 //! as the HTTP/1 one. A sidecar on loopback speaks HTTP/1.1 only, and every
 //! waiting request and hold is an open connection, so the per-connection
 //! size is the memory cost of waiting (see BENCHMARKS.md).
+//!
+//! Timeouts ([`ConnectionLimits`]): a connection with no request in flight
+//! must send a whole request head within the header-read timeout of its
+//! first byte (or of connecting), and, after a response, start the next
+//! request within the idle timeout; a request's body must arrive within the
+//! body-read timeout of its head. A request in flight — a `wait`, a hold
+//! stream — is not timed here: it lives as long as its handler.
+//!
+//! Cap: at `max_connections` open connections, a new one makes room by
+//! closing the oldest connection without a request in flight (idle, or still
+//! sending its head); when every connection has a request in flight, the
+//! new one is answered 429 at once and closed.
 
+use std::collections::BTreeMap;
+use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
-use hyper::body::Incoming;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
+
+use crate::error::Error;
 
 /// How long to pause accepting after an accept error such as `EMFILE`, so a
 /// full file table is not a busy loop.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
+/// Open files kept free of connections (backend connections, config, logs).
+const FILES_IN_RESERVE: u64 = 64;
+
+/// Per-connection timeouts and the cap on open connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Time to send a whole request head, from its first byte (or from
+    /// connecting, for a connection's first request).
+    pub header_read: Duration,
+    /// Time between a response and the first byte of the next request.
+    pub idle: Duration,
+    /// Time to send a request's body, from the end of its head.
+    pub body_read: Duration,
+    /// Open connections at most.
+    pub max_connections: usize,
+}
+
+impl ConnectionLimits {
+    /// The cap on open connections within `files` open files (the process's
+    /// limit; 0 when unknown): `max_connections`, lowered to leave
+    /// [`FILES_IN_RESERVE`] files for everything else.
+    pub fn cap_within(&self, files: u64) -> usize {
+        if files == 0 {
+            return self.max_connections;
+        }
+        let room =
+            usize::try_from(files.saturating_sub(FILES_IN_RESERVE).max(1)).unwrap_or(usize::MAX);
+        self.max_connections.min(room)
+    }
+}
+
 /// Serves `router` on `listener` until `stop` is cancelled, then asks every
 /// connection to finish its request in flight and close, and returns when
 /// all have (streams end on the same token).
 ///
-/// Handlers see the peer address as `ConnectInfo<SocketAddr>`.
-pub async fn serve(listener: TcpListener, router: Router, stop: CancellationToken) {
+/// Handlers see the peer address as `ConnectInfo<SocketAddr>`. At most
+/// `cap` connections are open (see the module doc).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    cap: usize,
+    stop: CancellationToken,
+) {
     let connections = TaskTracker::new();
+    let open = Arc::new(Registry::default());
+    let mut next_id = 0_u64;
     loop {
         let (stream, peer) = tokio::select! {
             () = stop.cancelled() => break,
@@ -44,37 +105,413 @@ pub async fn serve(listener: TcpListener, router: Router, stop: CancellationToke
                 }
             },
         };
+        if open.len() >= cap && !open.shed_oldest_idle() {
+            refuse(stream, cap);
+            continue;
+        }
         // Responses are single writes; without this an SSE event or a grant
         // could wait for the peer's delayed ACK.
         let _ = stream.set_nodelay(true);
-        connections.spawn(connection(stream, peer, router.clone(), stop.clone()));
+        next_id += 1;
+        let state = open.insert(next_id);
+        connections.spawn(connection(
+            stream,
+            peer,
+            router.clone(),
+            limits.clone(),
+            Member {
+                id: next_id,
+                state,
+                registry: open.clone(),
+            },
+            stop.clone(),
+        ));
     }
     drop(listener);
     connections.close();
     connections.wait().await;
 }
 
+/// How long a refused connection may take to receive its 429.
+const REFUSE_WITHIN: Duration = Duration::from_secs(1);
+
+/// Answers a connection over the cap with a 429 problem and closes it,
+/// giving the peer at most [`REFUSE_WITHIN`]. The request is read and
+/// discarded first, so the close is not a reset that would lose the answer.
+fn refuse(mut stream: TcpStream, cap: usize) {
+    let problem = Error::TooManyConnections { limit: cap }.problem();
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/problem+json\r\n\
+         retry-after: {}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        crate::error::RETRY_AFTER_SECS,
+        body.len()
+    );
+    let mut answer = head.into_bytes();
+    answer.extend_from_slice(&body);
+    tracing::debug!(
+        cap,
+        "connection refused: every open connection has a request in flight"
+    );
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(REFUSE_WITHIN, async {
+            stream.write_all(&answer).await?;
+            stream.shutdown().await?;
+            let mut sink = [0_u8; 1024];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, io::Error>(())
+        })
+        .await;
+    });
+}
+
+/// The open connections, oldest first.
+#[derive(Default)]
+struct Registry {
+    connections: Mutex<BTreeMap<u64, Arc<ConnState>>>,
+}
+
+impl Registry {
+    fn insert(&self, id: u64) -> Arc<ConnState> {
+        let state = Arc::new(ConnState::default());
+        self.lock().insert(id, state.clone());
+        state
+    }
+
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Closes the oldest connection without a request in flight; false when
+    /// every connection has one.
+    fn shed_oldest_idle(&self) -> bool {
+        let mut connections = self.lock();
+        let oldest = connections
+            .iter()
+            .find(|(_, c)| c.in_flight.load(Ordering::Acquire) == 0)
+            .map(|(id, _)| *id);
+        match oldest.and_then(|id| connections.remove(&id)) {
+            Some(c) => {
+                c.shed.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<ConnState>>> {
+        // A panic elsewhere while holding the lock leaves a map that is still whole.
+        self.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A connection's place in the [`Registry`], left when the connection ends.
+struct Member {
+    id: u64,
+    state: Arc<ConnState>,
+    registry: Arc<Registry>,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
+    }
+}
+
+/// What the accept loop, the reader and the requests of one connection share.
+#[derive(Default)]
+struct ConnState {
+    /// Requests whose response has not been written to the end.
+    in_flight: AtomicUsize,
+    /// Requests whose response has been written to the end (or dropped).
+    finished: AtomicU64,
+    /// The reader's waker while a request is in flight, woken when it ends
+    /// so the idle timeout starts.
+    reader: Mutex<Option<Waker>>,
+    /// Cancelled to close the connection at once to make room for a new one.
+    shed: CancellationToken,
+}
+
+/// One request in flight on its connection, from its head to the end of its
+/// response.
+struct InFlight(Arc<ConnState>);
+
+impl InFlight {
+    fn start(state: &Arc<ConnState>) -> Self {
+        state.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(state.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.finished.fetch_add(1, Ordering::AcqRel);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let waker = self
+            .0
+            .reader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
 async fn connection(
-    stream: tokio::net::TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     router: Router,
+    limits: ConnectionLimits,
+    member: Member,
     stop: CancellationToken,
 ) {
     let _open = Open::count();
-    let service = router.map_request(move |mut req: hyper::Request<Incoming>| {
+    let state = member.state.clone();
+    let body_read = limits.body_read;
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let in_flight = InFlight::start(&state);
+        let deadline = Instant::now() + body_read;
+        let mut req = req.map(|body| {
+            axum::body::Body::new(TimedBody {
+                inner: body,
+                deadline,
+                timeout: body_read,
+                sleep: None,
+            })
+        });
         req.extensions_mut().insert(ConnectInfo(peer));
-        req.map(axum::body::Body::new)
+        let response = router.clone().oneshot(req);
+        async move {
+            let response = response.await?;
+            Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
+                inner,
+                _in_flight: in_flight,
+            }))
+        }
     });
-    let service = TowerToHyperService::new(service);
+    let io = Watched {
+        inner: stream,
+        state: member.state.clone(),
+        limits,
+        seen_finished: 0,
+        head_started: None,
+        waiting_since: None,
+        sleep: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        sleep_until: None,
+    };
     let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => log_end(r),
+        () = member.state.shed.cancelled() => tracing::trace!("connection closed to make room"),
         () = stop.cancelled() => {
             conn.as_mut().graceful_shutdown();
             log_end(conn.await);
         }
+    }
+}
+
+/// A request body that fails with [`BodyTimedOut`] when it has not arrived
+/// by its deadline.
+struct TimedBody {
+    inner: Incoming,
+    deadline: Instant,
+    /// The body-read timeout the deadline was set from.
+    timeout: Duration,
+    /// Created on the first wait, so a body that is already there (or empty)
+    /// costs no timer.
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+/// The error of a request body that did not arrive within the body-read timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within the body-read timeout ({timeout:?})")]
+pub struct BodyTimedOut {
+    /// The body-read timeout that passed.
+    pub timeout: Duration,
+}
+
+impl HttpBody for TimedBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        let deadline = this.deadline;
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(BodyTimedOut {
+                timeout: this.timeout,
+            }
+            .into()))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that keeps its request in flight until it is written
+    /// to the end or dropped.
+    struct Tracked {
+        #[pin]
+        inner: axum::body::Body,
+        _in_flight: InFlight,
+    }
+}
+
+impl HttpBody for Tracked {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The socket of a connection, failing a read with `TimedOut` when the
+/// header-read or idle timeout of a connection without a request in flight
+/// has passed.
+struct Watched {
+    inner: TcpStream,
+    state: Arc<ConnState>,
+    limits: ConnectionLimits,
+    /// [`ConnState::finished`] when last read: a change means a response ended.
+    seen_finished: u64,
+    /// When the first byte of the request head being read arrived.
+    head_started: Option<Instant>,
+    /// Since when the connection has had no request in flight and no byte of a new one.
+    waiting_since: Option<Instant>,
+    sleep: Pin<Box<Sleep>>,
+    /// The deadline `sleep` is set to, if it is armed.
+    sleep_until: Option<Instant>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        let finished = this.state.finished.load(Ordering::Acquire);
+        if finished != this.seen_finished {
+            this.seen_finished = finished;
+            this.head_started = None;
+            this.waiting_since = None;
+        }
+        if this.state.in_flight.load(Ordering::Acquire) > 0 {
+            this.head_started = None;
+            this.waiting_since = None;
+            *this
+                .state
+                .reader
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
+            // The request may have ended between the check and the waker being stored.
+            if this.state.in_flight.load(Ordering::Acquire) > 0 {
+                return Pin::new(&mut this.inner).poll_read(cx, buf);
+            }
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before && this.head_started.is_none() {
+                    this.head_started = Some(Instant::now());
+                }
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => {}
+        }
+        let deadline = match this.head_started {
+            Some(started) => started + this.limits.header_read,
+            None => {
+                let since = *this.waiting_since.get_or_insert_with(Instant::now);
+                // The first request of a connection is timed as a head from the connect.
+                if this.seen_finished == 0 {
+                    since + this.limits.header_read
+                } else {
+                    since + this.limits.idle
+                }
+            }
+        };
+        if this.sleep_until != Some(deadline) {
+            this.sleep.as_mut().reset(deadline);
+            this.sleep_until = Some(deadline);
+        }
+        match this.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                if this.head_started.is_some() {
+                    "the request head did not arrive within the header-read timeout"
+                } else {
+                    "the connection was idle for longer than its timeout"
+                },
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

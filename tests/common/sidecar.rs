@@ -33,6 +33,8 @@ pub struct SidecarBuilder {
     listen_ip: String,
     /// Network namespace to run in (`ip netns exec`).
     netns: Option<String>,
+    /// Soft and hard limit of open files of the sidecar, if lowered.
+    open_files: Option<u64>,
 }
 
 impl SidecarBuilder {
@@ -47,6 +49,7 @@ impl SidecarBuilder {
             config_toml: None,
             listen_ip: "127.0.0.1".into(),
             netns: None,
+            open_files: None,
         }
     }
 
@@ -55,6 +58,13 @@ impl SidecarBuilder {
     pub fn netns(mut self, ns: &super::netns::Netns, listen_ip: &str) -> Self {
         self.netns = Some(ns.name().to_owned());
         self.listen_ip = listen_ip.to_owned();
+        self
+    }
+
+    /// Starts the sidecar with at most `limit` open files (soft and hard
+    /// `RLIMIT_NOFILE`), so tests can reach the limit.
+    pub fn open_files(mut self, limit: u64) -> Self {
+        self.open_files = Some(limit);
         self
     }
 
@@ -152,6 +162,20 @@ impl SidecarBuilder {
             cmd.arg("--config").arg(path);
         }
         cmd.args(&self.args);
+        if let Some(limit) = self.open_files {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+            unsafe {
+                cmd.pre_exec(move || {
+                    nix::sys::resource::setrlimit(
+                        nix::sys::resource::Resource::RLIMIT_NOFILE,
+                        limit,
+                        limit,
+                    )
+                    .map_err(std::io::Error::from)
+                });
+            }
+        }
 
         let log_path = dir.path().join("sidelock.log");
         let mut child = ChildGuard::spawn(cmd, "sidecar", &log_path, false);

@@ -1,7 +1,9 @@
 //! See the crate doc of the hostile suite (`main.rs`).
 //!
-//! Transport: metric labels drawn from a fixed set whatever the request's
-//! method and path.
+//! Transport: slow and idle connections closed within their timeouts while
+//! waits and hold streams live on; a new client served with 10,000 slow
+//! connections open; metric labels drawn from a fixed set whatever the
+//! request's method and path.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -10,6 +12,7 @@ use rand::RngExt;
 use reqwest::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::common::*;
 
@@ -139,4 +142,316 @@ async fn metric_labels_come_from_a_fixed_set() {
         second.len(),
         sent.len()
     );
+}
+
+/// How long a connection may take to be closed after its (one- or
+/// two-second) timeout on a loaded machine: a bound, not a measurement.
+const CLOSE_WITHIN: Duration = Duration::from_secs(20);
+
+/// A new connection to the sidecar on `port`.
+async fn connect(port: u16) -> TcpStream {
+    within(
+        "connect to the sidecar",
+        Duration::from_secs(10),
+        TcpStream::connect(("127.0.0.1", port)),
+    )
+    .await
+    .expect("connect to the sidecar")
+}
+
+/// Reads until the sidecar closes `stream` (end of file or reset) and
+/// returns what it answered, panicking when it is still open after
+/// [`CLOSE_WITHIN`].
+async fn closed_by_sidecar(what: &str, mut stream: impl AsyncReadExt + Unpin) -> String {
+    let mut answer = Vec::new();
+    within(&format!("the sidecar closes {what}"), CLOSE_WITHIN, async {
+        let mut chunk = [0_u8; 4096];
+        loop {
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Finding 5: an idle socket, a half-sent request line, dripped headers and
+/// a body announced but never sent all stayed open past 50 s. Each is closed
+/// within its (short) timeout here; the dripped head keeps sending a byte
+/// every 200 ms, so only a bound on the whole head closes it; a body that
+/// never arrives is answered 408 and acquires nothing, on locks and
+/// semaphores.
+#[tokio::test]
+async fn slow_connections_are_closed_within_their_timeouts() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_HEADER_READ_TIMEOUT", "2s")
+        .env("SIDELOCK_BODY_READ_TIMEOUT", "1s")
+        .env("SIDELOCK_IDLE_TIMEOUT", "1s")
+        .start()
+        .await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+
+    let idle = async {
+        let stream = connect(port).await;
+        closed_by_sidecar("a connection that sends nothing", stream).await;
+    };
+    let half_line = async {
+        let mut stream = connect(port).await;
+        stream.write_all(b"POST /v1/locks/half HT").await.unwrap();
+        closed_by_sidecar("a half-sent request line", stream).await;
+    };
+    let drip = async {
+        let (reader, mut writer) = connect(port).await.into_split();
+        writer
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Drip: ")
+            .await
+            .unwrap();
+        let dripping = tokio::spawn(async move {
+            // Pacing of the attack, not an assertion: a byte well within every timeout.
+            while writer.write_all(b"a").await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        closed_by_sidecar("a head dripped a byte every 200 ms", reader).await;
+        dripping.abort();
+    };
+    let bodies = async {
+        for kind in ["locks", "semaphores"] {
+            for announced in [100_u64, 10_000_000] {
+                let name = unique_name("body");
+                let mut stream = connect(port).await;
+                stream
+                    .write_all(
+                        format!(
+                            "POST /v1/{kind}/{name}?limit=1 HTTP/1.1\r\nHost: localhost\r\n\
+                             Content-Type: application/json\r\nContent-Length: {announced}\r\n\r\n{{\"ttl\""
+                        )
+                        .as_bytes(),
+                    )
+                    .await
+                    .unwrap();
+                let answer = closed_by_sidecar(
+                    &format!("a {kind} acquire announcing {announced} bytes of body, sending 6"),
+                    stream,
+                )
+                .await;
+                assert!(
+                    answer.starts_with("HTTP/1.1 408")
+                        && answer.contains("urn:sidelock:problem:body-timeout"),
+                    "{kind}, {announced} bytes announced: {answer}"
+                );
+                let resource = if kind == "locks" {
+                    api.lock(&name)
+                } else {
+                    api.semaphore(&name)
+                };
+                let response = resource.api().get(&["v1", kind, &name], &[]).await;
+                assert!(
+                    response.status() == StatusCode::NOT_FOUND
+                        || resource.inspect().await.holders.is_empty(),
+                    "a body that never arrived acquired {kind}/{name}"
+                );
+            }
+        }
+    };
+    tokio::join!(idle, half_line, drip, bodies);
+}
+
+/// Finding 5, the idle keep-alive timeout on its own: a connection that
+/// completed a request and stays silent is closed by the idle timeout,
+/// although the header-read timeout is five minutes.
+#[tokio::test]
+async fn idle_keep_alive_connections_are_closed_within_the_idle_timeout() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_HEADER_READ_TIMEOUT", "5m")
+        .env("SIDELOCK_IDLE_TIMEOUT", "1s")
+        .start()
+        .await;
+    let mut stream = connect(sidecar.port()).await;
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = closed_by_sidecar("an idle keep-alive connection", stream).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// Finding 5, the other side: a waiting acquire and a hold stream (queued,
+/// then holding) live as long as their wait and hold, far past one-second
+/// connection timeouts, for exclusive and shared locks and semaphores.
+#[tokio::test]
+async fn waits_and_hold_streams_outlive_the_connection_timeouts() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_HEADER_READ_TIMEOUT", "1s")
+        .env("SIDELOCK_BODY_READ_TIMEOUT", "1s")
+        .env("SIDELOCK_IDLE_TIMEOUT", "1s")
+        .start()
+        .await;
+    let api = sidecar.api();
+    for (kind, extra) in [
+        ("exclusive lock", &[("mode", "exclusive")][..]),
+        ("shared lock", &[("mode", "shared")][..]),
+        ("semaphore", &[("limit", "1")][..]),
+    ] {
+        let resource = |prefix: &str| {
+            let name = unique_name(prefix);
+            if kind == "semaphore" {
+                api.semaphore(&name)
+            } else {
+                api.lock(&name)
+            }
+        };
+        // The first holder is exclusive (or the only permit), so the waiter queues.
+        let first = |r: &Resource| {
+            let r = r.clone();
+            async move {
+                let params: &[(&str, &str)] = if kind == "semaphore" {
+                    &[("limit", "1"), ("ttl", "3s")]
+                } else {
+                    &[("ttl", "3s")]
+                };
+                r.acquire(params).await
+            }
+        };
+        let with = |more: &[(&'static str, &'static str)]| {
+            let mut p: Vec<(&str, &str)> = extra.to_vec();
+            p.extend_from_slice(more);
+            p
+        };
+
+        // A waiting acquire, granted when the first holder's 3 s ttl ends.
+        let waited = resource("wait");
+        first(&waited).await;
+        let grant = waited.acquire(&with(&[("wait", "30s")])).await;
+        assert!(grant.waited_ms >= 1000, "{kind}: {grant:?}");
+
+        // A hold stream that queues first, then holds.
+        let held = resource("hold");
+        first(&held).await;
+        let mut hold = held.hold(&with(&[("ttl", "1s"), ("wait", "30s")])).await;
+        let acquired = hold.expect_acquired_within(Duration::from_secs(20)).await;
+        // A waiter's 3 s wait is the clock: the hold is still there when it gives up.
+        // Exclusive (or the only permit), so it conflicts with the shared hold too.
+        let busy_params: &[(&str, &str)] = if kind == "semaphore" {
+            &[("wait", "3s"), ("limit", "1")]
+        } else {
+            &[("wait", "3s"), ("mode", "exclusive")]
+        };
+        let busy = held.acquire_busy(busy_params).await;
+        assert!(busy["waited_ms"].as_u64() >= Some(3000), "{kind}: {busy}");
+        let state = held.inspect().await;
+        assert!(
+            state.holders.iter().any(|h| h.fence == acquired.fence),
+            "{kind}: the hold stream's lease is gone: {state:?}"
+        );
+        match hold.next_within(EVENT_TIMEOUT).await {
+            Ok(Some(HoldEvent::Renewed(_))) => {}
+            other => panic!("{kind}: the hold stream should still renew, got {other:?}"),
+        }
+    }
+}
+
+/// Finding 5, the cap: 10,000 slow connections (each a half-sent head)
+/// against a sidecar limited to 1,024 open files. The old sidecar stopped
+/// accepting once its file table was full; now the oldest connection without
+/// a request in flight makes room for each new one, so every connection is
+/// accepted and a new client is served at once.
+#[tokio::test]
+async fn ten_thousand_slow_connections_leave_room_for_a_new_client() {
+    const SLOW: usize = 10_000;
+    let files = sidelock::sidecar::raise_fd_limit();
+    assert!(
+        files > 10_500,
+        "the test needs 10,500 open files, has {files}"
+    );
+    let sidecar = SidecarBuilder::new("memory://")
+        .open_files(1024)
+        .start()
+        .await;
+    let port = sidecar.port();
+    let mut slow = Vec::with_capacity(SLOW);
+    for i in 0..SLOW {
+        let connected = tokio::time::timeout(
+            Duration::from_secs(5),
+            TcpStream::connect(("127.0.0.1", port)),
+        )
+        .await;
+        let Ok(Ok(mut stream)) = connected else {
+            panic!("the sidecar stopped accepting after {i} slow connections");
+        };
+        // A closed (shed) connection may refuse the write; that is its answer.
+        let _ = stream
+            .write_all(b"POST /v1/locks/slow HTTP/1.1\r\nHost: loc")
+            .await;
+        slow.push(stream);
+    }
+    let api = sidecar.api();
+    let started = Instant::now();
+    let response = within(
+        "a new client is served",
+        Duration::from_secs(20),
+        api.get(&["healthz"], &[]),
+    )
+    .await;
+    assert_eq!(
+        response.status(),
+        StatusCode::OK,
+        "after {:?}",
+        started.elapsed()
+    );
+    let name = unique_name("after-slow");
+    let grant = within(
+        "a new client acquires",
+        Duration::from_secs(20),
+        api.lock(&name).acquire(&[]),
+    )
+    .await;
+    api.lock(&name).release(&grant.token).await;
+    drop(slow);
+}
+
+/// Finding 5, the cap when every connection has a request in flight: with
+/// `--max-connections 10` and ten queued hold streams, a new connection is
+/// answered 429 `too-many-connections` with `Retry-After` at once; once the
+/// streams' 8 s wait is over, new clients are served again.
+#[tokio::test]
+async fn a_sidecar_full_of_waiters_refuses_new_connections_with_429() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_MAX_CONNECTIONS", "10")
+        .start()
+        .await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+    let name = unique_name("full");
+    let holder = api.lock(&name).acquire(&[("ttl", "1m")]).await;
+    let mut waiters = Vec::new();
+    for _ in 0..10 {
+        let mut hold = api.lock(&name).hold(&[("wait", "8s")]).await;
+        hold.expect_queued().await;
+        waiters.push(hold);
+    }
+    let probe = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    let refused = raw_exchange(port, probe).await;
+    assert!(
+        refused.starts_with("HTTP/1.1 429")
+            && refused.contains("urn:sidelock:problem:too-many-connections")
+            && refused.to_ascii_lowercase().contains("retry-after: 1"),
+        "{refused}"
+    );
+    for hold in &mut waiters {
+        loop {
+            match hold.next_within(Duration::from_secs(20)).await {
+                Ok(Some(HoldEvent::Queued(_))) => {}
+                Ok(Some(HoldEvent::Timeout(_))) => break,
+                other => panic!("a queued hold should time out after its wait, got {other:?}"),
+            }
+        }
+    }
+    // Their connections are idle now: the oldest makes room for a new client.
+    let served = raw_exchange(port, probe).await;
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    drop((holder, waiters));
 }
