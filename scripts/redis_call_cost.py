@@ -35,13 +35,13 @@ def full_script(fast, body):
 
 def keys(n):
     base = f"sidelock:bench-{n:04d}"
-    return [base] + ["{%s}:%s" % (base, s) for s in SIDE_KEYS] + ["sidelock:index"]
+    return [base] + ["{%s}:%s" % (base, s) for s in SIDE_KEYS] + ["sidelock:/index"]
 
 
 def acquire_args(n, token):
     name = f"locks/bench-{n:04d}"
     return [11, *keys(n), "l", f"sidelock:wake:{name}", name, "once", "", token,
-            "anonymous-e1bd4f8395a6", "vm-67353f", "x", "30000", "0", "0", "0", "15000", "1"]
+            "anonymous-e1bd4f8395a6", "vm-67353f", "x", "30000", "0", "0", "0", "15000", "1", "0"]
 
 
 def release_args(n, token):

@@ -41,6 +41,9 @@ pub enum Error {
     NotFound(String),
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    /// The backend holds data at this lock's keys that sidelock did not write.
+    #[error("{0}")]
+    KeyConflict(String),
     #[error("lock is held")]
     Busy { busy: Box<Busy>, waited_ms: u64 },
     #[error(
@@ -75,6 +78,7 @@ impl From<backend::Error> for Error {
                 "limit is required: this semaphore is not in use, so its number of permits must be given (limit=N, 1 or more)".into(),
             ),
             backend::Error::Unsupported(why) => Error::Unsupported(why),
+            e @ backend::Error::KeyConflict { .. } => Error::KeyConflict(e.to_string()),
             e @ backend::Error::Unavailable { .. } => Error::Unavailable(e),
         }
     }
@@ -110,6 +114,7 @@ impl Error {
             Error::NotFound(_) => (S::NOT_FOUND, "not-found"),
             Error::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method-not-allowed"),
             Error::Busy { .. } => (S::CONFLICT, "lock-busy"),
+            Error::KeyConflict(_) => (S::CONFLICT, "key-conflict"),
             Error::LeaseLost => (S::GONE, "lease-lost"),
             Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
             Error::Forbidden(_) => (S::FORBIDDEN, "forbidden"),

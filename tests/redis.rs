@@ -467,7 +467,7 @@ async fn stale_keys_are_listed_for_every_reason() {
         ])
         .await;
     let _: i64 = server
-        .cmd(&["ZADD", "sidelock:index", "0", &format!("locks/{orphan}")])
+        .cmd(&["ZADD", "sidelock:/index", "0", &format!("locks/{orphan}")])
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 

@@ -41,6 +41,13 @@ pub enum Error {
     /// sentence says why and what to use instead.
     #[error("{0}")]
     Unsupported(String),
+    /// A key, node or row this claim needs holds data sidelock did not
+    /// write there (e.g. a Redis key of another type, written by hand);
+    /// refused before anything was written.
+    #[error(
+        "the backend key {key:?} holds a {found}, which sidelock did not write there: remove it (nothing was granted)"
+    )]
+    KeyConflict { key: String, found: String },
 }
 
 /// How much a backend's locks can be trusted; shown by `/v1/info` and the dashboard.
@@ -230,7 +237,8 @@ pub enum Status {
 /// 503 and retry later. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
 /// are the client's mistakes with semaphores. [`Error::Unsupported`]: a claim
 /// this backend refuses (Redlock: semaphores with more than one permit),
-/// before anything is written.
+/// before anything is written. [`Error::KeyConflict`]: a key the claim needs
+/// holds foreign data; nothing is written either.
 ///
 /// # Cancellation safety
 ///

@@ -7,6 +7,9 @@
 //! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
 //! replaces functions of 0001); the README documents every table and index.
 //!
+//! * Names are data: every row is keyed by (kind, name), kind `lock` or
+//!   `semaphore` (`election` is kept for elections), and names reach SQL only
+//!   as parameters, so no name can reach a table, a function or the channel.
 //! * Every operation is one call of a PL/pgSQL function, i.e. one statement
 //!   and one transaction. Acquire takes the key's row lock, frees expired
 //!   leases (an expired row counts as free), and grants with `expires_at`

@@ -7,7 +7,11 @@
 //! the classic `SET key token NX PX ttl` protocol — so hand-written clients
 //! using that protocol and sidelock exclude each other. Holder metadata,
 //! expiries, the fence counter and the queue live in side keys tagged
-//! `{<prefix><name>}` so a Cluster keeps them in the main key's slot.
+//! `{<prefix><name>}` so a Cluster keeps them in the main key's slot. No
+//! name reaches a key sidelock keeps for itself (see [`Node::base`]); a main
+//! key of another type than a string, written by hand, is a foreign holder,
+//! and the acquire script checks every other key's type before its first
+//! write, so a key written by hand never leaves half a grant behind.
 //!
 //! Waiting never polls: scripts `PUBLISH` on the lock's channel whenever a
 //! waiter may get in, each sidecar subscribes once per contended lock on one
@@ -218,8 +222,13 @@ pub struct Node {
     skew: std::sync::atomic::AtomicI64,
     /// Where this node's URL is shown (without password).
     pub url: String,
-    /// The index key, `<prefix>index`.
+    /// The index key, `<prefix>/index`: no lock or semaphore key has a `/`
+    /// right after the prefix.
     index: String,
+    /// Where earlier versions kept the index: `<prefix>index`, the key
+    /// of the lock named `index` now. Its entries are moved to [`Node::index`]
+    /// by the next listing (see [`Node::adopt_legacy_index`]).
+    legacy_index: String,
 }
 
 /// Converts a URL error into the operator's sentence.
@@ -320,7 +329,8 @@ impl Node {
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: super::redact(url),
-            index: format!("{prefix}index"),
+            index: format!("{prefix}/index"),
+            legacy_index: format!("{prefix}index"),
         })
     }
 
@@ -411,12 +421,21 @@ impl Node {
         Ok(c)
     }
 
+    /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
+    ///
+    /// The mapping from (kind, name) to keys is injective, and no name
+    /// reaches a key sidelock keeps for itself: a lock is `<prefix><name>`
+    /// (the classic `SET NX` key), a semaphore `<prefix>semaphores/<name>`,
+    /// and `<prefix>elections/<name>` is kept for elections; names have no
+    /// `/`, so none of these can equal another kind's key or the index
+    /// `<prefix>/index`, and no `{` or `}` (nor has the prefix), so none can
+    /// equal a side key. Channels (`<prefix>wake:<kind>/<name>`) live in
+    /// pub/sub's own namespace and carry the kind.
     fn base(&self, key: &LockKey) -> String {
         // Built by hand: this runs for every script call, and `format!` costs
         // several times more than the copies.
         let kind = match key.kind {
             Kind::Lock => "",
-            // '/' cannot occur in lock names, so semaphores never collide with locks.
             Kind::Semaphore => "semaphores/",
         };
         let name = key.name.as_str();
@@ -560,6 +579,12 @@ impl Node {
             2 => {
                 return Err(Error::LimitMismatch {
                     active: int(&reply, 2) as u32,
+                });
+            }
+            5 => {
+                return Err(Error::KeyConflict {
+                    key: text(&reply, 2),
+                    found: text(&reply, 3),
                 });
             }
             4 => {
@@ -710,6 +735,49 @@ impl Node {
             .await;
     }
 
+    /// Moves the entries of the index that earlier versions kept at
+    /// `<prefix>index` into the index, so a rolling upgrade loses no
+    /// listing: entries older sidecars add there are taken over by the next
+    /// listing, and the key goes once they stop (then the lock named `index`
+    /// can be used; until then it is a foreign holder). Entries that are no
+    /// key are dropped, as the listing drops them from the index.
+    async fn adopt_legacy_index(&self) -> Result<(), Error> {
+        let (old, new) = (&self.legacy_index, &self.index);
+        self.with_conn("list", async |c| {
+            let found: String = redis::cmd("TYPE").arg(old).query_async(c).await?;
+            if found != "zset" {
+                return Ok(());
+            }
+            let members: Vec<String> = redis::cmd("ZRANGE")
+                .arg(old)
+                .arg(0)
+                .arg(-1)
+                .query_async(c)
+                .await?;
+            let keys: Vec<&String> = members
+                .iter()
+                .filter(|m| LockKey::parse(m).is_some())
+                .collect();
+            if !keys.is_empty() {
+                let mut add = redis::cmd("ZADD");
+                add.arg(new).arg("NX");
+                for k in &keys {
+                    add.arg(0).arg(k.as_str());
+                }
+                add.query_async::<i64>(c).await?;
+            }
+            if !members.is_empty() {
+                redis::cmd("ZREM")
+                    .arg(old)
+                    .arg(&members)
+                    .query_async::<i64>(c)
+                    .await?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Held or contended keys, from the index.
     pub async fn list(
         &self,
@@ -717,6 +785,7 @@ impl Node {
         after: Option<&LockKey>,
         limit: usize,
     ) -> Result<Vec<Summary>, Error> {
+        self.adopt_legacy_index().await?;
         let mut rows = Vec::new();
         let mut cursor = after.map(ToString::to_string);
         loop {
@@ -758,6 +827,7 @@ impl Node {
         stale_after: Duration,
         legacy: Option<&str>,
     ) -> Result<Vec<StaleKey>, Error> {
+        self.adopt_legacy_index().await?;
         let mut out = Vec::new();
         let mut cursor: Option<String> = None;
         loop {
@@ -1497,5 +1567,63 @@ impl Backend for Redis {
 
     async fn close(&self) {
         self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::{Node, SIDE_KEYS};
+    use crate::lock::{Kind, LockKey, Name};
+
+    /// Every key one lock or semaphore uses: its main key and side keys.
+    fn keys_of(node: &Node, key: &LockKey) -> Vec<String> {
+        let base = node.base(key);
+        let mut keys = vec![base.clone()];
+        keys.extend(SIDE_KEYS.iter().map(|s| format!("{{{base}}}:{s}")));
+        keys
+    }
+
+    #[test]
+    fn no_name_reaches_another_names_key_or_an_internal_key() {
+        for prefix in ["sidelock:", "", "lock:"] {
+            let node = Node::open("redis://127.0.0.1:1", prefix).expect("node");
+            let internal = [node.index.clone(), format!("{prefix}elections/x")];
+            let mut owner: HashMap<String, LockKey> = HashMap::new();
+            let names = [
+                "index",
+                "INDEX",
+                "index:x",
+                "semaphores",
+                "semaphores:x",
+                "elections",
+                "wake",
+                "wake:locks",
+                "holders",
+                "fence",
+                "seq",
+                "shared",
+                "sidelock:index",
+                ".",
+                "..",
+                "x",
+            ];
+            for kind in [Kind::Lock, Kind::Semaphore] {
+                for name in names {
+                    let key = LockKey {
+                        kind,
+                        name: Name::parse(name).expect("valid name"),
+                    };
+                    for k in keys_of(&node, &key) {
+                        assert!(!internal.contains(&k), "{key} uses {k}");
+                        if let Some(other) = owner.insert(k.clone(), key.clone()) {
+                            panic!("{key} and {other} share {k}");
+                        }
+                    }
+                    assert_ne!(node.channel(&key), node.index);
+                }
+            }
+        }
     }
 }

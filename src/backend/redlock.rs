@@ -280,7 +280,11 @@ impl Backend for Redlock {
                     self.undo(&claim.key, &grants).await;
                     return Err(unsupported_semaphore(self.members.len(), None));
                 }
-                Err(e @ (Error::LimitMismatch { .. } | Error::LimitRequired)) => {
+                Err(
+                    e @ (Error::LimitMismatch { .. }
+                    | Error::LimitRequired
+                    | Error::KeyConflict { .. }),
+                ) => {
                     self.undo(&claim.key, &grants).await;
                     return Err(e);
                 }

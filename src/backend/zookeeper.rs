@@ -2,7 +2,11 @@
 //!
 //! Every lock or semaphore is a parent node `<root>/locks/<name>` or
 //! `<root>/semaphores/<name>` (a container node, which the server removes when
-//! it is empty). Each claim — holder or waiter — is one ephemeral sequential
+//! it is empty); `<root>/elections/<name>` is kept for elections. A name is
+//! one path segment (it has no `/`), and `.` and `..`, which are no valid
+//! segments, are written `%2e` and `%2e%2e` (`%` is in no name), so no name
+//! reaches another name's node, another kind's directory, or the claim and
+//! lock-delay nodes that live one level below a name. Each claim — holder or waiter — is one ephemeral sequential
 //! child of this sidecar's session, named as Apache Curator names them:
 //!
 //! | claim | node | Curator recipe it excludes |

@@ -8,13 +8,18 @@
 -- Returns {1, now, token, fence, count, since, expires} when granted,
 -- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
 -- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required,
--- {4, now, limit} when the limit is above the most permits allowed.
+-- {4, now, limit} when the limit is above the most permits allowed,
+-- {5, now, key, found} when a key it would write holds something else (see
+-- misfit()); nothing is written then.
 local turn, seq, token, owner, sidecar, mode = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local ttl, max_hold, lock_delay, asked, beat =
   tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
 local fifo = ARGV[15] == "1"
 local most = tonumber(ARGV[16] or "0")
 clock()
+
+local bad, found = misfit()
+if bad then return {5, NOW, bad, found} end
 
 prune()
 local was_idle = idle()

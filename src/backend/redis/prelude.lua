@@ -40,9 +40,42 @@ local B -- sidecar -> heartbeat deadline
 -- What this run changed, so set_expiries() only resets what moved.
 local holders_put, beats_put = false, false
 
+-- A main key that is not a string (a hash, list, … written by hand): it
+-- equals no token and not SHARED, so it is a foreign holder like a legacy
+-- SET NX key, and nothing of sidelock's ever overwrites it.
+local FOREIGN = {}
+
 local function main_get()
-  if MAIN_V == nil then MAIN_V = redis.call("GET", MAIN) end
+  if MAIN_V == nil then
+    local v = redis.pcall("GET", MAIN)
+    if type(v) == "table" and v.err then v = FOREIGN end
+    MAIN_V = v
+  end
   return MAIN_V
+end
+
+-- Redis does not undo a script's writes when a later command fails, so a
+-- script that grants checks first that every key it may write is absent or
+-- of the type sidelock writes there (and that counters are numbers): the
+-- first key that is not, and what it is; nil when all fit. The main key is
+-- not checked: any type there is a foreign holder (main_get).
+local function misfit()
+  local want = {{HOLDERS, "hash"}, {EXPIRY, "zset"}, {FENCE, "number"}, {QUEUE, "zset"},
+                {WAITERS, "hash"}, {BEAT, "hash"}, {DELAY, "number"}, {LIMIT, "number"},
+                {SEQ, "number"}}
+  if INDEX ~= "" then want[#want + 1] = {INDEX, "zset"} end
+  for _, w in ipairs(want) do
+    local found = redis.call("TYPE", w[1]).ok
+    if found ~= "none" then
+      if w[2] == "number" then
+        if found ~= "string" then return w[1], found end
+        if not tonumber(redis.call("GET", w[1])) then return w[1], "string that is not a number" end
+      elseif found ~= w[2] then
+        return w[1], found
+      end
+    end
+  end
+  return nil
 end
 
 local function main_set(v, px)
@@ -153,7 +186,8 @@ end
 local function tidy()
   redis.call("DEL", LIMIT, BEAT)
   if B then B = {} end
-  if INDEX ~= "" then redis.call("ZREM", INDEX, ARGV[3] or "") end
+  -- The index is a hint for listings: a broken one must not fail the script.
+  if INDEX ~= "" then redis.pcall("ZREM", INDEX, ARGV[3] or "") end
 end
 
 local function tidy_if_idle()

@@ -9,7 +9,7 @@ do
   local MAIN, HOLDERS, EXPIRY, QUEUE = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
   local token = ARGV[4]
   if ARGV[1] == "l" and redis.call("EXISTS", QUEUE) == 0
-      and redis.call("GET", MAIN) == token then
+      and redis.pcall("GET", MAIN) == token then
     local raw = redis.call("HGET", HOLDERS, token)
     if raw then
       local m = cjson.decode(raw)
@@ -22,7 +22,7 @@ do
       -- member, the holder, expiry, limit and heartbeat keys all go.
       if redis.call("ZCARD", EXPIRY) == 1 then
         redis.call("DEL", MAIN, HOLDERS, EXPIRY, KEYS[9], KEYS[7])
-        if KEYS[11] then redis.call("ZREM", KEYS[11], ARGV[3]) end
+        if KEYS[11] then redis.pcall("ZREM", KEYS[11], ARGV[3]) end
         return {0, 0}
       end
     end
