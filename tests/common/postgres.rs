@@ -206,6 +206,9 @@ pub struct PgCluster {
     log: PathBuf,
     port: u16,
     as_root: bool,
+    /// The `postgres` user's password when TCP clients must give one
+    /// (scram-sha-256); [`Self::url`] then carries it.
+    password: Option<String>,
     // Last, so the server is stopped before the directory goes.
     dir: TempDir,
 }
@@ -218,6 +221,16 @@ impl PgCluster {
     /// Starts a cluster that also listens on `addresses` (a test's own
     /// network namespace links) and trusts clients from 10.0.0.0/8.
     pub fn start_listening_on(addresses: &[&str]) -> Self {
+        Self::start_configured(addresses, None)
+    }
+
+    /// Starts a cluster whose TCP clients must authenticate as `postgres`
+    /// with `password` (scram-sha-256).
+    pub fn start_with_password(password: &str) -> Self {
+        Self::start_configured(&[], Some(password))
+    }
+
+    fn start_configured(addresses: &[&str], password: Option<&str>) -> Self {
         let bin = server_bin();
         let dir = tempfile::Builder::new()
             .prefix("sidelock-pgcluster-")
@@ -231,6 +244,8 @@ impl PgCluster {
             std::fs::create_dir(path).expect("create cluster subdir");
         }
         std::fs::write(&log, "").expect("create server log");
+        let pwfile = dir.path().join("pwfile");
+        std::fs::write(&pwfile, password.unwrap_or_default()).expect("write the password file");
         if as_root {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
@@ -240,7 +255,8 @@ impl PgCluster {
                     .args(["-R", "postgres:postgres"])
                     .arg(&data)
                     .arg(&sockets)
-                    .arg(&log),
+                    .arg(&log)
+                    .arg(&pwfile),
                 "chown the cluster dir to postgres",
             );
         }
@@ -251,23 +267,25 @@ impl PgCluster {
             log,
             port,
             as_root,
+            password: password.map(str::to_owned),
             dir,
         };
-        run_ok(
-            cluster
-                .command("initdb")
-                .args([
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "--no-sync",
-                    "--encoding=UTF8",
-                    "--locale=C",
-                    "-D",
-                ])
-                .arg(&cluster.data),
-            "initdb",
-        );
+        let mut initdb = cluster.command("initdb");
+        initdb.args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+            "--encoding=UTF8",
+            "--locale=C",
+        ]);
+        if password.is_some() {
+            initdb
+                .arg("--auth-host=scram-sha-256")
+                .arg("--pwfile")
+                .arg(&pwfile);
+        }
+        run_ok(initdb.arg("-D").arg(&cluster.data), "initdb");
         let listen = std::iter::once("127.0.0.1")
             .chain(addresses.iter().copied())
             .collect::<Vec<_>>()
@@ -296,9 +314,13 @@ impl PgCluster {
         self.port
     }
 
-    /// `postgres://postgres@127.0.0.1:PORT/DB`.
+    /// `postgres://postgres@127.0.0.1:PORT/DB` (`postgres:<password>@` when
+    /// the cluster requires one).
     pub fn url(&self, database: &str) -> String {
-        url(self.port, database)
+        match &self.password {
+            None => url(self.port, database),
+            Some(p) => format!("postgres://postgres:{p}@{HOST}:{}/{database}", self.port),
+        }
     }
 
     /// A client of `database` in this cluster.

@@ -38,6 +38,8 @@ pub struct RedisServer {
     dir: TempDir,
     port: u16,
     extra: Vec<String>,
+    /// `requirepass` of the server, which [`Self::url`] then carries.
+    password: Option<String>,
 }
 
 impl RedisServer {
@@ -53,6 +55,16 @@ impl RedisServer {
     /// binds it: a server that exits before it is ready is started again on
     /// new ports, up to [`START_ATTEMPTS`] times.
     pub async fn start_with(extra: &[&str]) -> Self {
+        Self::start_configured(extra, None).await
+    }
+
+    /// Starts a server that requires `password` (`requirepass`); its
+    /// [`url`](Self::url) carries the password.
+    pub async fn start_with_password(password: &str) -> Self {
+        Self::start_configured(&[], Some(password)).await
+    }
+
+    async fn start_configured(extra: &[&str], password: Option<&str>) -> Self {
         require("redis-server");
         let dir = tempfile::tempdir().expect("temp dir for redis-server");
         let mut server = Self {
@@ -60,6 +72,7 @@ impl RedisServer {
             port: 0,
             extra: Vec::new(),
             child: None,
+            password: password.map(str::to_owned),
         };
         for attempt in 1..=START_ATTEMPTS {
             server.port = free_port();
@@ -73,6 +86,11 @@ impl RedisServer {
                     }
                 })
                 .collect();
+            if let Some(password) = password {
+                server
+                    .extra
+                    .extend(["--requirepass".to_owned(), password.to_owned()]);
+            }
             match server.try_launch().await {
                 Ok(()) => return server,
                 Err(e) if attempt < START_ATTEMPTS => eprintln!("{e}\nstarting again on new ports"),
@@ -139,9 +157,16 @@ impl RedisServer {
         self.port
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>`.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://{}127.0.0.1:{}", self.userinfo(), self.port)
+    }
+
+    /// `:<password>@` for a server that requires one, else nothing.
+    fn userinfo(&self) -> String {
+        self.password
+            .as_ref()
+            .map_or(String::new(), |p| format!(":{p}@"))
     }
 
     /// A fresh connection for test commands.
@@ -369,9 +394,23 @@ impl RedisNodes {
         Self { nodes }
     }
 
-    /// `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…`.
+    /// Independent masters that all require `password`.
+    pub async fn start_with_password(count: usize, password: &str) -> Self {
+        let mut nodes = Vec::with_capacity(count);
+        for _ in 0..count {
+            nodes.push(RedisServer::start_with_password(password).await);
+        }
+        Self { nodes }
+    }
+
+    /// `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…` (with the nodes'
+    /// password as `:<password>@` when they require one).
     pub fn url(&self) -> String {
-        format!("redlock://{}", host_list(&self.nodes))
+        let userinfo = self
+            .nodes
+            .first()
+            .map_or(String::new(), RedisServer::userinfo);
+        format!("redlock://{userinfo}{}", host_list(&self.nodes))
     }
 }
 
