@@ -1,15 +1,27 @@
 use clap::Parser;
 use sidelock::config::{Cli, Command, LogFormat, Settings};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
+/// Logs what `SIDELOCK_LOG` asks for, but never a dependency's events above
+/// INFO: at debug and trace, drivers print statement parameters (lease
+/// tokens: tokio-postgres), node data, connection settings and request
+/// heads. The cap applies after the user's directives, to every target that
+/// is not sidelock's own, so no `SIDELOCK_LOG` value (a target, a span, a
+/// field filter) and no future dependency can lift it.
 fn init_tracing(format: LogFormat) {
-    let filter = EnvFilter::try_from_env("SIDELOCK_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let wanted = EnvFilter::try_from_env("SIDELOCK_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let cap = Targets::new()
+        .with_default(LevelFilter::INFO)
+        .with_target("sidelock", LevelFilter::TRACE);
+    let filter = wanted.and(cap);
+    let registry = tracing_subscriber::registry();
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => registry.with(layer.with_filter(filter)).init(),
+        LogFormat::Json => registry.with(layer.json().with_filter(filter)).init(),
     }
 }
 

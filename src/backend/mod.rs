@@ -327,38 +327,78 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
-/// A backend URL as it may be shown (`/v1/info`, logs, the dashboard): the
-/// password removed from the authority and from a `password=` parameter.
-/// Works on the text, so multi-host URLs (`redlock://u:pw@a:1,b:2`), which
-/// are not valid URLs, are covered too.
+/// Substrings of a query parameter's name (decoded, lower-cased, letters
+/// and digits only) that mark its value as a credential.
+const CREDENTIAL_WORDS: &[&str] = &[
+    "pass",
+    "pwd",
+    "secret",
+    "token",
+    "auth",
+    "credential",
+    "key",
+];
+
+/// A backend URL as it may be shown (`/v1/info`, logs, errors, the
+/// dashboard): the one function every URL goes through before it is shown.
+///
+/// Removes the password of the user info (everything up to the last `@`
+/// before the query, so a raw `/` or `@` in a password is covered too) and
+/// every query parameter whose name, once percent-decoded (repeatedly, so
+/// `pass%77ord` and `pass%2577ord` count), looks like a credential (see
+/// [`CREDENTIAL_WORDS`]). Works on the text, so multi-host URLs
+/// (`redlock://u:pw@a:1,b:2`) and strings that are no URL at all are
+/// covered too.
 pub fn redact(url: &str) -> String {
     let (base, query) = url
         .split_once('?')
         .map_or((url, None), |(b, q)| (b, Some(q)));
-    let base = match base.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, path) = rest.find('/').map_or((rest, ""), |i| rest.split_at(i));
-            match authority.rsplit_once('@') {
-                Some((userinfo, hosts)) => {
-                    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-                    let at = if user.is_empty() { "" } else { "@" };
-                    format!("{scheme}://{user}{at}{hosts}{path}")
-                }
-                None => base.to_owned(),
-            }
+    let (scheme, rest) = base.split_once("://").map_or(("", base), |(s, r)| (s, r));
+    let rest = match rest.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let at = if user.is_empty() { "" } else { "@" };
+            format!("{user}{at}{hosts}")
         }
-        None => base.to_owned(),
+        None => rest.to_owned(),
+    };
+    let base = if base.contains("://") {
+        format!("{scheme}://{rest}")
+    } else {
+        rest
     };
     let kept: Vec<&str> = query
         .into_iter()
         .flat_map(|q| q.split('&'))
-        .filter(|pair| pair.split('=').next() != Some("password"))
+        .filter(|pair| !pair.is_empty() && !is_credential(pair.split('=').next().unwrap_or("")))
         .collect();
     if kept.is_empty() {
         base
     } else {
         format!("{base}?{}", kept.join("&"))
     }
+}
+
+/// Whether a query parameter named `name` (as written) carries a credential.
+fn is_credential(name: &str) -> bool {
+    let mut name = name.to_owned();
+    // Decoding until nothing changes: a parameter encoded twice is still
+    // a credential to whoever decodes it twice.
+    for _ in 0..4 {
+        let decoded: String = url::form_urlencoded::parse(format!("{name}=").as_bytes())
+            .next()
+            .map_or_else(String::new, |(k, _)| k.into_owned());
+        if decoded == name {
+            break;
+        }
+        name = decoded;
+    }
+    let plain: String = name
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    CREDENTIAL_WORDS.iter().any(|w| plain.contains(w))
 }
 
 /// Backend settings from the configuration.
@@ -411,9 +451,13 @@ pub async fn open(
             postgres::Postgres::open(url, options, wakeups).await?,
         )),
         "zk" => Ok(Arc::new(zookeeper::ZooKeeper::open(url, options, wakeups)?)),
-        other => Err(format!(
-            "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, postgres:// or zk://"
-        )),
+        _ => {
+            let shown = redact(url);
+            let other = shown.split_once("://").map_or(shown.as_str(), |(s, _)| s);
+            Err(format!(
+                "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, postgres:// or zk://"
+            ))
+        }
     }
 }
 
@@ -447,5 +491,41 @@ mod tests {
             redact("zk://a:2181,b:2181/chroot"),
             "zk://a:2181,b:2181/chroot"
         );
+    }
+
+    #[test]
+    fn credentials_are_removed_in_every_spelling() {
+        for (url, shown) in [
+            ("postgres://db/x?pass%77ord=pw", "postgres://db/x"),
+            (
+                "postgres://db/x?PASSWORD=pw&sslmode=require",
+                "postgres://db/x?sslmode=require",
+            ),
+            (
+                "postgres://db/x?%70%61%73%73%77%6f%72%64=pw",
+                "postgres://db/x",
+            ),
+            ("postgres://db/x?pass%2577ord=pw", "postgres://db/x"),
+            ("postgres://db/x?pass+word=pw", "postgres://db/x"),
+            (
+                "postgres://db/x?sslpassword=pw&user=app",
+                "postgres://db/x?user=app",
+            ),
+            (
+                "redis://h:1/0?auth_token=pw&protocol=resp3",
+                "redis://h:1/0?protocol=resp3",
+            ),
+            ("redis://h:1/0?api%5Fkey=pw&secret=pw", "redis://h:1/0"),
+            ("redis://:pa/ss@h:1/0", "redis://h:1/0"),
+            ("redis://u:p@ss@h:1/0", "redis://u@h:1/0"),
+            ("redlock://:pw@a:1,b:2", "redlock://a:1,b:2"),
+            ("admin:pw@h:1", "admin@h:1"),
+            (
+                "zk://a:2181/x?session_timeout=5s&pwd=pw",
+                "zk://a:2181/x?session_timeout=5s",
+            ),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+        }
     }
 }

@@ -231,9 +231,9 @@ pub struct Node {
     legacy_index: String,
 }
 
-/// Converts a URL error into the operator's sentence.
+/// Converts a URL error into the operator's sentence (the URL without its password).
 fn bad_url(url: &str, e: impl std::fmt::Display) -> String {
-    format!("backend URL {url:?}: {e}")
+    format!("backend URL {:?}: {e}", super::redact(url))
 }
 
 /// `scheme://a:1,b:2/rest` → (["a:1","b:2"], "rest"), keeping user info on every host.

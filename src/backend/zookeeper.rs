@@ -426,9 +426,12 @@ impl ZooKeeper {
     /// # Errors
     /// A sentence for the operator when the URL is malformed.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let rest = url
-            .strip_prefix("zk://")
-            .ok_or_else(|| format!("ZooKeeper URL {url:?} must start with zk://"))?;
+        let rest = url.strip_prefix("zk://").ok_or_else(|| {
+            format!(
+                "ZooKeeper URL {:?} must start with zk://",
+                super::redact(url)
+            )
+        })?;
         let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         let (hosts, chroot) = match rest.find('/') {
             Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
@@ -436,7 +439,8 @@ impl ZooKeeper {
         };
         if hosts.is_empty() {
             return Err(format!(
-                "ZooKeeper URL {url:?} names no server; use zk://host:2181[,host:2181…][/chroot]"
+                "ZooKeeper URL {:?} names no server; use zk://host:2181[,host:2181…][/chroot]",
+                super::redact(url)
             ));
         }
         let mut session_timeout = SESSION_TIMEOUT;
@@ -452,7 +456,8 @@ impl ZooKeeper {
                 }
                 _ => {
                     return Err(format!(
-                        "ZooKeeper URL: unknown parameter {pair:?}; only session_timeout and rw_locks are accepted"
+                        "ZooKeeper URL: unknown parameter {:?}; only session_timeout and rw_locks are accepted",
+                        pair.split('=').next().unwrap_or_default()
                     ));
                 }
             }
