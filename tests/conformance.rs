@@ -677,6 +677,46 @@ mod reentrancy {
         assert!(stranger.fence > first.fence);
     }
 
+    /// A queued waiter must not make one release end a re-entered lease: the
+    /// owner still holds it until its count reaches 0.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_reentered_lock_stays_held_after_one_release_while_others_wait(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("reentrant-queued"));
+        let first = lock.acquire(&[("owner", "worker")]).await;
+        let second = lock.acquire(&[("owner", "worker")]).await;
+        assert_eq!(
+            (second.token.as_str(), second.count),
+            (first.token.as_str(), 2)
+        );
+        let mut waiter = queue_hold(&lock, "waiter", 1).await;
+
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: false,
+                count: 1
+            }
+        );
+        let state = lock.inspect().await;
+        assert_eq!(state.holder_owners(), ["worker"], "{state:?}");
+        assert_eq!(state.holders[0].count, 1, "{state:?}");
+        assert_eq!(state.waiter_owners(), ["waiter"], "{state:?}");
+
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: true,
+                count: 0
+            }
+        );
+        let granted = waiter.expect_acquired().await;
+        assert!(granted.fence > first.fence);
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn clients_without_an_owner_are_not_reentrant(backend: TestBackend) {

@@ -24,8 +24,10 @@ end
 
 -- The exclusive holder releasing its last hold while others hold or wait.
 -- Its lease is live (the main key expires with it), so prune() can only
--- matter for what is left after it goes.
-if IS_LOCK and main_get() == token and meta_of(token) then
+-- matter for what is left after it goes. A re-entered hold (count above 1)
+-- only counts down, below.
+local exclusive = IS_LOCK and main_get() == token and meta_of(token)
+if exclusive and exclusive.c <= 1 then
   drop_lease(token)
   clock()
   prune()
