@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The long reliability run, whose figures RELIABILITY.md reports:
 #   scripts/reliability.sh [seconds per backend for the safety checker, default 60]
-# 1. the safety checker on every backend for that long (JSON reports in
-#    target/safety-<backend>.json);
+# 1. the safety checker on every backend for that long, every lock kind
+#    (exclusive, shared, reentrant, semaphores), and finding 1's semaphore
+#    workload for as long (JSON reports in target/safety-<backend>.json);
 # 2. every fault and partition test (Redis, Sentinel, Redlock, PostgreSQL,
 #    ZooKeeper, network namespaces) and the worst-day tests;
 # 3. schemathesis with 600 examples per operation (over 5,000 requests);

@@ -61,7 +61,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use common::postgres::PgCluster;
 use common::redis::{RedisNodes, RedisServer};
 use common::zookeeper::ZkServer;
-use common::{SidecarBuilder, SidecarGuard, assert_problem, unique_name};
+use common::{SidecarBuilder, SidecarGuard, TestBackend, assert_problem, unique_name};
 use rand::RngExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -1044,4 +1044,134 @@ async fn redlock_is_safe_under_sidecar_restarts_and_an_emptied_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zookeeper_is_safe_under_sidecar_and_ensemble_member_restarts() {
     check("zookeeper").await;
+}
+
+/// Finding 1's workload, fault-free: 12 clients spread over two sidecars
+/// (one on memory) loop on one semaphore of 3 permits (wait 3 s, hold 20 ms,
+/// release) for `SIDELOCK_CHECK_SECONDS` (default 3 s). Never more than 3
+/// permit intervals at once, judged as in [`check`]; the report goes to
+/// `target/safety-semaphore-<backend>.json`.
+async fn semaphore_admits_at_most_its_limit(backend: TestBackend) {
+    const HOLDERS: usize = 12;
+    let guard = backend.start().await;
+    let sidecars = guard.sidecars(2).await;
+    let urls: Vec<String> = sidecars.iter().map(|s| s.base_url().to_owned()).collect();
+    let name = unique_name("permits");
+    let seconds = std::env::var("SIDELOCK_CHECK_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let until = Instant::now() + Duration::from_secs(seconds);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("HTTP client");
+    let intervals = Arc::new(Mutex::new(Vec::new()));
+    let clients: Vec<_> = (0..HOLDERS)
+        .map(|c| {
+            let url = format!("{}/v1/semaphores/{name}", urls[c % urls.len()]);
+            let (http, intervals) = (http.clone(), intervals.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let requested = Instant::now();
+                    let response = http
+                        .post(format!("{url}?limit={LIMIT}&wait=3s&ttl=2s"))
+                        .send()
+                        .await
+                        .expect("acquire");
+                    if response.status() != StatusCode::OK {
+                        continue;
+                    }
+                    let grant: Value = response.json().await.expect("grant");
+                    let start = Instant::now();
+                    let expires = expiry(grant["expires_at_ms"].as_u64());
+                    let token = grant["token"].as_str().expect("token").to_owned();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let end = Instant::now().min(expires);
+                    let released = http
+                        .delete(format!("{url}?token={token}"))
+                        .send()
+                        .await
+                        .expect("release");
+                    intervals.lock().await.push(Interval {
+                        target: 0,
+                        kind: Grant::Permit,
+                        token,
+                        fence: grant["fence"].as_u64().expect("fence"),
+                        requested,
+                        start,
+                        end,
+                        signaled: released.status() != StatusCode::OK,
+                        faulted: false,
+                    });
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await.expect("client task");
+    }
+    let intervals = intervals.lock().await;
+    let verdict = judge(&intervals, 1, 0, LIMIT);
+    let report = json!({
+        "backend": backend.info_kind(),
+        "sidecars": sidecars.len(),
+        "grants": intervals.len(),
+        "told_of_a_loss": intervals.iter().filter(|i| i.signaled).count(),
+        "max_concurrent_permits": verdict.max_permits,
+        "over_grants": verdict.over_grants,
+        "fence_regressions": verdict.fence_regressions[Grant::Permit.index()],
+        "fence_duplicates": verdict.fence_duplicates[Grant::Permit.index()],
+    });
+    let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    let _ = std::fs::write(
+        target.join(format!("safety-semaphore-{}.json", backend.info_kind())),
+        format!("{report:#}"),
+    );
+    eprintln!("{report}");
+    assert!(intervals.len() >= MIN_GRANTS, "too few grants: {report}");
+    assert_eq!(
+        verdict.over_grants, 0,
+        "more than {LIMIT} holders: {report}"
+    );
+    assert!(verdict.max_permits <= LIMIT, "{report}");
+    assert_eq!(
+        verdict.fence_regressions[Grant::Permit.index()],
+        0,
+        "{report}"
+    );
+    assert_eq!(
+        verdict.fence_duplicates[Grant::Permit.index()],
+        0,
+        "{report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_semaphore_of_3_never_has_4_holders() {
+    semaphore_admits_at_most_its_limit(TestBackend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_semaphore_of_3_never_has_4_holders_across_two_sidecars() {
+    semaphore_admits_at_most_its_limit(TestBackend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_semaphore_of_3_never_has_4_holders_across_two_sidecars() {
+    semaphore_admits_at_most_its_limit(TestBackend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zookeeper_semaphore_of_3_never_has_4_holders_across_two_sidecars() {
+    semaphore_admits_at_most_its_limit(TestBackend::ZooKeeper).await;
+}
+
+/// Finding 1: a majority quorum cannot bound a counting semaphore, so
+/// Redlock refuses `limit > 1` instead of over-granting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_refuses_a_semaphore_of_more_than_one_permit() {
+    let guard = TestBackend::Redlock.start().await;
+    let sidecar = guard.start_sidecar().await;
+    refuses_more_than_one_permit(sidecar.base_url(), &unique_name("permits")).await;
 }
