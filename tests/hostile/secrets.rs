@@ -8,6 +8,7 @@ use rstest::rstest;
 
 use crate::common::api::Body;
 use crate::common::postgres::PgCluster;
+use crate::common::process::ChildGuard;
 use crate::common::redis::{RedisNodes, RedisServer};
 use crate::common::sidecar::SIDELOCK_BIN;
 use crate::common::zookeeper::ZkServer;
@@ -15,6 +16,8 @@ use crate::common::*;
 
 /// The backends' password: long and unusual, so any occurrence is a leak.
 const PASSWORD: &str = "Backend-Passw0rd-7f3a9c1e5d";
+/// A password the backends do not accept.
+const WRONG_PASSWORD: &str = "Wrong-Backend-Passw0rd-2e6b8d4f";
 /// A wrong API token a client tried: it may be someone's real secret.
 const WRONG_TOKEN: &str = "wrong-token-4b8e2f6a0c1d3e5f";
 
@@ -83,17 +86,22 @@ async fn read_until(mut response: reqwest::Response, marker: &str, count: usize)
 /// a backend password, at `SIDELOCK_LOG=trace`: none of those secrets, and
 /// no lease token, appears in anything the sidecar shows or logs.
 #[rstest]
-#[case::memory(On::Memory)]
-#[case::redis(On::Redis)]
-#[case::redlock(On::Redlock)]
-#[case::postgres(On::Postgres)]
-#[case::zookeeper(On::ZooKeeper)]
+#[case::memory(On::Memory, "text")]
+#[case::redis(On::Redis, "text")]
+#[case::redlock(On::Redlock, "text")]
+#[case::postgres(On::Postgres, "text")]
+#[case::postgres_json_log(On::Postgres, "json")]
+#[case::zookeeper(On::ZooKeeper, "text")]
 #[tokio::test]
-async fn no_secret_reaches_the_log_info_metrics_events_or_dashboard(#[case] on: On) {
+async fn no_secret_reaches_the_log_info_metrics_events_or_dashboard(
+    #[case] on: On,
+    #[case] log_format: &str,
+) {
     let (_server, url) = start(on).await;
     let schema = postgres::unique_ident("secrets");
     let mut sidecar = SidecarBuilder::new(&url)
         .env("SIDELOCK_LOG", "trace")
+        .env("SIDELOCK_LOG_FORMAT", log_format)
         .env("SIDELOCK_PG_SCHEMA", &schema)
         .api_token(API_TOKEN)
         .admin_token(ADMIN_TOKEN)
@@ -284,4 +292,66 @@ async fn a_bad_backend_url_is_refused_without_its_password(#[case] url: &str) {
         !output.contains(PASSWORD) && !output.contains("Passw0rd"),
         "{url}: the error shows the password:\n{output}"
     );
+}
+
+/// A wrong backend password: whether the sidecar stops at start-up or
+/// serves and answers 503, neither its log (at trace), its start-up error
+/// nor `/readyz` shows the password.
+#[rstest]
+#[case::redis(On::Redis)]
+#[case::redlock(On::Redlock)]
+#[case::postgres(On::Postgres)]
+#[tokio::test]
+async fn a_wrong_backend_password_is_not_shown(#[case] on: On) {
+    let (_server, url) = start(on).await;
+    let url = url.replace(PASSWORD, WRONG_PASSWORD);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = free_port();
+    let mut cmd = std::process::Command::new(SIDELOCK_BIN);
+    crate::common::sidecar::remove_inherited_sidelock_env(&mut cmd);
+    cmd.args([
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--backend",
+        &url,
+    ])
+    .env("SIDELOCK_LOG", "trace")
+    .env("SIDELOCK_PG_SCHEMA", postgres::unique_ident("secrets"))
+    .env("NO_COLOR", "1");
+    let log_path = dir.path().join("sidelock.log");
+    let mut child = ChildGuard::spawn(cmd, "sidecar", &log_path, false);
+    let api = Api::new(&format!("http://127.0.0.1:{port}"));
+    // It refuses to start, or it serves and is not ready.
+    let outcome = eventually(
+        "the sidecar exits or answers /readyz",
+        START_TIMEOUT,
+        async || {
+            if let Some(status) = child.try_status() {
+                return Some(format!("exited ({status})"));
+            }
+            let response = reqwest::get(api.url(&["readyz"], &[])).await.ok()?;
+            let status = response.status();
+            Some(format!(
+                "/readyz {status}: {}",
+                response.text().await.unwrap_or_default()
+            ))
+        },
+    )
+    .await;
+    if outcome.starts_with("/readyz") {
+        assert!(outcome.starts_with("/readyz 503"), "{outcome}");
+        // A request that needs the backend, so its error is logged too.
+        let refused = api.lock("x").acquire_raw(&[]).await;
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        child.signal(nix::sys::signal::Signal::SIGTERM);
+        child.wait_exit(EXIT_TIMEOUT).await;
+    }
+    let log = child.log();
+    for shown in [&outcome, &log] {
+        assert!(
+            !shown.contains(WRONG_PASSWORD) && !shown.contains(PASSWORD),
+            "{on:?}: the password is shown:\n{shown}"
+        );
+    }
 }
