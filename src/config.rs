@@ -28,6 +28,9 @@ pub fn format_duration(d: Duration) -> String {
     }
 }
 
+/// The longest `--dashboard-session-ttl`.
+const MAX_DASHBOARD_SESSION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// Parses `250ms`, `30s`, `5m`, `1h`, `1m30s`; a bare integer is milliseconds.
 ///
 /// # Errors
@@ -181,6 +184,10 @@ pub struct ServeArgs {
     /// Bearer token of the admin API (force-release); without it the admin API answers 403.
     #[arg(long, env = "SIDELOCK_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// How long a dashboard sign-in lasts, at most 30 days [default: 12h].
+    #[arg(long, env = "SIDELOCK_DASHBOARD_SESSION_TTL", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub dashboard_session_ttl: Option<Duration>,
 }
 
 /// Fills every unset setting of `$hi` from `$lo`.
@@ -195,7 +202,8 @@ impl ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace,
             header_read_timeout, idle_timeout, body_read_timeout, max_connections, log_format,
-            redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token)
+            redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token,
+            dashboard_session_ttl)
     }
 }
 
@@ -242,6 +250,8 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub api_token: Option<String>,
     pub admin_token: Option<String>,
+    /// How long a dashboard sign-in lasts (`--dashboard-session-ttl`).
+    pub dashboard_session_ttl: Duration,
     pub backend_options: crate::backend::Options,
 }
 
@@ -316,6 +326,17 @@ impl Settings {
         if connections.max_connections == 0 {
             return Err("max_connections must be at least 1".into());
         }
+        let dashboard_session_ttl = a
+            .dashboard_session_ttl
+            .unwrap_or(Duration::from_secs(12 * 3600));
+        if dashboard_session_ttl < Duration::from_secs(1)
+            || dashboard_session_ttl > MAX_DASHBOARD_SESSION_TTL
+        {
+            return Err(format!(
+                "dashboard_session_ttl ({}) must be at least 1s and at most 30 days",
+                format_duration(dashboard_session_ttl)
+            ));
+        }
         let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
             // Shown next to every holder, like an owner: the same rule.
             Some(id) => {
@@ -337,6 +358,7 @@ impl Settings {
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),
             admin_token: a.admin_token.filter(|t| !t.is_empty()),
+            dashboard_session_ttl,
             backend_options: crate::backend::Options {
                 redis_prefix: a.redis_prefix.unwrap_or_else(|| "sidelock:".into()),
                 legacy_pattern: a.legacy_pattern.filter(|p| !p.is_empty()),
@@ -482,5 +504,31 @@ mod tests {
         let merged = flags.under(file);
         assert_eq!(merged.max_ttl, Some(Duration::from_secs(3)));
         assert_eq!(merged.max_wait, Some(Duration::from_secs(9)));
+    }
+}
+
+#[cfg(test)]
+mod dashboard_session_ttl {
+    use super::*;
+
+    #[test]
+    fn is_read_from_the_file_defaulted_and_bounded() {
+        let file: ServeArgs = toml::from_str("dashboard_session_ttl = \"15m\"").unwrap();
+        assert_eq!(file.dashboard_session_ttl, Some(Duration::from_secs(900)));
+        let resolved = Settings::resolve(file).unwrap();
+        assert_eq!(resolved.dashboard_session_ttl, Duration::from_secs(900));
+        let default = Settings::resolve(ServeArgs::default()).unwrap();
+        assert_eq!(
+            default.dashboard_session_ttl,
+            Duration::from_secs(12 * 3600)
+        );
+        for bad in [Duration::ZERO, Duration::from_secs(31 * 24 * 3600)] {
+            let args = ServeArgs {
+                dashboard_session_ttl: Some(bad),
+                ..ServeArgs::default()
+            };
+            let err = Settings::resolve(args).unwrap_err();
+            assert!(err.contains("at most 30 days"), "{err}");
+        }
     }
 }

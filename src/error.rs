@@ -64,6 +64,10 @@ pub enum Error {
         "the request body did not arrive within the body-read timeout of {timeout_ms} ms; send the whole body at once"
     )]
     BodyTimedOut { timeout_ms: u64 },
+    #[error(
+        "more than {burst} dashboard sign-ins failed recently: sign-in is allowed again at one attempt per second (see Retry-After)"
+    )]
+    TooManySignIns { burst: u32 },
     #[error("the lock backend is unavailable")]
     Unavailable(#[source] backend::Error),
     #[error("the sidecar is shutting down")]
@@ -121,6 +125,7 @@ impl Error {
             Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
             Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
+            Error::TooManySignIns { .. } => (S::TOO_MANY_REQUESTS, "too-many-sign-ins"),
             Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
         }

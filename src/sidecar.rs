@@ -52,7 +52,11 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         core: core.clone(),
         settings: settings.clone(),
         started_at_ms: now_ms(),
-        dashboard: Dashboard::new(&core.metrics, &settings.sidecar_id),
+        dashboard: Dashboard::new(
+            &core.metrics,
+            &settings.sidecar_id,
+            settings.dashboard_session_ttl,
+        ),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await

@@ -12,9 +12,12 @@
 //! API (or admin) token: `POST /dashboard/sign-in` sets an HttpOnly,
 //! SameSite=Strict session cookie that authorises the page and its live
 //! fragment only (never `/v1`), and the script keeps the token in
-//! `sessionStorage` for `/v1/events` and the admin call.
+//! `sessionStorage` for `/v1/events` and the admin call. Every sign-in gets
+//! a session of its own, ended by sign-out or its expiry; wrong tokens are
+//! throttled (see [`session`]).
 
 mod assets;
+pub mod session;
 pub mod stats;
 pub mod view;
 
@@ -36,7 +39,6 @@ use crate::core::Core;
 use crate::error::Error;
 use crate::http::App;
 use crate::http::auth::{bearer, same};
-use crate::lock::Token;
 use crate::metrics::Metrics;
 pub use stats::Stats;
 use view::{PageQuery, View};
@@ -55,8 +57,10 @@ type StaleScan = (Instant, Result<Vec<StaleKey>, String>);
 pub struct Dashboard {
     /// History for the charts and `/v1/stats`.
     pub stats: Arc<Stats>,
-    /// Value of the session cookie (random per process; never the API token).
-    session: String,
+    /// The signed-in browsers' sessions (random per sign-in; never a token).
+    sessions: session::Sessions,
+    /// The throttle on wrong sign-in tokens.
+    throttle: session::Throttle,
     /// Name of the session cookie (per sidecar, so port-forwards of several
     /// sidecars to one host do not overwrite each other's sessions).
     cookie: String,
@@ -64,10 +68,11 @@ pub struct Dashboard {
 }
 
 impl Dashboard {
-    pub fn new(metrics: &Metrics, sidecar: &str) -> Self {
+    pub fn new(metrics: &Metrics, sidecar: &str, session_ttl: Duration) -> Self {
         Dashboard {
             stats: Arc::new(Stats::new(metrics)),
-            session: Token::generate().expose().to_owned(),
+            sessions: session::Sessions::new(session_ttl),
+            throttle: session::Throttle::default(),
             cookie: format!("sidelock_session_{}", assets::short_hash(sidecar)),
             stale: Mutex::new(None),
         }
@@ -107,19 +112,26 @@ impl Dashboard {
         {
             return true;
         }
+        self.presented(headers)
+            .any(|value| self.sessions.valid(value))
+    }
+
+    /// The values of this sidecar's session cookie in `headers`.
+    fn presented<'h>(&self, headers: &'h HeaderMap) -> impl Iterator<Item = &'h str> {
+        let cookie = self.cookie.clone();
         headers
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(';'))
             .filter_map(|pair| pair.trim().split_once('='))
-            .any(|(name, value)| name == self.cookie && same(value, &self.session))
+            .filter(move |(name, _)| *name == cookie)
+            .map(|(_, value)| value)
     }
 
-    fn set_cookie(&self, value: &str, max_age: Option<u32>) -> HeaderValue {
-        let age = max_age.map_or(String::new(), |s| format!("; Max-Age={s}"));
+    fn set_cookie(&self, value: &str, max_age: u64) -> HeaderValue {
         HeaderValue::from_str(&format!(
-            "{}={value}; Path=/; HttpOnly; SameSite=Strict{age}",
+            "{}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}",
             self.cookie
         ))
         .unwrap_or(HeaderValue::from_static(""))
@@ -258,22 +270,37 @@ async fn sign_in(
     let Some(api) = &s.api_token else {
         return see_other("/");
     };
+    let dashboard = &app.dashboard;
+    if !dashboard.throttle.attempt(peer) {
+        return Error::TooManySignIns {
+            burst: session::BURST,
+        }
+        .into_response();
+    }
     let token = form.token.trim();
     let valid = same(token, api) || s.admin_token.as_deref().is_some_and(|a| same(token, a));
     if !valid {
-        tracing::warn!(%peer, "dashboard sign-in with a wrong token");
+        dashboard.throttle.failed(peer);
         return sign_in_page(&app, Some("That is not this sidecar's API token."));
     }
+    dashboard.throttle.succeeded();
     let mut response = see_other("/");
-    let cookie = app.dashboard.set_cookie(&app.dashboard.session, None);
+    let cookie = dashboard.set_cookie(
+        &dashboard.sessions.start(),
+        dashboard.sessions.ttl().as_secs(),
+    );
     response.headers_mut().insert(header::SET_COOKIE, cookie);
     response
 }
 
-/// `POST /dashboard/sign-out`: ends the browser session.
-async fn sign_out(State(app): State<Arc<App>>) -> Response {
+/// `POST /dashboard/sign-out`: ends the browser's session, on the server
+/// too, so a copy of the cookie opens nothing any more.
+async fn sign_out(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    for value in app.dashboard.presented(&headers) {
+        app.dashboard.sessions.end(value);
+    }
     let mut response = see_other("/");
-    let cookie = app.dashboard.set_cookie("", Some(0));
+    let cookie = app.dashboard.set_cookie("", 0);
     response.headers_mut().insert(header::SET_COOKIE, cookie);
     response
 }
