@@ -172,7 +172,8 @@ pub struct Summary {
 pub struct StaleKey {
     /// The backend's own key or path.
     pub key: String,
-    /// `held-too-long`, `no-expiry`, `expired-not-cleaned`, `orphaned-waiter`, `empty-parent`.
+    /// `held-too-long`, `no-expiry`, `expired-not-cleaned`, `orphaned-waiter`,
+    /// `empty-parent`, `wrong-type` (a key holding data sidelock did not write there).
     pub reason: &'static str,
     pub age_ms: u64,
     pub detail: String,

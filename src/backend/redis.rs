@@ -654,6 +654,12 @@ impl Node {
     pub async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
         let inv = self.invocation(&self.scripts.inspect, key);
         let reply: Vec<Value> = self.run("inspect", inv).await?;
+        if reply.len() > 5 {
+            return Err(Error::KeyConflict {
+                key: text(&reply, 5),
+                found: text(&reply, 6),
+            });
+        }
         let clock = self.clock(&reply, 0);
         let limit = int(&reply, 2);
         Ok(State {
@@ -800,7 +806,11 @@ impl Node {
                 if !key.name.as_str().starts_with(prefix) {
                     continue;
                 }
-                let state = self.inspect(&key).await?;
+                let state = match self.inspect(&key).await {
+                    // Unreadable until an operator removes the key; `/v1/stale` names it.
+                    Err(Error::KeyConflict { .. }) => continue,
+                    other => other?,
+                };
                 if state.holders.is_empty() && state.waiters.is_empty() {
                     self.unindex(member).await;
                     continue;
@@ -1087,6 +1097,7 @@ fn reason_of(s: &str) -> &'static str {
         "held-too-long" => "held-too-long",
         "expired-not-cleaned" => "expired-not-cleaned",
         "orphaned-waiter" => "orphaned-waiter",
+        "wrong-type" => "wrong-type",
         _ => "no-expiry",
     }
 }

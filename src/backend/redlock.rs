@@ -206,6 +206,15 @@ impl Redlock {
         if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum {
             return Ok(());
         }
+        if let Some((key, found)) = answers.iter().find_map(|a| match a {
+            Err(Error::KeyConflict { key, found }) => Some((key, found)),
+            _ => None,
+        }) {
+            return Err(Error::KeyConflict {
+                key: key.clone(),
+                found: found.clone(),
+            });
+        }
         Err(answers
             .iter()
             .find_map(|a| match a {

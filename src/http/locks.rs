@@ -670,9 +670,9 @@ macro_rules! kind_routes {
             request_body(content = $params, content_type = "application/json", description = "Parameters may also be given in the query string or as a form body"),
             responses(
                 (status = 200, body = Acquired, description = "Granted"),
-                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
+                (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter, or unsupported: a claim the backend cannot keep (Redlock: a semaphore limit above 1)"),
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
-                (status = 409, body = Problem, content_type = "application/problem+json", description = "lock-busy: not granted within wait"),
+                (status = 409, body = Problem, content_type = "application/problem+json", description = "lock-busy: not granted within wait; key-conflict: a backend key of this lock holds data sidelock did not write"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
                 (status = 429, body = Problem, content_type = "application/problem+json", description = "Too many waiters"),

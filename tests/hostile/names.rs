@@ -433,6 +433,50 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
     }
 }
 
+/// A side key of a lock in use broken by hand does not take the listing or
+/// the stale report down: the listing leaves that lock out, `/v1/stale`
+/// names the key (`wrong-type`), the lock itself answers 409 `key-conflict`,
+/// and once the key is removed the lease is there as before.
+#[tokio::test]
+async fn a_corrupted_key_of_a_lock_in_use_leaves_the_listing_working() {
+    let redis = RedisServer::start().await;
+    let a = SidecarBuilder::new(&redis.url()).start().await;
+    let b = SidecarBuilder::new(&redis.url()).start().await;
+    let lock = a.api().lock("in-use");
+    let grant = lock.acquire(&[("owner", "holder")]).await;
+    let other = a.api().lock("other").acquire(&[("owner", "other")]).await;
+    let broken = "{sidelock:in-use}:queue";
+    let _: String = redis.cmd(&["SET", broken, "1"]).await;
+
+    for sidecar in [&a, &b] {
+        assert_eq!(
+            listed(sidecar).await,
+            [("lock".to_owned(), "other".to_owned())]
+        );
+        let stale = sidecar.api().stale().await;
+        assert!(
+            stale
+                .iter()
+                .any(|s| s.reason == "wrong-type" && s.key == broken),
+            "{stale:?}"
+        );
+        let inspect = sidecar.api().get(&["v1", "locks", "in-use"], &[]).await;
+        assert_problem(inspect, StatusCode::CONFLICT, "key-conflict").await;
+        let claim = sidecar.api().lock("in-use").acquire_raw(&[]).await;
+        assert_problem(claim, StatusCode::CONFLICT, "key-conflict").await;
+    }
+    everything_else_works(&a, &b).await;
+
+    let _: i64 = redis.cmd(&["DEL", broken]).await;
+    assert_eq!(
+        b.api().lock("in-use").inspect().await.holder_owners(),
+        ["holder"]
+    );
+    lock.release(&grant.token).await;
+    a.api().lock("other").release(&other.token).await;
+    assert!(listed(&b).await.is_empty());
+}
+
 /// The index an older version kept at `sidelock:index` is taken over by the
 /// listing, after which the lock named `index` is an ordinary lock.
 #[tokio::test]

@@ -1,6 +1,10 @@
 -- ARGV: 1 kind, 2 channel, 3 index member.
--- Returns {now, fence, limit, holders_json, waiters_json}.
+-- Returns {now, fence, limit, holders_json, waiters_json}, or
+-- {now, 0, 0, "[]", "[]", key, found} when a key holds something sidelock did
+-- not write there (see misfit()).
 clock()
+local bad, found = misfit()
+if bad then return {NOW, 0, 0, "[]", "[]", bad, found} end
 prune()
 local waiters = {}
 for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do

@@ -1,6 +1,11 @@
 -- ARGV: 1 kind, 2 channel, 3 index member, 4 stale_after ms.
 -- Read-only. Returns {key, reason, age ms, detail} entries.
 clock()
+local bad, found = misfit()
+if bad then
+  return {{bad, "wrong-type", 0, "key " .. bad .. " of " .. ARGV[3] .. " holds a " .. found ..
+    ", which sidelock did not write there; the lock cannot be used until it is removed"}}
+end
 local after = tonumber(ARGV[4])
 local out = {}
 local all = redis.call("HGETALL", HOLDERS)
