@@ -7,6 +7,22 @@
 //! lock and as a semaphore on every backend, through two sidecars where the
 //! backend shares state, and check that the name works like any other and
 //! that nothing else broke. See also the crate doc (`main.rs`).
+//!
+//! What each backend keeps for itself, and why no name reaches it:
+//!
+//! * Redis (single, Sentinel, Cluster) and each Redlock node: the index
+//!   `<prefix>/index`, side keys `{<base>}:<suffix>` (holders, expiry, fence,
+//!   queue, waiters, heartbeat, delay, limit, seq), channels
+//!   `<prefix>wake:<kind>/<name>`; names have no `/`, `{`, `}`, and
+//!   semaphores (`<prefix>semaphores/<name>`) and elections
+//!   (`<prefix>elections/<name>`) have their own prefix. Keys matched by
+//!   `--legacy-pattern` are only read.
+//! * ZooKeeper: `<root>/{locks,semaphores,elections}/<name>`, with claim
+//!   nodes and `_sidelock_delay` one level below a name; `.` and `..` are
+//!   stored as `%2e` and `%2e%2e`.
+//! * PostgreSQL: tables, functions and the NOTIFY channel of the schema;
+//!   names are row data passed as parameters.
+//! * Memory: a map keyed by kind and name.
 
 use reqwest::StatusCode;
 use rstest::rstest;
