@@ -137,6 +137,12 @@ pub struct ServeArgs {
     /// Waiters per lock in this sidecar before acquires get 429 [default: 10000].
     #[arg(long, env = "SIDELOCK_MAX_WAITERS")]
     pub max_waiters: Option<usize>,
+    /// Requests waiting in this sidecar, over all locks, before further waits get 429 [default: 50000].
+    #[arg(long, env = "SIDELOCK_MAX_TOTAL_WAITERS")]
+    pub max_total_waiters: Option<usize>,
+    /// Leases held through this sidecar before further acquires get 429 [default: 100000].
+    #[arg(long, env = "SIDELOCK_MAX_HELD")]
+    pub max_held: Option<usize>,
     /// Label metrics with lock names (bounded to 500 names) [default: false].
     #[arg(long, env = "SIDELOCK_METRICS_LOCK_LABELS", num_args = 0..=1, default_missing_value = "true")]
     pub metrics_lock_labels: Option<bool>,
@@ -200,7 +206,7 @@ macro_rules! layer {
 impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
-            lock_delay, stale_after, max_waiters, metrics_lock_labels, shutdown_grace,
+            lock_delay, stale_after, max_waiters, max_total_waiters, max_held, metrics_lock_labels, shutdown_grace,
             header_read_timeout, idle_timeout, body_read_timeout, max_connections, log_format,
             redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token,
             dashboard_session_ttl)
@@ -277,6 +283,8 @@ impl Settings {
             lock_delay: a.lock_delay.unwrap_or(d.lock_delay),
             stale_after: a.stale_after.unwrap_or(d.stale_after),
             max_waiters: a.max_waiters.unwrap_or(d.max_waiters),
+            max_total_waiters: a.max_total_waiters.unwrap_or(d.max_total_waiters),
+            max_held: a.max_held.unwrap_or(d.max_held),
         };
         for (setting, value) in [
             ("default_ttl", a.default_ttl),
@@ -305,8 +313,14 @@ impl Settings {
                 humantime::format_duration(limits.max_ttl)
             ));
         }
-        if limits.max_waiters == 0 {
-            return Err("max_waiters must be at least 1".into());
+        for (setting, value) in [
+            ("max_waiters", limits.max_waiters),
+            ("max_total_waiters", limits.max_total_waiters),
+            ("max_held", limits.max_held),
+        ] {
+            if value == 0 {
+                return Err(format!("{setting} must be at least 1"));
+            }
         }
         let connections = crate::http::server::ConnectionLimits {
             header_read: a.header_read_timeout.unwrap_or(Duration::from_secs(10)),

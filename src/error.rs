@@ -68,6 +68,14 @@ pub enum Error {
         "more than {burst} dashboard sign-ins failed recently: sign-in is allowed again at one attempt per second (see Retry-After)"
     )]
     TooManySignIns { burst: u32 },
+    /// A per-sidecar cap is reached; `cap` is its setting's name.
+    #[error("this sidecar already has {limit} {what} (--{flag}); retry later, or raise --{flag}")]
+    SidecarFull {
+        cap: &'static str,
+        flag: &'static str,
+        what: &'static str,
+        limit: usize,
+    },
     #[error("the lock backend is unavailable")]
     Unavailable(#[source] backend::Error),
     #[error("the sidecar is shutting down")]
@@ -97,7 +105,7 @@ pub struct Problem {
     pub title: String,
     pub status: u16,
     pub detail: String,
-    /// Extension members: `holders`, `queue_length`, `parameter`, `max_ms`, `limit`.
+    /// Extension members: `holders`, `queue_length`, `parameter`, `max_ms`, `limit`, `cap`.
     #[serde(flatten)]
     #[schema(value_type = Object)]
     pub extensions: Map<String, Value>,
@@ -126,6 +134,7 @@ impl Error {
             Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::TooManySignIns { .. } => (S::TOO_MANY_REQUESTS, "too-many-sign-ins"),
+            Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
             Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
         }
@@ -146,6 +155,10 @@ impl Error {
             }
             Error::LimitMismatch { active } => {
                 extensions.insert("limit".into(), json!(active));
+            }
+            Error::SidecarFull { cap, limit, .. } => {
+                extensions.insert("cap".into(), json!(cap));
+                extensions.insert("limit".into(), json!(limit));
             }
             Error::Busy { busy, waited_ms } => {
                 extensions.insert("holders".into(), json!(busy.holders));

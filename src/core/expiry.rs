@@ -183,6 +183,7 @@ mod tests {
             lock_delay: Duration::ZERO,
             stale_after: Duration::from_secs(3600),
             max_waiters: 100,
+            ..Limits::default()
         };
         Core::new(
             Arc::new(Memory::new(wakeups.clone())),

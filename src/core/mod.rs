@@ -12,7 +12,7 @@ mod queue;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,12 @@ pub struct Limits {
     pub stale_after: Duration,
     /// Local waiters per key before acquires are refused with 429.
     pub max_waiters: usize,
+    /// Waiting requests (acquires and holds) of this sidecar, over all
+    /// keys, before further waits are refused with 429.
+    pub max_total_waiters: usize,
+    /// Leases held through this sidecar before further acquires are
+    /// refused with 429.
+    pub max_held: usize,
 }
 
 impl Default for Limits {
@@ -53,6 +59,8 @@ impl Default for Limits {
             lock_delay: Duration::ZERO,
             stale_after: Duration::from_secs(3600),
             max_waiters: 10_000,
+            max_total_waiters: 50_000,
+            max_held: 100_000,
         }
     }
 }
@@ -254,6 +262,40 @@ pub struct Core {
     pub tasks: TaskTracker,
     /// The expiry timer of leases without a hold.
     expiries: expiry::Expiries,
+    /// Waits under way or about to start (acquires and holds with a
+    /// `wait`), against `max_total_waiters`.
+    waiting_slots: AtomicUsize,
+    /// Leases in `leases` plus attempts under way that may add one, against
+    /// `max_held`.
+    held_slots: AtomicUsize,
+}
+
+/// One place under a per-sidecar cap, given back when dropped unless kept.
+struct Slot<'a>(Option<&'a AtomicUsize>);
+
+impl<'a> Slot<'a> {
+    /// A place in `count` if it is below `limit`.
+    fn take(count: &'a AtomicUsize, limit: usize) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(Some(count)))
+    }
+
+    /// Keeps the place taken (a new lease's, given back when it ends).
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let Some(count) = self.0 {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// Clears a lease's `renewing` mark when a renewal is dropped unfinished (its
@@ -307,6 +349,8 @@ impl Core {
             shutdown,
             tasks: TaskTracker::new(),
             expiries: expiry::Expiries::default(),
+            waiting_slots: AtomicUsize::new(0),
+            held_slots: AtomicUsize::new(0),
         })
     }
 
@@ -387,6 +431,48 @@ impl Core {
         self.wakeups.total()
     }
 
+    fn full_of_leases(&self) -> Error {
+        Error::SidecarFull {
+            cap: "max_held",
+            flag: "max-held",
+            what: "leases held",
+            limit: self.limits.max_held,
+        }
+    }
+
+    fn full_of_waiters(&self) -> Error {
+        Error::SidecarFull {
+            cap: "max_total_waiters",
+            flag: "max-total-waiters",
+            what: "requests waiting",
+            limit: self.limits.max_total_waiters,
+        }
+    }
+
+    /// Checks that a new acquire (one that may wait if `waits`) would find
+    /// room under this sidecar's caps now, so that a hold can answer 429
+    /// before its stream starts. The acquire itself takes the place.
+    ///
+    /// # Errors
+    /// [`Error::SidecarFull`] naming the cap reached.
+    pub fn check_room(&self, waits: bool) -> Result<(), Error> {
+        if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
+            return Err(self.full_of_waiters());
+        }
+        if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
+            return Err(self.full_of_leases());
+        }
+        Ok(())
+    }
+
+    /// A place for one more lease under `max_held`, for an attempt.
+    fn held_slot(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+        Slot::take(&self.held_slots, self.limits.max_held).ok_or_else(|| {
+            self.metrics.acquired(key, "rejected");
+            self.full_of_leases()
+        })
+    }
+
     /// Acquires `claim`, waiting up to `wait` in FIFO order. A new lease
     /// is filed with the shared expiry timer.
     ///
@@ -427,7 +513,21 @@ impl Core {
                 limit: self.limits.max_waiters,
             });
         }
+        // Taken before the first attempt, so the cap holds however many
+        // acquires race; given back when this returns or is dropped.
+        let _waiting_slot = match queueing {
+            true => Some(
+                Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(
+                    || {
+                        self.metrics.acquired(key, "rejected");
+                        self.full_of_waiters()
+                    },
+                )?,
+            ),
+            false => None,
+        };
         let turn = if queueing { Turn::Join } else { Turn::Once };
+        let slot = self.held_slot(key)?;
         let busy = match self.attempt(claim, turn).await? {
             Attempt::Granted(g) => {
                 return Ok(Outcome::Granted(self.granted(
@@ -435,9 +535,13 @@ impl Core {
                     g,
                     started,
                     progress.is_some(),
+                    slot,
                 )));
             }
-            Attempt::Busy(busy) => busy,
+            Attempt::Busy(busy) => {
+                drop(slot);
+                busy
+            }
         };
         let Some(ticket) = busy.ticket.clone().filter(|_| queueing) else {
             self.metrics.acquired(key, "busy");
@@ -482,6 +586,14 @@ impl Core {
                 break Outcome::Cancelled;
             }
             if place.is_head() {
+                let slot = match self.held_slot(key) {
+                    Ok(slot) => slot,
+                    Err(e) => {
+                        drop(place);
+                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        return Err(e);
+                    }
+                };
                 match self.attempt(claim, Turn::Queued(&ticket)).await {
                     Ok(Attempt::Granted(g)) => {
                         let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
@@ -492,6 +604,7 @@ impl Core {
                             g,
                             started,
                             progress.is_some(),
+                            slot,
                         )));
                     }
                     Ok(Attempt::Busy(b)) => {
@@ -597,8 +710,16 @@ impl Core {
     /// Records a grant of `claim`: the local lease (new, or re-entered),
     /// metrics and the `acquired` event. A new lease's expiry timer goes to
     /// the shared timer ([`Core::supervise_elsewhere`]) unless `inline` (a
-    /// hold, which runs it itself).
-    fn granted(&self, claim: &Claim, g: Grant, started: Instant, inline: bool) -> Granted {
+    /// hold, which runs it itself). A new lease keeps `slot`, its place
+    /// under `max_held`.
+    fn granted(
+        &self,
+        claim: &Claim,
+        g: Grant,
+        started: Instant,
+        inline: bool,
+        slot: Slot<'_>,
+    ) -> Granted {
         let mut supervise_here = false;
         let waited = started.elapsed();
         // A reentrant grant of a token given up earlier holds again.
@@ -628,6 +749,7 @@ impl Core {
                         filing: expiry::Filing::default(),
                     });
                     leases.insert(g.token.clone(), local.clone());
+                    slot.keep();
                     self.metrics
                         .held
                         .with_label_values(&[kind_label(claim.key.kind)])
@@ -664,7 +786,9 @@ impl Core {
         }
         local.ended.cancel();
         self.expiries.remove(local);
-        self.lock_leases().remove(&local.token);
+        if self.lock_leases().remove(&local.token).is_some() {
+            self.held_slots.fetch_sub(1, Ordering::AcqRel);
+        }
         let m = &self.metrics;
         m.held
             .with_label_values(&[kind_label(local.key.kind)])

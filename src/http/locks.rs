@@ -573,6 +573,7 @@ fn hold(app: Arc<App>, key: LockKey, ask: Ask) -> Result<axum::response::Respons
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
+    app.core.check_room(!wait.is_zero())?;
     let events = Arc::new(HoldEvents::default());
     let core = app.core.clone();
     let reported = events.clone();
@@ -675,7 +676,7 @@ macro_rules! kind_routes {
                 (status = 409, body = Problem, content_type = "application/problem+json", description = "lock-busy: not granted within wait; key-conflict: a backend key of this lock holds data sidelock did not write"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
-                (status = 429, body = Problem, content_type = "application/problem+json", description = "Too many waiters"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-waiters (this lock) or sidecar-full (--max-total-waiters, --max-held)"),
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Acquire: try once, or wait in the FIFO queue up to `wait`.
@@ -735,6 +736,7 @@ macro_rules! kind_routes {
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "sidecar-full (--max-total-waiters, --max-held)"),
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Hold: acquire and keep the lease while the stream is open (watchdog renewal).

@@ -28,6 +28,8 @@ pub struct InfoLimits {
     pub max_ttl_ms: u64,
     pub max_wait_ms: u64,
     pub max_waiters: usize,
+    pub max_total_waiters: usize,
+    pub max_held: usize,
     pub lock_delay_ms: u64,
     pub stale_after_ms: u64,
 }
@@ -88,6 +90,8 @@ pub(crate) fn info_of(app: &App) -> Info {
             max_ttl_ms: ms(l.max_ttl),
             max_wait_ms: ms(l.max_wait),
             max_waiters: l.max_waiters,
+            max_total_waiters: l.max_total_waiters,
+            max_held: l.max_held,
             lock_delay_ms: ms(l.lock_delay),
             stale_after_ms: ms(l.stale_after),
         },

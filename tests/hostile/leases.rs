@@ -573,3 +573,332 @@ async fn force_release_reasons_are_bounded_and_plain() {
         "the accepted reason is logged"
     );
 }
+
+/// Asserts a 429 `sidecar-full` with `Retry-After`, naming `cap` and `limit`.
+async fn assert_full(response: reqwest::Response, cap: &str, limit: u64) {
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .map(|v| v.to_str().unwrap_or_default().to_owned());
+    let problem = assert_problem(response, StatusCode::TOO_MANY_REQUESTS, "sidecar-full").await;
+    assert!(
+        retry_after.is_some_and(|s| s.parse::<u64>().is_ok_and(|n| n >= 1)),
+        "429 without Retry-After: {problem}"
+    );
+    assert_eq!(problem["cap"], cap, "{problem}");
+    assert_eq!(problem["limit"], limit, "{problem}");
+    let flag = format!("--{}", cap.replace('_', "-"));
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(&flag), "the detail names {flag}: {problem}");
+}
+
+/// The `n`-th distinct resource of `kind` for the cap tests.
+fn nth(api: &Api, kind: Kind, prefix: &str, n: usize) -> Resource {
+    let name = format!("{prefix}-{n}");
+    match kind {
+        Kind::Lock => api.lock(&name),
+        Kind::Semaphore => api.semaphore(&name),
+    }
+}
+
+/// Acquire parameters of a cap test: semaphores take one permit.
+fn cap_params<'a>(kind: Kind, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut params = extra.to_vec();
+    if kind == Kind::Semaphore {
+        params.push(("limit", "1"));
+    }
+    params
+}
+
+/// Waits for this sidecar's `held_locks` gauges to add up to `n`.
+async fn held_becomes(api: &Api, n: f64) {
+    common::eventually(
+        &format!("{n} leases held"),
+        common::EVENT_TIMEOUT,
+        async || {
+            let held = metric(api, "sidelock_held_locks{kind=\"lock\"}").await
+                + metric(api, "sidelock_held_locks{kind=\"semaphore\"}").await;
+            (held == n).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Finding 12, held leases: with `--max-held 4`, a fifth lease on a fifth
+/// name — lock or semaphore, acquire or hold stream — gets 429 with
+/// `Retry-After` naming the cap; re-entries do not count; capacity comes
+/// back after every way a lease ends (release, hold closed, expiry,
+/// force-release, lost at keepalive) and is never leaked.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[tokio::test]
+async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
+    const CAP: u64 = 4;
+    let backend = backend.start().await;
+    let sidecar = backend
+        .sidecar()
+        .flag("max-held", &CAP.to_string())
+        .admin_token(common::ADMIN_TOKEN)
+        .start()
+        .await;
+    let api = sidecar.api();
+    let admin = api.with_bearer(common::ADMIN_TOKEN);
+    let prefix = unique_name("held");
+    let kinds = [Kind::Lock, Kind::Semaphore];
+    // Each way out, with how it frees one of the CAP leases.
+    for round in 0..5 {
+        let mut tokens = Vec::new();
+        let mut streams = Vec::new();
+        for n in 0..CAP as usize {
+            let kind = kinds[n % 2];
+            let r = nth(&api, kind, &format!("{prefix}-{round}"), n);
+            if n == 0 {
+                let mut s = r.hold(&cap_params(kind, &[("ttl", "30s")])).await;
+                tokens.push((r, s.expect_acquired().await.token));
+                streams.push(s);
+            } else {
+                let ttl = if round == 2 && n == 1 { "500ms" } else { "30s" };
+                let token = r
+                    .acquire(&cap_params(kind, &[("ttl", ttl), ("owner", "o")]))
+                    .await
+                    .token;
+                tokens.push((r, token));
+            }
+        }
+        // Full: acquires and holds of new names, of either kind, are refused.
+        for kind in kinds {
+            let r = nth(&api, kind, &format!("{prefix}-{round}"), 99);
+            assert_full(r.acquire_raw(&cap_params(kind, &[])).await, "max_held", CAP).await;
+            assert_full(
+                r.acquire_raw(&cap_params(kind, &[("wait", "2s")])).await,
+                "max_held",
+                CAP,
+            )
+            .await;
+            assert_full(r.hold_raw(&cap_params(kind, &[])).await, "max_held", CAP).await;
+        }
+        // One lease ends, in a different way each round.
+        let (r1, t1) = &tokens[1];
+        match round {
+            0 => {
+                r1.release(t1).await;
+            }
+            1 => drop(streams.pop()),
+            2 => {
+                // Its expiry is noticed by the sidecar's own timer.
+            }
+            3 => {
+                let forced = match r1.kind() {
+                    Kind::Lock => admin.lock(r1.name()),
+                    Kind::Semaphore => admin.semaphore(r1.name()),
+                };
+                assert_eq!(forced.force_release().await, 1);
+            }
+            _ => {
+                // A lease the backend no longer has, learnt at a keepalive.
+                let forced = match r1.kind() {
+                    Kind::Lock => admin.lock(r1.name()),
+                    Kind::Semaphore => admin.semaphore(r1.name()),
+                };
+                forced.force_release().await;
+                r1.keepalive_lost(t1).await;
+            }
+        }
+        held_becomes(&api, (CAP - 1) as f64).await;
+        // A waiter takes no lease's place while it waits (its `queued`
+        // event comes after its first attempt has given the place back).
+        let busy = &tokens[2].0;
+        let mut waiter = busy
+            .hold(&cap_params(busy.kind(), &[("wait", "30s"), ("owner", "w")]))
+            .await;
+        waiter.expect_queued().await;
+        let kind = kinds[round % 2];
+        let extra = nth(&api, kind, &format!("{prefix}-{round}"), 100);
+        // The waiter's own attempts (whenever it is woken) take a place for
+        // their moment, so a new acquire may meet a passing 429; a leaked
+        // place would refuse it for good.
+        let token = common::eventually(
+            "room for one more lease",
+            common::EVENT_TIMEOUT,
+            async || {
+                let r = extra.acquire_raw(&cap_params(kind, &[])).await;
+                match r.status() {
+                    StatusCode::TOO_MANY_REQUESTS => None,
+                    _ => Some(
+                        common::api::expect_json::<common::Grant>(r, StatusCode::OK)
+                            .await
+                            .token,
+                    ),
+                }
+            },
+        )
+        .await;
+        assert_full(
+            nth(&api, kind, &format!("{prefix}-{round}"), 101)
+                .acquire_raw(&cap_params(kind, &[]))
+                .await,
+            "max_held",
+            CAP,
+        )
+        .await;
+        // Everything ends: the count goes back to zero, not below or above.
+        drop(waiter);
+        tokens[2].0.wait_for_waiters(&[]).await;
+        extra.release(&token).await;
+        // (The hold's lease ends with its stream; ended ones answer 410.)
+        drop(streams);
+        for (r, t) in &tokens[1..] {
+            let _ = r.release_raw(t).await;
+        }
+        held_becomes(&api, 0.0).await;
+    }
+    // After every round, exactly CAP new leases fit again.
+    let mut last = Vec::new();
+    for n in 0..CAP as usize {
+        let r = nth(&api, Kind::Lock, &prefix, 200 + n);
+        last.push(r.acquire(&[]).await);
+    }
+    assert_full(
+        nth(&api, Kind::Lock, &prefix, 300).acquire_raw(&[]).await,
+        "max_held",
+        CAP,
+    )
+    .await;
+}
+
+/// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
+/// three different busy names (lock, semaphore, hold stream) fit and a
+/// fourth on a fourth name gets 429 with `Retry-After`; try-once acquires
+/// are not waiters and still answer 409; a waiter's place comes back when
+/// it is granted, times out or disconnects, and is never leaked.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[tokio::test]
+async fn a_sidecar_queues_at_most_max_total_waiters(#[case] backend: TestBackend) {
+    const CAP: u64 = 3;
+    let backend = backend.start().await;
+    let sidecar = backend
+        .sidecar()
+        .flag("max-total-waiters", &CAP.to_string())
+        .start()
+        .await;
+    let api = sidecar.api();
+    let prefix = unique_name("waiting");
+    let kinds = [Kind::Lock, Kind::Semaphore];
+    // Ten busy names.
+    let mut held = Vec::new();
+    for n in 0..10 {
+        let kind = kinds[n % 2];
+        let r = nth(&api, kind, &prefix, n);
+        let token = r
+            .acquire(&cap_params(kind, &[("ttl", "60s"), ("owner", "holder")]))
+            .await
+            .token;
+        held.push((r, token));
+    }
+    let waiting = |n: usize, wait: &'static str| {
+        let (r, _) = held[n].clone();
+        tokio::spawn(async move {
+            r.acquire_raw(&cap_params(
+                r.kind(),
+                &[("wait", wait), ("owner", "waiter")],
+            ))
+            .await
+            .status()
+        })
+    };
+    // Three waiters: a lock, a semaphore, a hold stream.
+    let w0 = waiting(0, "30s");
+    let w1 = waiting(1, "30s");
+    held[0].0.wait_for_waiters(&["waiter"]).await;
+    held[1].0.wait_for_waiters(&["waiter"]).await;
+    let (r2, _) = &held[2];
+    let mut hold = r2.hold(&cap_params(r2.kind(), &[("wait", "30s")])).await;
+    hold.expect_queued().await;
+    // A fourth waiter, on a fourth name, of either kind or a hold: 429.
+    for n in [3, 4] {
+        let (r, _) = &held[n];
+        assert_full(
+            r.acquire_raw(&cap_params(r.kind(), &[("wait", "5s")]))
+                .await,
+            "max_total_waiters",
+            CAP,
+        )
+        .await;
+        assert_full(
+            r.hold_raw(&cap_params(r.kind(), &[("wait", "5s")])).await,
+            "max_total_waiters",
+            CAP,
+        )
+        .await;
+        // Trying once is not waiting.
+        r.acquire_busy(&cap_params(r.kind(), &[])).await;
+    }
+    // Granted: the lock's holder releases, its waiter gets it.
+    held[0].0.release(&held[0].1).await;
+    assert_eq!(w0.await.unwrap(), StatusCode::OK);
+    let w3 = waiting(3, "300ms");
+    // Timed out: the 300 ms waiter leaves by itself.
+    assert_eq!(w3.await.unwrap(), StatusCode::CONFLICT);
+    // Disconnected: the hold stream's client goes away.
+    drop(hold);
+    held[2].0.wait_for_waiters(&[]).await;
+    // And the aborted request of a plain acquire.
+    w1.abort();
+    held[1].0.wait_for_waiters(&[]).await;
+    // No place leaked: exactly CAP waiters fit again, on new names.
+    let again: Vec<_> = (4..4 + CAP as usize).map(|n| waiting(n, "30s")).collect();
+    for (r, _) in held.iter().skip(4).take(CAP as usize) {
+        r.wait_for_waiters(&["waiter"]).await;
+    }
+    let (r, _) = &held[9];
+    assert_full(
+        r.acquire_raw(&cap_params(r.kind(), &[("wait", "5s")]))
+            .await,
+        "max_total_waiters",
+        CAP,
+    )
+    .await;
+    for w in again {
+        w.abort();
+    }
+}
+
+/// Finding 12: the two caps are settings like the others — flag, env and
+/// TOML — and `/v1/info` shows them.
+#[tokio::test]
+async fn the_caps_come_from_flags_env_and_file() {
+    let backend = TestBackend::Memory.start().await;
+    for (builder, held, waiters) in [
+        (
+            backend
+                .sidecar()
+                .flag("max-held", "7")
+                .flag("max-total-waiters", "8"),
+            7,
+            8,
+        ),
+        (
+            backend
+                .sidecar()
+                .env("SIDELOCK_MAX_HELD", "9")
+                .env("SIDELOCK_MAX_TOTAL_WAITERS", "10"),
+            9,
+            10,
+        ),
+        (
+            backend
+                .sidecar()
+                .config_toml("max_held = 11\nmax_total_waiters = 12\n"),
+            11,
+            12,
+        ),
+    ] {
+        let sidecar = builder.start().await;
+        let info = sidecar.api().info().await;
+        assert_eq!(info["limits"]["max_held"], held, "{info}");
+        assert_eq!(info["limits"]["max_total_waiters"], waiters, "{info}");
+    }
+}
