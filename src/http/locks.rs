@@ -62,6 +62,9 @@ pub struct LockParams {
     #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
     pub wait: Option<Duration>,
     /// Caller identity; the same owner acquiring again in the same mode re-enters.
+    /// Plain text: no control, format (bidi, zero-width) or separator characters.
+    #[param(min_length = 1, max_length = 200)]
+    #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     /// `exclusive` (default) or `shared`.
     pub mode: Option<Mode>,
@@ -95,6 +98,8 @@ pub struct SemaphoreParams {
     #[param(value_type = Option<DurationValue>, inline, example = "10s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
     pub wait: Option<Duration>,
+    #[param(min_length = 1, max_length = 200)]
+    #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "10m")]
@@ -158,7 +163,8 @@ pub struct ListParams {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct AdminParams {
-    /// Why, for the log.
+    /// Why, for the log: plain text of at most 1 KiB.
+    #[param(min_length = 1, max_length = 1024)]
     pub reason: Option<String>,
 }
 
