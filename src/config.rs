@@ -293,6 +293,9 @@ impl Settings {
             ("lock_delay", a.lock_delay),
             ("stale_after", a.stale_after),
             ("shutdown_grace", a.shutdown_grace),
+            ("header_read_timeout", a.header_read_timeout),
+            ("idle_timeout", a.idle_timeout),
+            ("body_read_timeout", a.body_read_timeout),
         ] {
             if let Some(value) = value.filter(|v| *v > MAX_DURATION) {
                 return Err(format!(
@@ -439,6 +442,9 @@ mod tests {
                 "lock_delay",
                 "stale_after",
                 "shutdown_grace",
+                "header_read_timeout",
+                "idle_timeout",
+                "body_read_timeout",
             ] {
                 let text = format!(
                     "{setting} = {}",
