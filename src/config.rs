@@ -165,6 +165,10 @@ pub struct ServeArgs {
     /// Open connections at most (lowered to fit the open-file limit) [default: 30000].
     #[arg(long, env = "SIDELOCK_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Host names (`name` or `name:port`) besides loopback that requests may
+    /// carry in `Host`; others get 421 except on the probe routes.
+    #[arg(long, env = "SIDELOCK_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Option<Vec<String>>,
     /// Log format [default: text].
     #[arg(long, env = "SIDELOCK_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -207,9 +211,9 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, max_total_waiters, max_held, metrics_lock_labels, shutdown_grace,
-            header_read_timeout, idle_timeout, body_read_timeout, max_connections, log_format,
-            redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root, api_token, admin_token,
-            dashboard_session_ttl)
+            header_read_timeout, idle_timeout, body_read_timeout, max_connections, allowed_hosts,
+            log_format, redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root,
+            api_token, admin_token, dashboard_session_ttl)
     }
 }
 
@@ -253,6 +257,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// Per-connection timeouts and the cap on open connections.
     pub connections: crate::http::server::ConnectionLimits,
+    /// Host names besides loopback that requests may name (lowercase).
+    pub allowed_hosts: Vec<String>,
     pub log_format: LogFormat,
     pub api_token: Option<String>,
     pub admin_token: Option<String>,
@@ -354,6 +360,21 @@ impl Settings {
                 format_duration(dashboard_session_ttl)
             ));
         }
+        let allowed_hosts: Vec<String> = a
+            .allowed_hosts
+            .unwrap_or_default()
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect();
+        if let Some(bad) = allowed_hosts
+            .iter()
+            .find(|h| h.contains(['/', '@', ' ', '*']) || h.len() > 253)
+        {
+            return Err(format!(
+                "allowed_hosts: {bad:?} is not a host name; give names like sidelock.internal or sidelock.internal:7070"
+            ));
+        }
         let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
             // Shown next to every holder, like an owner: the same rule.
             Some(id) => {
@@ -372,6 +393,7 @@ impl Settings {
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
             shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
             connections,
+            allowed_hosts,
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),
             admin_token: a.admin_token.filter(|t| !t.is_empty()),
@@ -501,6 +523,12 @@ mod tests {
                 body_read: Duration::from_millis(700),
                 max_connections: 99,
             }
+        );
+        let hosts: ServeArgs =
+            toml::from_str("allowed_hosts = [\"Pod.Internal\", \"app:8080\"]").unwrap();
+        assert_eq!(
+            Settings::resolve(hosts).unwrap().allowed_hosts,
+            ["pod.internal", "app:8080"]
         );
         let zero: ServeArgs = toml::from_str("idle_timeout = \"0s\"").unwrap();
         assert!(

@@ -54,6 +54,10 @@ pub enum Error {
     Unauthorized(&'static str),
     #[error("{0}")]
     Forbidden(&'static str),
+    #[error("{0}")]
+    CrossSite(&'static str),
+    #[error("{0}")]
+    MisdirectedRequest(String),
     #[error("{limit} requests already wait for this lock here")]
     TooManyWaiters { limit: usize },
     #[error(
@@ -130,6 +134,8 @@ impl Error {
             Error::LeaseLost => (S::GONE, "lease-lost"),
             Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
             Error::Forbidden(_) => (S::FORBIDDEN, "forbidden"),
+            Error::CrossSite(_) => (S::FORBIDDEN, "cross-site"),
+            Error::MisdirectedRequest(_) => (S::MISDIRECTED_REQUEST, "misdirected-request"),
             Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
             Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),

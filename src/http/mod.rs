@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod locks;
 pub mod ops;
+pub mod origin;
 pub mod params;
 pub mod server;
 
@@ -137,6 +138,9 @@ pub fn router(app: Arc<App>) -> Router {
     )
     .fallback(not_found)
     .method_not_allowed_fallback(method_not_allowed)
+    .layer(origin::CheckOrigin {
+        allowed_hosts: app.settings.allowed_hosts.clone().into(),
+    })
     .layer(CountRequests {
         metrics: app.core.metrics.clone(),
     })

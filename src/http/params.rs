@@ -61,7 +61,8 @@ fn body_timeout(e: &(dyn std::error::Error + 'static)) -> Option<Duration> {
 }
 
 /// Parameters of type `T` from a query string and a body of `content_type`
-/// (JSON when absent): the whole of [`Params`] but reading the body.
+/// (required when the body is not empty): the whole of [`Params`] but
+/// reading the body.
 ///
 /// # Errors
 /// A 400 `invalid-parameter` (or 415) naming what is wrong.
@@ -96,7 +97,11 @@ pub fn parse<T: DeserializeOwned>(
 }
 
 fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, Value)>, Error> {
-    let content_type = content_type.unwrap_or("application/json");
+    let Some(content_type) = content_type else {
+        return Err(Error::UnsupportedMediaType(
+            "the request has a body but no Content-Type; send Content-Type: application/json (or application/x-www-form-urlencoded for a form body)".into(),
+        ));
+    };
     let essence = content_type
         .split(';')
         .next()

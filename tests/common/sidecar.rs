@@ -55,10 +55,12 @@ impl SidecarBuilder {
 
     /// Runs the sidecar inside `ns`, listening on `listen_ip` (the namespace
     /// end of one of its links, which the test reaches from the host).
+    ///
+    /// Clients call it by that address, so it is an allowed `Host`.
     pub fn netns(mut self, ns: &super::netns::Netns, listen_ip: &str) -> Self {
         self.netns = Some(ns.name().to_owned());
         self.listen_ip = listen_ip.to_owned();
-        self
+        self.env("SIDELOCK_ALLOWED_HOSTS", listen_ip)
     }
 
     /// Starts the sidecar with at most `limit` open files (soft and hard

@@ -455,3 +455,340 @@ async fn a_sidecar_full_of_waiters_refuses_new_connections_with_429() {
     assert!(served.starts_with("HTTP/1.1 200"), "{served}");
     drop((holder, waiters));
 }
+
+/// A raw request's body: its content type (`None`: no header) and text.
+type RawBody<'a> = Option<(Option<&'a str>, &'a str)>;
+
+/// A request as bytes: `Host: host`, `Connection: close`, the extra
+/// headers, and a body of the given content type (`None`: no header).
+fn request(
+    method: &str,
+    path: &str,
+    host: &str,
+    headers: &[(&str, &str)],
+    body: RawBody<'_>,
+) -> Vec<u8> {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    match body {
+        None => head.push_str("\r\n"),
+        Some((content_type, body)) => {
+            if let Some(ct) = content_type {
+                head.push_str(&format!("Content-Type: {ct}\r\n"));
+            }
+            head.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        }
+    }
+    head.into_bytes()
+}
+
+/// The status code of a raw answer.
+fn status_of(answer: &str) -> u16 {
+    answer
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"))
+}
+
+/// Asserts that a raw answer is a problem with `status` and `slug`.
+fn assert_raw_problem(answer: &str, status: u16, slug: &str, what: &str) {
+    assert_eq!(status_of(answer), status, "{what}: {answer}");
+    let lower = answer.to_ascii_lowercase();
+    assert!(
+        lower.contains("content-type: application/problem+json"),
+        "{what}: {answer}"
+    );
+    assert!(
+        answer.contains(&format!("\"urn:sidelock:problem:{slug}\"")),
+        "{what}: {answer}"
+    );
+}
+
+/// Finding 6, DNS rebinding: requests whose `Host` names something other
+/// than loopback get 421 on every API route and the dashboard (and acquire
+/// nothing); the probes answer whatever the Host, as kubelets and scrapers
+/// reach them by pod IP; every spelling of loopback is served.
+#[tokio::test]
+async fn foreign_host_names_get_421_except_on_probes() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+    let name = unique_name("rebind");
+    let lock_path = format!("/v1/locks/{name}");
+    let sem_path = format!("/v1/semaphores/{name}");
+    let hold_path = format!("{lock_path}/hold");
+    let foreign = [
+        format!("evil.example:{port}"),
+        "evil.example".to_owned(),
+        format!("127.0.0.1.evil.example:{port}"),
+        format!("localhost.evil.example:{port}"),
+        format!("10.0.0.7:{port}"),
+        format!("[::2]:{port}"),
+        format!("[::ffff:10.0.0.7]:{port}"),
+    ];
+    for host in &foreign {
+        let tries: Vec<(&str, &str, RawBody<'_>)> = vec![
+            (
+                "POST",
+                &lock_path,
+                Some((Some("application/x-www-form-urlencoded"), "ttl=1h")),
+            ),
+            (
+                "POST",
+                &sem_path,
+                Some((Some("application/json"), "{\"limit\":\"2\"}")),
+            ),
+            ("GET", &hold_path, None),
+            ("GET", &lock_path, None),
+            ("GET", "/v1/locks", None),
+            ("GET", "/", None),
+            ("GET", "/openapi.json", None),
+            ("DELETE", &lock_path, None),
+        ];
+        for (method, path, body) in tries {
+            let answer = raw_exchange(port, &request(method, path, host, &[], body)).await;
+            assert_raw_problem(
+                &answer,
+                421,
+                "misdirected-request",
+                &format!("{method} {path} Host {host}"),
+            );
+        }
+    }
+    assert!(api.lock(&name).inspect().await.holders.is_empty());
+    assert!(api.semaphore(&name).inspect().await.holders.is_empty());
+
+    for host in &foreign {
+        for probe in ["/healthz", "/readyz", "/metrics"] {
+            let answer = raw_exchange(port, &request("GET", probe, host, &[], None)).await;
+            assert_eq!(
+                status_of(&answer),
+                200,
+                "{probe} with Host {host}: {answer}"
+            );
+        }
+    }
+    for host in [
+        format!("localhost:{port}"),
+        "LOCALHOST".to_owned(),
+        format!("127.0.0.1:{port}"),
+        format!("127.8.9.10:{port}"),
+        format!("[::1]:{port}"),
+    ] {
+        let answer = raw_exchange(port, &request("GET", "/v1/locks", &host, &[], None)).await;
+        assert_eq!(status_of(&answer), 200, "Host {host}: {answer}");
+    }
+}
+
+/// Finding 6: `--allowed-hosts` (here through its environment variable)
+/// admits the names it lists, with any port or the one given, and nothing else.
+#[tokio::test]
+async fn allowed_hosts_admit_the_names_they_list() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env(
+            "SIDELOCK_ALLOWED_HOSTS",
+            "sidelock.internal,app.example:8080",
+        )
+        .start()
+        .await;
+    let port = sidecar.port();
+    for (host, status) in [
+        (format!("sidelock.internal:{port}"), 200),
+        ("SIDELOCK.internal".to_owned(), 200),
+        ("app.example:8080".to_owned(), 200),
+        ("app.example:9090".to_owned(), 421),
+        ("app.example".to_owned(), 421),
+        (format!("evil.example:{port}"), 421),
+        (format!("localhost:{port}"), 200),
+    ] {
+        let answer = raw_exchange(port, &request("GET", "/v1/locks", &host, &[], None)).await;
+        assert_eq!(status_of(&answer), status, "Host {host}: {answer}");
+    }
+}
+
+/// Finding 6, cross-site requests: with no API token, a form POST from
+/// `http://evil.example` got a 1 h lease and a cross-site GET on `…/hold`
+/// acquired. Every state-changing request a browser marks cross-site (a
+/// foreign or `null` Origin, another local origin, `Sec-Fetch-Site:
+/// cross-site` or `same-site`) gets 403 and changes nothing, for exclusive
+/// and shared locks and semaphores; same-origin requests, and reads, still work.
+#[tokio::test]
+async fn cross_site_requests_that_change_state_get_403() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+    let host = format!("localhost:{port}");
+    let same_origin = format!("http://localhost:{port}");
+    let markers: [&[(&str, &str)]; 5] = [
+        &[("Origin", "http://evil.example")],
+        &[("Origin", "null")],
+        &[
+            ("Origin", "http://localhost:3000"),
+            ("Sec-Fetch-Site", "same-site"),
+        ],
+        &[("Sec-Fetch-Site", "cross-site")],
+        &[("Sec-Fetch-Site", "same-site")],
+    ];
+    for (kind, segment, extra) in [
+        ("exclusive lock", "locks", "mode=exclusive"),
+        ("shared lock", "locks", "mode=shared"),
+        ("semaphore", "semaphores", "limit=2"),
+    ] {
+        let name = unique_name("csrf");
+        let path = format!("/v1/{segment}/{name}");
+        let resource = if segment == "locks" {
+            api.lock(&name)
+        } else {
+            api.semaphore(&name)
+        };
+        for headers in markers {
+            let what = format!("{kind}, {headers:?}");
+            let form = Some((Some("application/x-www-form-urlencoded"), "ttl=1h"));
+            let answer = raw_exchange(
+                port,
+                &request("POST", &format!("{path}?{extra}"), &host, headers, form),
+            )
+            .await;
+            assert_raw_problem(&answer, 403, "cross-site", &format!("acquire, {what}"));
+            let answer = raw_exchange(
+                port,
+                &request("GET", &format!("{path}/hold?{extra}"), &host, headers, None),
+            )
+            .await;
+            assert_raw_problem(&answer, 403, "cross-site", &format!("hold, {what}"));
+            assert!(
+                resource.inspect().await.holders.is_empty(),
+                "{what}: granted"
+            );
+        }
+        // A lease of the test's own, attacked cross-site.
+        let params: Vec<(&str, &str)> = vec![extra.split_once('=').unwrap(), ("ttl", "1m")];
+        let grant = resource.acquire(&params).await;
+        for headers in markers {
+            let what = format!("{kind}, {headers:?}");
+            let answer = raw_exchange(
+                port,
+                &request(
+                    "DELETE",
+                    &format!("{path}?token={}", grant.token),
+                    &host,
+                    headers,
+                    None,
+                ),
+            )
+            .await;
+            assert_raw_problem(&answer, 403, "cross-site", &format!("release, {what}"));
+            let answer = raw_exchange(
+                port,
+                &request(
+                    "POST",
+                    &format!("{path}/keepalive?token={}", grant.token),
+                    &host,
+                    headers,
+                    None,
+                ),
+            )
+            .await;
+            assert_raw_problem(&answer, 403, "cross-site", &format!("keepalive, {what}"));
+            // Reads change nothing and stay open.
+            let answer = raw_exchange(port, &request("GET", &path, &host, headers, None)).await;
+            assert_eq!(status_of(&answer), 200, "inspect, {what}: {answer}");
+        }
+        let state = resource.inspect().await;
+        assert!(
+            state.holders.iter().any(|h| h.fence == grant.fence),
+            "{kind}: {state:?}"
+        );
+        // The same origin may do everything.
+        let same: &[(&str, &str)] = &[("Origin", &same_origin), ("Sec-Fetch-Site", "same-origin")];
+        let answer = raw_exchange(
+            port,
+            &request(
+                "DELETE",
+                &format!("{path}?token={}", grant.token),
+                &host,
+                same,
+                None,
+            ),
+        )
+        .await;
+        assert_eq!(
+            status_of(&answer),
+            200,
+            "{kind}: same-origin release: {answer}"
+        );
+    }
+    // The dashboard's own forms: same-origin passes, cross-site does not.
+    let same: &[(&str, &str)] = &[("Origin", &same_origin)];
+    let answer = raw_exchange(
+        port,
+        &request(
+            "POST",
+            "/dashboard/sign-out",
+            &host,
+            same,
+            Some((Some("application/x-www-form-urlencoded"), "")),
+        ),
+    )
+    .await;
+    assert_eq!(status_of(&answer), 303, "same-origin sign-out: {answer}");
+    let answer = raw_exchange(
+        port,
+        &request("POST", "/dashboard/sign-out", &host, markers[0], None),
+    )
+    .await;
+    assert_raw_problem(&answer, 403, "cross-site", "cross-site sign-out");
+    let answer = raw_exchange(
+        port,
+        &request(
+            "GET",
+            "/",
+            &host,
+            &[("Sec-Fetch-Site", "same-origin")],
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(status_of(&answer), 200, "dashboard: {answer}");
+}
+
+/// Finding 6: a body without `Content-Type` (which a cross-site form can
+/// send as `text/plain`-free "simple" request) was read as JSON. Now 415,
+/// saying which content types to send, for locks and semaphores.
+#[tokio::test]
+async fn a_body_without_content_type_gets_415() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let port = sidecar.port();
+    let host = format!("localhost:{port}");
+    for segment in ["locks", "semaphores"] {
+        let name = unique_name("no-ct");
+        let path = format!("/v1/{segment}/{name}");
+        let answer = raw_exchange(
+            port,
+            &request(
+                "POST",
+                &path,
+                &host,
+                &[],
+                Some((None, "{\"ttl\":\"1h\",\"limit\":1}")),
+            ),
+        )
+        .await;
+        assert_raw_problem(&answer, 415, "unsupported-media-type", &path);
+        assert!(
+            answer.contains("Content-Type: application/json"),
+            "the 415 should say what to send: {answer}"
+        );
+        let resource = if segment == "locks" {
+            sidecar.api().lock(&name)
+        } else {
+            sidecar.api().semaphore(&name)
+        };
+        assert!(
+            resource.inspect().await.holders.is_empty(),
+            "{path}: granted"
+        );
+    }
+}
