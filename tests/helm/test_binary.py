@@ -109,10 +109,13 @@ class Sidecar:
                 raise AssertionError(f"sidelock did not start: {self.stderr.read_text()}")
             time.sleep(0.05)
 
-    def request(self, method: str, path: str, token: str | None = None) -> tuple[int, str]:
+    def request(self, method: str, path: str, token: str | None = None,
+                host: str | None = None) -> tuple[int, str]:
         req = urllib.request.Request(self.url + path, method=method)
         if token:
             req.add_header("Authorization", f"Bearer {token}")
+        if host:
+            req.add_header("Host", host)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read().decode()
@@ -174,6 +177,32 @@ def test_sidecar_runs_with_the_chart_config(sidecar: Sidecar) -> None:
 
     status, _ = sidecar.request("GET", "/metrics")
     assert status == 200
+    assert sidecar.stop() == 0
+
+
+@pytest.mark.parametrize("sidecar", [{"sidecar": {"allowedHosts": ["demo.pods.internal"]}}], indirect=True)
+def test_probes_and_scrapes_by_pod_ip(sidecar: Sidecar) -> None:
+    """Kubelets and Prometheus call the sidecar by pod IP: the probe paths the
+    container declares and the metrics Service's /metrics answer whatever the
+    Host; the API refuses a Host that is not loopback (421) unless
+    sidecar.allowedHosts names it."""
+    c = sidecar.container
+    pod_ip = f"10.1.2.3:{c['ports'][0]['containerPort']}"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        status, _ = sidecar.request("GET", c[probe]["httpGet"]["path"], host=pod_ip)
+        assert status == 200, probe
+    svc = next(o for o in sidecar.objects if o["kind"] == "Service")
+    assert svc["spec"]["ports"][0]["name"] == "http-metrics"
+    status, _ = sidecar.request("GET", "/metrics", host=pod_ip)
+    assert status == 200
+    api = sidecar.env["SIDELOCK_API_TOKEN"]
+    status, body = sidecar.request("GET", "/v1/info", api, host=pod_ip)
+    assert status == 421, body
+    assert "urn:sidelock:problem:misdirected-request" in body
+    status, _ = sidecar.request("GET", "/v1/info", api, host="demo.pods.internal:7070")
+    assert status == 200
+    status, _ = sidecar.request("GET", "/v1/info", api)
+    assert status == 200, "the application calls 127.0.0.1"
     assert sidecar.stop() == 0
 
 

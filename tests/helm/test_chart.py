@@ -41,7 +41,7 @@ CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
 CONFIG_KEYS = {
     "listen", "backend", "default_ttl", "max_ttl", "max_wait", "lock_delay",
     "stale_after", "max_waiters", "metrics_lock_labels", "shutdown_grace",
-    "log_format", "sidecar_id",
+    "log_format", "sidecar_id", "allowed_hosts",
 }
 DURATION = re.compile(r"^([0-9]+(ms|s|m|h))+$")
 PROM_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")

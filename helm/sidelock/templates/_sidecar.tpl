@@ -102,6 +102,9 @@ and a backend URL with credentials come from a Secret through the environment.
 # sidelock configuration rendered by the sidelock Helm chart.
 # Precedence: command-line flags > SIDELOCK_* environment > this file.
 listen = {{ include "sidelock.listenAddress" . | toJson }}
+{{- with $v.sidecar.allowedHosts }}
+allowed_hosts = {{ toJson . }}
+{{- end }}
 {{- if $v.backend.urlFromSecret.name }}
 # backend: SIDELOCK_BACKEND from Secret {{ $v.backend.urlFromSecret.name }}
 {{- else }}
