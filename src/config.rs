@@ -137,7 +137,7 @@ pub struct ServeArgs {
     /// Waiters per lock in this sidecar before acquires get 429 [default: 10000].
     #[arg(long, env = "SIDELOCK_MAX_WAITERS")]
     pub max_waiters: Option<usize>,
-    /// Requests waiting in this sidecar, over all locks, before further waits get 429 [default: 50000].
+    /// Requests waiting in this sidecar, over all locks, before further waits get 429 [default: 20000].
     #[arg(long, env = "SIDELOCK_MAX_TOTAL_WAITERS")]
     pub max_total_waiters: Option<usize>,
     /// Leases held through this sidecar before further acquires get 429 [default: 100000].

@@ -59,7 +59,7 @@ impl Default for Limits {
             lock_delay: Duration::ZERO,
             stale_after: Duration::from_secs(3600),
             max_waiters: 10_000,
-            max_total_waiters: 50_000,
+            max_total_waiters: 20_000,
             max_held: 100_000,
         }
     }
