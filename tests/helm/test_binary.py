@@ -144,6 +144,9 @@ SCENARIOS = {
     "durations-in-ms-no-admin": {"config": {"defaultTtl": 15000, "maxTtl": "1m30s", "lockDelay": "250ms",
                                             "logFormat": "text"},
                                  "auth": {"adminEnabled": False}},
+    "caps-and-timeouts": {"config": {"maxTotalWaiters": 7, "maxHeld": 9, "maxConnections": 500,
+                                     "headerReadTimeout": "3s", "idleTimeout": 4000,
+                                     "bodyReadTimeout": "5s", "dashboardSessionTtl": "1h"}},
 }
 
 
@@ -169,6 +172,8 @@ def test_sidecar_runs_with_the_chart_config(sidecar: Sidecar) -> None:
     default_ttl = re.search(r'default_ttl = "(\d+)(ms|s|m|h)"', toml)
     factor = {"ms": 1, "s": 1000, "m": 60000, "h": 3600000}[default_ttl.group(2)]
     assert info["limits"]["default_ttl_ms"] == int(default_ttl.group(1)) * factor
+    for key in ("max_total_waiters", "max_held"):
+        assert info["limits"][key] == int(re.search(rf"^{key} = (\d+)$", toml, re.M).group(1)), key
 
     # The admin token reaches the sidecar when enabled.
     admin = sidecar.env.get("SIDELOCK_ADMIN_TOKEN")
