@@ -17,6 +17,46 @@ use crate::core::Limits;
 /// `max_hold`: 365 days. Every time sum stays far from overflowing with it.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// A setting that must never be printed: a token, or a backend URL that may
+/// carry a password. `Debug` shows `[redacted]`, so a `?settings` in a log
+/// line or a panic message cannot leak it; the value is read through `Deref`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The value itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Self {
+        Secret(s.to_owned())
+    }
+}
+
 /// `d` for a person: whole days as `N days` (humantime writes 365 days as
 /// months), anything else as humantime does.
 pub fn format_duration(d: Duration) -> String {
@@ -110,7 +150,7 @@ pub struct ServeArgs {
     pub listen: Option<SocketAddr>,
     /// Backend URL: memory:// [default].
     #[arg(long, env = "SIDELOCK_BACKEND")]
-    pub backend: Option<String>,
+    pub backend: Option<Secret>,
     /// This sidecar's id in holder listings [default: hostname-<random>].
     #[arg(long, env = "SIDELOCK_SIDECAR_ID")]
     pub sidecar_id: Option<String>,
@@ -190,10 +230,10 @@ pub struct ServeArgs {
     pub zk_lock_root: Option<String>,
     /// Bearer token every /v1 request must carry.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<String>,
+    pub api_token: Option<Secret>,
     /// Bearer token of the admin API (force-release); without it the admin API answers 403.
     #[arg(long, env = "SIDELOCK_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// How long a dashboard sign-in lasts, at most 30 days [default: 12h].
     #[arg(long, env = "SIDELOCK_DASHBOARD_SESSION_TTL", value_parser = parse_duration)]
     #[serde(default, deserialize_with = "de_duration")]
@@ -240,7 +280,7 @@ pub struct RunArgs {
     pub url: String,
     /// Bearer token for the sidecar's API.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<String>,
+    pub api_token: Option<Secret>,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -250,7 +290,7 @@ pub struct RunArgs {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub listen: SocketAddr,
-    pub backend: String,
+    pub backend: Secret,
     pub sidecar_id: String,
     pub limits: Limits,
     pub metrics_lock_labels: bool,
@@ -260,8 +300,8 @@ pub struct Settings {
     /// Host names besides loopback that requests may name (lowercase).
     pub allowed_hosts: Vec<String>,
     pub log_format: LogFormat,
-    pub api_token: Option<String>,
-    pub admin_token: Option<String>,
+    pub api_token: Option<Secret>,
+    pub admin_token: Option<Secret>,
     /// How long a dashboard sign-in lasts (`--dashboard-session-ttl`).
     pub dashboard_session_ttl: Duration,
     pub backend_options: crate::backend::Options,
@@ -431,6 +471,32 @@ fn default_sidecar_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_shows_no_token_or_backend_password() {
+        let cli = Cli::try_parse_from([
+            "sidelock",
+            "serve",
+            "--api-token",
+            "api-secret-1",
+            "--admin-token",
+            "admin-secret-2",
+            "--backend",
+            "redis://user:pw-secret-3@127.0.0.1:6379/0",
+        ])
+        .unwrap();
+        let mut printed = format!("{cli:?}");
+        let Some(Command::Serve(args)) = cli.command else {
+            panic!("serve expected")
+        };
+        let settings = Settings::resolve(args).unwrap();
+        printed.push_str(&format!("{settings:?}"));
+        for secret in ["api-secret-1", "admin-secret-2", "pw-secret-3"] {
+            assert!(!printed.contains(secret), "{secret} in {printed}");
+        }
+        assert_eq!(settings.api_token.as_deref(), Some("api-secret-1"));
+        assert!(settings.backend.contains("pw-secret-3"));
+    }
 
     #[test]
     fn durations_accept_units_and_bare_milliseconds() {

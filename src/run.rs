@@ -126,7 +126,7 @@ pub async fn run(args: RunArgs) -> i32 {
     let client = reqwest::Client::new();
     let mut request = client.get(url).header("accept", "text/event-stream");
     if let Some(token) = &args.api_token {
-        request = request.bearer_auth(token);
+        request = request.bearer_auth(token.expose());
     }
     let response = match request.send().await {
         Ok(r) => r,
