@@ -76,13 +76,41 @@ const MAX_DASHBOARD_SESSION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 /// # Errors
 /// A sentence naming the accepted forms.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if let Ok(n) = s.parse::<u64>() {
-        return Ok(Duration::from_millis(n));
-    }
-    humantime::parse_duration(s).map_err(|_| {
-        format!("{s:?} is not a duration; use e.g. 250ms, 30s, 5m, 1h, or a number of milliseconds")
+    strict_duration(s).ok_or_else(|| {
+        format!(
+            "{s:?} is not a duration; use a whole number of milliseconds (250) or of ms, s, m, h \
+             (250ms, 30s, 5m, 1h), largest unit first when combined (1m30s)"
+        )
     })
+}
+
+/// The one duration grammar: `^[0-9]+$` (milliseconds) or `^([0-9]+(h|m|s|ms))+$`
+/// with each unit at most once, largest first. Nothing finer than a
+/// millisecond can be written, so no duration truncates to 0. Too large a
+/// number saturates, for the caller's range check to name the maximum.
+fn strict_duration(s: &str) -> Option<Duration> {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_millis(s.parse().unwrap_or(u64::MAX)));
+    }
+    const UNITS: [(&str, u64); 4] = [("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)];
+    let mut rest = s;
+    let mut total: u64 = 0;
+    let mut next_unit = 0;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return None;
+        }
+        let n: u64 = rest[..digits].parse().unwrap_or(u64::MAX);
+        rest = &rest[digits..];
+        let letters = rest.bytes().take_while(u8::is_ascii_lowercase).count();
+        let unit = &rest[..letters];
+        rest = &rest[letters..];
+        let at = UNITS[next_unit..].iter().position(|(u, _)| *u == unit)? + next_unit;
+        next_unit = at + 1;
+        total = total.saturating_add(n.saturating_mul(UNITS[at].1));
+    }
+    (next_unit > 0).then(|| Duration::from_millis(total))
 }
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
@@ -496,6 +524,38 @@ mod tests {
         }
         assert_eq!(settings.api_token.as_deref(), Some("api-secret-1"));
         assert!(settings.backend.contains("pw-secret-3"));
+    }
+
+    #[test]
+    fn durations_take_only_the_documented_forms() {
+        for (text, ms) in [
+            ("0", 0),
+            ("250", 250),
+            ("250ms", 250),
+            ("30s", 30_000),
+            ("5m", 300_000),
+            ("1h", 3_600_000),
+            ("1m30s", 90_000),
+            ("1h0m0s5ms", 3_600_005),
+            ("99999999999999999999999", u64::MAX),
+            ("99999999999999h", u64::MAX),
+        ] {
+            assert_eq!(
+                parse_duration(text),
+                Ok(Duration::from_millis(ms)),
+                "{text}"
+            );
+        }
+        for text in [
+            "", " 30s", "30s ", "30sec", "5min", "1hr", "30s30s", "30s1m", "1d", "1ns", "500us",
+            "0.5s", "-1s", "+1s", "1e3", "s", "1S", "1 s", "ms",
+        ] {
+            let err = parse_duration(text).unwrap_err();
+            assert!(
+                err.starts_with(&format!("{text:?} is not a duration")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

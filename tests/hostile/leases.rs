@@ -902,3 +902,96 @@ async fn the_caps_come_from_flags_env_and_file() {
         assert_eq!(info["limits"]["max_total_waiters"], waiters, "{info}");
     }
 }
+
+/// Review finding: a duration finer than a millisecond (`1ns`, `999us`)
+/// passed the "above 0" check and truncated to a 0 ms lease: Redis, Redlock
+/// and PostgreSQL answered 503, memory granted a second owner at once. Every
+/// duration parameter, in the query, JSON and a form, on acquire, hold and
+/// keepalive, takes only the documented forms; anything else is a 400 that
+/// echoes what was sent, and the lock stays free.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[case::postgres(TestBackend::Postgres)]
+#[tokio::test]
+async fn durations_outside_the_documented_forms_are_refused(#[case] backend: TestBackend) {
+    use crate::common::api::Body;
+    use reqwest::Method;
+    let backend = backend.start().await;
+    let sidecar = duration_sidecar(&backend).await;
+    let api = sidecar.api();
+    let bad = [
+        "1ns", "999us", "0.5ms", "30sec", "5min", "1hr", "30s30s", " 30s", "1d",
+    ];
+    for kind in [Kind::Lock, Kind::Semaphore] {
+        let name = unique_name("grammar");
+        let resource = match kind {
+            Kind::Lock => api.lock(&name),
+            Kind::Semaphore => api.semaphore(&name),
+        };
+        let limit: &[(&str, &str)] = match kind {
+            Kind::Lock => &[],
+            Kind::Semaphore => &[("limit", "1")],
+        };
+        for parameter in ["ttl", "wait", "lock_delay", "max_hold"] {
+            for value in bad {
+                for body in [
+                    Body::Empty,
+                    Body::Json(serde_json::json!({ parameter: value })),
+                    Body::Form(vec![(parameter.to_owned(), value.to_owned())]),
+                ] {
+                    let mut query = limit.to_vec();
+                    if matches!(body, Body::Empty) {
+                        query.push((parameter, value));
+                    }
+                    for (method, hold) in [(Method::POST, false), (Method::GET, true)] {
+                        if hold && !matches!(body, Body::Empty) {
+                            continue;
+                        }
+                        let mut segments = vec!["v1", kind.segment(), name.as_str()];
+                        if hold {
+                            segments.push("hold");
+                        }
+                        let body = match &body {
+                            Body::Empty => Body::Empty,
+                            Body::Json(v) => Body::Json(v.clone()),
+                            Body::Form(f) => Body::Form(f.clone()),
+                            Body::Raw { .. } => unreachable!(),
+                        };
+                        let r = api.send(method.clone(), &segments, &query, body).await;
+                        let problem =
+                            assert_problem(r, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+                        let detail = problem["detail"].as_str().unwrap_or_default();
+                        assert!(
+                            detail.contains(&format!("{value:?}")),
+                            "the detail echoes {value:?} as sent: {problem}"
+                        );
+                    }
+                }
+            }
+        }
+        let state = resource.inspect().await;
+        assert!(state.holders.is_empty(), "nothing was granted: {state:?}");
+        // Keepalive's ttl: the same grammar, and the lease keeps its ttl.
+        let mut params = vec![("ttl", "30s")];
+        params.extend_from_slice(limit);
+        let grant = resource.acquire(&params).await;
+        for value in bad {
+            let r = api
+                .send(
+                    Method::POST,
+                    &["v1", kind.segment(), &name, "keepalive"],
+                    &[("token", grant.token.as_str()), ("ttl", value)],
+                    Body::Empty,
+                )
+                .await;
+            assert_problem(r, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+        }
+        let state = resource.inspect().await;
+        assert_eq!(state.holders.len(), 1, "{state:?}");
+        assert!(
+            state.holders[0].expires_at_ms > now_ms() + 20_000,
+            "the lease kept its 30 s ttl: {state:?}"
+        );
+    }
+}
