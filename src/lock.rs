@@ -69,7 +69,7 @@ pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), Str
     let allowed = format!(
         "allowed: 1 to {max_chars} characters of any script, digits, punctuation, symbols and \
          inner spaces (U+0020); not control, format (bidi, zero-width), line or paragraph \
-         separator, private-use or unassigned characters, nor other spaces"
+         separator, private-use, unassigned or invisible (default-ignorable) characters, nor other spaces"
     );
     let len = s.chars().count();
     if len == 0 || len > max_chars {
@@ -89,6 +89,7 @@ pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), Str
                 | G::Surrogate
                 | G::Unassigned
         ) || (c.general_category() == G::SpaceSeparator && c != ' ')
+            || invisible(c)
     });
     match bad {
         Some(c) => Err(format!(
@@ -98,6 +99,28 @@ pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), Str
         )),
         None => Ok(()),
     }
+}
+
+/// Letters and marks that render as nothing, outside the categories
+/// [`check_plain_text`] refuses: Unicode's Default_Ignorable_Code_Point set
+/// (DerivedCoreProperties.txt; its Cf members are refused as format
+/// characters anyway) and the blank Braille pattern.
+fn invisible(c: char) -> bool {
+    matches!(
+        u32::from(c),
+        0x034F
+            | 0x115F..=0x1160
+            | 0x17B4..=0x17B5
+            | 0x180B..=0x180F
+            | 0x2800
+            | 0x3164
+            | 0xFE00..=0xFE0F
+            | 0xFFA0
+            | 0xFFF0..=0xFFF8
+            | 0x1BCA0..=0x1BCA3
+            | 0x1D173..=0x1D17A
+            | 0xE0000..=0xE0FFF
+    )
 }
 
 /// Whether a key is a lock (exclusive/shared) or a counting semaphore.

@@ -290,8 +290,26 @@ impl From<tokio_postgres::Error> for Failure {
     fn from(e: tokio_postgres::Error) -> Self {
         Self {
             class: classify(&e),
-            source: Box::new(e),
+            source: without_row_data(e),
         }
+    }
+}
+
+/// The driver's error, less what the server quoted from the statement: a
+/// server error's `DETAIL` and `HINT` can hold a row's values (`Failing row
+/// contains (<lease token>, …)`), and the error reaches the log. What stays
+/// is the SQLSTATE, the severity and the message, which names constraints
+/// and relations but no values.
+fn without_row_data(e: tokio_postgres::Error) -> Box<dyn StdError + Send + Sync> {
+    match e.as_db_error() {
+        Some(db) => format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        )
+        .into(),
+        None => Box::new(e),
     }
 }
 
@@ -302,10 +320,11 @@ impl From<PoolError> for Failure {
             PoolError::Timeout(_) | PoolError::Closed => Class::Outage,
             _ => Class::Fatal,
         };
-        Self {
-            class,
-            source: Box::new(e),
-        }
+        let source = match e {
+            PoolError::Backend(e) => without_row_data(e),
+            e => Box::new(e),
+        };
+        Self { class, source }
     }
 }
 

@@ -900,6 +900,9 @@ pub async fn events(
     Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
 }
 
+/// How much of a force-releasing client's `User-Agent` is logged.
+const MAX_AGENT_BYTES: usize = 200;
+
 async fn force_release(
     app: &App,
     key: LockKey,
@@ -909,10 +912,12 @@ async fn force_release(
 ) -> Result<Json<ForceReleased>, Error> {
     auth::require_admin(&app.settings, headers)?;
     let reason = check_reason(reason)?;
+    // Logged with the release: cut like a reason is bounded (visible ASCII
+    // only, so a byte cut is a character cut).
     let agent = headers
         .get(axum::http::header::USER_AGENT)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or("-");
+        .map_or("-", |a| &a[..a.len().min(MAX_AGENT_BYTES)]);
     let who = format!(
         "admin from {peer} (user-agent {agent:?}, reason {:?})",
         reason.as_deref().unwrap_or("-")

@@ -410,6 +410,17 @@ const SPOOFING: &[(char, &str)] = &[
     ('\u{a0}', "no-break space"),
     ('\u{3000}', "ideographic space"),
     ('\u{e0041}', "tag latin capital A"),
+    // Default-ignorable or blank letters and marks, not of category Cf:
+    ('\u{34f}', "combining grapheme joiner"),
+    ('\u{115f}', "Hangul choseong filler"),
+    ('\u{1160}', "Hangul jungseong filler"),
+    ('\u{17b4}', "Khmer vowel inherent aq"),
+    ('\u{180b}', "Mongolian free variation selector"),
+    ('\u{2800}', "Braille pattern blank"),
+    ('\u{3164}', "Hangul filler"),
+    ('\u{fe0f}', "variation selector 16"),
+    ('\u{ffa0}', "halfwidth Hangul filler"),
+    ('\u{e0100}', "variation selector 17"),
 ];
 
 /// Sends `(name, value)` to `method segments` through every source that
@@ -571,6 +582,27 @@ async fn force_release_reasons_are_bounded_and_plain() {
     assert!(
         sidecar.log().contains(&reason),
         "the accepted reason is logged"
+    );
+    // The User-Agent logged with a force-release is cut as well.
+    let grant = lock.acquire(&[("owner", "holder")]).await;
+    let agent = "A".repeat(12_000);
+    let r = reqwest::Client::new()
+        .delete(format!("{}/v1/admin/locks/{name}", sidecar.base_url()))
+        .bearer_auth(common::ADMIN_TOKEN)
+        .header("user-agent", &agent)
+        .send()
+        .await
+        .expect("force-release");
+    assert_eq!(r.status(), StatusCode::OK);
+    lock.release_lost(&grant.token).await;
+    let log = sidecar.log();
+    assert!(
+        log.contains(&"A".repeat(200)),
+        "the agent's start is logged"
+    );
+    assert!(
+        !log.contains(&"A".repeat(201)),
+        "at most 200 characters of a User-Agent are logged"
     );
 }
 
