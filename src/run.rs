@@ -108,20 +108,20 @@ pub async fn run(args: RunArgs) -> i32 {
     if let Ok(mut segments) = url.path_segments_mut() {
         segments.pop_if_empty().push(&args.lock).push("hold");
     }
-    {
-        let mut q = url.query_pairs_mut();
-        for (k, v) in [
-            ("ttl", &args.ttl),
-            ("wait", &args.wait),
-            ("owner", &args.owner),
-        ] {
-            if let Some(v) = v {
-                q.append_pair(k, v);
-            }
-        }
-        if args.shared {
-            q.append_pair("mode", "shared");
-        }
+    let mut pairs: Vec<(&str, &str)> = [
+        ("ttl", &args.ttl),
+        ("wait", &args.wait),
+        ("owner", &args.owner),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| Some((k, v.as_deref()?)))
+    .collect();
+    if args.shared {
+        pairs.push(("mode", "shared"));
+    }
+    // Only when there is a query: an empty one would leave a stray `?`.
+    if !pairs.is_empty() {
+        url.query_pairs_mut().extend_pairs(pairs);
     }
     let client = reqwest::Client::new();
     let mut request = client.get(url).header("accept", "text/event-stream");
@@ -131,7 +131,10 @@ pub async fn run(args: RunArgs) -> i32 {
     let response = match request.send().await {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("sidelock run: cannot reach the sidecar at {base}: {e}");
+            eprintln!(
+                "sidelock run: cannot reach the sidecar at {base}: {}",
+                send_failure(&e)
+            );
             return EXIT_UNAVAILABLE;
         }
     };
@@ -145,6 +148,8 @@ pub async fn run(args: RunArgs) -> i32 {
         return EXIT_UNAVAILABLE;
     }
     let mut events = SseReader::new(response.bytes_stream());
+    // When this run joined the queue; later `queued` events move it forward.
+    let mut queued_since = None;
     let acquired = loop {
         let Some(msg) = events.next().await else {
             eprintln!("sidelock run: the sidecar closed the stream before the lock was granted");
@@ -152,7 +157,20 @@ pub async fn run(args: RunArgs) -> i32 {
         };
         match msg.event.as_str() {
             "acquired" => break msg.data,
-            "queued" => {}
+            "queued" => {
+                if !args.quiet {
+                    let since = *queued_since.get_or_insert_with(std::time::SystemTime::now);
+                    let at =
+                        |name| field(&msg.data, name).map_or("?".to_owned(), |v| v.to_string());
+                    eprintln!(
+                        "sidelock run: lock {:?} is held elsewhere; queued at position {} of {} since {}",
+                        args.lock,
+                        at("position"),
+                        at("queue_length"),
+                        humantime::format_rfc3339_seconds(since)
+                    );
+                }
+            }
             "timeout" => {
                 eprintln!(
                     "sidelock run: lock {:?} is busy; not acquired within the wait",
@@ -225,6 +243,31 @@ where
                 }
             }
         }
+    }
+}
+
+/// Why a request did not get an answer, in words: the socket error's kind
+/// when there is one (`connection refused`), else reqwest's own class.
+fn send_failure(e: &reqwest::Error) -> String {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            // An OS error's kind reads well ("connection refused"); anything
+            // else (a resolver's error) says more in its own words.
+            return if io.raw_os_error().is_some() {
+                io.kind().to_string()
+            } else {
+                io.to_string()
+            };
+        }
+        source = cause.source();
+    }
+    if e.is_timeout() {
+        "timed out".to_owned()
+    } else if e.is_connect() {
+        "cannot connect".to_owned()
+    } else {
+        "the request failed".to_owned()
     }
 }
 

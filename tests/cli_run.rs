@@ -155,3 +155,138 @@ async fn the_api_token_is_sent_when_configured() {
         .spawn();
     assert_eq!(run.exit_code(RUN_TIMEOUT).await, 0, "{}", run.log());
 }
+
+/// `sidelock run` with `args` and no command of interest; returns its exit
+/// code and everything it printed. For usage errors and `--help`.
+fn run_cli(args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = std::process::Command::new(common::sidecar::SIDELOCK_BIN);
+    common::sidecar::remove_inherited_sidelock_env(&mut cmd);
+    let out = cmd
+        .env("NO_COLOR", "1")
+        .args(args)
+        .output()
+        .expect("spawn sidelock");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// A loopback URL where nothing listens (the port was free a moment ago).
+fn nothing_listens() -> String {
+    format!("http://127.0.0.1:{}", free_port())
+}
+
+#[tokio::test]
+async fn while_queued_it_says_so_on_stderr_in_every_mode() {
+    let sidecar = default_sidecar().await;
+    for shared in [false, true] {
+        let lock = sidecar.api().lock(&unique_name("run-queued"));
+        let held = lock.acquire(&[("owner", "elsewhere")]).await;
+        let mut builder = RunBuilder::new(sidecar.base_url(), lock.name())
+            .wait("20s")
+            .flag("owner", "runner");
+        if shared {
+            builder = builder.arg("--shared");
+        }
+        let mut run = builder.sh("touch ran").spawn();
+        lock.wait_for_waiters(&["runner"]).await;
+        let line = eventually("the queued line on stderr", EVENT_TIMEOUT, async || {
+            run.log()
+                .lines()
+                .find(|l| l.contains("queued"))
+                .map(str::to_owned)
+        })
+        .await;
+        assert!(line.contains(lock.name()), "names the lock: {line}");
+        assert!(line.contains("position 1"), "gives the position: {line}");
+        assert!(line.contains("since "), "says since when: {line}");
+        assert!(!run.file("ran").exists(), "CMD ran while queued");
+
+        lock.release(&held.token).await;
+        assert_eq!(run.exit_code(RUN_TIMEOUT).await, 0, "{}", run.log());
+        assert!(run.file("ran").exists());
+    }
+}
+
+#[tokio::test]
+async fn quiet_keeps_the_queue_to_itself() {
+    let sidecar = default_sidecar().await;
+    let lock = sidecar.api().lock(&unique_name("run-quiet"));
+    let held = lock.acquire(&[("owner", "elsewhere")]).await;
+    let mut run = RunBuilder::new(sidecar.base_url(), lock.name())
+        .wait("20s")
+        .flag("owner", "runner")
+        .arg("--quiet")
+        .sh("touch ran")
+        .spawn();
+    lock.wait_for_waiters(&["runner"]).await;
+    lock.release(&held.token).await;
+    // The queued event comes before the grant, so its line would be out by now.
+    assert_eq!(run.exit_code(RUN_TIMEOUT).await, 0, "{}", run.log());
+    assert!(run.file("ran").exists());
+    assert_eq!(run.log().trim(), "", "--quiet printed something");
+}
+
+#[tokio::test]
+async fn bad_durations_and_flags_are_usage_errors_before_any_request() {
+    // Nothing listens at the URL: any request would end in exit 69, not 2.
+    let url = nothing_listens();
+    for (flag, value, named) in [
+        ("--ttl", "30x", "--ttl"),
+        ("--ttl", "", "--ttl"),
+        ("--wait", "soon", "--wait"),
+        ("--wait", "-1s", "--wait"),
+        ("--ttl", "400days", "--ttl"),
+        ("--url", "not a url", "--url"),
+        ("--url", "ftp://127.0.0.1:7070", "--url"),
+    ] {
+        let mut args = vec!["run", "--lock", "x"];
+        if flag != "--url" {
+            args.extend(["--url", &url]);
+        }
+        let flag_value = format!("{flag}={value}");
+        args.extend([flag_value.as_str(), "--", "sh", "-c", "touch ran"]);
+        let (code, out) = run_cli(&args);
+        assert_eq!(code, Some(2), "{flag} {value:?}: {out}");
+        assert!(
+            out.contains(named),
+            "{flag} {value:?} names the flag: {out}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_sidecar_says_connection_refused_at_its_url() {
+    let url = nothing_listens();
+    let mut run = RunBuilder::new(&url, &unique_name("run-refused"))
+        .sh("touch ran")
+        .spawn();
+    assert_eq!(run.exit_code(RUN_TIMEOUT).await, 69);
+    let log = run.log();
+    assert_eq!(
+        log.trim(),
+        format!("sidelock run: cannot reach the sidecar at {url}: connection refused")
+    );
+    assert!(!run.file("ran").exists());
+}
+
+#[tokio::test]
+async fn run_help_lists_exit_codes_and_environment() {
+    let (code, help) = run_cli(&["run", "--help"]);
+    assert_eq!(code, Some(0), "{help}");
+    for code in ["69", "75", "76", "127", "128+"] {
+        assert!(help.contains(code), "exit code {code} missing:\n{help}");
+    }
+    for var in [
+        "SIDELOCK_URL",
+        "SIDELOCK_API_TOKEN",
+        "SIDELOCK_LOCK",
+        "SIDELOCK_TOKEN",
+        "SIDELOCK_FENCE",
+    ] {
+        assert!(help.contains(var), "{var} missing:\n{help}");
+    }
+}

@@ -42,6 +42,12 @@ impl RunBuilder {
         self
     }
 
+    /// Appends one raw argument (before the `--`), e.g. `--shared`.
+    pub fn arg(mut self, arg: &str) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
     pub fn wait(self, duration: &str) -> Self {
         self.flag("wait", duration)
     }
