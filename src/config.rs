@@ -176,7 +176,10 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:7070]; port 0 picks a free port.
     #[arg(long, env = "SIDELOCK_LISTEN")]
     pub listen: Option<SocketAddr>,
-    /// Backend URL: memory:// [default].
+    /// Backend URL [default: memory://]: memory://, redis://, rediss://,
+    /// redis+sentinel://, rediss+sentinel://, redis+cluster://,
+    /// rediss+cluster://, redlock://, redlocks://, zk://, postgres://,
+    /// postgresql:// (README: "Backends and their guarantees").
     #[arg(long, env = "SIDELOCK_BACKEND")]
     pub backend: Option<Secret>,
     /// This sidecar's id in holder listings [default: hostname-<random>].

@@ -1,3 +1,5 @@
+use std::io::IsTerminal;
+
 use clap::Parser;
 use sidelock::config::{Cli, Command, LogFormat, Settings};
 use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
@@ -18,7 +20,11 @@ fn init_tracing(format: LogFormat) {
         .with_target("sidelock", LevelFilter::TRACE);
     let filter = wanted.and(cap);
     let registry = tracing_subscriber::registry();
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: a file, a pipe or a container
+    // runtime's log would keep the escape codes as text.
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match format {
         LogFormat::Text => registry.with(layer.with_filter(filter)).init(),
         LogFormat::Json => registry.with(layer.json().with_filter(filter)).init(),

@@ -67,7 +67,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     tracing::info!(
         sidecar = %settings.sidecar_id,
         backend = %description.url,
-        safety = ?description.safety,
+        safety = %description.safety,
         "listening on {local}"
     );
     core.tasks.spawn(monitor(core.clone()));

@@ -62,6 +62,23 @@ pub enum Safety {
     Correctness,
 }
 
+impl Safety {
+    /// The class as the API writes it (`single-process`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Safety::SingleProcess => "single-process",
+            Safety::Efficiency => "efficiency",
+            Safety::Correctness => "correctness",
+        }
+    }
+}
+
+impl std::fmt::Display for Safety {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Static facts about a backend.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Description {
@@ -464,7 +481,21 @@ pub async fn open(
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{Safety, redact};
+
+    #[test]
+    fn the_safety_class_is_written_as_the_api_writes_it() {
+        for safety in [
+            Safety::SingleProcess,
+            Safety::Efficiency,
+            Safety::Correctness,
+        ] {
+            assert_eq!(
+                serde_json::to_value(safety).unwrap(),
+                serde_json::json!(safety.to_string())
+            );
+        }
+    }
 
     #[test]
     fn passwords_are_removed_from_urls() {
