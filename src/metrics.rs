@@ -234,8 +234,15 @@ impl Metrics {
             lost: counter(
                 r,
                 "lost_total",
-                "Leases of this sidecar that ended without their holder releasing them, by reason: \
-                 expired, force_released, max_hold, shutdown, backend.",
+                &format!(
+                    "Leases of this sidecar that ended without their holder releasing them, by \
+                     reason: {}.",
+                    LOST_REASONS
+                        .iter()
+                        .map(|reason| reason.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
                 &["reason"],
             ),
             expirations: counter(

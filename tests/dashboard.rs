@@ -591,6 +591,13 @@ async fn stats_report_recent_acquisitions_for_the_charts() {
         buckets.iter().any(|b| b["wait_p99_ms"].is_number()),
         "percentiles where there were grants: {stats}"
     );
+    for bucket in buckets {
+        for (field, value) in bucket.as_object().expect("a bucket object") {
+            let text = value.to_string();
+            let decimals = text.split_once('.').map_or(0, |(_, frac)| frac.len());
+            assert!(decimals <= 3, "{field} is not rounded: {text}");
+        }
+    }
     let doc: Value = api.get_json(&["openapi.json"], &[]).await;
     assert!(
         doc["paths"]["/v1/stats"]["get"].is_object(),

@@ -402,3 +402,28 @@ async fn alert_rules_use_exported_metrics() {
         );
     }
 }
+
+#[tokio::test]
+async fn every_help_text_names_every_label_value_its_family_exports() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let metrics = Metrics::scrape(&sidecar.api()).await;
+    let family = "sidelock_lost_total";
+    let help = metrics
+        .1
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("# HELP {family} ")))
+        .unwrap_or_else(|| panic!("no HELP for {family}:\n{}", metrics.1));
+    let reasons: Vec<&str> = metrics
+        .find(family, &[])
+        .iter()
+        .filter_map(|s| s.labels.get("reason"))
+        .collect();
+    assert!(reasons.contains(&"unreachable"), "{reasons:?}");
+    for reason in reasons {
+        assert!(
+            help.split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                .any(|word| word == reason),
+            "the HELP of {family} does not name the reason {reason}: {help}"
+        );
+    }
+}

@@ -164,18 +164,49 @@ pub struct Bucket {
     /// limit) or failed (backend outage).
     pub other: u64,
     /// Grants per second over the bucket (over the elapsed part if partial).
+    #[serde(serialize_with = "three_decimals")]
     pub granted_per_second: f64,
     /// Wait-time percentiles of the grants in this bucket, in milliseconds
     /// (estimated from the `sidelock_wait_seconds` buckets); absent without grants.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "three_decimals_opt"
+    )]
     pub wait_p50_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "three_decimals_opt"
+    )]
     pub wait_p90_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "three_decimals_opt"
+    )]
     pub wait_p99_ms: Option<f64>,
     /// Mean wait of the grants in this bucket, in milliseconds.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "three_decimals_opt"
+    )]
     pub wait_mean_ms: Option<f64>,
+}
+
+/// `x` to three decimals (a microsecond of a millisecond figure): the
+/// estimates carry no more, and binary fractions (`0.09000000000000001`)
+/// would show through.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn three_decimals<S: serde::Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(round3(*x))
+}
+
+fn three_decimals_opt<S: serde::Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => s.serialize_some(&round3(*x)),
+        None => s.serialize_none(),
+    }
 }
 
 impl Bucket {
@@ -374,6 +405,26 @@ mod tests {
         assert_eq!(quantile(&[], 0.5), None);
         // Everything above the highest bound reports that bound.
         assert_eq!(quantile(&[(0.1, 0), (f64::INFINITY, 3)], 0.99), Some(0.1));
+    }
+
+    #[test]
+    fn figures_are_written_with_at_most_three_decimals() {
+        let d = Delta {
+            granted: 1,
+            wait: vec![(0.1, 0), (0.25, 3), (f64::INFINITY, 3)],
+            wait_count: 1,
+            wait_sum: 0.00009,
+            ..Delta::default()
+        };
+        let json = serde_json::to_value(Bucket::new(0, 3000, true, &d)).unwrap();
+        assert_eq!(
+            json["granted_per_second"],
+            serde_json::json!(0.333),
+            "{json}"
+        );
+        assert_eq!(json["wait_mean_ms"], serde_json::json!(0.09), "{json}");
+        assert_eq!(json["wait_p50_ms"], serde_json::json!(175.0), "{json}");
+        assert_eq!(json["wait_p90_ms"], serde_json::json!(235.0), "{json}");
     }
 
     #[test]
