@@ -693,3 +693,87 @@ async fn live_updates_fall_back_and_reconnect_when_the_stream_drops() {
     );
     browser.close().await;
 }
+
+/// Whether every element matching `selector` lies inside the viewport (seen
+/// without scrolling); `null` when none matches.
+const IN_VIEWPORT: &str = "const found = Array.from(document.querySelectorAll(arguments[0])); \
+    if (found.length === 0) return null; \
+    return found.every(e => { const r = e.getBoundingClientRect(); \
+    return r.width > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= window.innerHeight && r.right <= window.innerWidth; });";
+
+#[tokio::test]
+async fn queued_locks_show_without_scrolling_at_1280_by_1000() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let api = sidecar.api();
+    // One held lock of every kind with one waiter each, and one without.
+    let exclusive = api.lock("queued:exclusive");
+    exclusive
+        .acquire(&[("owner", "writer"), ("ttl", "5m")])
+        .await;
+    let shared = api.lock("queued:shared");
+    shared
+        .acquire(&[("owner", "reader"), ("mode", "shared"), ("ttl", "5m")])
+        .await;
+    let permits = api.semaphore("queued:permits");
+    permits
+        .acquire(&[("owner", "trainer"), ("limit", "1"), ("ttl", "5m")])
+        .await;
+    let calm = api.lock("calm:lock");
+    calm.acquire(&[("owner", "alone"), ("ttl", "5m")]).await;
+    let mut waiters = Vec::new();
+    for (resource, params) in [
+        (&exclusive, vec![("owner", "next-writer"), ("wait", "5m")]),
+        (&shared, vec![("owner", "next-writer"), ("wait", "5m")]),
+        (
+            &permits,
+            vec![("owner", "next-trainer"), ("limit", "1"), ("wait", "5m")],
+        ),
+    ] {
+        let mut waiter = resource.hold(&params).await;
+        waiter.expect_queued().await;
+        waiters.push(waiter);
+    }
+
+    let browser = Browser::start(1280, 1000).await;
+    browser
+        .client
+        .goto(sidecar.base_url())
+        .await
+        .expect("open the dashboard");
+    browser.wait_for_text("#holders", "trainer").await;
+    browser
+        .screenshot(&target_dir().join("dashboard-queued-1280x1000.png"))
+        .await;
+    for lock in [
+        "locks/queued:exclusive",
+        "locks/queued:shared",
+        "semaphores/queued:permits",
+    ] {
+        let selector = format!("#holders tbody.lock[data-lock=\"{lock}\"] .queue-count");
+        assert_eq!(
+            browser.js(IN_VIEWPORT, vec![json!(selector)]).await,
+            json!(true),
+            "the queue of {lock} is not seen without scrolling"
+        );
+        let text = browser
+            .js(
+                "return document.querySelector(arguments[0]).textContent.trim();",
+                vec![json!(selector)],
+            )
+            .await;
+        assert_eq!(text, json!("1 waiting"), "{lock}");
+    }
+    let calm_count = browser
+        .js(
+            "return document.querySelectorAll('#holders tbody.lock[data-lock=\"locks/calm:lock\"] .queue-count').length;",
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        calm_count,
+        json!(0),
+        "a lock nobody waits for shows no queue"
+    );
+    drop(waiters);
+    browser.close().await;
+}

@@ -290,6 +290,18 @@ impl View {
         self.locks.iter().any(|l| !l.holders.is_empty())
     }
 
+    /// The locks on the page with holders, for the holders table: those
+    /// with a queue first (in page order), so a queue shows without scrolling.
+    pub fn held_locks(&self) -> Vec<&LockGroup> {
+        let mut held: Vec<&LockGroup> = self
+            .locks
+            .iter()
+            .filter(|l| !l.holders.is_empty())
+            .collect();
+        held.sort_by_key(|l| l.waiters.is_empty());
+        held
+    }
+
     /// The locks on the page with waiters.
     pub fn queues(&self) -> Vec<&LockGroup> {
         self.locks
