@@ -239,7 +239,8 @@ async fn bad_durations_and_flags_are_usage_errors_before_any_request() {
         ("--ttl", "", "--ttl"),
         ("--wait", "soon", "--wait"),
         ("--wait", "-1s", "--wait"),
-        ("--ttl", "400days", "--ttl"),
+        ("--ttl", "9000h", "--ttl"),
+        ("--wait", "30sec", "--wait"),
         ("--url", "not a url", "--url"),
         ("--url", "ftp://127.0.0.1:7070", "--url"),
     ] {
