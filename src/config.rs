@@ -233,6 +233,11 @@ pub struct ServeArgs {
     #[arg(long, env = "SIDELOCK_BODY_READ_TIMEOUT", value_parser = parse_duration)]
     #[serde(default, deserialize_with = "de_duration")]
     pub body_read_timeout: Option<Duration>,
+    /// Time a response may make no progress while the client does not read
+    /// it before the connection is closed [default: 30s].
+    #[arg(long, env = "SIDELOCK_WRITE_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, deserialize_with = "de_duration")]
+    pub write_timeout: Option<Duration>,
     /// Open connections at most (lowered to fit the open-file limit) [default: 30000].
     #[arg(long, env = "SIDELOCK_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
@@ -282,7 +287,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, max_total_waiters, max_held, metrics_lock_labels, shutdown_grace,
-            header_read_timeout, idle_timeout, body_read_timeout, max_connections, allowed_hosts,
+            header_read_timeout, idle_timeout, body_read_timeout, write_timeout, max_connections, allowed_hosts,
             log_format, redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root,
             api_token, admin_token, dashboard_session_ttl)
     }
@@ -419,6 +424,7 @@ impl Settings {
             ("header_read_timeout", a.header_read_timeout),
             ("idle_timeout", a.idle_timeout),
             ("body_read_timeout", a.body_read_timeout),
+            ("write_timeout", a.write_timeout),
         ] {
             if let Some(value) = value.filter(|v| *v > MAX_DURATION) {
                 return Err(format!(
@@ -452,12 +458,14 @@ impl Settings {
             header_read: a.header_read_timeout.unwrap_or(Duration::from_secs(10)),
             idle: a.idle_timeout.unwrap_or(Duration::from_secs(60)),
             body_read: a.body_read_timeout.unwrap_or(Duration::from_secs(30)),
+            write: a.write_timeout.unwrap_or(Duration::from_secs(30)),
             max_connections: a.max_connections.unwrap_or(30_000),
         };
         for (name, value) in [
             ("header_read_timeout", connections.header_read),
             ("idle_timeout", connections.idle),
             ("body_read_timeout", connections.body_read),
+            ("write_timeout", connections.write),
         ] {
             if value.is_zero() {
                 return Err(format!("{name} must be above 0"));
@@ -642,6 +650,7 @@ mod tests {
                 "header_read_timeout",
                 "idle_timeout",
                 "body_read_timeout",
+                "write_timeout",
             ] {
                 let text = format!(
                     "{setting} = {}",
@@ -686,7 +695,7 @@ mod tests {
     #[test]
     fn file_sets_connection_timeouts_and_cap() {
         let file: ServeArgs = toml::from_str(
-            "header_read_timeout = \"2s\"\nidle_timeout = \"5s\"\nbody_read_timeout = 700\nmax_connections = 99",
+            "header_read_timeout = \"2s\"\nidle_timeout = \"5s\"\nbody_read_timeout = 700\nwrite_timeout = \"3s\"\nmax_connections = 99",
         )
         .unwrap();
         let s = Settings::resolve(file).unwrap();
@@ -696,6 +705,7 @@ mod tests {
                 header_read: Duration::from_secs(2),
                 idle: Duration::from_secs(5),
                 body_read: Duration::from_millis(700),
+                write: Duration::from_secs(3),
                 max_connections: 99,
             }
         );

@@ -13,7 +13,18 @@
 //! first byte (or of connecting), and, after a response, start the next
 //! request within the idle timeout; a request's body must arrive within the
 //! body-read timeout of its head. A request in flight — a `wait`, a hold
-//! stream — is not timed here: it lives as long as its handler.
+//! stream — is not timed here: it lives as long as its handler. A response
+//! whose bytes make no progress for the write timeout (a client that does
+//! not read, pipelining or not) closes its connection with a reset, so its
+//! kernel send queue is freed at once; for a hold stream that is a
+//! disconnect, which releases the lease.
+//!
+//! Head size: a request head (request line and headers) of more than
+//! [`MAX_HEAD`] bytes is answered 431 by hyper and the connection closed.
+//! hyper reads the next pipelined request only after the response before it
+//! is written, so a pipelining client holds at most one response and
+//! [`MAX_HEAD`] bytes of requests in the sidecar, plus the socket's buffers
+//! for at most the write timeout.
 //!
 //! Cap: at `max_connections` open connections, a new one makes room by
 //! closing the oldest connection without a request in flight (idle, or still
@@ -46,6 +57,11 @@ use crate::error::Error;
 /// full file table is not a busy loop.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
+/// The largest request head read, and hyper's read buffer: far above any
+/// request a client of this API sends, small enough that 30,000 unfinished
+/// heads fit in the chart's memory limit.
+pub const MAX_HEAD: usize = 32 * 1024;
+
 /// Open files kept free of connections (backend connections, config, logs).
 const FILES_IN_RESERVE: u64 = 64;
 
@@ -59,6 +75,9 @@ pub struct ConnectionLimits {
     pub idle: Duration,
     /// Time to send a request's body, from the end of its head.
     pub body_read: Duration,
+    /// Time a response may make no progress because the client does not
+    /// read it; then the connection is reset.
+    pub write: Duration,
     /// Open connections at most.
     pub max_connections: usize,
 }
@@ -302,9 +321,12 @@ async fn connection(
         waiting_since: None,
         sleep: Box::pin(tokio::time::sleep(Duration::ZERO)),
         sleep_until: None,
+        write_stalled_since: None,
+        write_sleep: None,
     };
-    let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(io), service);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => log_end(r),
@@ -402,7 +424,8 @@ impl HttpBody for Tracked {
 
 /// The socket of a connection, failing a read with `TimedOut` when the
 /// header-read or idle timeout of a connection without a request in flight
-/// has passed.
+/// has passed, and a write when the peer has read nothing for the write
+/// timeout.
 struct Watched {
     inner: TcpStream,
     state: Arc<ConnState>,
@@ -416,6 +439,51 @@ struct Watched {
     sleep: Pin<Box<Sleep>>,
     /// The deadline `sleep` is set to, if it is armed.
     sleep_until: Option<Instant>,
+    /// Since when writes have been refused by a full send buffer; `None`
+    /// after a write that made progress.
+    write_stalled_since: Option<Instant>,
+    /// The write deadline's timer, created at the first stalled write so a
+    /// connection whose client reads costs no timer.
+    write_sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl Watched {
+    /// Runs one write on the socket and times it: progress clears the
+    /// stall, a stall longer than the write timeout resets the connection.
+    fn timed_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match write(Pin::new(&mut self.inner), cx) {
+            Poll::Pending => {}
+            ready => {
+                self.write_stalled_since = None;
+                return ready;
+            }
+        }
+        let deadline =
+            *self.write_stalled_since.get_or_insert_with(Instant::now) + self.limits.write;
+        let sleep = self
+            .write_sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if sleep.deadline() != deadline {
+            sleep.as_mut().reset(deadline);
+        }
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                // A reset frees the unread responses in the send queue at
+                // once; a close would keep them until the peer reads or
+                // the kernel gives up.
+                let _ = self.inner.set_zero_linger();
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client read nothing of its response within the write timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl AsyncRead for Watched {
@@ -491,7 +559,7 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        self.timed_write(cx, |inner, cx| inner.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -499,7 +567,7 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        self.timed_write(cx, |inner, cx| inner.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -43,7 +43,7 @@ CONFIG_KEYS = {
     "stale_after", "max_waiters", "metrics_lock_labels", "shutdown_grace",
     "log_format", "sidecar_id", "allowed_hosts", "max_total_waiters", "max_held",
     "max_connections", "header_read_timeout", "idle_timeout", "body_read_timeout",
-    "dashboard_session_ttl",
+    "write_timeout", "dashboard_session_ttl",
 }
 DURATION = re.compile(r"^([0-9]+(ms|s|m|h))+$")
 PROM_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
@@ -169,7 +169,8 @@ def check_config(cm: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     else:
         assert config["backend"] == values["backend"]["url"]
     for key in ("default_ttl", "max_ttl", "max_wait", "lock_delay", "stale_after", "shutdown_grace",
-                "header_read_timeout", "idle_timeout", "body_read_timeout", "dashboard_session_ttl"):
+                "header_read_timeout", "idle_timeout", "body_read_timeout", "write_timeout",
+                "dashboard_session_ttl"):
         assert DURATION.match(config[key]), (key, config[key])
     for key in ("max_waiters", "max_total_waiters", "max_held", "max_connections"):
         assert isinstance(config[key], int), key

@@ -122,6 +122,7 @@ max_connections = {{ int64 $c.maxConnections }}
 header_read_timeout = {{ include "sidelock.duration" $c.headerReadTimeout | toJson }}
 idle_timeout = {{ include "sidelock.duration" $c.idleTimeout | toJson }}
 body_read_timeout = {{ include "sidelock.duration" $c.bodyReadTimeout | toJson }}
+write_timeout = {{ include "sidelock.duration" $c.writeTimeout | toJson }}
 dashboard_session_ttl = {{ include "sidelock.duration" $c.dashboardSessionTtl | toJson }}
 metrics_lock_labels = {{ $c.metricsLockLabels }}
 shutdown_grace = {{ include "sidelock.duration" $c.shutdownGrace | toJson }}
