@@ -64,6 +64,8 @@ pub enum Error {
         "this sidecar has {limit} connections open, each with a request in flight; retry later, or raise --max-connections"
     )]
     TooManyConnections { limit: usize },
+    #[error("this sidecar already serves {limit} event streams; close one, or retry later")]
+    TooManyEventStreams { limit: usize },
     #[error(
         "the request body did not arrive within the body-read timeout of {timeout_ms} ms; send the whole body at once"
     )]
@@ -138,6 +140,7 @@ impl Error {
             Error::MisdirectedRequest(_) => (S::MISDIRECTED_REQUEST, "misdirected-request"),
             Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
             Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
+            Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::TooManySignIns { .. } => (S::TOO_MANY_REQUESTS, "too-many-sign-ins"),
             Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),

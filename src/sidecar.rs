@@ -57,6 +57,9 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             &settings.sidecar_id,
             settings.dashboard_session_ttl,
         ),
+        event_streams: Arc::new(tokio::sync::Semaphore::new(
+            crate::http::locks::MAX_EVENT_STREAMS,
+        )),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await

@@ -865,19 +865,34 @@ pub async fn stale(
     }))
 }
 
+/// Open `/v1/events` streams per sidecar at most, so that streams, which
+/// never end by themselves, cannot take every connection from probes and
+/// lock requests.
+pub const MAX_EVENT_STREAMS: usize = 64;
+
 #[utoipa::path(get, path = "/v1/events", tag = "operations",
     responses(
         (status = 200, content_type = "text/event-stream", description = "SSE of this sidecar's lock events; event name = type"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "64 event streams are already open (Retry-After)"),
     ))]
 /// Live lock events of this sidecar.
 pub async fn events(
     State(app): State<Arc<App>>,
     Params(_none): Params<NoParams>,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Error> {
+    let permit =
+        app.event_streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::TooManyEventStreams {
+                limit: MAX_EVENT_STREAMS,
+            })?;
     let rx = app.core.subscribe();
     let shutdown = app.core.shutdown.clone();
-    let stream = futures::stream::unfold((rx, shutdown), |(mut rx, shutdown)| async move {
+    // The permit lives in the stream's state: dropped with the stream.
+    let state = (rx, shutdown, permit);
+    let stream = futures::stream::unfold(state, |(mut rx, shutdown, permit)| async move {
         let received = tokio::select! {
             () = shutdown.cancelled() => return None,
             received = rx.recv() => received,
@@ -895,9 +910,9 @@ pub async fn events(
             }
             Err(broadcast::error::RecvError::Closed) => return None,
         };
-        Some((Ok(event), (rx, shutdown)))
+        Some((Ok(event), (rx, shutdown, permit)))
     });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE)))
 }
 
 /// How much of a force-releasing client's `User-Agent` is logged.

@@ -40,6 +40,8 @@ pub struct App {
     pub started_at_ms: u64,
     /// The operator page's state (chart history, browser session).
     pub dashboard: crate::dashboard::Dashboard,
+    /// Permits for open `/v1/events` streams, [`locks::MAX_EVENT_STREAMS`] in all.
+    pub event_streams: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(OpenApi)]

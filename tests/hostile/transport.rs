@@ -1004,3 +1004,75 @@ async fn oversized_request_heads_get_431() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// Opens an event stream on a new connection and returns it with the head
+/// of its answer (up to the end of the response head).
+async fn open_event_stream(port: u16) -> (TcpStream, String) {
+    let mut stream = connect(port).await;
+    stream
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    within("the head of an event stream's answer", RAW_TIMEOUT, async {
+        let mut byte = [0_u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => head.push(byte[0]),
+            }
+        }
+    })
+    .await;
+    (stream, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Security review F8: `/v1/events` streams were uncapped, so streams alone
+/// could fill `--max-connections` and probes got 429 (a kubelet would
+/// restart the sidecar and every lease would be lost). At 64 open event
+/// streams the next gets 429 `too-many-event-streams` with `Retry-After`,
+/// probes still answer, and a closed stream makes room again.
+#[tokio::test]
+async fn event_streams_are_capped_and_probes_still_answer() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_MAX_CONNECTIONS", "80")
+        .start()
+        .await;
+    let port = sidecar.port();
+    let mut streams = Vec::new();
+    for i in 0..64 {
+        let (stream, head) = open_event_stream(port).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "stream {i}: {head}");
+        streams.push(stream);
+    }
+    let over = raw_exchange(
+        port,
+        b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        over.starts_with("HTTP/1.1 429")
+            && over.contains("urn:sidelock:problem:too-many-event-streams")
+            && over.to_ascii_lowercase().contains("retry-after:"),
+        "the 65th event stream: {over}"
+    );
+    for probe in ["/healthz", "/readyz"] {
+        let answer = raw_exchange(
+            port,
+            format!("GET {probe} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{probe}: {answer}");
+    }
+    drop(streams.pop());
+    eventually(
+        "a closed event stream makes room for a new one",
+        CLOSE_WITHIN,
+        || async {
+            let (stream, head) = open_event_stream(port).await;
+            head.starts_with("HTTP/1.1 200").then_some(stream)
+        },
+    )
+    .await;
+}
