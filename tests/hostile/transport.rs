@@ -1076,3 +1076,54 @@ async fn event_streams_are_capped_and_probes_still_answer() {
     )
     .await;
 }
+
+/// Security review F8, with waiters: a sidecar whose `--max-total-waiters`
+/// and event streams are all in use, under a small `--max-connections`
+/// above their sum, still answers probes and lets the holder release.
+#[tokio::test]
+async fn probes_answer_with_every_waiter_and_event_stream_in_use() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_MAX_CONNECTIONS", "100")
+        .env("SIDELOCK_MAX_TOTAL_WAITERS", "20")
+        .start()
+        .await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+    let name = unique_name("full");
+    let lock = api.lock(&name);
+    let grant = lock.acquire(&[("ttl", "1h")]).await;
+    let mut open = Vec::new();
+    for _ in 0..64 {
+        let (stream, head) = open_event_stream(port).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        open.push(stream);
+    }
+    for _ in 0..20 {
+        let mut stream = connect(port).await;
+        stream
+            .write_all(
+                format!("POST /v1/locks/{name}?wait=1h&ttl=1h HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
+        open.push(stream);
+    }
+    eventually("20 waiters queued", Duration::from_secs(20), || async {
+        (lock.inspect().await.waiters.len() == 20).then_some(())
+    })
+    .await;
+    let over = lock.acquire_raw(&[("wait", "1h"), ("ttl", "1h")]).await;
+    assert_eq!(
+        over.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the 21st waiter"
+    );
+    let answer = raw_exchange(
+        port,
+        b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "/healthz: {answer}");
+    lock.release(&grant.token).await;
+}
