@@ -70,10 +70,11 @@ pub enum Error {
         "the request body did not arrive within the body-read timeout of {timeout_ms} ms; send the whole body at once"
     )]
     BodyTimedOut { timeout_ms: u64 },
+    /// The peer's failed token checks used up its burst; its token was not compared.
     #[error(
-        "more than {burst} dashboard sign-ins failed recently: sign-in is allowed again at one attempt per second (see Retry-After)"
+        "more than {burst} wrong tokens came from this address recently: its tokens are checked again at one per second (see Retry-After)"
     )]
-    TooManySignIns { burst: u32 },
+    TooManyFailedTokens { burst: u32 },
     /// A per-sidecar cap is reached; `cap` is its setting's name.
     #[error("this sidecar already has {limit} {what} (--{flag}); retry later, or raise --{flag}")]
     SidecarFull {
@@ -142,7 +143,7 @@ impl Error {
             Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
             Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
-            Error::TooManySignIns { .. } => (S::TOO_MANY_REQUESTS, "too-many-sign-ins"),
+            Error::TooManyFailedTokens { .. } => (S::TOO_MANY_REQUESTS, "too-many-failed-tokens"),
             Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
             Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),

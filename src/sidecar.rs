@@ -60,6 +60,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         event_streams: Arc::new(tokio::sync::Semaphore::new(
             crate::http::locks::MAX_EVENT_STREAMS,
         )),
+        throttle: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await

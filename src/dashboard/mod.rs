@@ -14,13 +14,14 @@
 //! fragment only (never `/v1`), and the script keeps the token in
 //! `sessionStorage` for `/v1/events` and the admin call. Every sign-in gets
 //! a session of its own, ended by sign-out or its expiry; wrong tokens are
-//! throttled (see [`session`]).
+//! throttled per peer (see [`crate::http::throttle`]).
 
 mod assets;
 pub mod session;
 pub mod stats;
 pub mod view;
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,11 +35,11 @@ use tower_http::compression::CompressionLayer;
 use tower_http::set_header::SetResponseHeaderLayer;
 
 use crate::backend::StaleKey;
-use crate::config::Settings;
 use crate::core::Core;
 use crate::error::Error;
 use crate::http::App;
-use crate::http::auth::{bearer, same};
+use crate::http::auth::{api_or_admin, bearer};
+use crate::http::throttle::Place;
 use crate::metrics::Metrics;
 pub use stats::Stats;
 use view::{PageQuery, View};
@@ -59,8 +60,6 @@ pub struct Dashboard {
     pub stats: Arc<Stats>,
     /// The signed-in browsers' sessions (random per sign-in; never a token).
     sessions: session::Sessions,
-    /// The throttle on wrong sign-in tokens.
-    throttle: session::Throttle,
     /// Name of the session cookie (per sidecar, so port-forwards of several
     /// sidecars to one host do not overwrite each other's sessions).
     cookie: String,
@@ -72,7 +71,6 @@ impl Dashboard {
         Dashboard {
             stats: Arc::new(Stats::new(metrics)),
             sessions: session::Sessions::new(session_ttl),
-            throttle: session::Throttle::default(),
             cookie: format!("sidelock_session_{}", assets::short_hash(sidecar)),
             stale: Mutex::new(None),
         }
@@ -99,21 +97,25 @@ impl Dashboard {
 
     /// Whether a request may see the page: always without an API token;
     /// else with the API or admin token as a bearer, or the session cookie.
-    fn authorized(&self, settings: &Settings, headers: &HeaderMap) -> bool {
-        let Some(api) = &settings.api_token else {
-            return true;
+    /// A bearer token goes through the peer's throttle.
+    ///
+    /// # Errors
+    /// 429 when a bearer token came from a throttled peer.
+    fn authorized(&self, app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<bool, Error> {
+        let settings = &app.settings;
+        let Some(api) = settings.api_token.as_deref() else {
+            return Ok(true);
         };
         if let Some(presented) = bearer(headers)
-            && (same(presented, api)
-                || settings
-                    .admin_token
-                    .as_deref()
-                    .is_some_and(|a| same(presented, a)))
+            && app.throttle.check(peer, Place::Bearer, || {
+                api_or_admin(settings, api, presented)
+            })?
         {
-            return true;
+            return Ok(true);
         }
-        self.presented(headers)
-            .any(|value| self.sessions.valid(value))
+        Ok(self
+            .presented(headers)
+            .any(|value| self.sessions.valid(value)))
     }
 
     /// The values of this sidecar's session cookie in `headers`.
@@ -232,19 +234,35 @@ fn page_query(uri: &Uri) -> PageQuery {
 }
 
 /// `GET /`: the dashboard.
-async fn page(State(app): State<Arc<App>>, headers: HeaderMap, uri: Uri) -> Response {
-    if !app.dashboard.authorized(&app.settings, &headers) {
-        return sign_in_page(&app, None);
+async fn page(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    match app.dashboard.authorized(&app, peer, &headers) {
+        Ok(true) => {}
+        Ok(false) => return sign_in_page(&app, None),
+        Err(throttled) => return throttled.into_response(),
     }
     let v = view::gather(&app, &page_query(&uri)).await;
     no_store(render_page(&v), StatusCode::OK)
 }
 
 /// `GET /dashboard/live`: the live part of the page, for the script.
-async fn live(State(app): State<Arc<App>>, headers: HeaderMap, uri: Uri) -> Response {
-    if !app.dashboard.authorized(&app.settings, &headers) {
-        return Error::Unauthorized("sign in to the dashboard again: the session has ended")
-            .into_response();
+async fn live(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    match app.dashboard.authorized(&app, peer, &headers) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Error::Unauthorized("sign in to the dashboard again: the session has ended")
+                .into_response();
+        }
+        Err(throttled) => return throttled.into_response(),
     }
     let v = view::gather(&app, &page_query(&uri)).await;
     no_store(render_live(&v), StatusCode::OK)
@@ -263,27 +281,23 @@ fn see_other(to: &'static str) -> Response {
 /// `POST /dashboard/sign-in` (form `token=`): starts a browser session.
 async fn sign_in(
     State(app): State<Arc<App>>,
-    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     axum::Form(form): axum::Form<SignIn>,
 ) -> Response {
     let s = &app.settings;
-    let Some(api) = &s.api_token else {
+    let Some(api) = s.api_token.as_deref() else {
         return see_other("/");
     };
     let dashboard = &app.dashboard;
-    if !dashboard.throttle.attempt(peer) {
-        return Error::TooManySignIns {
-            burst: session::BURST,
-        }
-        .into_response();
-    }
     let token = form.token.trim();
-    let valid = same(token, api) || s.admin_token.as_deref().is_some_and(|a| same(token, a));
-    if !valid {
-        dashboard.throttle.failed(peer);
-        return sign_in_page(&app, Some("That is not this sidecar's API token."));
+    match app
+        .throttle
+        .check(peer, Place::SignIn, || api_or_admin(s, api, token))
+    {
+        Ok(true) => {}
+        Ok(false) => return sign_in_page(&app, Some("That is not this sidecar's API token.")),
+        Err(throttled) => return throttled.into_response(),
     }
-    dashboard.throttle.succeeded();
     let mut response = see_other("/");
     let cookie = dashboard.set_cookie(
         &dashboard.sessions.start(),

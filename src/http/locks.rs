@@ -925,7 +925,7 @@ async fn force_release(
     peer: std::net::SocketAddr,
     reason: Option<String>,
 ) -> Result<Json<ForceReleased>, Error> {
-    auth::require_admin(&app.settings, headers)?;
+    auth::require_admin(app, peer, headers)?;
     let reason = check_reason(reason)?;
     // Logged with the release: cut like a reason is bounded (visible ASCII
     // only, so a byte cut is a character cut).

@@ -10,6 +10,7 @@ pub mod ops;
 pub mod origin;
 pub mod params;
 pub mod server;
+pub mod throttle;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -42,6 +43,8 @@ pub struct App {
     pub dashboard: crate::dashboard::Dashboard,
     /// Permits for open `/v1/events` streams, [`locks::MAX_EVENT_STREAMS`] in all.
     pub event_streams: Arc<tokio::sync::Semaphore>,
+    /// Failed token checks per peer, shared by every place a token is checked.
+    pub throttle: throttle::Throttle,
 }
 
 #[derive(OpenApi)]
