@@ -370,6 +370,7 @@ pub async fn sample(core: Arc<Core>, stats: Arc<Stats>) {
     responses(
         (status = 200, body = StatsView, description = "Per-bucket acquisitions and wait-time percentiles"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
     ))]
 /// Acquisitions and wait-time percentiles per 5-second bucket over the last
 /// 15 minutes (the dashboard's charts).

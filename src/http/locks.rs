@@ -682,7 +682,7 @@ macro_rules! kind_routes {
                 (status = 409, body = Problem, content_type = "application/problem+json", description = "lock-busy: not granted within wait; key-conflict: a backend key of this lock holds data sidelock did not write"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
-                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-waiters (this lock) or sidecar-full (--max-total-waiters, --max-held)"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-waiters (this lock), sidecar-full (--max-total-waiters, --max-held) or too-many-failed-tokens (wrong tokens from this address)"),
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Acquire: try once, or wait in the FIFO queue up to `wait`.
@@ -700,6 +700,7 @@ macro_rules! kind_routes {
                 (status = 200, body = Released, description = "Released one hold; `remaining` holds are left"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
                 (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost: the token no longer holds the lock"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
@@ -720,6 +721,7 @@ macro_rules! kind_routes {
                 (status = 200, body = Renewed, description = "Renewed: the new expiry"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
                 (status = 410, body = Problem, content_type = "application/problem+json", description = "lease-lost"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
@@ -742,7 +744,7 @@ macro_rules! kind_routes {
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
                 (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),
                 (status = 415, body = Problem, content_type = "application/problem+json", description = "Unsupported body type"),
-                (status = 429, body = Problem, content_type = "application/problem+json", description = "sidecar-full (--max-total-waiters, --max-held)"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "sidecar-full (--max-total-waiters, --max-held) or too-many-failed-tokens (wrong tokens from this address)"),
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Hold: acquire and keep the lease while the stream is open (watchdog renewal).
@@ -760,6 +762,7 @@ macro_rules! kind_routes {
                 (status = 200, body = LockView, description = "Holders and waiters across all sidecars"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
                 (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+                (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// The global state: holders and waiters across all sidecars.
@@ -807,6 +810,7 @@ fn parse_cursor(cursor: &str) -> Result<LockKey, Error> {
         (status = 200, body = LockList, description = "One page of held or contended locks"),
         (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Held or contended locks and semaphores, by kind and name, paginated.
@@ -853,6 +857,7 @@ pub async fn list_locks(
     responses(
         (status = 200, body = StaleList, description = "Keys an operator should look at"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
 /// Keys an operator should look at, with the reason.
@@ -874,7 +879,7 @@ pub const MAX_EVENT_STREAMS: usize = 64;
     responses(
         (status = 200, content_type = "text/event-stream", description = "SSE of this sidecar's lock events; event name = type"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
-        (status = 429, body = Problem, content_type = "application/problem+json", description = "64 event streams are already open (Retry-After)"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-event-streams: 64 event streams are already open; or too-many-failed-tokens: more than 10 wrong tokens from this address, the token was not compared (Retry-After)"),
     ))]
 /// Live lock events of this sidecar.
 pub async fn events(
@@ -948,6 +953,7 @@ async fn force_release(
         (status = 200, body = ForceReleased, description = "Every holder removed"),
         (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
         (status = 403, body = Problem, content_type = "application/problem+json", description = "No admin token configured, or not the admin token"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]
@@ -969,6 +975,7 @@ pub async fn force_release_lock(
         (status = 200, body = ForceReleased, description = "Every holder removed"),
         (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
         (status = 403, body = Problem, content_type = "application/problem+json", description = "No admin token configured, or not the admin token"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
     ))]

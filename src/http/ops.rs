@@ -108,6 +108,7 @@ pub(crate) fn info_of(app: &App) -> Info {
     responses(
         (status = 200, body = Info, description = "This sidecar, its backend (without credentials) and limits"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
     ))]
 /// Sidecar id, version, backend and its safety class, limits.
 pub async fn info(State(app): State<Arc<App>>) -> Json<Info> {

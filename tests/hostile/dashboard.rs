@@ -561,7 +561,11 @@ async fn wrong_admin_tokens_count_too() {
         let hostile = client_from(OTHER_PEER);
         let (refused, unauthorized) =
             exhaust(&hostile, async |http: &reqwest::Client, i: usize| {
-                let kind = if i.is_multiple_of(2) { "locks" } else { "semaphores" };
+                let kind = if i.is_multiple_of(2) {
+                    "locks"
+                } else {
+                    "semaphores"
+                };
                 http.delete(format!("{}/v1/admin/{kind}/guarded", sidecar.base_url()))
                     .bearer_auth(format!("guess-{i}"))
                     .send()
