@@ -182,6 +182,39 @@ pub enum Mode {
     Shared,
 }
 
+/// How a lease is held, in the API's words (answers, listings, events, the
+/// dashboard): a lock's `exclusive` or `shared`, a semaphore's `permit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Held {
+    /// One holder of a lock at a time.
+    Exclusive,
+    /// One of the readers of a lock.
+    Shared,
+    /// One of a semaphore's permits.
+    Permit,
+}
+
+impl Held {
+    /// How a claim of `mode` on a key of `kind` holds it.
+    pub fn of(kind: Kind, mode: Mode) -> Self {
+        match (kind, mode) {
+            (Kind::Semaphore, _) => Held::Permit,
+            (Kind::Lock, Mode::Exclusive) => Held::Exclusive,
+            (Kind::Lock, Mode::Shared) => Held::Shared,
+        }
+    }
+
+    /// The word as the API writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Held::Exclusive => "exclusive",
+            Held::Shared => "shared",
+            Held::Permit => "permit",
+        }
+    }
+}
+
 /// The secret that proves a lease: 128 random bits from the OS generator, as hex.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Token(String);

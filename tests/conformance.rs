@@ -827,6 +827,53 @@ mod semaphores {
         assert_eq!(semaphore.inspect().await.holders.len(), n);
     }
 
+    /// A semaphore lease is a `permit` wherever the API names how it is held:
+    /// the acquire answer, the hold stream's `acquired`, the listing's holders
+    /// and waiters, a busy answer's holders, a `timeout` event's holders and
+    /// the event stream — as on the dashboard. Locks keep `exclusive`/`shared`.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_semaphore_lease_is_called_a_permit_everywhere(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let mut events = api.events().await;
+        let semaphore = api.semaphore(&unique_name("permits"));
+        let limit = [("limit", "1")];
+
+        let permit = semaphore.acquire(&[limit[0], ("owner", "first")]).await;
+        assert_eq!(permit.mode.as_deref(), Some("permit"), "{permit:?}");
+        let mut queued = semaphore
+            .hold(&[limit[0], ("owner", "second"), ("wait", "30s")])
+            .await;
+        queued.expect_queued().await;
+
+        let state = semaphore.raw_inspect().await;
+        assert_eq!(state["holders"][0]["mode"], "permit", "{state}");
+        assert_eq!(state["waiters"][0]["mode"], "permit", "{state}");
+        let busy = semaphore
+            .acquire_busy(&[limit[0], ("owner", "third")])
+            .await;
+        assert_eq!(busy["holders"][0]["mode"], "permit", "{busy}");
+        let timeout = semaphore
+            .hold(&[limit[0], ("owner", "fourth")])
+            .await
+            .expect_timeout()
+            .await;
+        assert_eq!(timeout["holders"][0]["mode"], "permit", "{timeout}");
+
+        semaphore.release(&permit.token).await;
+        let next = queued.expect_acquired().await;
+        assert_eq!(next.mode.as_deref(), Some("permit"), "{next:?}");
+        let event = events
+            .wait_for("`acquired` of the semaphore", EVENT_TIMEOUT, |e| {
+                e.event == "acquired" && e.json()["name"] == semaphore.name()
+            })
+            .await;
+        assert_eq!(event.json()["mode"], "permit", "{}", event.data);
+        let text = format!("{state}{busy}{timeout}{}", event.data);
+        assert!(!text.contains("exclusive"), "{text}");
+    }
+
     /// Redlock refuses semaphores with more than one permit (400
     /// `unsupported`, before anything is written); the other backends grant them.
     #[apply(backends)]

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
-use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
 
 /// The in-process backend.
 pub struct Memory {
@@ -92,13 +92,13 @@ impl Entry {
         }
     }
 
-    fn holders(&self) -> Vec<Holder> {
+    fn holders(&self, kind: Kind) -> Vec<Holder> {
         self.leases
             .iter()
             .map(|l| Holder {
                 owner: l.owner.clone(),
                 sidecar: l.sidecar.clone(),
-                mode: l.mode,
+                mode: Held::of(kind, l.mode),
                 since_ms: l.since_ms,
                 expires_at_ms: l.expires_at_ms,
                 fence: l.fence,
@@ -283,7 +283,7 @@ impl Backend for Memory {
                 return (Ok(Attempt::Granted(grant)), false);
             }
             let mut busy = Busy {
-                holders: e.holders(),
+                holders: e.holders(claim.key.kind),
                 queue_length: e.queue.len(),
                 position: None,
                 retry_at_ms: e.retry_at(claim, now),
@@ -378,7 +378,7 @@ impl Backend for Memory {
                 .map(|(i, q)| Waiter {
                     owner: q.owner.clone(),
                     sidecar: q.sidecar.clone(),
-                    mode: q.mode,
+                    mode: Held::of(key.kind, q.mode),
                     position: i + 1,
                     since_ms: q.since_ms,
                 })
@@ -386,7 +386,7 @@ impl Backend for Memory {
             let state = State {
                 fence: e.fence,
                 limit: e.limit,
-                holders: e.holders(),
+                holders: e.holders(key.kind),
                 waiters,
             };
             (state, false)

@@ -19,7 +19,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::core::Wakeups;
-use crate::lock::{Claim, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, LockKey, Token};
 
 /// Errors a backend reports.
 #[derive(Debug, thiserror::Error)]
@@ -146,7 +146,7 @@ pub enum Attempt {
 pub struct Holder {
     pub owner: String,
     pub sidecar: String,
-    pub mode: Mode,
+    pub mode: Held,
     pub since_ms: u64,
     pub expires_at_ms: u64,
     pub fence: u64,
@@ -158,7 +158,7 @@ pub struct Holder {
 pub struct Waiter {
     pub owner: String,
     pub sidecar: String,
-    pub mode: Mode,
+    pub mode: Held,
     /// 1 is next in line.
     pub position: usize,
     pub since_ms: u64,

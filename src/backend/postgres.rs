@@ -51,7 +51,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
-use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token};
 
 /// How often a sidecar sends its heartbeat (and cleans expired rows).
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -616,11 +616,11 @@ impl Inner {
         now_ms() + u64::try_from(at_db.saturating_sub(now_db)).unwrap_or(0) + 1
     }
 
-    fn holder(&self, h: HolderRow) -> Holder {
+    fn holder(&self, kind: Kind, h: HolderRow) -> Holder {
         Holder {
             owner: h.owner,
             sidecar: h.sidecar,
-            mode: h.mode,
+            mode: Held::of(kind, h.mode),
             since_ms: self.local(h.since_ms),
             expires_at_ms: self.local(h.expires_at_ms),
             fence: h.fence,
@@ -1252,7 +1252,11 @@ impl Backend for Postgres {
                 expires_at_ms: inner.local(g.expires_at_ms),
             })),
             AcquireReply::Busy(b) => Ok(Attempt::Busy(Busy {
-                holders: b.holders.into_iter().map(|h| inner.holder(h)).collect(),
+                holders: b
+                    .holders
+                    .into_iter()
+                    .map(|h| inner.holder(claim.key.kind, h))
+                    .collect(),
                 queue_length: b.queue_length,
                 position: b.position,
                 retry_at_ms: b.retry_at_ms.map(|at| inner.local_deadline(at, b.now_ms)),
@@ -1352,7 +1356,11 @@ impl Backend for Postgres {
             limit: reply
                 .permits
                 .filter(|_| in_use && key.kind == Kind::Semaphore),
-            holders: reply.holders.into_iter().map(|h| inner.holder(h)).collect(),
+            holders: reply
+                .holders
+                .into_iter()
+                .map(|h| inner.holder(key.kind, h))
+                .collect(),
             waiters: reply
                 .waiters
                 .into_iter()
@@ -1360,7 +1368,7 @@ impl Backend for Postgres {
                 .map(|(i, w)| Waiter {
                     owner: w.owner,
                     sidecar: w.sidecar,
-                    mode: w.mode,
+                    mode: Held::of(key.kind, w.mode),
                     position: i + 1,
                     since_ms: inner.local(w.since_ms),
                 })

@@ -43,7 +43,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
-use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
 
 /// How often this sidecar refreshes its waiters' heartbeats.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
@@ -566,7 +566,7 @@ impl Node {
                 let position = int(&reply, 4);
                 let retry = int(&reply, 5);
                 Attempt::Busy(Busy {
-                    holders: holders(&text(&reply, 2), &clock),
+                    holders: holders(&text(&reply, 2), claim.key.kind, &clock),
                     queue_length: int(&reply, 3) as usize,
                     position: (position > 0).then_some(position as usize),
                     retry_at_ms: (retry > 0).then(|| clock.local(retry)),
@@ -665,8 +665,8 @@ impl Node {
         Ok(State {
             fence: int(&reply, 1) as u64,
             limit: (limit > 0).then_some(limit as u32),
-            holders: holders(&text(&reply, 3), &clock),
-            waiters: waiters(&text(&reply, 4), &clock),
+            holders: holders(&text(&reply, 3), key.kind, &clock),
+            waiters: waiters(&text(&reply, 4), key.kind, &clock),
         })
     }
 
@@ -1060,7 +1060,7 @@ fn mode_of(m: &str) -> Mode {
     }
 }
 
-fn holders(json: &str, clock: &Clock) -> Vec<Holder> {
+fn holders(json: &str, kind: Kind, clock: &Clock) -> Vec<Holder> {
     // cjson encodes an empty table as {}; both mean no holders.
     serde_json::from_str::<Vec<RawHolder>>(json)
         .unwrap_or_default()
@@ -1068,7 +1068,7 @@ fn holders(json: &str, clock: &Clock) -> Vec<Holder> {
         .map(|h| Holder {
             owner: h.o,
             sidecar: h.s,
-            mode: mode_of(&h.m),
+            mode: Held::of(kind, mode_of(&h.m)),
             since_ms: if h.t0 > 0 { clock.local(h.t0) } else { 0 },
             expires_at_ms: if h.e > 0 { clock.local(h.e) } else { 0 },
             fence: h.f,
@@ -1077,7 +1077,7 @@ fn holders(json: &str, clock: &Clock) -> Vec<Holder> {
         .collect()
 }
 
-fn waiters(json: &str, clock: &Clock) -> Vec<Waiter> {
+fn waiters(json: &str, kind: Kind, clock: &Clock) -> Vec<Waiter> {
     serde_json::from_str::<Vec<RawWaiter>>(json)
         .unwrap_or_default()
         .into_iter()
@@ -1085,7 +1085,7 @@ fn waiters(json: &str, clock: &Clock) -> Vec<Waiter> {
         .map(|(i, w)| Waiter {
             owner: w.o,
             sidecar: w.s,
-            mode: mode_of(&w.m),
+            mode: Held::of(kind, mode_of(&w.m)),
             position: i + 1,
             since_ms: clock.local(w.t0),
         })

@@ -106,7 +106,7 @@ use super::{
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
-use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token};
 
 /// How long one ZooKeeper request may take before the backend counts as unavailable.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -234,12 +234,12 @@ struct Node {
 }
 
 impl Node {
-    fn holder(&self) -> Holder {
+    fn holder(&self, kind: Kind) -> Holder {
         match &self.data {
             Some(d) => Holder {
                 owner: d.owner.clone(),
                 sidecar: d.sidecar.clone(),
-                mode: self.child.mode,
+                mode: Held::of(kind, self.child.mode),
                 since_ms: d.since_ms,
                 expires_at_ms: d.expires_at_ms,
                 fence: d.fence.max(1),
@@ -248,7 +248,7 @@ impl Node {
             None => Holder {
                 owner: "(foreign)".into(),
                 sidecar: String::new(),
-                mode: self.child.mode,
+                mode: Held::of(kind, self.child.mode),
                 since_ms: u64::try_from(self.stat.ctime).unwrap_or(0),
                 expires_at_ms: u64::MAX / 2,
                 fence: u64::try_from(self.stat.czxid).unwrap_or(0),
@@ -1401,7 +1401,7 @@ impl Backend for ZooKeeper {
         let holders: Vec<Holder> = nodes
             .iter()
             .filter(|n| n.is_held())
-            .map(Node::holder)
+            .map(|n| n.holder(key.kind))
             .collect();
         let mut waiters = Vec::new();
         for c in children.iter() {
@@ -1422,7 +1422,7 @@ impl Backend for ZooKeeper {
             waiters.push(Waiter {
                 owner,
                 sidecar,
-                mode: c.mode,
+                mode: Held::of(key.kind, c.mode),
                 position: waiters.len() + 1,
                 since_ms,
             });
@@ -1483,7 +1483,7 @@ impl Backend for ZooKeeper {
             let fence = nodes
                 .iter()
                 .filter(|n| n.is_held())
-                .map(|n| n.holder().fence)
+                .map(|n| n.holder(key.kind).fence)
                 .max()
                 .unwrap_or(0)
                 .max(pdata.fence);
@@ -1930,13 +1930,13 @@ impl ZooKeeper {
         let holders: Vec<Holder> = nodes
             .iter()
             .filter(|n| n.is_held())
-            .map(Node::holder)
+            .map(|n| n.holder(claim.key.kind))
             .collect();
         let blocking = nodes
             .iter()
             .filter(|n| n.child.seq < seq && n.is_held())
             .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
-            .map(|n| n.holder().expires_at_ms)
+            .map(|n| n.holder(claim.key.kind).expires_at_ms)
             .min();
         let retry_at_ms = if delayed { Some(delay_until) } else { blocking };
         let waiting_total = children.len() - holders.len().min(children.len());

@@ -3,7 +3,7 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::lock::{Kind, Mode};
+use crate::lock::{Held, Kind};
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -63,7 +63,7 @@ pub struct Event {
     pub kind: Kind,
     pub owner: String,
     pub sidecar: String,
-    pub mode: Mode,
+    pub mode: Held,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fence: Option<u64>,
     /// Unix milliseconds.

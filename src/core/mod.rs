@@ -28,7 +28,7 @@ pub use queue::Wakeups;
 use crate::backend::{self, Attempt, Backend, Busy, Grant, Loss, State, Status, Summary, Turn};
 use crate::clock::{after, instant_at, ms, now_ms};
 use crate::error::Error;
-use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
 use crate::metrics::{Metrics, kind_label};
 
 /// Limits and defaults from the configuration.
@@ -130,7 +130,7 @@ impl Local {
             kind: self.key.kind,
             owner: self.owner.clone(),
             sidecar: sidecar.to_owned(),
-            mode: self.mode,
+            mode: Held::of(self.key.kind, self.mode),
             fence: Some(self.fence),
             at_ms: now_ms(),
             reason: None,
@@ -696,7 +696,7 @@ impl Core {
             kind: claim.key.kind,
             owner: claim.owner.clone(),
             sidecar: self.sidecar.clone(),
-            mode: claim.mode,
+            mode: Held::of(claim.key.kind, claim.mode),
             fence: None,
             at_ms: now_ms(),
             reason: None,

@@ -345,7 +345,7 @@ mod tests {
     use super::view::{Filter, Health, Identity, Listing, PageQuery, build};
     use super::*;
     use crate::backend::{Holder, Safety, State, Waiter};
-    use crate::lock::{Kind, LockKey, Mode, Name};
+    use crate::lock::{Held, Kind, LockKey, Name};
 
     const NOW: u64 = 1_795_246_486_004;
     const HOSTILE: &str = r#"<script>alert(1)</script>"><img src=x onerror=alert(2)>'&"#;
@@ -394,7 +394,7 @@ mod tests {
         Holder {
             owner: owner.into(),
             sidecar: sidecar.into(),
-            mode: Mode::Exclusive,
+            mode: Held::Exclusive,
             since_ms: NOW - 65_000,
             expires_at_ms: NOW + 25_000,
             fence: 7,
@@ -406,7 +406,7 @@ mod tests {
         Waiter {
             owner: owner.into(),
             sidecar: "other-sidecar".into(),
-            mode: Mode::Exclusive,
+            mode: Held::Exclusive,
             position,
             since_ms: NOW - 4_000,
         }

@@ -9,7 +9,7 @@ use futures::StreamExt;
 use super::stats::{BUCKET_MS, Recent, StatsView};
 use crate::backend::{Safety, StaleKey};
 use crate::http::App;
-use crate::lock::{Kind, LockKey, Mode, Name};
+use crate::lock::{LockKey, Name};
 
 /// Locks per page unless `limit` says otherwise.
 pub const DEFAULT_LIMIT: usize = 50;
@@ -472,13 +472,6 @@ async fn listing(app: &App, filter: &Filter) -> Listing {
     }
 }
 
-fn mode_label(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Exclusive => "exclusive",
-        Mode::Shared => "shared",
-    }
-}
-
 /// Builds the view from gathered facts (no I/O; the rendering tests use it directly).
 #[allow(clippy::too_many_arguments)]
 pub fn build(
@@ -507,11 +500,7 @@ pub fn build(
                         here: h.sidecar == id.sidecar,
                         owner: h.owner,
                         sidecar: h.sidecar,
-                        mode: if key.kind == Kind::Semaphore {
-                            "permit"
-                        } else {
-                            mode_label(h.mode)
-                        },
+                        mode: h.mode.as_str(),
                         since_ms: h.since_ms,
                         since_utc: fmt_utc(h.since_ms),
                         since_clock: fmt_utc(h.since_ms)[11..].to_owned(),
@@ -543,11 +532,7 @@ pub fn build(
                     here: w.sidecar == id.sidecar,
                     owner: w.owner,
                     sidecar: w.sidecar,
-                    mode: if key.kind == Kind::Semaphore {
-                        "permit"
-                    } else {
-                        mode_label(w.mode)
-                    },
+                    mode: w.mode.as_str(),
                     since_ms: w.since_ms,
                     waited: fmt_duration_ms(now.saturating_sub(w.since_ms)),
                 })

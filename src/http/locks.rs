@@ -15,14 +15,14 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use utoipa::{IntoParams, ToSchema};
 
-use super::params::{LockName, Params, count, duration};
+use super::params::{Given, LockName, Params, count, duration, mode};
 use super::{App, auth};
 use crate::backend::{Holder, StaleKey, Waiter};
 use crate::clock::ms;
 use crate::config::MAX_DURATION;
 use crate::core::{Granted, HoldEvent, HoldEvents, Limits, Outcome};
 use crate::error::{Error, Problem};
-use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token, check_plain_text};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token, check_plain_text};
 
 /// Keep-alive comments on SSE streams: at least this often.
 const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
@@ -55,29 +55,30 @@ pub struct LockParams {
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "30s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
-    pub ttl: Option<Duration>,
+    pub ttl: Option<Given<Duration>>,
     /// How long to wait in the queue if the lock is busy (default 0: try once; at most `--max-wait`).
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "10s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
-    pub wait: Option<Duration>,
+    pub wait: Option<Given<Duration>>,
     /// Caller identity; the same owner acquiring again in the same mode re-enters.
     /// Plain text: no control, format (bidi, zero-width) or separator characters.
     #[param(min_length = 1, max_length = 200)]
     #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     /// `exclusive` (default) or `shared`.
+    #[serde(default, deserialize_with = "mode")]
     pub mode: Option<Mode>,
     /// Cap on the total time keepalives and the watchdog may keep the lease alive.
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "10m")]
     #[schema(value_type = Option<DurationValue>, inline, example = "10m")]
-    pub max_hold: Option<Duration>,
+    pub max_hold: Option<Given<Duration>>,
     /// After a lease ends by expiry or loss, nobody is granted for this long (default `--lock-delay`).
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "0s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "0s")]
-    pub lock_delay: Option<Duration>,
+    pub lock_delay: Option<Given<Duration>>,
 }
 
 /// Parameters of acquiring or holding a semaphore permit.
@@ -89,26 +90,26 @@ pub struct SemaphoreParams {
     #[serde(default, deserialize_with = "count")]
     #[param(value_type = Option<u32>, minimum = 1)]
     #[schema(value_type = Option<u32>, minimum = 1)]
-    pub limit: Option<u32>,
+    pub limit: Option<Given<u64>>,
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "30s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
-    pub ttl: Option<Duration>,
+    pub ttl: Option<Given<Duration>>,
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "10s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "10s")]
-    pub wait: Option<Duration>,
+    pub wait: Option<Given<Duration>>,
     #[param(min_length = 1, max_length = 200)]
     #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "10m")]
     #[schema(value_type = Option<DurationValue>, inline, example = "10m")]
-    pub max_hold: Option<Duration>,
+    pub max_hold: Option<Given<Duration>>,
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "0s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "0s")]
-    pub lock_delay: Option<Duration>,
+    pub lock_delay: Option<Given<Duration>>,
 }
 
 /// Parameters naming a lease by its token.
@@ -135,7 +136,7 @@ pub struct KeepaliveParams {
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "30s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
-    pub ttl: Option<Duration>,
+    pub ttl: Option<Given<Duration>>,
 }
 
 /// No parameters accepted.
@@ -153,7 +154,7 @@ pub struct ListParams {
     /// Page size, 1 to 1000 (default 100).
     #[serde(default, deserialize_with = "count")]
     #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
-    pub limit: Option<u32>,
+    pub limit: Option<Given<u64>>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
 }
@@ -177,7 +178,8 @@ pub struct Acquired {
     pub token: String,
     /// Strictly increasing per name across all grants; pass it to the protected resource.
     pub fence: u64,
-    pub mode: Mode,
+    /// `exclusive` or `shared` for a lock, `permit` for a semaphore.
+    pub mode: Held,
     pub owner: String,
     /// Hold count (above 1 after re-entry).
     pub count: u32,
@@ -249,13 +251,13 @@ pub struct ForceReleased {
 
 /// The parameters every acquire shares, whichever kind.
 pub(crate) struct Ask {
-    ttl: Option<Duration>,
-    wait: Option<Duration>,
+    ttl: Option<Given<Duration>>,
+    wait: Option<Given<Duration>>,
     owner: Option<String>,
     mode: Option<Mode>,
-    max_hold: Option<Duration>,
-    lock_delay: Option<Duration>,
-    limit: Option<u32>,
+    max_hold: Option<Given<Duration>>,
+    lock_delay: Option<Given<Duration>>,
+    limit: Option<Given<u64>>,
 }
 
 impl From<LockParams> for Ask {
@@ -286,18 +288,26 @@ impl From<SemaphoreParams> for Ask {
     }
 }
 
-fn out_of_range(parameter: &'static str, value: Duration, max: Duration, flag: &str) -> Error {
+fn out_of_range(
+    parameter: &'static str,
+    value: &Given<Duration>,
+    max: Duration,
+    flag: &str,
+) -> Error {
     Error::OutOfRange {
         parameter,
         detail: format!(
-            "{parameter} {} ms is above the maximum of {} ms ({}, {flag})",
-            value.as_millis(),
+            "{parameter} {:?} is above the maximum of {} ms ({}, {flag})",
+            value.sent,
             ms(max),
             crate::config::format_duration(max)
         ),
         max_ms: Some(ms(max)),
     }
 }
+
+/// The most permits a semaphore may have.
+const MAX_PERMITS: u64 = u32::MAX as u64;
 
 impl Ask {
     /// Checks the parameters against `limits` and builds the claim of
@@ -308,42 +318,57 @@ impl Ask {
         limits: &Limits,
         sidecar: &str,
     ) -> Result<(Claim, Duration), Error> {
-        let ttl = check_ttl(self.ttl, limits)?.unwrap_or(limits.default_ttl);
-        let wait = self.wait.unwrap_or(Duration::ZERO);
-        if wait > limits.max_wait {
-            return Err(out_of_range("wait", wait, limits.max_wait, "--max-wait"));
-        }
-        let lock_delay = self.lock_delay.unwrap_or(limits.lock_delay);
-        if lock_delay > limits.max_ttl {
-            return Err(out_of_range(
-                "lock_delay",
-                lock_delay,
-                limits.max_ttl,
-                "--max-ttl",
-            ));
-        }
-        if let Some(max_hold) = self.max_hold.filter(|m| *m > MAX_DURATION) {
-            return Err(out_of_range(
-                "max_hold",
-                max_hold,
-                MAX_DURATION,
-                "the longest max_hold",
-            ));
-        }
-        if self.max_hold.is_some_and(|m| m.is_zero()) {
-            return Err(Error::OutOfRange {
-                parameter: "max_hold",
-                detail: "max_hold must be above 0 (leave it out for no cap)".into(),
-                max_ms: None,
-            });
-        }
-        if self.limit == Some(0) {
-            return Err(Error::OutOfRange {
+        let ttl = check_ttl(self.ttl.as_ref(), limits)?.unwrap_or(limits.default_ttl);
+        let wait = match &self.wait {
+            Some(w) if w.value > limits.max_wait => {
+                return Err(out_of_range("wait", w, limits.max_wait, "--max-wait"));
+            }
+            Some(w) => w.value,
+            None => Duration::ZERO,
+        };
+        let lock_delay = match &self.lock_delay {
+            Some(d) if d.value > limits.max_ttl => {
+                return Err(out_of_range("lock_delay", d, limits.max_ttl, "--max-ttl"));
+            }
+            Some(d) => d.value,
+            None => limits.lock_delay,
+        };
+        let max_hold = match &self.max_hold {
+            Some(m) if m.value > MAX_DURATION => {
+                return Err(out_of_range(
+                    "max_hold",
+                    m,
+                    MAX_DURATION,
+                    "the longest max_hold",
+                ));
+            }
+            Some(m) if m.value.is_zero() => {
+                return Err(Error::OutOfRange {
+                    parameter: "max_hold",
+                    detail: "max_hold must be above 0 (leave it out for no cap)".into(),
+                    max_ms: None,
+                });
+            }
+            m => m.as_ref().map(|m| m.value),
+        };
+        let limit = match &self.limit {
+            Some(l) if l.value == 0 => {
+                return Err(Error::OutOfRange {
+                    parameter: "limit",
+                    detail: "limit must be at least 1".into(),
+                    max_ms: None,
+                });
+            }
+            Some(l) => Some(u32::try_from(l.value).map_err(|_| Error::OutOfRange {
                 parameter: "limit",
-                detail: "limit must be at least 1".into(),
+                detail: format!(
+                    "limit {:?} is too large: a semaphore has at most {MAX_PERMITS} permits",
+                    l.sent
+                ),
                 max_ms: None,
-            });
-        }
+            })?),
+            None => None,
+        };
         let owner = match self.owner {
             Some(o) => check_owner(o)?,
             None => format!("anonymous-{}", &Token::generate().expose()[..12]),
@@ -354,29 +379,32 @@ impl Ask {
             owner,
             sidecar: sidecar.to_owned(),
             ttl,
-            limit: self.limit,
+            limit,
             lock_delay,
-            max_hold: self.max_hold,
+            max_hold,
         };
         Ok((claim, wait))
     }
 }
 
 /// Checks a requested ttl (acquire or keepalive) against `--max-ttl`.
-pub(crate) fn check_ttl(ttl: Option<Duration>, limits: &Limits) -> Result<Option<Duration>, Error> {
+pub(crate) fn check_ttl(
+    ttl: Option<&Given<Duration>>,
+    limits: &Limits,
+) -> Result<Option<Duration>, Error> {
     if let Some(ttl) = ttl {
-        if ttl.is_zero() {
+        if ttl.value.is_zero() {
             return Err(Error::OutOfRange {
                 parameter: "ttl",
                 detail: "ttl must be above 0".into(),
                 max_ms: Some(ms(limits.max_ttl)),
             });
         }
-        if ttl > limits.max_ttl {
+        if ttl.value > limits.max_ttl {
             return Err(out_of_range("ttl", ttl, limits.max_ttl, "--max-ttl"));
         }
     }
-    Ok(ttl)
+    Ok(ttl.map(|t| t.value))
 }
 
 fn check_owner(owner: String) -> Result<String, Error> {
@@ -418,7 +446,7 @@ fn acquired(g: &Granted) -> Acquired {
         kind: lease.key.kind,
         token: lease.token.expose().to_owned(),
         fence: lease.fence,
-        mode: lease.mode,
+        mode: Held::of(lease.key.kind, lease.mode),
         owner: lease.owner.clone(),
         count: g.count,
         ttl_ms: ms(lease.ttl),
@@ -641,9 +669,9 @@ async fn release(app: &App, key: LockKey, token: Option<String>) -> Result<Json<
 
 async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<Renewed>, Error> {
     let token = require_token(p.token)?;
-    check_ttl(p.ttl, &app.core.limits)?;
-    let asked = p.ttl.or_else(|| app.core.lease_ttl(&key, &token));
-    let expires_at_ms = app.core.keepalive(&key, &token, p.ttl).await?;
+    let ttl = check_ttl(p.ttl.as_ref(), &app.core.limits)?;
+    let asked = ttl.or_else(|| app.core.lease_ttl(&key, &token));
+    let expires_at_ms = app.core.keepalive(&key, &token, ttl).await?;
     let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());
     if let Some(ttl) = asked {
         // A backend's clock conversion may round up; never report more than the ttl.
@@ -818,14 +846,17 @@ pub async fn list_locks(
     State(app): State<Arc<App>>,
     Params(p): Params<ListParams>,
 ) -> Result<Json<LockList>, Error> {
-    let limit = p.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(Error::OutOfRange {
-            parameter: "limit",
-            detail: format!("limit {limit} is outside 1 to 1000"),
-            max_ms: None,
-        });
-    }
+    let limit = match p.limit {
+        None => 100,
+        Some(l) if (1..=1000).contains(&l.value) => l.value,
+        Some(l) => {
+            return Err(Error::OutOfRange {
+                parameter: "limit",
+                detail: format!("limit {:?} is outside 1 to 1000", l.sent),
+                max_ms: None,
+            });
+        }
+    };
     let prefix = p.prefix.unwrap_or_default();
     if !prefix.is_empty() {
         Name::parse(&prefix).map_err(|e| Error::InvalidParameter(format!("prefix: {e}")))?;

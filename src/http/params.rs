@@ -8,7 +8,9 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::Deserialize;
 use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::config::parse_duration;
@@ -85,6 +87,17 @@ pub fn parse<T: DeserializeOwned>(
         let body = parse_body(content_type, body)?;
         merge(&mut params, body, "body")?;
     }
+    let taken = field_names::<T>();
+    if let Some(unknown) = params.keys().find(|k| !taken.contains(&k.as_str())) {
+        return Err(Error::InvalidParameter(if taken.is_empty() {
+            format!("parameter {unknown:?} is not taken here: this route takes no parameters")
+        } else {
+            format!(
+                "parameter {unknown:?} is not taken here; this route takes {}",
+                taken.join(", ")
+            )
+        }));
+    }
     serde_path_to_error::deserialize(Value::Object(params)).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
@@ -110,14 +123,25 @@ fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, V
         .to_ascii_lowercase();
     match essence.as_str() {
         "application/json" => match serde_json::from_slice::<Pairs>(bytes) {
-            Ok(Pairs(pairs)) => Ok(pairs),
+            Ok(Pairs(pairs)) => pairs
+                .into_iter()
+                .map(|(key, raw)| scalar(&key, &raw).map(|v| (key, v)))
+                .collect(),
             Err(e) if e.is_data() => Err(Error::InvalidParameter(
                 "the JSON body must be an object of parameters, e.g. {\"ttl\":\"30s\"}".into(),
             )),
             Err(e) => Err(Error::InvalidParameter(format!(
-                "the body is not valid JSON: {e}"
+                "the body is not valid JSON (at line {}, column {}); send an object of parameters, e.g. {{\"ttl\":\"30s\"}}",
+                e.line(),
+                e.column()
             ))),
         },
+        // What `curl -d` and `--data-binary` label a JSON text they send.
+        "application/x-www-form-urlencoded" if looks_like_json(bytes) => {
+            Err(Error::UnsupportedMediaType(
+                "the body is JSON but its Content-Type is application/x-www-form-urlencoded (what curl -d and --data-binary send by default); send Content-Type: application/json (curl -H 'Content-Type: application/json')".into(),
+            ))
+        }
         "application/x-www-form-urlencoded" => {
             let pairs: Vec<(String, String)> = serde_urlencoded::from_bytes(bytes)
                 .map_err(|e| Error::InvalidParameter(format!("form body: {e}")))?;
@@ -132,8 +156,41 @@ fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, V
     }
 }
 
-/// A JSON object's members in order, duplicates kept (so they can be refused).
-struct Pairs(Vec<(String, Value)>);
+/// Whether a form body is really a JSON object or array.
+fn looks_like_json(bytes: &[u8]) -> bool {
+    matches!(
+        bytes.iter().find(|b| !b.is_ascii_whitespace()),
+        Some(b'{' | b'[')
+    )
+}
+
+/// A JSON member's value as the parameter it stands for: a string as its
+/// text, a number as the digits that were sent (so `{"limit": 7}` means
+/// what `?limit=7` means, and a number past every integer type is quoted as
+/// written, not as a rounded float), `null` as absent. Anything else names
+/// the parameter and what it takes.
+fn scalar(key: &str, raw: &RawValue) -> Result<Value, Error> {
+    let text = raw.get();
+    let wrong = |what: &str| {
+        Error::InvalidParameter(format!(
+            "{key}: give text or a number, not {what} (JSON {text})"
+        ))
+    };
+    match text.as_bytes().first() {
+        Some(b'"') => serde_json::from_str::<String>(text)
+            .map(Value::String)
+            .map_err(|_| wrong("a string that cannot be read")),
+        Some(b'-' | b'0'..=b'9') => Ok(Value::String(text.to_owned())),
+        Some(b'n') => Ok(Value::Null),
+        Some(b't' | b'f') => Err(wrong("a boolean")),
+        Some(b'[') => Err(wrong("an array")),
+        _ => Err(wrong("an object")),
+    }
+}
+
+/// A JSON object's members in order, duplicates kept (so they can be
+/// refused), each as the raw text it was sent as.
+struct Pairs(Vec<(String, Box<RawValue>)>);
 
 impl<'de> serde::Deserialize<'de> for Pairs {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -145,7 +202,7 @@ impl<'de> serde::Deserialize<'de> for Pairs {
             }
             fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Pairs, A::Error> {
                 let mut pairs = Vec::new();
-                while let Some(entry) = map.next_entry::<String, Value>()? {
+                while let Some(entry) = map.next_entry::<String, Box<RawValue>>()? {
                     pairs.push(entry);
                 }
                 Ok(Pairs(pairs))
@@ -186,6 +243,37 @@ fn same_value(a: &Value, b: &Value) -> bool {
     a == b || text(a) == text(b)
 }
 
+/// The field names of the parameter struct `T`, read from its `Deserialize`
+/// (the names serde would accept), so unknown parameters are named in our
+/// words with the list of what the route takes.
+fn field_names<'de, T: serde::Deserialize<'de>>() -> &'static [&'static str] {
+    /// A deserializer that only records the fields a struct asks for.
+    struct Fields<'a>(&'a mut &'static [&'static str]);
+    impl<'de> Deserializer<'de> for Fields<'_> {
+        type Error = de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("fields recorded"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf option unit unit_struct newtype_struct seq tuple
+            tuple_struct map enum identifier ignored_any
+        }
+    }
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Fields(&mut fields));
+    fields
+}
+
 /// The `{name}` path segment, validated as a lock name.
 pub struct LockName(pub Name);
 
@@ -205,24 +293,38 @@ impl<S: Send + Sync> FromRequestParts<S> for LockName {
     }
 }
 
+/// A parameter's value and the text it was sent as, so that an error about
+/// the value quotes what the client wrote (`max_hold "9999999h"`), not a
+/// number the sidecar computed from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Given<T> {
+    pub value: T,
+    pub sent: String,
+}
+
 /// Deserializes a duration given as text (`30s`) or a number of milliseconds.
-pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Given<Duration>>, D::Error> {
     struct V;
     impl Visitor<'_> for V {
-        type Value = Option<Duration>;
+        type Value = Option<Given<Duration>>;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a duration such as 250ms, 30s, 5m, 1h, or a whole number of milliseconds")
         }
         fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
-            Ok(Some(Duration::from_millis(n)))
+            self.visit_str(&n.to_string())
         }
         fn visit_i64<E: de::Error>(self, n: i64) -> Result<Self::Value, E> {
-            u64::try_from(n)
-                .map(|n| Some(Duration::from_millis(n)))
-                .map_err(|_| E::custom(format!("{n} is negative; durations are 0 or more")))
+            self.visit_str(&n.to_string())
         }
         fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-            parse_duration(s).map(Some).map_err(E::custom)
+            parse_duration(s)
+                .map(|value| {
+                    Some(Given {
+                        value,
+                        sent: s.to_owned(),
+                    })
+                })
+                .map_err(E::custom)
         }
         fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
             Ok(None)
@@ -231,38 +333,51 @@ pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::
     d.deserialize_any(V)
 }
 
-/// Deserializes a positive whole number given as text or a number.
-pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+/// Deserializes a whole number of 0 or more given as text or a number. Too
+/// many digits for any integer saturate, for the caller's range check to
+/// quote what was sent and name the maximum.
+pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Given<u64>>, D::Error> {
     struct V;
     impl Visitor<'_> for V {
-        type Value = Option<u32>;
+        type Value = Option<Given<u64>>;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("a whole number from 1 to 4294967295")
+            f.write_str("a whole number such as 3")
         }
         fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
-            u32::try_from(n)
-                .map(Some)
-                .map_err(|_| E::custom(format!("{n} is too large; at most 4294967295")))
+            self.visit_str(&n.to_string())
         }
         fn visit_i64<E: de::Error>(self, n: i64) -> Result<Self::Value, E> {
-            u64::try_from(n)
-                .map_err(|_| {
-                    E::custom(format!("{n} is negative; give a whole number of 1 or more"))
-                })
-                .and_then(|n| self.visit_u64(n))
+            self.visit_str(&n.to_string())
         }
         fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-            let n: u64 = s
-                .trim()
-                .parse()
-                .map_err(|_| E::custom(format!("{s:?} is not a whole number")))?;
-            self.visit_u64(n)
+            if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(E::custom(format!(
+                    "{s:?} is not a whole number; give digits only, e.g. 3"
+                )));
+            }
+            Ok(Some(Given {
+                value: s.parse().unwrap_or(u64::MAX),
+                sent: s.to_owned(),
+            }))
         }
         fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
             Ok(None)
         }
     }
     d.deserialize_any(V)
+}
+
+/// Deserializes a lock mode, saying which words there are.
+pub fn mode<'de, D: Deserializer<'de>>(d: D) -> Result<Option<crate::lock::Mode>, D::Error> {
+    use crate::lock::Mode;
+    match Option::<String>::deserialize(d)?.as_deref() {
+        None => Ok(None),
+        Some("exclusive") => Ok(Some(Mode::Exclusive)),
+        Some("shared") => Ok(Some(Mode::Shared)),
+        Some(other) => Err(de::Error::custom(format!(
+            "{other:?} is not a mode; use exclusive (the default: one holder) or shared (readers together)"
+        ))),
+    }
 }
 
 /// Content types a fuzz input's first byte selects from.
@@ -333,7 +448,7 @@ pub fn check_fuzz_input(data: &[u8]) {
         claim(p.into(), &limits);
     }
     if let Some(p) = check::<KeepaliveParams>(query, ct, body)
-        && let Err(e) = crate::http::locks::check_ttl(p.ttl, &limits)
+        && let Err(e) = crate::http::locks::check_ttl(p.ttl.as_ref(), &limits)
     {
         client_error(&e);
     }

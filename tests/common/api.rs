@@ -362,6 +362,11 @@ impl Resource {
         self.api.get_json(&self.segments(&[]), &[]).await
     }
 
+    /// `GET /v1/{kind}/{name}` as untyped JSON, for fields `LockState` leaves out.
+    pub async fn raw_inspect(&self) -> Value {
+        self.api.get_json(&self.segments(&[]), &[]).await
+    }
+
     /// `GET /v1/{kind}/{name}/hold?params`, response as is.
     pub async fn hold_raw(&self, params: Params<'_>) -> Response {
         self.api

@@ -6,6 +6,7 @@
 //! * [`names`]: lock, semaphore and election names that try to reach internal keys.
 //! * [`leases`]: tokens used under the wrong name, huge durations, spoofable strings, global caps.
 //! * [`transport`]: slow and idle connections, Host/Origin/Content-Type rules, metric labels.
+//! * [`messages`]: wrong types, huge numbers and mislabelled bodies get the API's words, quoting what was sent.
 //! * [`secrets`]: no token or password in logs, metrics, events, `/v1/info` or the dashboard.
 //! * [`dashboard`]: per-sign-in sessions, sign-out, throttled sign-ins.
 //!
@@ -16,6 +17,7 @@ mod common;
 
 mod dashboard;
 mod leases;
+mod messages;
 mod names;
 mod secrets;
 mod transport;
