@@ -57,6 +57,90 @@ impl From<&str> for Secret {
     }
 }
 
+/// An address the sidecar listens on (`--listen`): TCP, or a Unix-domain
+/// socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(SocketAddr),
+    /// An absolute path; the socket is created with mode 0660 and removed at exit.
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(addr) => write!(f, "{addr}"),
+            Listen::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// The `--listen` forms, for messages.
+const LISTEN_FORMS: &str =
+    "IP:PORT (127.0.0.1:7070, [::1]:7070), localhost:PORT, :PORT (loopback) or unix:/path/to.sock";
+
+/// Parses one `--listen` value: `IP:PORT`, `localhost:PORT`, `:PORT`
+/// (both loopback, 127.0.0.1) or `unix:/absolute/path`.
+///
+/// # Errors
+/// A sentence quoting the value, listing the forms, and guessing what was meant.
+pub fn parse_listen(s: &str) -> Result<Listen, String> {
+    let s = s.trim();
+    let refuse = |hint: &str| Err(format!("{s:?}: expected {LISTEN_FORMS}{hint}"));
+    if let Some(path) = s.strip_prefix("unix:") {
+        let path = Path::new(path);
+        if !path.is_absolute() {
+            return refuse(
+                "; a socket path must be absolute, e.g. unix:/run/sidelock/sidelock.sock",
+            );
+        }
+        return Ok(Listen::Unix(path.to_owned()));
+    }
+    let port = |p: &str| p.parse::<u16>().ok();
+    if let Some(p) = s.strip_prefix(':').and_then(port) {
+        return Ok(Listen::Tcp(SocketAddr::from(([127, 0, 0, 1], p))));
+    }
+    if let Some(p) = s
+        .split_once(':')
+        .filter(|(host, _)| host.eq_ignore_ascii_case("localhost"))
+        .and_then(|(_, p)| port(p))
+    {
+        return Ok(Listen::Tcp(SocketAddr::from(([127, 0, 0, 1], p))));
+    }
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(Listen::Tcp(addr));
+    }
+    match s {
+        _ if port(s).is_some() => refuse(&format!("; did you mean :{s}?")),
+        _ if s.parse::<std::net::IpAddr>().is_ok() || s.eq_ignore_ascii_case("localhost") => {
+            refuse(&format!("; give a port too, e.g. {s}:7070"))
+        }
+        _ => refuse(""),
+    }
+}
+
+/// One value or a list: `listen = ":7070"` or `listen = [":7070", "unix:/s.sock"]`.
+fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Listen>>, D::Error> {
+    // Strings first, parsed after: an untagged enum would replace the
+    // parser's message with its own.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    let texts = match Option::<OneOrMany>::deserialize(d)? {
+        None => return Ok(None),
+        Some(OneOrMany::One(t)) => vec![t],
+        Some(OneOrMany::Many(ts)) => ts,
+    };
+    texts
+        .iter()
+        .map(|t| parse_listen(t).map_err(|e| serde::de::Error::custom(format!("listen {e}"))))
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
 /// `d` for a person: whole days as `N days` (humantime writes 365 days as
 /// months), anything else as humantime does.
 pub fn format_duration(d: Duration) -> String {
@@ -173,9 +257,13 @@ pub struct ServeArgs {
     #[arg(long, env = "SIDELOCK_CONFIG")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1:7070]; port 0 picks a free port.
-    #[arg(long, env = "SIDELOCK_LISTEN")]
-    pub listen: Option<SocketAddr>,
+    /// Where to listen [default: 127.0.0.1:7070]: IP:PORT, localhost:PORT,
+    /// :PORT (loopback) or unix:/path/to.sock (mode 0660, removed at exit);
+    /// repeat the flag (or separate with commas) for several; port 0 picks a
+    /// free port.
+    #[arg(long, env = "SIDELOCK_LISTEN", value_delimiter = ',', value_parser = parse_listen)]
+    #[serde(default, deserialize_with = "de_listen")]
+    pub listen: Option<Vec<Listen>>,
     /// Backend URL [default: memory://]: memory://, redis://, rediss://,
     /// redis+sentinel://, rediss+sentinel://, redis+cluster://,
     /// rediss+cluster://, redlock://, redlocks://, zk://, postgres://,
@@ -371,7 +459,8 @@ fn run_url(s: &str) -> Result<String, String> {
 /// The resolved settings of a sidecar.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub listen: SocketAddr,
+    /// Where the sidecar listens (at least one).
+    pub listen: Vec<Listen>,
     pub backend: Secret,
     pub sidecar_id: String,
     pub limits: Limits,
@@ -415,16 +504,16 @@ impl Settings {
             max_held: a.max_held.unwrap_or(d.max_held),
         };
         for (setting, value) in [
-            ("default_ttl", a.default_ttl),
-            ("max_ttl", a.max_ttl),
-            ("max_wait", a.max_wait),
-            ("lock_delay", a.lock_delay),
-            ("stale_after", a.stale_after),
-            ("shutdown_grace", a.shutdown_grace),
-            ("header_read_timeout", a.header_read_timeout),
-            ("idle_timeout", a.idle_timeout),
-            ("body_read_timeout", a.body_read_timeout),
-            ("write_timeout", a.write_timeout),
+            ("--default-ttl", a.default_ttl),
+            ("--max-ttl", a.max_ttl),
+            ("--max-wait", a.max_wait),
+            ("--lock-delay", a.lock_delay),
+            ("--stale-after", a.stale_after),
+            ("--shutdown-grace", a.shutdown_grace),
+            ("--header-read-timeout", a.header_read_timeout),
+            ("--idle-timeout", a.idle_timeout),
+            ("--body-read-timeout", a.body_read_timeout),
+            ("--write-timeout", a.write_timeout),
         ] {
             if let Some(value) = value.filter(|v| *v > MAX_DURATION) {
                 return Err(format!(
@@ -436,19 +525,19 @@ impl Settings {
             }
         }
         if limits.max_ttl.is_zero() {
-            return Err("max_ttl must be above 0".into());
+            return Err("--max-ttl must be above 0".into());
         }
         if limits.default_ttl.is_zero() || limits.default_ttl > limits.max_ttl {
             return Err(format!(
-                "default_ttl ({}) must be above 0 and at most max_ttl ({})",
+                "--default-ttl ({}) must be above 0 and at most --max-ttl ({})",
                 humantime::format_duration(limits.default_ttl),
                 humantime::format_duration(limits.max_ttl)
             ));
         }
         for (setting, value) in [
-            ("max_waiters", limits.max_waiters),
-            ("max_total_waiters", limits.max_total_waiters),
-            ("max_held", limits.max_held),
+            ("--max-waiters", limits.max_waiters),
+            ("--max-total-waiters", limits.max_total_waiters),
+            ("--max-held", limits.max_held),
         ] {
             if value == 0 {
                 return Err(format!("{setting} must be at least 1"));
@@ -462,17 +551,17 @@ impl Settings {
             max_connections: a.max_connections.unwrap_or(30_000),
         };
         for (name, value) in [
-            ("header_read_timeout", connections.header_read),
-            ("idle_timeout", connections.idle),
-            ("body_read_timeout", connections.body_read),
-            ("write_timeout", connections.write),
+            ("--header-read-timeout", connections.header_read),
+            ("--idle-timeout", connections.idle),
+            ("--body-read-timeout", connections.body_read),
+            ("--write-timeout", connections.write),
         ] {
             if value.is_zero() {
                 return Err(format!("{name} must be above 0"));
             }
         }
         if connections.max_connections == 0 {
-            return Err("max_connections must be at least 1".into());
+            return Err("--max-connections must be at least 1".into());
         }
         let dashboard_session_ttl = a
             .dashboard_session_ttl
@@ -481,7 +570,7 @@ impl Settings {
             || dashboard_session_ttl > MAX_DASHBOARD_SESSION_TTL
         {
             return Err(format!(
-                "dashboard_session_ttl ({}) must be at least 1s and at most 30 days",
+                "--dashboard-session-ttl ({}) must be at least 1s and at most 30 days",
                 format_duration(dashboard_session_ttl)
             ));
         }
@@ -497,22 +586,29 @@ impl Settings {
             .find(|h| h.contains(['/', '@', ' ', '*']) || h.len() > 253)
         {
             return Err(format!(
-                "allowed_hosts: {bad:?} is not a host name; give names like sidelock.internal or sidelock.internal:7070"
+                "--allowed-hosts: {bad:?} is not a host name; give names like sidelock.internal or sidelock.internal:7070"
             ));
         }
         let sidecar_id = match a.sidecar_id.filter(|s| !s.is_empty()) {
             // Shown next to every holder, like an owner: the same rule.
             Some(id) => {
-                crate::lock::check_plain_text("sidecar_id", &id, 200)?;
+                crate::lock::check_plain_text("--sidecar-id", &id, 200)?;
                 id
             }
             None => default_sidecar_id(),
         };
+        let listen = a
+            .listen
+            .filter(|l| !l.is_empty())
+            .unwrap_or_else(|| vec![Listen::Tcp(SocketAddr::from(([127, 0, 0, 1], 7070)))]);
+        for l in &listen {
+            if let Listen::Unix(path) = l {
+                check_socket_path(path)?;
+            }
+        }
         Ok(Self {
-            listen: a
-                .listen
-                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7070))),
-            backend: a.backend.unwrap_or_else(|| "memory://".into()),
+            listen,
+            backend: backend_url(a.backend)?,
             sidecar_id: sidecar_id.clone(),
             limits,
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
@@ -538,6 +634,50 @@ impl Settings {
                 sidecar: sidecar_id.clone(),
             },
         })
+    }
+}
+
+/// The backend URL: `memory://` when unset, and `memory` written without
+/// `://` means it too; any other value needs a known scheme.
+fn backend_url(given: Option<Secret>) -> Result<Secret, String> {
+    let Some(url) = given.filter(|u| !u.trim().is_empty()) else {
+        return Ok("memory://".into());
+    };
+    if url.trim() == "memory" {
+        return Ok("memory://".into());
+    }
+    match url.split_once("://") {
+        Some((scheme, _)) if crate::backend::SCHEMES.contains(&scheme) => Ok(url),
+        _ => Err(format!(
+            "--backend {:?} is not a backend URL; use one of {} (e.g. redis://127.0.0.1:6379/0)",
+            crate::backend::redact(&url),
+            crate::backend::SCHEMES
+                .iter()
+                .map(|s| format!("{s}://"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// A Unix socket path must be in an existing directory and must not be
+/// another kind of file (a socket file left by a dead sidecar is replaced
+/// when it binds; see `sidecar`).
+fn check_socket_path(path: &Path) -> Result<(), String> {
+    let shown = path.display();
+    match path.parent() {
+        Some(dir) if dir.is_dir() => {}
+        _ => {
+            return Err(format!(
+                "--listen unix:{shown}: the directory of the socket does not exist; create it first"
+            ));
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()) => Err(format!(
+            "--listen unix:{shown}: that path exists and is not a socket; choose another path (it is never deleted)"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -664,7 +804,8 @@ mod tests {
                     }
                 };
                 let err = Settings::resolve(args).unwrap_err();
-                assert!(err.contains(setting), "{err}");
+                let flag = format!("--{}", setting.replace('_', "-"));
+                assert!(err.contains(&flag), "{err}");
                 assert!(err.contains("365 days (31536000000 ms)"), "{err}");
             }
         }
@@ -686,7 +827,7 @@ mod tests {
             };
             let err = Settings::resolve(args).unwrap_err();
             assert!(
-                err.contains("sidecar_id") && err.contains("allowed"),
+                err.contains("--sidecar-id") && err.contains("allowed"),
                 "{err}"
             );
         }
@@ -719,7 +860,7 @@ mod tests {
         assert!(
             Settings::resolve(zero)
                 .unwrap_err()
-                .contains("idle_timeout")
+                .contains("--idle-timeout")
         );
     }
 

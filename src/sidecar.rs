@@ -62,18 +62,19 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         )),
         throttle: Default::default(),
     });
-    let listener = tokio::net::TcpListener::bind(settings.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", settings.listen))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| format!("cannot read the bound address: {e}"))?;
-    tracing::info!(
-        sidecar = %settings.sidecar_id,
-        backend = %description.url,
-        safety = %description.safety,
-        "listening on {local}"
-    );
+    let mut listeners = Vec::with_capacity(settings.listen.len());
+    for addr in &settings.listen {
+        listeners.push(http::server::Listener::bind(addr).await?);
+    }
+    for listener in &listeners {
+        tracing::info!(
+            sidecar = %settings.sidecar_id,
+            backend = %description.url,
+            safety = %description.safety,
+            "listening on {}",
+            listener.shown
+        );
+    }
     core.tasks.spawn(monitor(core.clone()));
     core.tasks.spawn(dashboard::stats::sample(
         core.clone(),
@@ -91,7 +92,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         );
     }
     let drained = async {
-        http::server::serve(listener, http::router(app), limits, cap, token.clone()).await;
+        http::server::serve(listeners, http::router(app), limits, cap, token.clone()).await;
         Ok(())
     };
     // The server stops when every connection is done; holds and event streams

@@ -450,6 +450,22 @@ impl Default for Options {
     }
 }
 
+/// Every `--backend` URL scheme [`open`] knows.
+pub const SCHEMES: &[&str] = &[
+    "memory",
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+    "redlock",
+    "redlocks",
+    "zk",
+    "postgres",
+    "postgresql",
+];
+
 /// Opens the backend a `--backend` URL names.
 ///
 /// # Errors

@@ -45,13 +45,102 @@ use axum::extract::ConnectInfo;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::time::{Instant, Sleep};
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
+use crate::config::Listen;
 use crate::error::Error;
+
+/// One accepted connection, over TCP or a Unix-domain socket.
+type Conn = Either<TcpStream, UnixStream>;
+
+/// The peer address handlers see for a Unix-socket connection: it is a
+/// process on this host, as a loopback peer is (one throttle bucket with
+/// loopback TCP clients).
+pub const UNIX_PEER: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
+
+/// A bound listener and what it shows in logs.
+pub struct Listener {
+    socket: Either<TcpListener, UnixListener>,
+    /// The bound address (`127.0.0.1:40123`, `unix:/run/s.sock`).
+    pub shown: String,
+    /// Removes the socket file when the listener is gone.
+    _file: Option<SocketFile>,
+}
+
+/// A Unix socket's file, removed on drop (graceful exit).
+struct SocketFile(std::path::PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Listener {
+    /// Binds `addr`. A Unix socket file left by a process that is gone is
+    /// replaced; one where a process still accepts is refused, so a second
+    /// sidecar never takes over the first one's clients. The socket is made
+    /// mode 0660 (owner and group: the pod's containers sharing it).
+    ///
+    /// # Errors
+    /// A sentence naming `--listen`, the address and the cause.
+    pub async fn bind(addr: &Listen) -> Result<Self, String> {
+        let cannot = |e: io::Error| format!("--listen {addr}: cannot listen there: {e}");
+        match addr {
+            Listen::Tcp(a) => {
+                let socket = TcpListener::bind(a).await.map_err(cannot)?;
+                let shown = socket.local_addr().map_err(cannot)?.to_string();
+                Ok(Self {
+                    socket: Either::Left(socket),
+                    shown,
+                    _file: None,
+                })
+            }
+            Listen::Unix(path) => {
+                if std::fs::symlink_metadata(path).is_ok() {
+                    if UnixStream::connect(path).await.is_ok() {
+                        return Err(format!(
+                            "--listen {addr}: another process accepts connections on that socket; stop it or choose another path"
+                        ));
+                    }
+                    std::fs::remove_file(path).map_err(cannot)?;
+                }
+                let socket = UnixListener::bind(path).map_err(cannot)?;
+                let file = SocketFile(path.clone());
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+                    .map_err(cannot)?;
+                Ok(Self {
+                    socket: Either::Right(socket),
+                    shown: addr.to_string(),
+                    _file: Some(file),
+                })
+            }
+        }
+    }
+
+    async fn accept(&self) -> io::Result<(Conn, SocketAddr)> {
+        match &self.socket {
+            Either::Left(tcp) => {
+                let (stream, peer) = tcp.accept().await?;
+                // Responses are single writes; without this an SSE event or
+                // a grant could wait for the peer's delayed ACK.
+                let _ = stream.set_nodelay(true);
+                Ok((Either::Left(stream), peer))
+            }
+            Either::Right(unix) => {
+                let (stream, _) = unix.accept().await?;
+                Ok((Either::Right(stream), UNIX_PEER))
+            }
+        }
+    }
+}
 
 /// How long to pause accepting after an accept error such as `EMFILE`, so a
 /// full file table is not a busy loop.
@@ -96,14 +185,15 @@ impl ConnectionLimits {
     }
 }
 
-/// Serves `router` on `listener` until `stop` is cancelled, then asks every
-/// connection to finish its request in flight and close, and returns when
-/// all have (streams end on the same token).
+/// Serves `router` on every listener until `stop` is cancelled, then asks
+/// every connection to finish its request in flight and close, and returns
+/// when all have (streams end on the same token).
 ///
-/// Handlers see the peer address as `ConnectInfo<SocketAddr>`. At most
-/// `cap` connections are open (see the module doc).
+/// Handlers see the peer address as `ConnectInfo<SocketAddr>` ([`UNIX_PEER`]
+/// over a Unix socket). At most `cap` connections are open over all
+/// listeners together (see the module doc).
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<Listener>,
     router: Router,
     limits: ConnectionLimits,
     cap: usize,
@@ -111,7 +201,36 @@ pub async fn serve(
 ) {
     let connections = TaskTracker::new();
     let open = Arc::new(Registry::default());
-    let mut next_id = 0_u64;
+    let next_id = Arc::new(AtomicU64::new(0));
+    futures::future::join_all(listeners.into_iter().map(|listener| {
+        accept(
+            listener,
+            router.clone(),
+            limits.clone(),
+            cap,
+            stop.clone(),
+            connections.clone(),
+            open.clone(),
+            next_id.clone(),
+        )
+    }))
+    .await;
+    connections.close();
+    connections.wait().await;
+}
+
+/// Accepts connections on one listener until `stop` is cancelled.
+#[allow(clippy::too_many_arguments)]
+async fn accept(
+    listener: Listener,
+    router: Router,
+    limits: ConnectionLimits,
+    cap: usize,
+    stop: CancellationToken,
+    connections: TaskTracker,
+    open: Arc<Registry>,
+    next_id: Arc<AtomicU64>,
+) {
     loop {
         let (stream, peer) = tokio::select! {
             () = stop.cancelled() => break,
@@ -128,18 +247,15 @@ pub async fn serve(
             refuse(stream, cap);
             continue;
         }
-        // Responses are single writes; without this an SSE event or a grant
-        // could wait for the peer's delayed ACK.
-        let _ = stream.set_nodelay(true);
-        next_id += 1;
-        let state = open.insert(next_id);
+        let id = next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let state = open.insert(id);
         connections.spawn(connection(
             stream,
             peer,
             router.clone(),
             limits.clone(),
             Member {
-                id: next_id,
+                id,
                 state,
                 registry: open.clone(),
             },
@@ -147,8 +263,6 @@ pub async fn serve(
         ));
     }
     drop(listener);
-    connections.close();
-    connections.wait().await;
 }
 
 /// How long a refused connection may take to receive its 429.
@@ -157,7 +271,7 @@ const REFUSE_WITHIN: Duration = Duration::from_secs(1);
 /// Answers a connection over the cap with a 429 problem and closes it,
 /// giving the peer at most [`REFUSE_WITHIN`]. The request is read and
 /// discarded first, so the close is not a reset that would lose the answer.
-fn refuse(mut stream: TcpStream, cap: usize) {
+fn refuse(mut stream: Conn, cap: usize) {
     let problem = Error::TooManyConnections { limit: cap }.problem();
     let body = serde_json::to_vec(&problem).unwrap_or_default();
     let head = format!(
@@ -281,7 +395,7 @@ impl Drop for InFlight {
 }
 
 async fn connection(
-    stream: TcpStream,
+    stream: Conn,
     peer: SocketAddr,
     router: Router,
     limits: ConnectionLimits,
@@ -427,7 +541,7 @@ impl HttpBody for Tracked {
 /// has passed, and a write when the peer has read nothing for the write
 /// timeout.
 struct Watched {
-    inner: TcpStream,
+    inner: Conn,
     state: Arc<ConnState>,
     limits: ConnectionLimits,
     /// [`ConnState::finished`] when last read: a change means a response ended.
@@ -453,7 +567,7 @@ impl Watched {
     fn timed_write(
         &mut self,
         cx: &mut Context<'_>,
-        write: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<usize>>,
+        write: impl FnOnce(Pin<&mut Conn>, &mut Context<'_>) -> Poll<io::Result<usize>>,
     ) -> Poll<io::Result<usize>> {
         match write(Pin::new(&mut self.inner), cx) {
             Poll::Pending => {}
@@ -475,7 +589,10 @@ impl Watched {
                 // A reset frees the unread responses in the send queue at
                 // once; a close would keep them until the peer reads or
                 // the kernel gives up.
-                let _ = self.inner.set_zero_linger();
+                // A Unix socket's buffers go with the close itself.
+                if let Either::Left(tcp) = &self.inner {
+                    let _ = tcp.set_zero_linger();
+                }
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "the client read nothing of its response within the write timeout",
