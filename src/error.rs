@@ -83,8 +83,14 @@ pub enum Error {
         what: &'static str,
         limit: usize,
     },
-    #[error("the lock backend is unavailable")]
-    Unavailable(#[source] backend::Error),
+    /// The backend could not be reached; `backend` is filled in by the
+    /// core, which knows which one it is.
+    #[error("the lock backend cannot be reached ({cause})")]
+    Unavailable {
+        backend: Option<backend::Description>,
+        cause: backend::Cause,
+        op: &'static str,
+    },
     #[error("the sidecar is shutting down")]
     ShuttingDown,
 }
@@ -98,7 +104,11 @@ impl From<backend::Error> for Error {
             ),
             backend::Error::Unsupported(why) => Error::Unsupported(why),
             e @ backend::Error::KeyConflict { .. } => Error::KeyConflict(e.to_string()),
-            e @ backend::Error::Unavailable { .. } => Error::Unavailable(e),
+            ref e @ backend::Error::Unavailable { op, .. } => Error::Unavailable {
+                backend: None,
+                cause: e.cause().unwrap_or(backend::Cause::Failed),
+                op,
+            },
         }
     }
 }
@@ -145,7 +155,7 @@ impl Error {
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::TooManyFailedTokens { .. } => (S::TOO_MANY_REQUESTS, "too-many-failed-tokens"),
             Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
-            Error::Unavailable(_) => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
+            Error::Unavailable { .. } => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
         }
     }
@@ -175,8 +185,12 @@ impl Error {
                 extensions.insert("queue_length".into(), json!(busy.queue_length));
                 extensions.insert("waited_ms".into(), json!(waited_ms));
             }
-            Error::Unavailable(cause) => {
-                tracing::error!(error = %cause, source = ?std::error::Error::source(cause), "backend unavailable");
+            Error::Unavailable { backend, cause, .. } => {
+                if let Some(b) = backend {
+                    extensions.insert("backend".into(), json!(b.kind));
+                    extensions.insert("address".into(), json!(b.url));
+                }
+                extensions.insert("cause".into(), json!(cause.as_str()));
             }
             _ => {}
         }
@@ -188,6 +202,14 @@ impl Error {
             Error::Busy { waited_ms, .. } => {
                 format!("the lock was not granted within the wait of {waited_ms} ms")
             }
+            Error::Unavailable {
+                backend: Some(b),
+                cause,
+                ..
+            } => format!(
+                "the {} backend at {} cannot be reached ({cause}); retry after Retry-After seconds (the sidecar log has the outage)",
+                b.kind, b.url
+            ),
             other => other.to_string(),
         };
         Problem {

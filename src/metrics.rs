@@ -179,8 +179,8 @@ impl Metrics {
         let backend_up = Gauge::with_opts(
             Opts::new(
                 "backend_up",
-                "1 when the backend answered the last health check (every 10 s, and on each \
-                 /readyz and dashboard render), else 0.",
+                "1 when the backend answered the last operation (a request's, or the health \
+                 check every 10 s), else 0.",
             )
             .const_label("backend", backend),
         )

@@ -55,6 +55,13 @@
   var statusEl = document.getElementById('live-status');
   function setStatus(state, text, title) {
     if (!statusEl) return;
+    statusEl.dataset.wanted = JSON.stringify([state, text, title]);
+    // The page is live, but what it shows is not: the backend cannot be read.
+    if (state !== 'error' && live.querySelector('[data-backend="down"]')) {
+      state = 'error';
+      text = 'Backend down';
+      title = 'The sidecar answers, but its backend cannot be reached: holders, queues and stale keys are unknown';
+    }
     statusEl.dataset.state = state;
     statusEl.querySelector('.live-text').textContent = text;
     statusEl.title = title || text;
@@ -128,6 +135,7 @@
       readClock();
       tick();
       live.dataset.refreshedAt = String(Date.now());
+      if (statusEl && statusEl.dataset.wanted) setStatus.apply(null, JSON.parse(statusEl.dataset.wanted));
       if (statusEl && statusEl.dataset.state === 'error') showStreamState();
     } catch (e) {
       setStatus('error', 'Sidecar unreachable', 'The last refresh failed (' + e.message + '); retrying');

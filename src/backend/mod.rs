@@ -50,6 +50,174 @@ pub enum Error {
     KeyConflict { key: String, found: String },
 }
 
+impl Error {
+    /// Why the backend could not be reached, for an [`Error::Unavailable`].
+    pub fn cause(&self) -> Option<Cause> {
+        match self {
+            Error::Unavailable { source, .. } => Some(Cause::of(source.as_ref())),
+            _ => None,
+        }
+    }
+}
+
+/// Why a backend could not be reached, in words an operator reads (logs,
+/// 503s, the dashboard). Found from the error chain's own types and kinds
+/// (I/O error kinds, the drivers' predicates and codes), never its text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Cause {
+    /// Nothing listens at the address (or a firewall rejects).
+    ConnectionRefused,
+    /// No answer in time: a partition, an overloaded or stopped server.
+    TimedOut,
+    /// An open connection broke (reset, closed by the server).
+    ConnectionLost,
+    /// The server refused the credentials.
+    AuthenticationFailed,
+    /// The host name could not be resolved.
+    NameNotResolved,
+    /// Fewer nodes than a quorum answered (Redlock, a ZooKeeper ensemble).
+    NoQuorum,
+    /// The ZooKeeper session expired.
+    SessionExpired,
+    /// Anything else; the log at debug level has the chain.
+    Failed,
+}
+
+impl Cause {
+    /// The cause as logs and problem documents write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::ConnectionRefused => "connection refused",
+            Cause::TimedOut => "timed out",
+            Cause::ConnectionLost => "connection lost",
+            Cause::AuthenticationFailed => "authentication failed",
+            Cause::NameNotResolved => "name not resolved",
+            Cause::NoQuorum => "no quorum",
+            Cause::SessionExpired => "session expired",
+            Cause::Failed => "failed",
+        }
+    }
+
+    /// The first cause any error of `e`'s chain names.
+    pub fn of(e: &(dyn std::error::Error + 'static)) -> Self {
+        let mut next = Some(e);
+        while let Some(e) = next {
+            if let Some(cause) = Self::of_one(e) {
+                return cause;
+            }
+            next = e.source();
+        }
+        Cause::Failed
+    }
+
+    fn of_one(e: &(dyn std::error::Error + 'static)) -> Option<Self> {
+        use std::io::ErrorKind as K;
+        if let Some(c) = e.downcast_ref::<Outage>() {
+            return Some(c.cause);
+        }
+        if e.is::<tokio::time::error::Elapsed>() {
+            return Some(Cause::TimedOut);
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return match io.kind() {
+                K::ConnectionRefused => Some(Cause::ConnectionRefused),
+                K::TimedOut | K::WouldBlock => Some(Cause::TimedOut),
+                K::ConnectionReset
+                | K::ConnectionAborted
+                | K::BrokenPipe
+                | K::UnexpectedEof
+                | K::NotConnected => Some(Cause::ConnectionLost),
+                K::HostUnreachable | K::NetworkUnreachable | K::AddrNotAvailable => {
+                    Some(Cause::ConnectionRefused)
+                }
+                _ => None,
+            };
+        }
+        if let Some(r) = e.downcast_ref::<::redis::RedisError>() {
+            return if r.is_connection_refusal() {
+                Some(Cause::ConnectionRefused)
+            } else if r.is_timeout() {
+                Some(Cause::TimedOut)
+            } else if r.kind() == ::redis::ErrorKind::AuthenticationFailed
+                || matches!(r.code(), Some("NOAUTH" | "WRONGPASS"))
+            {
+                Some(Cause::AuthenticationFailed)
+            } else if r.is_connection_dropped() {
+                Some(Cause::ConnectionLost)
+            } else {
+                None
+            };
+        }
+        if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
+            use tokio_postgres::error::SqlState;
+            return match pg.code() {
+                Some(c)
+                    if *c == SqlState::INVALID_PASSWORD
+                        || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
+                {
+                    Some(Cause::AuthenticationFailed)
+                }
+                _ if pg.is_closed() => Some(Cause::ConnectionLost),
+                _ => None,
+            };
+        }
+        if let Some(zk) = e.downcast_ref::<zookeeper_client::Error>() {
+            use zookeeper_client::Error as Z;
+            return match zk {
+                Z::Timeout => Some(Cause::TimedOut),
+                // No server of the ensemble accepted a connection.
+                Z::NoHosts => Some(Cause::ConnectionRefused),
+                Z::ConnectionLoss | Z::ClientClosed => Some(Cause::ConnectionLost),
+                Z::SessionExpired => Some(Cause::SessionExpired),
+                Z::AuthFailed | Z::NoAuth => Some(Cause::AuthenticationFailed),
+                _ => None,
+            };
+        }
+        None
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A backend's own reason for an outage (its timeout ran out, no quorum
+/// answered), with the cause it stands for; `detail` is for the debug log.
+#[derive(Debug, thiserror::Error)]
+#[error("{detail}")]
+pub struct Outage {
+    pub cause: Cause,
+    pub detail: String,
+}
+
+impl Outage {
+    /// An outage of `cause`, boxed as an [`Error::Unavailable`] source.
+    pub fn boxed(
+        cause: Cause,
+        detail: impl Into<String>,
+    ) -> Box<dyn std::error::Error + Send + Sync> {
+        Box::new(Outage {
+            cause,
+            detail: detail.into(),
+        })
+    }
+}
+
+/// An error and its sources, for log lines and start-up messages.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(source) = next {
+        text.push_str(": ");
+        text.push_str(&source.to_string());
+        next = source.source();
+    }
+    text
+}
+
 /// How much a backend's locks can be trusted; shown by `/v1/info` and the dashboard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "kebab-case")]

@@ -46,8 +46,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Options, Safety, StaleKey,
-    State, Status, Summary, Ticket, Turn, Waiter, Watch,
+    Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Loss, Options, Outage,
+    Safety, StaleKey, State, Status, Summary, Ticket, Turn, Waiter, Watch, chain,
 };
 use crate::clock::{ms, now_ms};
 use crate::core::Wakeups;
@@ -131,6 +131,8 @@ struct Inner {
     wakeups: Wakeups,
     /// The schema is migrated and this sidecar registered.
     ready: watch::Sender<bool>,
+    /// Why the last attempt to set the schema up failed, while not `ready`.
+    setup_failure: std::sync::Mutex<Cause>,
     /// The LISTEN connection is up.
     listening: watch::Sender<bool>,
     /// A pooled call worked while the LISTEN connection was down: reconnect
@@ -267,7 +269,10 @@ impl Failure {
     fn timeout(what: &str) -> Self {
         Self {
             class: Class::Outage,
-            source: format!("PostgreSQL did not answer within {OP_TIMEOUT:?} ({what})").into(),
+            source: Outage::boxed(
+                Cause::TimedOut,
+                format!("PostgreSQL did not answer within {OP_TIMEOUT:?} ({what})"),
+            ),
         }
     }
 
@@ -302,13 +307,15 @@ impl From<tokio_postgres::Error> for Failure {
 /// and relations but no values.
 fn without_row_data(e: tokio_postgres::Error) -> Box<dyn StdError + Send + Sync> {
     match e.as_db_error() {
-        Some(db) => format!(
-            "{}: {} (SQLSTATE {})",
-            db.severity(),
-            db.message(),
-            db.code().code()
-        )
-        .into(),
+        Some(db) => Outage::boxed(
+            Cause::of(&e),
+            format!(
+                "{}: {} (SQLSTATE {})",
+                db.severity(),
+                db.message(),
+                db.code().code()
+            ),
+        ),
         None => Box::new(e),
     }
 }
@@ -322,6 +329,7 @@ impl From<PoolError> for Failure {
         };
         let source = match e {
             PoolError::Backend(e) => without_row_data(e),
+            PoolError::Timeout(_) => Outage::boxed(Cause::TimedOut, e.to_string()),
             e => Box::new(e),
         };
         Self { class, source }
@@ -360,18 +368,6 @@ fn classify(e: &tokio_postgres::Error) -> Class {
         // Authentication, TLS, configuration, (de)serialisation.
         Class::Fatal
     }
-}
-
-/// An error and its sources, for log lines and start-up messages.
-fn chain(e: &(dyn StdError + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(source) = next {
-        text.push_str(": ");
-        text.push_str(&source.to_string());
-        next = source.source();
-    }
-    text
 }
 
 fn quote_ident(ident: &str) -> String {
@@ -664,12 +660,25 @@ impl Inner {
     fn not_ready(&self, op: &'static str) -> Option<Error> {
         (!*self.ready.borrow()).then(|| Error::Unavailable {
             op,
-            source: format!(
-                "PostgreSQL has not been reachable since start-up, so schema {:?} is not set up yet",
-                self.schema
-            )
-            .into(),
+            source: Outage::boxed(
+                *self
+                    .setup_failure
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                format!(
+                    "PostgreSQL has not been reachable since start-up, so schema {:?} is not set up yet",
+                    self.schema
+                ),
+            ),
         })
+    }
+
+    /// Remembers why setting the schema up failed, for [`Inner::not_ready`].
+    fn setup_failed(&self, f: &Failure) {
+        *self
+            .setup_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Cause::of(f.source.as_ref());
     }
 
     /// Runs one statement on a pooled connection, within [`OP_TIMEOUT`],
@@ -846,7 +855,9 @@ impl Inner {
                         tracing::info!(schema = %self.schema, "PostgreSQL is reachable; schema ready")
                     }
                     Err(f) => {
-                        tracing::warn!(error = %f.describe(), "PostgreSQL is not reachable; retrying");
+                        // The sidecar's health check warns once per outage.
+                        self.setup_failed(&f);
+                        tracing::debug!(error = %f.describe(), "PostgreSQL is not reachable; retrying");
                         self.pause(&mut backoff).await;
                         continue;
                     }
@@ -1147,6 +1158,7 @@ impl Postgres {
             legacy,
             wakeups,
             ready: watch::channel(false).0,
+            setup_failure: std::sync::Mutex::new(Cause::TimedOut),
             listening: watch::channel(false).0,
             reconnect: Notify::new(),
             offset_ms: AtomicI64::new(0),
@@ -1163,10 +1175,13 @@ impl Postgres {
                     f.describe()
                 ));
             }
-            Ok(Err(f)) => tracing::warn!(
-                error = %f.describe(),
-                "PostgreSQL is not reachable; answering 503 until it is"
-            ),
+            Ok(Err(f)) => {
+                inner.setup_failed(&f);
+                tracing::debug!(
+                    error = %f.describe(),
+                    "PostgreSQL is not reachable; answering 503 until it is"
+                );
+            }
             Err(_) => {
                 tracing::warn!("setting up PostgreSQL timed out; answering 503 until it works")
             }

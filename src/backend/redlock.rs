@@ -59,8 +59,8 @@ use tokio_util::sync::CancellationToken;
 use super::redact;
 use super::redis::{Member, Node, Numbering, Step, Watchers, split_hosts, watch};
 use super::{
-    Attempt, Backend, Busy, Description, Error, Grant, Holder, Options, Safety, StaleKey, State,
-    Status, Summary, Ticket, Turn, Watch,
+    Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Options, Outage, Safety,
+    StaleKey, State, Status, Summary, Ticket, Turn, Watch,
 };
 use crate::clock::{ms, now_ms};
 use crate::core::{Wakeups, drift_ms as drift};
@@ -120,7 +120,7 @@ type Answer<T> = Result<T, Error>;
 fn timed_out(op: &'static str) -> Error {
     Error::Unavailable {
         op,
-        source: "node did not answer in time".into(),
+        source: Outage::boxed(Cause::TimedOut, "node did not answer in time"),
     }
 }
 
@@ -220,7 +220,14 @@ impl Redlock {
             .find_map(|a| match a {
                 Err(Error::Unavailable { op, source }) => Some(Error::Unavailable {
                     op,
-                    source: source.to_string().into(),
+                    source: Outage::boxed(
+                        Cause::of(source.as_ref()),
+                        format!(
+                            "fewer than {} of {} nodes answered: {source}",
+                            self.quorum,
+                            self.members.len()
+                        ),
+                    ),
                 }),
                 _ => None,
             })

@@ -8,6 +8,7 @@
 
 pub mod event;
 mod expiry;
+pub mod health;
 mod queue;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -268,6 +269,8 @@ pub struct Core {
     /// Leases in `leases` plus attempts under way that may add one, against
     /// `max_held`.
     held_slots: AtomicUsize,
+    /// Whether the backend answers, from every operation.
+    pub health: health::Health,
 }
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
@@ -336,8 +339,10 @@ impl Core {
         metrics: Arc<Metrics>,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
+        let health = health::Health::new(&backend.describe(), metrics.backend_up.clone());
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
+            health,
             backend,
             wakeups,
             sidecar,
@@ -382,19 +387,32 @@ impl Core {
         m.backend_seconds
             .with_label_values(&[op])
             .observe(started.elapsed().as_secs_f64());
-        if let Err(backend::Error::Unavailable { .. }) = &result {
-            m.backend_errors.with_label_values(&[op]).inc();
+        match result {
+            Ok(value) => {
+                self.health.reached();
+                Ok(value)
+            }
+            Err(e) => {
+                if let Some(cause) = e.cause() {
+                    m.backend_errors.with_label_values(&[op]).inc();
+                    self.health.unreachable(cause);
+                    tracing::debug!(op, %cause, error = %crate::backend::chain(&e), "backend unavailable");
+                    return Err(Error::Unavailable {
+                        backend: Some(self.backend.describe()),
+                        cause,
+                        op,
+                    });
+                }
+                // The backend answered (a conflict, a refusal): it is up.
+                self.health.reached();
+                Err(Error::from(e))
+            }
         }
-        result.map_err(Error::from)
     }
 
-    /// Checks the backend answers (for `/readyz`).
+    /// Checks the backend answers (for `/readyz` and the health check).
     pub async fn ping(&self) -> Result<(), Error> {
-        let result = self.op("ping", self.backend.ping()).await;
-        self.metrics
-            .backend_up
-            .set(if result.is_ok() { 1.0 } else { 0.0 });
-        result
+        self.op("ping", self.backend.ping()).await
     }
 
     fn local(&self, token: &Token) -> Option<Arc<Local>> {
@@ -682,7 +700,7 @@ impl Core {
             .op("try_acquire", self.backend.try_acquire(claim, turn))
             .await;
         match &result {
-            Err(Error::Unavailable(_)) => self.metrics.acquired(&claim.key, "error"),
+            Err(Error::Unavailable { .. }) => self.metrics.acquired(&claim.key, "error"),
             Err(_) => self.metrics.acquired(&claim.key, "rejected"),
             Ok(_) => {}
         }

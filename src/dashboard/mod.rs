@@ -371,6 +371,7 @@ mod tests {
             label: "healthy".into(),
             detail: "answered a ping in 0.2 ms".into(),
             ready: true,
+            outage: None,
         }
     }
 
@@ -511,8 +512,8 @@ mod tests {
             vec![],
         );
         let took = started.elapsed();
-        assert_eq!(v.tiles.holders, 5000);
-        assert_eq!(v.tiles.waiters, 1000);
+        assert_eq!(v.tiles.holders, Some(5000));
+        assert_eq!(v.tiles.waiters, Some(1000));
         assert_eq!(page.matches("<tbody class=\"lock\"").count(), 5000);
         assert_eq!(page.matches("data-action=\"force-release\"").count(), 5000);
         assert_eq!(page.matches("<div class=\"queue\"").count(), 500);

@@ -8,6 +8,7 @@ use futures::StreamExt;
 
 use super::stats::{BUCKET_MS, Recent, StatsView};
 use crate::backend::{Safety, StaleKey};
+use crate::error::Error;
 use crate::http::App;
 use crate::lock::{LockKey, Name};
 
@@ -45,6 +46,9 @@ pub struct Health {
     pub detail: String,
     /// Ready in the sense of `/readyz`.
     pub ready: bool,
+    /// While the backend cannot be reached: which one and why, for the
+    /// banner (`redis redis://10.0.0.5:6379/0: connection refused`).
+    pub outage: Option<String>,
 }
 
 /// The filter and page position.
@@ -201,9 +205,10 @@ pub struct StaleRow {
 /// The summary tiles.
 #[derive(Debug, Clone, Default)]
 pub struct Tiles {
-    pub locks: usize,
-    pub holders: usize,
-    pub waiters: usize,
+    /// `None` (shown as unknown) when the backend could not be listed.
+    pub locks: Option<usize>,
+    pub holders: Option<usize>,
+    pub waiters: Option<usize>,
     pub stale: Option<usize>,
     pub rate: String,
     pub refused: u64,
@@ -388,6 +393,7 @@ async fn health(app: &App) -> Health {
             label: "shutting down".into(),
             detail: "SIGTERM received: releasing leases and refusing new ones".into(),
             ready: false,
+            outage: None,
         };
     }
     let started = Instant::now();
@@ -400,12 +406,25 @@ async fn health(app: &App) -> Health {
                 fmt_latency_ms(started.elapsed().as_secs_f64() * 1000.0)
             ),
             ready: true,
+            outage: None,
+        },
+        Ok(Err(Error::Unavailable {
+            backend: Some(b),
+            cause,
+            ..
+        })) => Health {
+            ok: false,
+            label: "unreachable".into(),
+            detail: format!("{cause}; the sidecar log has the outage"),
+            ready: false,
+            outage: Some(format!("{} {}: {cause}", b.kind, b.url)),
         },
         Ok(Err(e)) => Health {
             ok: false,
             label: "unreachable".into(),
-            detail: format!("{e}; the sidecar log has the cause"),
+            detail: format!("{e}; the sidecar log has the outage"),
             ready: false,
+            outage: Some(e.to_string()),
         },
         Err(_) => Health {
             ok: false,
@@ -415,6 +434,11 @@ async fn health(app: &App) -> Health {
                 fmt_duration_ms(PING_TIMEOUT.as_millis() as u64)
             ),
             ready: false,
+            outage: Some(format!(
+                "{}: no answer within {}",
+                app.core.backend().describe().url,
+                fmt_duration_ms(PING_TIMEOUT.as_millis() as u64)
+            )),
         },
     }
 }
@@ -564,10 +588,11 @@ pub fn build(
         ),
         Err(e) => (Vec::new(), Some(e)),
     };
+    let listed = listing.error.is_none();
     let tiles = Tiles {
-        locks: locks.len(),
-        holders: locks.iter().map(|l| l.holders.len()).sum(),
-        waiters: locks.iter().map(|l| l.waiters.len()).sum(),
+        locks: listed.then_some(locks.len()),
+        holders: listed.then(|| locks.iter().map(|l| l.holders.len()).sum()),
+        waiters: listed.then(|| locks.iter().map(|l| l.waiters.len()).sum()),
         stale: stale_error.is_none().then_some(stale.len()),
         rate: fmt_rate(minute.granted_per_second),
         refused: minute.refused,
