@@ -134,6 +134,26 @@ async fn a_unix_socket_serves_every_route_beside_tcp_and_is_removed_at_exit() {
         assert_eq!(status, want, "{path}: {body}");
     }
 
+    // Socket clients name the host in many ways (requests-unixsocket sends
+    // the percent-encoded path); only processes that can open the file get
+    // here, so the Host rule against DNS rebinding does not apply.
+    for host in [
+        "Host: %2Frun%2Fsidelock.sock",
+        "Host: sidelock",
+        "Host: evil.example",
+    ] {
+        let (body, status) = curl_unix(&socket, &["-H", host], "/v1/info");
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    // Over TCP the same Host is refused.
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/info", sidecar.base_url()))
+        .header("Host", "evil.example")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 421);
+
     sidecar.signal(Signal::SIGTERM);
     let status = sidecar.wait_exit(Duration::from_secs(15)).await;
     assert!(status.success(), "{status}");

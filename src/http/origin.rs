@@ -70,8 +70,13 @@ where
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
+        let over_socket = request
+            .extensions()
+            .get::<super::server::OverUnixSocket>()
+            .is_some();
         match refusal(
             &self.allowed_hosts,
+            over_socket,
             request.method(),
             request.uri(),
             request.headers(),
@@ -87,13 +92,19 @@ where
 }
 
 /// Why a request is refused by the Host or the cross-site rule, if it is.
-fn refusal(allowed: &[String], method: &Method, uri: &Uri, headers: &HeaderMap) -> Option<Error> {
+fn refusal(
+    allowed: &[String],
+    over_socket: bool,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Option<Error> {
     let path = uri.path();
     let host = headers
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
         .or_else(|| uri.authority().map(|a| a.as_str()));
-    if !is_probe(path) {
+    if !is_probe(path) && !over_socket {
         match host {
             Some(h) if host_allowed(allowed, h) => {}
             Some(h) => {

@@ -64,6 +64,13 @@ type Conn = Either<TcpStream, UnixStream>;
 pub const UNIX_PEER: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
+/// Marks a request that came over a Unix socket: only processes that may
+/// open the socket file reach it (no browser, no DNS rebinding), so any
+/// `Host` is this sidecar's — clients name socket hosts in many ways
+/// (`localhost`, the percent-encoded path).
+#[derive(Debug, Clone, Copy)]
+pub struct OverUnixSocket;
+
 /// A bound listener and what it shows in logs.
 pub struct Listener {
     socket: Either<TcpListener, UnixListener>,
@@ -403,6 +410,7 @@ async fn connection(
     stop: CancellationToken,
 ) {
     let _open = Open::count();
+    let unix = matches!(stream, Either::Right(_));
     let state = member.state.clone();
     let body_read = limits.body_read;
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
@@ -417,6 +425,9 @@ async fn connection(
             })
         });
         req.extensions_mut().insert(ConnectInfo(peer));
+        if unix {
+            req.extensions_mut().insert(OverUnixSocket);
+        }
         let response = router.clone().oneshot(req);
         async move {
             let response = response.await?;
