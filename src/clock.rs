@@ -49,3 +49,10 @@ pub fn after(d: Duration) -> tokio::time::Instant {
 pub fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
+
+/// The clock-drift allowance of a lease with `ttl`: 1% plus 2 ms, as
+/// Redlock subtracts it from a lease's validity. A lease whose expiry came
+/// within this of its `max_hold` cap has reached the cap.
+pub fn drift_ms(ttl: Duration) -> u64 {
+    ms(ttl) / 100 + 2
+}

@@ -8,14 +8,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
 use serde::{Deserialize, Deserializer};
 
 use crate::core::Limits;
-
-/// The longest duration any setting may name, and the bound of a request's
-/// `max_hold`: 365 days. Every time sum stays far from overflowing with it.
-pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+use crate::duration::{MAX_DURATION, format_duration, parse_duration};
 
 /// A setting that must never be printed: a token, or a backend URL that may
 /// carry a password. `Debug` shows `[redacted]`, so a `?settings` in a log
@@ -141,61 +138,8 @@ fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Listen>>, D::
         .map(Some)
 }
 
-/// `d` for a person: whole days as `N days` (humantime writes 365 days as
-/// months), anything else as humantime does.
-pub fn format_duration(d: Duration) -> String {
-    const DAY: u64 = 24 * 3600;
-    if d.subsec_nanos() == 0 && d.as_secs() >= DAY && d.as_secs().is_multiple_of(DAY) {
-        format!("{} days", d.as_secs() / DAY)
-    } else {
-        humantime::format_duration(d).to_string()
-    }
-}
-
 /// The longest `--dashboard-session-ttl`.
 const MAX_DASHBOARD_SESSION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// Parses `250ms`, `30s`, `5m`, `1h`, `1m30s`; a bare integer is milliseconds.
-///
-/// # Errors
-/// A sentence naming the accepted forms.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    strict_duration(s).ok_or_else(|| {
-        format!(
-            "{s:?} is not a duration; use a whole number of milliseconds (250) or of ms, s, m, h \
-             (250ms, 30s, 5m, 1h), largest unit first when combined (1m30s)"
-        )
-    })
-}
-
-/// The one duration grammar: `^[0-9]+$` (milliseconds) or `^([0-9]+(h|m|s|ms))+$`
-/// with each unit at most once, largest first. Nothing finer than a
-/// millisecond can be written, so no duration truncates to 0. Too large a
-/// number saturates, for the caller's range check to name the maximum.
-fn strict_duration(s: &str) -> Option<Duration> {
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
-        return Some(Duration::from_millis(s.parse().unwrap_or(u64::MAX)));
-    }
-    const UNITS: [(&str, u64); 4] = [("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)];
-    let mut rest = s;
-    let mut total: u64 = 0;
-    let mut next_unit = 0;
-    while !rest.is_empty() {
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        if digits == 0 {
-            return None;
-        }
-        let n: u64 = rest[..digits].parse().unwrap_or(u64::MAX);
-        rest = &rest[digits..];
-        let letters = rest.bytes().take_while(u8::is_ascii_lowercase).count();
-        let unit = &rest[..letters];
-        rest = &rest[letters..];
-        let at = UNITS[next_unit..].iter().position(|(u, _)| *u == unit)? + next_unit;
-        next_unit = at + 1;
-        total = total.saturating_add(n.saturating_mul(UNITS[at].1));
-    }
-    (next_unit > 0).then(|| Duration::from_millis(total))
-}
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     #[derive(Deserialize)]
@@ -211,34 +155,6 @@ fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::E
             .map(Some)
             .map_err(serde::de::Error::custom),
     }
-}
-
-/// `sidelock`: a distributed-lock sidecar.
-#[derive(Debug, Parser)]
-#[command(
-    name = "sidelock",
-    version,
-    about,
-    args_conflicts_with_subcommands = true
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Option<Command>,
-    #[command(flatten)]
-    pub serve: ServeArgs,
-}
-
-/// Subcommands.
-#[derive(Debug, Subcommand)]
-// Parsed once at start-up; boxing the serve flags would buy nothing.
-#[allow(clippy::large_enum_variant)]
-pub enum Command {
-    /// Run the sidecar (the default).
-    Serve(ServeArgs),
-    /// Hold a lock through a sidecar while a command runs.
-    Run(RunArgs),
-    /// Measure latency, handoffs and backend load of sidecars (see BENCHMARKS.md).
-    Bench(crate::bench::BenchArgs),
 }
 
 /// Log output format.
@@ -381,79 +297,21 @@ impl ServeArgs {
     }
 }
 
-/// What `sidelock run --help` adds below the flags.
-const RUN_AFTER_HELP: &str = "\
-Exit codes:
-  CMD's own     CMD ran under the lock and exited
-  128+N         CMD was killed by signal N
-  2             a flag or duration is wrong (nothing was sent)
-  69            the sidecar cannot be reached or refused the request
-  75            the lock was not acquired within --wait
-  76            the lease was lost while CMD ran (CMD got SIGTERM)
-  127           CMD could not be started
-
-Environment read: SIDELOCK_URL (--url), SIDELOCK_API_TOKEN (--api-token).
-Environment CMD sees: SIDELOCK_LOCK (the lock name), SIDELOCK_TOKEN (the
-lease token), SIDELOCK_FENCE (the fencing token).";
-
-/// `sidelock run`: hold a lock while a command runs.
-#[derive(Debug, Args)]
-#[command(after_help = RUN_AFTER_HELP)]
-pub struct RunArgs {
-    /// Lock name.
-    #[arg(long)]
-    pub lock: String,
-    /// Lease ttl, renewed by the sidecar's watchdog while the command runs.
-    #[arg(long, value_parser = run_duration)]
-    pub ttl: Option<String>,
-    /// How long to wait for the lock [default: 0, try once].
-    #[arg(long, value_parser = run_duration)]
-    pub wait: Option<String>,
-    /// Owner identity shown to operators.
-    #[arg(long)]
-    pub owner: Option<String>,
-    /// Take the lock in shared (read) mode.
-    #[arg(long)]
-    pub shared: bool,
-    /// Print nothing while queued (by default a line on stderr says so).
-    #[arg(long, short)]
-    pub quiet: bool,
-    /// The sidecar's base URL (http:// or https://).
-    #[arg(long, env = "SIDELOCK_URL", default_value = "http://127.0.0.1:7070", value_parser = run_url)]
-    pub url: String,
-    /// Bearer token for the sidecar's API.
-    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<Secret>,
-    /// The command and its arguments.
-    #[arg(last = true, required = true)]
-    pub command: Vec<String>,
-}
-
-/// A duration for `sidelock run`, checked as the sidecar would check it and
-/// passed on as written.
-fn run_duration(s: &str) -> Result<String, String> {
-    let d = parse_duration(s)?;
-    if d > MAX_DURATION {
-        return Err(format!(
-            "{s:?} is longer than the longest duration, {}",
-            format_duration(MAX_DURATION)
-        ));
-    }
-    Ok(s.to_owned())
-}
-
-/// The sidecar's base URL for `sidelock run`: an absolute http(s) URL.
-fn run_url(s: &str) -> Result<String, String> {
-    match reqwest::Url::parse(s) {
-        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(s.to_owned()),
-        Ok(u) => Err(format!(
-            "{s:?} is a {} URL; use http://HOST:PORT or https://HOST:PORT",
-            u.scheme()
-        )),
-        Err(e) => Err(format!(
-            "{s:?} is not a URL ({e}); use http://HOST:PORT or https://HOST:PORT"
-        )),
-    }
+/// Per-connection timeouts and the cap on open connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Time to send a whole request head, from its first byte (or from
+    /// connecting, for a connection's first request).
+    pub header_read: Duration,
+    /// Time between a response and the first byte of the next request.
+    pub idle: Duration,
+    /// Time to send a request's body, from the end of its head.
+    pub body_read: Duration,
+    /// Time a response may make no progress because the client does not
+    /// read it; then the connection is reset.
+    pub write: Duration,
+    /// Open connections at most.
+    pub max_connections: usize,
 }
 
 /// The resolved settings of a sidecar.
@@ -467,7 +325,7 @@ pub struct Settings {
     pub metrics_lock_labels: bool,
     pub shutdown_grace: Duration,
     /// Per-connection timeouts and the cap on open connections.
-    pub connections: crate::http::server::ConnectionLimits,
+    pub connections: ConnectionLimits,
     /// Host names besides loopback that requests may name (lowercase).
     pub allowed_hosts: Vec<String>,
     pub log_format: LogFormat,
@@ -543,7 +401,7 @@ impl Settings {
                 return Err(format!("{setting} must be at least 1"));
             }
         }
-        let connections = crate::http::server::ConnectionLimits {
+        let connections = ConnectionLimits {
             header_read: a.header_read_timeout.unwrap_or(Duration::from_secs(10)),
             idle: a.idle_timeout.unwrap_or(Duration::from_secs(60)),
             body_read: a.body_read_timeout.unwrap_or(Duration::from_secs(30)),
@@ -698,75 +556,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn debug_output_shows_no_token_or_backend_password() {
-        let cli = Cli::try_parse_from([
-            "sidelock",
-            "serve",
-            "--api-token",
-            "api-secret-1",
-            "--admin-token",
-            "admin-secret-2",
-            "--backend",
-            "redis://user:pw-secret-3@127.0.0.1:6379/0",
-        ])
-        .unwrap();
-        let mut printed = format!("{cli:?}");
-        let Some(Command::Serve(args)) = cli.command else {
-            panic!("serve expected")
-        };
-        let settings = Settings::resolve(args).unwrap();
-        printed.push_str(&format!("{settings:?}"));
-        for secret in ["api-secret-1", "admin-secret-2", "pw-secret-3"] {
-            assert!(!printed.contains(secret), "{secret} in {printed}");
-        }
-        assert_eq!(settings.api_token.as_deref(), Some("api-secret-1"));
-        assert!(settings.backend.contains("pw-secret-3"));
-    }
-
-    #[test]
-    fn durations_take_only_the_documented_forms() {
-        for (text, ms) in [
-            ("0", 0),
-            ("250", 250),
-            ("250ms", 250),
-            ("30s", 30_000),
-            ("5m", 300_000),
-            ("1h", 3_600_000),
-            ("1m30s", 90_000),
-            ("1h0m0s5ms", 3_600_005),
-            ("99999999999999999999999", u64::MAX),
-            ("99999999999999h", u64::MAX),
-        ] {
-            assert_eq!(
-                parse_duration(text),
-                Ok(Duration::from_millis(ms)),
-                "{text}"
-            );
-        }
-        for text in [
-            "", " 30s", "30s ", "30sec", "5min", "1hr", "30s30s", "30s1m", "1d", "1ns", "500us",
-            "0.5s", "-1s", "+1s", "1e3", "s", "1S", "1 s", "ms",
-        ] {
-            let err = parse_duration(text).unwrap_err();
-            assert!(
-                err.starts_with(&format!("{text:?} is not a duration")),
-                "{err}"
-            );
-        }
-    }
-
-    #[test]
-    fn durations_accept_units_and_bare_milliseconds() {
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
-        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
-        assert!(parse_duration("soon").unwrap_err().contains("250ms"));
-        assert!(parse_duration("-5s").is_err());
-    }
-
-    #[test]
     fn file_rejects_unknown_keys_and_reads_durations() {
         let ok: ServeArgs = toml::from_str("max_ttl = \"2m\"\nmax_wait = 1500").unwrap();
         assert_eq!(ok.max_ttl, Some(Duration::from_secs(120)));
@@ -842,7 +631,7 @@ mod tests {
         let s = Settings::resolve(file).unwrap();
         assert_eq!(
             s.connections,
-            crate::http::server::ConnectionLimits {
+            ConnectionLimits {
                 header_read: Duration::from_secs(2),
                 idle: Duration::from_secs(5),
                 body_read: Duration::from_millis(700),

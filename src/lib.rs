@@ -2,29 +2,37 @@
 //!
 //! # Layout
 //!
-//! * [`config`]: flags, `SIDELOCK_*` env and the TOML file, layered into [`config::Settings`].
-//! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
-//! * [`http`]: routes, parameter extraction, auth, SSE, the OpenAPI document.
-//! * [`dashboard`]: the operator page at `GET /`, its assets and chart history.
-//! * [`core`]: backend-agnostic queues, leases, watchdog, events.
-//! * [`backend`]: the [`backend::Backend`] trait and its implementations, one file each.
-//! * [`lock`]: the shared nouns — names, keys, modes, tokens, claims.
-//! * [`error`]: the error enum and its `application/problem+json` form.
-//! * [`metrics`]: the Prometheus families.
-//! * [`shutdown`]: the signal that starts a graceful stop.
-//! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
-//! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
-//! * [`clock`]: monotonic Unix milliseconds.
+//! Bottom layer first: a module uses only the modules listed above it
+//! (`tests/layers.rs` fails on an import that reaches up).
+//!
 //! * [`alloc`]: the global allocator — large buffers in mappings of their own (Linux).
+//! * [`clock`]: monotonic Unix milliseconds and the clock-drift allowance.
+//! * [`lock`]: the shared nouns — names, keys, modes, tokens, claims, why a lease was lost.
+//! * [`duration`]: the one duration grammar and the longest duration.
+//! * [`shutdown`]: the signal that starts a graceful stop.
+//! * [`wakeups`]: the handle backends call when a key changes, and the local waiter queues.
+//! * [`backend`]: the [`backend::Backend`] trait, its implementations, and the one URL → backend map.
+//! * [`error`]: the error enum of the request path (no HTTP in it).
+//! * [`metrics`]: the Prometheus families.
+//! * [`core`]: backend-agnostic leases, waiting, watchdog, events, backend health.
+//! * [`config`]: flags, `SIDELOCK_*` env and the TOML file, layered into [`config::Settings`].
+//! * [`http`]: the server, routes, parameters, auth, problem documents, the OpenAPI document.
+//! * [`dashboard`]: the operator page at `GET /` and `/v1/stats`, mounted into [`http`] by the sidecar.
+//! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
+//! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
+//! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
+//! * [`cli`]: the command line of the `sidelock` binary.
 
 #[cfg(target_os = "linux")]
 pub mod alloc;
 pub mod backend;
 pub mod bench;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod core;
 pub mod dashboard;
+pub mod duration;
 pub mod error;
 pub mod http;
 pub mod lock;
@@ -32,3 +40,4 @@ pub mod metrics;
 pub mod run;
 pub mod shutdown;
 pub mod sidecar;
+pub mod wakeups;

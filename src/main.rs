@@ -1,7 +1,8 @@
 use std::io::IsTerminal;
 
 use clap::Parser;
-use sidelock::config::{Cli, Command, LogFormat, Settings};
+use sidelock::cli::{Cli, Command};
+use sidelock::config::{LogFormat, Settings};
 use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;

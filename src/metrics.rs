@@ -18,7 +18,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::core::LostReason;
+use crate::lock::LostReason;
 use crate::lock::{Kind, LockKey};
 
 /// How many distinct lock names get their own label value.

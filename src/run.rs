@@ -7,13 +7,90 @@
 use std::process::ExitStatus;
 use std::time::Duration;
 
+use clap::Args;
 use futures::StreamExt;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::config::RunArgs;
+use crate::config::Secret;
+use crate::duration::{MAX_DURATION, format_duration, parse_duration};
+
+/// What `sidelock run --help` adds below the flags.
+const RUN_AFTER_HELP: &str = "\
+Exit codes:
+  CMD's own     CMD ran under the lock and exited
+  128+N         CMD was killed by signal N
+  2             a flag or duration is wrong (nothing was sent)
+  69            the sidecar cannot be reached or refused the request
+  75            the lock was not acquired within --wait
+  76            the lease was lost while CMD ran (CMD got SIGTERM)
+  127           CMD could not be started
+
+Environment read: SIDELOCK_URL (--url), SIDELOCK_API_TOKEN (--api-token).
+Environment CMD sees: SIDELOCK_LOCK (the lock name), SIDELOCK_TOKEN (the
+lease token), SIDELOCK_FENCE (the fencing token).";
+
+/// `sidelock run`: hold a lock while a command runs.
+#[derive(Debug, Args)]
+#[command(after_help = RUN_AFTER_HELP)]
+pub struct RunArgs {
+    /// Lock name.
+    #[arg(long)]
+    pub lock: String,
+    /// Lease ttl, renewed by the sidecar's watchdog while the command runs.
+    #[arg(long, value_parser = run_duration)]
+    pub ttl: Option<String>,
+    /// How long to wait for the lock [default: 0, try once].
+    #[arg(long, value_parser = run_duration)]
+    pub wait: Option<String>,
+    /// Owner identity shown to operators.
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// Take the lock in shared (read) mode.
+    #[arg(long)]
+    pub shared: bool,
+    /// Print nothing while queued (by default a line on stderr says so).
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// The sidecar's base URL (http:// or https://).
+    #[arg(long, env = "SIDELOCK_URL", default_value = "http://127.0.0.1:7070", value_parser = run_url)]
+    pub url: String,
+    /// Bearer token for the sidecar's API.
+    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<Secret>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// A duration for `sidelock run`, checked as the sidecar would check it and
+/// passed on as written.
+fn run_duration(s: &str) -> Result<String, String> {
+    let d = parse_duration(s)?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{s:?} is longer than the longest duration, {}",
+            format_duration(MAX_DURATION)
+        ));
+    }
+    Ok(s.to_owned())
+}
+
+/// The sidecar's base URL for `sidelock run`: an absolute http(s) URL.
+fn run_url(s: &str) -> Result<String, String> {
+    match reqwest::Url::parse(s) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(s.to_owned()),
+        Ok(u) => Err(format!(
+            "{s:?} is a {} URL; use http://HOST:PORT or https://HOST:PORT",
+            u.scheme()
+        )),
+        Err(e) => Err(format!(
+            "{s:?} is not a URL ({e}); use http://HOST:PORT or https://HOST:PORT"
+        )),
+    }
+}
 
 /// The lock was not acquired within `--wait`.
 pub const EXIT_NOT_ACQUIRED: i32 = 75;

@@ -8,11 +8,12 @@ use tokio_util::sync::CancellationToken;
 use crate::backend;
 use crate::clock::now_ms;
 use crate::config::Settings;
-use crate::core::{Core, Wakeups};
+use crate::core::Core;
 use crate::dashboard::{self, Dashboard};
 use crate::http::{self, App};
 use crate::metrics::Metrics;
 use crate::shutdown;
+use crate::wakeups::Wakeups;
 
 /// How often the backend's health is checked for `sidelock_backend_up`, and
 /// stale keys counted for `sidelock_stale_locks`.
@@ -48,15 +49,15 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         token.clone(),
     );
     core.follow_losses();
+    let dashboard = Arc::new(Dashboard::new(
+        &core.metrics,
+        &settings.sidecar_id,
+        settings.dashboard_session_ttl,
+    ));
     let app = Arc::new(App {
         core: core.clone(),
         settings: settings.clone(),
         started_at_ms: now_ms(),
-        dashboard: Dashboard::new(
-            &core.metrics,
-            &settings.sidecar_id,
-            settings.dashboard_session_ttl,
-        ),
         event_streams: Arc::new(tokio::sync::Semaphore::new(
             crate::http::locks::MAX_EVENT_STREAMS,
         )),
@@ -78,7 +79,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     core.tasks.spawn(monitor(core.clone()));
     core.tasks.spawn(dashboard::stats::sample(
         core.clone(),
-        app.dashboard.stats.clone(),
+        dashboard.stats.clone(),
     ));
 
     let grace = settings.shutdown_grace;
@@ -92,7 +93,12 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         );
     }
     let drained = async {
-        http::server::serve(listeners, http::router(app), limits, cap, token.clone()).await;
+        let router = http::router(
+            app,
+            dashboard::api(dashboard.clone()),
+            dashboard::router(dashboard),
+        );
+        http::server::serve(listeners, router, limits, cap, token.clone()).await;
         Ok(())
     };
     // The server stops when every connection is done; holds and event streams

@@ -13,7 +13,7 @@ fn every_corpus_input_parses_to_a_value_or_a_4xx() {
     for entry in entries {
         let path = entry.expect("corpus entry").path();
         let data = std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-        let outcome = std::panic::catch_unwind(|| sidelock::http::params::check_fuzz_input(&data));
+        let outcome = std::panic::catch_unwind(|| sidelock::http::fuzz::check_fuzz_input(&data));
         assert!(
             outcome.is_ok(),
             "corpus input {} panicked; reproduce with `cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run params {}`",

@@ -1,10 +1,10 @@
 //! Request parameter parsing must answer every input with a value or a 4xx
 //! problem, never a panic: names, durations, modes, query strings, JSON and
 //! form bodies, for every route's parameter set. The checks live in
-//! `sidelock::http::params::check_fuzz_input`, which `tests/fuzz_corpus.rs`
+//! `sidelock::http::fuzz::check_fuzz_input`, which `tests/fuzz_corpus.rs`
 //! also replays over the kept corpus.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| sidelock::http::params::check_fuzz_input(data));
+fuzz_target!(|data: &[u8]| sidelock::http::fuzz::check_fuzz_input(data));

@@ -19,8 +19,8 @@ use super::{
     Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
-use crate::core::Wakeups;
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
+use crate::wakeups::Wakeups;
 
 /// The in-process backend.
 pub struct Memory {

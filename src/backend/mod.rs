@@ -18,8 +18,8 @@ use async_trait::async_trait;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::core::Wakeups;
 use crate::lock::{Claim, Held, LockKey, Token};
+use crate::wakeups::Wakeups;
 
 /// Errors a backend reports.
 #[derive(Debug, thiserror::Error)]

@@ -50,8 +50,8 @@ use super::{
     Safety, StaleKey, State, Status, Summary, Ticket, Turn, Waiter, Watch, chain,
 };
 use crate::clock::{ms, now_ms};
-use crate::core::Wakeups;
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token};
+use crate::wakeups::Wakeups;
 
 /// How often a sidecar sends its heartbeat (and cleans expired rows).
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);

@@ -42,8 +42,8 @@ use super::{
     State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
-use crate::core::Wakeups;
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
+use crate::wakeups::Wakeups;
 
 /// How often this sidecar refreshes its waiters' heartbeats.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);

@@ -62,9 +62,10 @@ use super::{
     Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Options, Outage, Safety,
     StaleKey, State, Status, Summary, Ticket, Turn, Watch,
 };
+use crate::clock::drift_ms as drift;
 use crate::clock::{ms, now_ms};
-use crate::core::{Wakeups, drift_ms as drift};
 use crate::lock::{Claim, Kind, LockKey, Token};
+use crate::wakeups::Wakeups;
 
 /// The Redlock backend.
 pub struct Redlock {

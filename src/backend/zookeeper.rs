@@ -105,8 +105,8 @@ use super::{
     State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
-use crate::core::Wakeups;
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token};
+use crate::wakeups::Wakeups;
 
 /// How long one ZooKeeper request may take before the backend counts as unavailable.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -448,7 +448,7 @@ impl ZooKeeper {
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("session_timeout", v)) => {
-                    session_timeout = crate::config::parse_duration(v)
+                    session_timeout = crate::duration::parse_duration(v)
                         .map_err(|e| format!("ZooKeeper URL: session_timeout: {e}"))?;
                 }
                 Some(("rw_locks", v)) => {

@@ -26,7 +26,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use crate::config::parse_duration;
+use crate::duration::parse_duration;
 use client::Locker;
 use counters::Counter;
 use procs::{RedisChild, Sidecar};

@@ -3,7 +3,7 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::lock::{Held, Kind};
+use crate::lock::{Held, Kind, LostReason};
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -15,43 +15,6 @@ pub enum EventType {
     Lost,
     Queued,
     ForceReleased,
-}
-
-/// Why a lease ended without its holder releasing it (the `lost` event's `reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum LostReason {
-    /// Not renewed in time.
-    Expired,
-    /// An operator force-released it.
-    ForceReleased,
-    /// `max_hold` reached: renewals stopped and the lease ran out.
-    MaxHold,
-    /// The sidecar is shutting down.
-    Shutdown,
-    /// The backend no longer has the lease (key deleted, token changed, session lost).
-    Backend,
-    /// Released with its token by a request outside the hold stream.
-    Released,
-    /// Renewals could not reach the backend before the lease's safety margin
-    /// ran out, so the sidecar gave the lease up before the backend could
-    /// expire it and grant it elsewhere.
-    Unreachable,
-}
-
-impl LostReason {
-    /// The label value of `sidelock_lost_total`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LostReason::Expired => "expired",
-            LostReason::ForceReleased => "force_released",
-            LostReason::MaxHold => "max_hold",
-            LostReason::Shutdown => "shutdown",
-            LostReason::Backend => "backend",
-            LostReason::Released => "released",
-            LostReason::Unreachable => "unreachable",
-        }
-    }
 }
 
 /// One lock event of this sidecar. Never carries a token.

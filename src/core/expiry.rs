@@ -170,9 +170,10 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use crate::backend::memory::Memory;
-    use crate::core::{Core, EventType, Limits, Outcome, Wakeups};
+    use crate::core::{Core, EventType, Limits, Outcome};
     use crate::lock::{Claim, Kind, LockKey, Mode, Name};
     use crate::metrics::Metrics;
+    use crate::wakeups::Wakeups;
 
     fn core() -> Arc<Core> {
         let wakeups = Wakeups::default();

@@ -9,7 +9,6 @@
 pub mod event;
 mod expiry;
 pub mod health;
-mod queue;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -22,14 +21,13 @@ use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use event::{Event, EventType, LostReason};
-pub(crate) use queue::Place;
-pub use queue::Wakeups;
+use crate::wakeups::{Place, Wakeups};
+pub use event::{Event, EventType};
 
 use crate::backend::{self, Attempt, Backend, Busy, Grant, Loss, State, Status, Summary, Turn};
-use crate::clock::{after, instant_at, ms, now_ms};
+use crate::clock::{after, drift_ms, instant_at, ms, now_ms};
 use crate::error::Error;
-use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, LostReason, Mode, Token};
 use crate::metrics::{Metrics, kind_label};
 
 /// Limits and defaults from the configuration.
@@ -1325,13 +1323,6 @@ impl Core {
         };
         self.end(lease, End::Lost(reason));
     }
-}
-
-/// The clock-drift allowance of a lease with `ttl`: 1% plus 2 ms, as
-/// Redlock subtracts it from a lease's validity. A lease whose expiry came
-/// within this of its `max_hold` cap has reached the cap.
-pub fn drift_ms(ttl: Duration) -> u64 {
-    ms(ttl) / 100 + 2
 }
 
 /// What woke a hold's watchdog.

@@ -26,11 +26,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use askama::Template;
-use axum::Router;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use tower_http::compression::CompressionLayer;
 use tower_http::set_header::SetResponseHeaderLayer;
 
@@ -236,27 +236,29 @@ fn page_query(uri: &Uri) -> PageQuery {
 /// `GET /`: the dashboard.
 async fn page(
     State(app): State<Arc<App>>,
+    Extension(dashboard): Extension<Arc<Dashboard>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     uri: Uri,
 ) -> Response {
-    match app.dashboard.authorized(&app, peer, &headers) {
+    match dashboard.authorized(&app, peer, &headers) {
         Ok(true) => {}
         Ok(false) => return sign_in_page(&app, None),
         Err(throttled) => return throttled.into_response(),
     }
-    let v = view::gather(&app, &page_query(&uri)).await;
+    let v = view::gather(&app, &dashboard, &page_query(&uri)).await;
     no_store(render_page(&v), StatusCode::OK)
 }
 
 /// `GET /dashboard/live`: the live part of the page, for the script.
 async fn live(
     State(app): State<Arc<App>>,
+    Extension(dashboard): Extension<Arc<Dashboard>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     uri: Uri,
 ) -> Response {
-    match app.dashboard.authorized(&app, peer, &headers) {
+    match dashboard.authorized(&app, peer, &headers) {
         Ok(true) => {}
         Ok(false) => {
             return Error::Unauthorized("sign in to the dashboard again: the session has ended")
@@ -264,7 +266,7 @@ async fn live(
         }
         Err(throttled) => return throttled.into_response(),
     }
-    let v = view::gather(&app, &page_query(&uri)).await;
+    let v = view::gather(&app, &dashboard, &page_query(&uri)).await;
     no_store(render_live(&v), StatusCode::OK)
 }
 
@@ -281,6 +283,7 @@ fn see_other(to: &'static str) -> Response {
 /// `POST /dashboard/sign-in` (form `token=`): starts a browser session.
 async fn sign_in(
     State(app): State<Arc<App>>,
+    Extension(dashboard): Extension<Arc<Dashboard>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     axum::Form(form): axum::Form<SignIn>,
 ) -> Response {
@@ -288,14 +291,15 @@ async fn sign_in(
     let Some(api) = s.api_token.as_deref() else {
         return see_other("/");
     };
-    let dashboard = &app.dashboard;
     let token = form.token.trim();
     match app
         .throttle
         .check(peer, Place::SignIn, || api_or_admin(s, api, token))
     {
         Ok(true) => {}
-        Ok(false) => return sign_in_page(&app, Some("That is not this sidecar's API token.")),
+        Ok(false) => {
+            return sign_in_page(&app, Some("That is not this sidecar's API token."));
+        }
         Err(throttled) => return throttled.into_response(),
     }
     let mut response = see_other("/");
@@ -309,19 +313,28 @@ async fn sign_in(
 
 /// `POST /dashboard/sign-out`: ends the browser's session, on the server
 /// too, so a copy of the cookie opens nothing any more.
-async fn sign_out(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    for value in app.dashboard.presented(&headers) {
-        app.dashboard.sessions.end(value);
+async fn sign_out(Extension(dashboard): Extension<Arc<Dashboard>>, headers: HeaderMap) -> Response {
+    for value in dashboard.presented(&headers) {
+        dashboard.sessions.end(value);
     }
     let mut response = see_other("/");
-    let cookie = app.dashboard.set_cookie("", 0);
+    let cookie = dashboard.set_cookie("", 0);
     response.headers_mut().insert(header::SET_COOKIE, cookie);
     response
 }
 
 /// The dashboard's routes. Compression and the page's security headers
 /// apply here only: never to SSE streams or `/metrics`.
-pub fn router() -> Router<Arc<App>> {
+/// The routes of the API the dashboard serves (`/v1/stats`), for the
+/// authenticated `/v1` part of the router and the OpenAPI document.
+pub fn api(dashboard: Arc<Dashboard>) -> utoipa_axum::router::OpenApiRouter<Arc<App>> {
+    utoipa_axum::router::OpenApiRouter::new()
+        .routes(utoipa_axum::routes!(stats::stats))
+        .layer(Extension(dashboard))
+}
+
+/// The operator page's routes.
+pub fn router(dashboard: Arc<Dashboard>) -> Router<Arc<App>> {
     let header =
         |name, value| SetResponseHeaderLayer::if_not_present(name, HeaderValue::from_static(value));
     Router::new()
@@ -335,6 +348,7 @@ pub fn router() -> Router<Arc<App>> {
         .layer(header(header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
         .layer(header(header::REFERRER_POLICY, "no-referrer"))
         .layer(header(header::X_FRAME_OPTIONS, "DENY"))
+        .layer(Extension(dashboard))
 }
 
 #[cfg(test)]

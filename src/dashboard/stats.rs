@@ -12,18 +12,18 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use axum::Json;
 use axum::extract::State;
+use axum::{Extension, Json};
 use prometheus::core::Collector;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::clock::{instant_at, now_ms};
 use crate::core::Core;
-use crate::error::Problem;
 use crate::http::App;
 use crate::http::locks::NoParams;
 use crate::http::params::Params;
+use crate::http::problem::Problem;
 use crate::metrics::Metrics;
 
 /// Width of one bucket.
@@ -376,9 +376,10 @@ pub async fn sample(core: Arc<Core>, stats: Arc<Stats>) {
 /// 15 minutes (the dashboard's charts).
 pub async fn stats(
     State(app): State<Arc<App>>,
+    Extension(dashboard): Extension<Arc<super::Dashboard>>,
     Params(_none): Params<NoParams>,
 ) -> Json<StatsView> {
-    Json(app.dashboard.stats.view(&app.core.metrics))
+    Json(dashboard.stats.view(&app.core.metrics))
 }
 
 #[cfg(test)]

@@ -357,7 +357,7 @@ pub struct Listing {
 }
 
 /// Gathers a page from the running sidecar.
-pub async fn gather(app: &Arc<App>, q: &PageQuery) -> View {
+pub async fn gather(app: &Arc<App>, dashboard: &super::Dashboard, q: &PageQuery) -> View {
     let core = &app.core;
     let description = core.backend().describe();
     let identity = Identity {
@@ -376,11 +376,11 @@ pub async fn gather(app: &Arc<App>, q: &PageQuery) -> View {
     let (health, listing, stale) = tokio::join!(
         health(app),
         listing(app, &filter),
-        app.dashboard.stale(&app.core)
+        dashboard.stale(&app.core)
     );
-    let stats = app.dashboard.stats.view(&core.metrics);
-    let minute = app.dashboard.stats.recent(&core.metrics, 60_000);
-    let five = app.dashboard.stats.recent(&core.metrics, 300_000);
+    let stats = dashboard.stats.view(&core.metrics);
+    let minute = dashboard.stats.recent(&core.metrics, 60_000);
+    let five = dashboard.stats.recent(&core.metrics, 300_000);
     build(
         identity, filter, health, listing, stale, &stats, &minute, &five,
     )

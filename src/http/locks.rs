@@ -16,12 +16,13 @@ use tokio_util::sync::CancellationToken;
 use utoipa::{IntoParams, ToSchema};
 
 use super::params::{Given, LockName, Params, count, duration, mode};
+use super::problem::Problem;
 use super::{App, auth};
 use crate::backend::{Holder, StaleKey, Waiter};
 use crate::clock::ms;
-use crate::config::MAX_DURATION;
 use crate::core::{Granted, HoldEvent, HoldEvents, Limits, Outcome};
-use crate::error::{Error, Problem};
+use crate::duration::MAX_DURATION;
+use crate::error::Error;
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token, check_plain_text};
 
 /// Keep-alive comments on SSE streams: at least this often.
@@ -300,7 +301,7 @@ fn out_of_range(
             "{parameter} {:?} is above the maximum of {} ms ({}, {flag})",
             value.sent,
             ms(max),
-            crate::config::format_duration(max)
+            crate::duration::format_duration(max)
         ),
         max_ms: Some(ms(max)),
     }

@@ -5,10 +5,12 @@
 //! `IntoResponse`, as `application/problem+json`.
 
 pub mod auth;
+pub mod fuzz;
 pub mod locks;
 pub mod ops;
 pub mod origin;
 pub mod params;
+pub mod problem;
 pub mod server;
 pub mod throttle;
 
@@ -39,8 +41,6 @@ pub struct App {
     pub core: Arc<Core>,
     pub settings: Settings,
     pub started_at_ms: u64,
-    /// The operator page's state (chart history, browser session).
-    pub dashboard: crate::dashboard::Dashboard,
     /// Permits for open `/v1/events` streams, [`locks::MAX_EVENT_STREAMS`] in all.
     pub event_streams: Arc<tokio::sync::Semaphore>,
     /// Failed token checks per peer, shared by every place a token is checked.
@@ -82,7 +82,10 @@ impl utoipa::Modify for Security {
 
 /// The API routes (authenticated when an API token is set) and the OpenAPI
 /// document describing every route.
-fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
+fn routes(
+    app: &Arc<App>,
+    more_v1: OpenApiRouter<Arc<App>>,
+) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
     use locks::*;
     let (v1, v1_doc) = OpenApiRouter::new()
         .routes(routes!(acquire_lock, release_lock, inspect_lock))
@@ -99,9 +102,9 @@ fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
         .routes(routes!(stale))
         .routes(routes!(events))
         .routes(routes!(ops::info))
-        .routes(routes!(crate::dashboard::stats::stats))
         .routes(routes!(force_release_lock))
         .routes(routes!(force_release_semaphore))
+        .merge(more_v1)
         .split_for_parts();
     let v1 = v1.route_layer(auth::RequireApiToken { app: app.clone() });
     let (open, open_doc) = OpenApiRouter::new()
@@ -115,17 +118,18 @@ fn routes(app: &Arc<App>) -> (Router<Arc<App>>, utoipa::openapi::OpenApi) {
     (v1.merge(open), doc)
 }
 
-/// The whole HTTP application.
-pub fn router(app: Arc<App>) -> Router {
-    let (api, doc) = routes(&app);
+/// The whole HTTP application: the API, `more_v1` routes under `/v1` (with
+/// its token check, in the OpenAPI document) and `pages` (the operator
+/// page), which the layers above supply.
+pub fn router(app: Arc<App>, more_v1: OpenApiRouter<Arc<App>>, pages: Router<Arc<App>>) -> Router {
+    let (api, doc) = routes(&app, more_v1);
     // Served as written once: the document's tree is a megabyte of small
     // allocations that would stay for the process's life, its JSON 31 KiB.
     let json = axum::body::Bytes::from(
         serde_json::to_vec(&doc).expect("the OpenAPI document has only string keys"),
     );
     drop(doc);
-    // The operator page at `/`, with its own compression and headers.
-    let api = api.merge(crate::dashboard::router());
+    let api = api.merge(pages);
     api.route(
         "/openapi.json",
         get(move || {

@@ -10,9 +10,10 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::App;
+use super::problem::Problem;
 use crate::backend::Description;
 use crate::clock::{ms, now_ms};
-use crate::error::{Error, Problem};
+use crate::error::Error;
 
 /// Health answer.
 #[derive(Debug, Serialize, ToSchema)]

@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
-use crate::config::Listen;
+use crate::config::{ConnectionLimits, Listen};
 use crate::error::Error;
 
 /// One accepted connection, over TCP or a Unix-domain socket.
@@ -161,23 +161,6 @@ pub const MAX_HEAD: usize = 32 * 1024;
 /// Open files kept free of connections (backend connections, config, logs).
 const FILES_IN_RESERVE: u64 = 64;
 
-/// Per-connection timeouts and the cap on open connections.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConnectionLimits {
-    /// Time to send a whole request head, from its first byte (or from
-    /// connecting, for a connection's first request).
-    pub header_read: Duration,
-    /// Time between a response and the first byte of the next request.
-    pub idle: Duration,
-    /// Time to send a request's body, from the end of its head.
-    pub body_read: Duration,
-    /// Time a response may make no progress because the client does not
-    /// read it; then the connection is reset.
-    pub write: Duration,
-    /// Open connections at most.
-    pub max_connections: usize,
-}
-
 impl ConnectionLimits {
     /// The cap on open connections within `files` open files (the process's
     /// limit; 0 when unknown): `max_connections`, lowered to leave
@@ -284,7 +267,7 @@ fn refuse(mut stream: Conn, cap: usize) {
     let head = format!(
         "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/problem+json\r\n\
          retry-after: {}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        crate::error::RETRY_AFTER_SECS,
+        super::problem::RETRY_AFTER_SECS,
         body.len()
     );
     let mut answer = head.into_bytes();

@@ -1,4 +1,5 @@
-//! Local waiter queues: who in this sidecar waits for which key, in order.
+//! Wake-ups: the handle a backend calls when a key changes, and the local
+//! waiter queues behind it — who in this sidecar waits for which key, in order.
 //!
 //! The backend keeps the global FIFO queue; this sidecar keeps its own
 //! waiters sorted by their global ticket order, so a wake-up for a key goes to

@@ -1,0 +1,148 @@
+//! The one mapping of [`Error`] to RFC 9457 `application/problem+json`:
+//! status code, problem type, `detail` and extension members.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
+
+use crate::error::Error;
+
+/// Seconds a client should wait before retrying after a 429 or 503.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// The body of every error response (RFC 9457), plus extension members.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// `urn:sidelock:problem:<slug>`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// Extension members: `holders`, `queue_length`, `parameter`, `max_ms`, `limit`, `cap`.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub extensions: Map<String, Value>,
+}
+
+impl Error {
+    /// Status code and problem slug.
+    pub fn status_slug(&self) -> (StatusCode, &'static str) {
+        use StatusCode as S;
+        match self {
+            Error::InvalidName(_) => (S::BAD_REQUEST, "invalid-name"),
+            Error::InvalidParameter(_) => (S::BAD_REQUEST, "invalid-parameter"),
+            Error::OutOfRange { .. } => (S::BAD_REQUEST, "out-of-range"),
+            Error::LimitMismatch { .. } => (S::BAD_REQUEST, "limit-mismatch"),
+            Error::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body-too-large"),
+            Error::UnsupportedMediaType(_) => (S::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type"),
+            Error::Unsupported(_) => (S::BAD_REQUEST, "unsupported"),
+            Error::NotFound(_) => (S::NOT_FOUND, "not-found"),
+            Error::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method-not-allowed"),
+            Error::Busy { .. } => (S::CONFLICT, "lock-busy"),
+            Error::KeyConflict(_) => (S::CONFLICT, "key-conflict"),
+            Error::LeaseLost => (S::GONE, "lease-lost"),
+            Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
+            Error::Forbidden(_) => (S::FORBIDDEN, "forbidden"),
+            Error::CrossSite(_) => (S::FORBIDDEN, "cross-site"),
+            Error::MisdirectedRequest(_) => (S::MISDIRECTED_REQUEST, "misdirected-request"),
+            Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
+            Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
+            Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
+            Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
+            Error::TooManyFailedTokens { .. } => (S::TOO_MANY_REQUESTS, "too-many-failed-tokens"),
+            Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
+            Error::Unavailable { .. } => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
+            Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
+        }
+    }
+
+    /// The problem document for this error.
+    pub fn problem(&self) -> Problem {
+        let (status, slug) = self.status_slug();
+        let mut extensions = Map::new();
+        match self {
+            Error::OutOfRange {
+                parameter, max_ms, ..
+            } => {
+                extensions.insert("parameter".into(), json!(parameter));
+                if let Some(max) = max_ms {
+                    extensions.insert("max_ms".into(), json!(max));
+                }
+            }
+            Error::LimitMismatch { active } => {
+                extensions.insert("limit".into(), json!(active));
+            }
+            Error::SidecarFull { cap, limit, .. } => {
+                extensions.insert("cap".into(), json!(cap));
+                extensions.insert("limit".into(), json!(limit));
+            }
+            Error::Busy { busy, waited_ms } => {
+                extensions.insert("holders".into(), json!(busy.holders));
+                extensions.insert("queue_length".into(), json!(busy.queue_length));
+                extensions.insert("waited_ms".into(), json!(waited_ms));
+            }
+            Error::Unavailable { backend, cause, .. } => {
+                if let Some(b) = backend {
+                    extensions.insert("backend".into(), json!(b.kind));
+                    extensions.insert("address".into(), json!(b.url));
+                }
+                extensions.insert("cause".into(), json!(cause.as_str()));
+            }
+            _ => {}
+        }
+        let detail = match self {
+            Error::Busy { waited_ms: 0, .. } => {
+                "the lock is held and wait=0 (try once); give wait=<duration> to queue for it"
+                    .into()
+            }
+            Error::Busy { waited_ms, .. } => {
+                format!("the lock was not granted within the wait of {waited_ms} ms")
+            }
+            Error::Unavailable {
+                backend: Some(b),
+                cause,
+                ..
+            } => format!(
+                "the {} backend at {} cannot be reached ({cause}); retry after Retry-After seconds (the sidecar log has the outage)",
+                b.kind, b.url
+            ),
+            other => other.to_string(),
+        };
+        Problem {
+            kind: format!("urn:sidelock:problem:{slug}"),
+            title: status.canonical_reason().unwrap_or("Error").to_owned(),
+            status: status.as_u16(),
+            detail,
+            extensions,
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let (status, _) = self.status_slug();
+        let body = serde_json::to_vec(&self.problem()).unwrap_or_default();
+        let mut response = (status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        match status {
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            StatusCode::UNAUTHORIZED => {
+                headers.insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"sidelock\""),
+                );
+            }
+            _ => {}
+        }
+        response
+    }
+}
