@@ -5,7 +5,7 @@
 //! Bottom layer first: a module uses only the modules listed above it
 //! (`tests/layers.rs` fails on an import that reaches up).
 //!
-//! * [`alloc`]: the global allocator — large buffers in mappings of their own (Linux).
+//! * [`alloc`]: the global allocator — large buffers in mappings of their own (Linux; elsewhere the system's).
 //! * [`clock`]: monotonic Unix milliseconds and the clock-drift allowance.
 //! * [`lock`]: the shared nouns — names, keys, modes, tokens, claims, why a lease was lost.
 //! * [`duration`]: the one duration grammar and the longest duration.
@@ -23,7 +23,6 @@
 //! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
 //! * [`cli`]: the command line of the `sidelock` binary.
 
-#[cfg(target_os = "linux")]
 pub mod alloc;
 pub mod backend;
 pub mod bench;

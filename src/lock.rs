@@ -132,6 +132,14 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The word as the API, metrics and stored rows write it: `lock` or `semaphore`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Lock => "lock",
+            Kind::Semaphore => "semaphore",
+        }
+    }
+
     /// The path segment and key prefix: `locks` or `semaphores`.
     pub fn plural(self) -> &'static str {
         match self {
@@ -248,6 +256,16 @@ impl Held {
             Held::Exclusive => "exclusive",
             Held::Shared => "shared",
             Held::Permit => "permit",
+        }
+    }
+}
+
+impl Mode {
+    /// The word as the API and stored rows write it: `exclusive` or `shared`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Exclusive => "exclusive",
+            Mode::Shared => "shared",
         }
     }
 }

@@ -300,7 +300,7 @@ impl Metrics {
     /// Creates every series whose labels are known in advance, at 0.
     fn initialise_known_series(&self) {
         for &kind in KINDS {
-            let kind = kind_label(kind);
+            let kind = kind.as_str();
             if self.lock_labels.is_none() {
                 for result in ACQUIRE_RESULTS {
                     self.acquires.with_label_values(&[kind, result]);
@@ -328,7 +328,7 @@ impl Metrics {
     /// The label values identifying `key`: its kind, plus the bounded lock
     /// label when lock labels are on.
     pub fn key_labels(&self, key: &LockKey) -> Vec<String> {
-        let kind = kind_label(key.kind).to_owned();
+        let kind = key.kind.as_str().to_owned();
         match &self.lock_labels {
             None => vec![kind],
             Some(seen) => {
@@ -352,7 +352,7 @@ impl Metrics {
         if self.lock_labels.is_none() {
             // The usual case, without building label vectors on every acquire.
             self.acquires
-                .with_label_values(&[kind_label(key.kind), result])
+                .with_label_values(&[key.kind.as_str(), result])
                 .inc();
             return;
         }
@@ -366,7 +366,7 @@ impl Metrics {
     pub fn observe(&self, family: &HistogramVec, key: &LockKey, d: Duration) {
         if self.lock_labels.is_none() {
             family
-                .with_label_values(&[kind_label(key.kind)])
+                .with_label_values(&[key.kind.as_str()])
                 .observe(d.as_secs_f64());
             return;
         }
@@ -382,14 +382,6 @@ impl Metrics {
         // Encoding into a Vec cannot fail for families we registered ourselves.
         let _ = encoder.encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
-    }
-}
-
-/// The `kind` label value.
-pub fn kind_label(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Lock => "lock",
-        Kind::Semaphore => "semaphore",
     }
 }
 

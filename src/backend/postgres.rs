@@ -378,25 +378,11 @@ fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-fn kind_str(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Lock => "lock",
-        Kind::Semaphore => "semaphore",
-    }
-}
-
 fn parse_kind(kind: &str) -> Option<Kind> {
     match kind {
         "lock" => Some(Kind::Lock),
         "semaphore" => Some(Kind::Semaphore),
         _ => None,
-    }
-}
-
-fn mode_str(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Exclusive => "exclusive",
-        Mode::Shared => "shared",
     }
 }
 
@@ -1225,9 +1211,9 @@ impl Backend for Postgres {
                 "try_acquire",
                 &inner.sql.acquire,
                 &[
-                    &kind_str(claim.key.kind),
+                    &claim.key.kind.as_str(),
                     &claim.key.name.as_str(),
-                    &mode_str(claim.mode),
+                    &claim.mode.as_str(),
                     &claim.owner,
                     &claim.sidecar,
                     &inner.instance,
@@ -1310,7 +1296,7 @@ impl Backend for Postgres {
                 "renew",
                 &inner.sql.renew,
                 &[
-                    &kind_str(key.kind),
+                    &key.kind.as_str(),
                     &key.name.as_str(),
                     &token.expose(),
                     &ttl.map(ms_i64),
@@ -1326,7 +1312,7 @@ impl Backend for Postgres {
             .value(
                 "release",
                 &self.inner.sql.release,
-                &[&kind_str(key.kind), &key.name.as_str(), &token.expose()],
+                &[&key.kind.as_str(), &key.name.as_str(), &token.expose()],
             )
             .await?;
         Ok(remaining.map(|n| u32::try_from(n).unwrap_or(0)))
@@ -1338,7 +1324,7 @@ impl Backend for Postgres {
             .rows(
                 "status",
                 &self.inner.sql.status,
-                &[&token.expose(), &kind_str(key.kind), &key.name.as_str()],
+                &[&token.expose(), &key.kind.as_str(), &key.name.as_str()],
             )
             .await?;
         Ok(match rows.first() {
@@ -1355,11 +1341,7 @@ impl Backend for Postgres {
             .json(
                 "inspect",
                 &inner.sql.inspect,
-                &[
-                    &kind_str(key.kind),
-                    &key.name.as_str(),
-                    &ms_i64(LAPSE_AFTER),
-                ],
+                &[&key.kind.as_str(), &key.name.as_str(), &ms_i64(LAPSE_AFTER)],
             )
             .await?;
         let Some(reply) = reply else {
@@ -1397,7 +1379,7 @@ impl Backend for Postgres {
         after: Option<&LockKey>,
         limit: usize,
     ) -> Result<Vec<Summary>, Error> {
-        let after_kind = after.map(|k| kind_str(k.kind));
+        let after_kind = after.map(|k| k.kind.as_str());
         let after_name = after.map(|k| k.name.as_str());
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = self
@@ -1502,7 +1484,7 @@ impl Backend for Postgres {
             .json(
                 "force_release",
                 &self.inner.sql.force_release,
-                &[&kind_str(key.kind), &key.name.as_str()],
+                &[&key.kind.as_str(), &key.name.as_str()],
             )
             .await?;
         Ok(tokens

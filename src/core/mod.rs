@@ -28,7 +28,7 @@ use crate::backend::{self, Attempt, Backend, Busy, Grant, Loss, State, Status, S
 use crate::clock::{after, drift_ms, instant_at, ms, now_ms};
 use crate::error::Error;
 use crate::lock::{Claim, Held, Kind, LockKey, LostReason, Mode, Token};
-use crate::metrics::{Metrics, kind_label};
+use crate::metrics::Metrics;
 
 /// Limits and defaults from the configuration.
 #[derive(Debug, Clone)]
@@ -322,7 +322,7 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.metrics
             .waiters
-            .with_label_values(&[kind_label(self.kind)])
+            .with_label_values(&[self.kind.as_str()])
             .dec();
     }
 }
@@ -571,7 +571,7 @@ impl Core {
         let mut moves = place.moves();
         self.metrics
             .waiters
-            .with_label_values(&[kind_label(key.kind)])
+            .with_label_values(&[key.kind.as_str()])
             .inc();
         let _waiting = Waiting {
             metrics: &self.metrics,
@@ -768,7 +768,7 @@ impl Core {
                     slot.keep();
                     self.metrics
                         .held
-                        .with_label_values(&[kind_label(claim.key.kind)])
+                        .with_label_values(&[claim.key.kind.as_str()])
                         .inc();
                     if inline {
                         supervise_here = true;
@@ -806,9 +806,7 @@ impl Core {
             self.held_slots.fetch_sub(1, Ordering::AcqRel);
         }
         let m = &self.metrics;
-        m.held
-            .with_label_values(&[kind_label(local.key.kind)])
-            .dec();
+        m.held.with_label_values(&[local.key.kind.as_str()]).dec();
         let held = Duration::from_millis(now_ms().saturating_sub(local.since_ms));
         m.observe(&m.hold, &local.key, held);
         let mut event = match end {
@@ -818,7 +816,7 @@ impl Core {
                 let kind = match reason {
                     LostReason::Expired | LostReason::MaxHold => {
                         m.expirations
-                            .with_label_values(&[kind_label(local.key.kind)])
+                            .with_label_values(&[local.key.kind.as_str()])
                             .inc();
                         EventType::Expired
                     }

@@ -564,7 +564,7 @@ pub fn build(
             waiters.sort_by_key(|w| w.position);
             LockGroup {
                 name: key.name.to_string(),
-                kind: crate::metrics::kind_label(key.kind),
+                kind: key.kind.as_str(),
                 path: key.kind.plural(),
                 fence: state.fence,
                 limit: state.limit,
