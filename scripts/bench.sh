@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The published benchmark run: starts a standalone ZooKeeper on a free
 # loopback port (Debian's package, as scripts/setup.sh installs it), then
-# `sidelock bench` on every backend — memory, Redis and Redlock on servers the
+# `sidelock-bench` on every backend — memory, Redis and Redlock on servers the
 # bench starts itself, ZooKeeper, PostgreSQL (the database in $BENCH_POSTGRES)
 # — with the Redis baselines, and draws the chart.
 #
@@ -48,8 +48,8 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 
-cargo build --release --locked
-target/release/sidelock bench --workload all \
+cargo build --release --locked --workspace --bins
+target/release/sidelock-bench --workload all \
   --backend memory --backend redis --backend redlock --backend zookeeper --backend postgres \
   --spawn-redis --spawn-redlock --zookeeper "zk://127.0.0.1:$zkport" --postgres "$pg" \
   --json "$out/results.json" "$@" | tee "$out/results.txt"

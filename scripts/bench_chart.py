@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draws handoff latency against client count from `sidelock bench --json`.
+"""Draws handoff latency against client count from `sidelock-bench --json`.
 
     python3 -m venv .venv-bench && .venv-bench/bin/pip install -r scripts/requirements-bench.txt
     .venv-bench/bin/python scripts/bench_chart.py bench.json docs/bench-handoff.png

@@ -17,9 +17,9 @@ scripts/setup.sh
 cargo build --locked --bins
 
 # The default profile: no time limit, as a long run is meant to be long.
-SIDELOCK_CHECK_SECONDS="$seconds" cargo nextest run --locked --test safety
+SIDELOCK_CHECK_SECONDS="$seconds" cargo nextest run --locked -E 'test(/^safety::/)'
 cargo nextest run --locked --profile ci \
-  --test partition --test redis --test redlock --test postgres --test zookeeper --test reliability
+  -E 'test(/^(partition|redis|redlock|postgres|zookeeper|reliability)::/)'
 scripts/fuzz-api.sh 600
 
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz

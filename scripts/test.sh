@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo fmt --check
-cargo clippy --all-targets --locked -- -D warnings
-cargo build --locked --bins
-cargo nextest run --locked --profile ci
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo build --workspace --locked --bins
+cargo nextest run --workspace --locked --profile ci
 scripts/fuzz-api.sh 100
 .venv/bin/pytest tests/helm -q

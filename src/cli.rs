@@ -1,4 +1,4 @@
-//! The command line: `sidelock [serve]`, `sidelock run` and `sidelock bench`,
+//! The command line: `sidelock [serve]` and `sidelock run`,
 //! each subcommand's flags defined beside the code that runs it.
 
 use clap::{Parser, Subcommand};
@@ -29,8 +29,6 @@ pub enum Command {
     Serve(ServeArgs),
     /// Hold a lock through a sidecar while a command runs.
     Run(crate::run::RunArgs),
-    /// Measure latency, handoffs and backend load of sidecars (see BENCHMARKS.md).
-    Bench(crate::bench::BenchArgs),
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! # Layout
 //!
 //! Bottom layer first: a module uses only the modules listed above it
-//! (`tests/layers.rs` fails on an import that reaches up).
+//! (`tests/suite/layers.rs` fails on an import that reaches up).
 //!
 //! * [`alloc`]: the global allocator — large buffers in mappings of their own (Linux; elsewhere the system's).
 //! * [`clock`]: monotonic Unix milliseconds and the clock-drift allowance.
@@ -20,12 +20,10 @@
 //! * [`dashboard`]: the operator page at `GET /` and `/v1/stats`, mounted into [`http`] by the sidecar.
 //! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
 //! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
-//! * [`bench`]: `sidelock bench`, the load generator behind BENCHMARKS.md.
 //! * [`cli`]: the command line of the `sidelock` binary.
 
 pub mod alloc;
 pub mod backend;
-pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod config;

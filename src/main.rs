@@ -53,16 +53,12 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// Runs the command line's command: `serve` (the default), `run` or `bench`.
+/// Runs the command line's command: `serve` (the default) or `run`.
 async fn run_command() -> std::process::ExitCode {
     let cli = Cli::parse();
     let serve = match cli.command {
         Some(Command::Run(args)) => {
             let code = sidelock::run::run(args).await;
-            return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
-        }
-        Some(Command::Bench(args)) => {
-            let code = sidelock::bench::bench(args).await;
             return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
         Some(Command::Serve(args)) => args,

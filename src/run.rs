@@ -8,7 +8,8 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use clap::Args;
-use futures::StreamExt;
+use eventsource_stream::{Event, Eventsource};
+use futures::{Stream, StreamExt};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -104,65 +105,13 @@ pub const EXIT_CANNOT_EXEC: i32 = 127;
 /// How long the command gets between SIGTERM and SIGKILL after a lost lease.
 const KILL_GRACE: Duration = Duration::from_secs(10);
 
-/// One server-sent event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SseMessage {
-    pub event: String,
-    pub data: String,
-}
-
-/// Splits a byte stream into server-sent events.
-pub struct SseReader<S> {
-    stream: S,
-    buf: Vec<u8>,
-}
-
-impl<S, B, E> SseReader<S>
+/// The next event of a hold stream; `None` when the stream ends or fails.
+/// Comments (the keep-alives) are not events.
+async fn next_event<S, E>(events: &mut S) -> Option<Event>
 where
-    S: futures::Stream<Item = Result<B, E>> + Unpin,
-    B: AsRef<[u8]>,
+    S: Stream<Item = Result<Event, E>> + Unpin,
 {
-    /// Reads events from `stream`.
-    pub fn new(stream: S) -> Self {
-        Self {
-            stream,
-            buf: Vec::new(),
-        }
-    }
-
-    /// The next event; `None` when the stream ends or fails. Comments are skipped.
-    pub async fn next(&mut self) -> Option<SseMessage> {
-        loop {
-            if let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
-                let block: Vec<u8> = self.buf.drain(..end + 2).collect();
-                let text = String::from_utf8_lossy(&block);
-                let mut msg = SseMessage {
-                    event: "message".into(),
-                    data: String::new(),
-                };
-                let mut any = false;
-                for line in text.lines() {
-                    if let Some(v) = line.strip_prefix("event:") {
-                        msg.event = v.trim().to_owned();
-                        any = true;
-                    } else if let Some(v) = line.strip_prefix("data:") {
-                        if !msg.data.is_empty() {
-                            msg.data.push('\n');
-                        }
-                        msg.data.push_str(v.strip_prefix(' ').unwrap_or(v));
-                        any = true;
-                    }
-                }
-                if any {
-                    return Some(msg);
-                }
-                continue;
-            }
-            let chunk = self.stream.next().await?.ok()?;
-            self.buf
-                .extend(chunk.as_ref().iter().copied().filter(|&b| b != b'\r'));
-        }
-    }
+    events.next().await?.ok()
 }
 
 fn field(data: &str, name: &str) -> Option<serde_json::Value> {
@@ -224,11 +173,11 @@ pub async fn run(args: RunArgs) -> i32 {
         eprintln!("sidelock run: the sidecar answered {status}: {detail}");
         return EXIT_UNAVAILABLE;
     }
-    let mut events = SseReader::new(response.bytes_stream());
+    let mut events = response.bytes_stream().eventsource();
     // When this run joined the queue; later `queued` events move it forward.
     let mut queued_since = None;
     let acquired = loop {
-        let Some(msg) = events.next().await else {
+        let Some(msg) = next_event(&mut events).await else {
             eprintln!("sidelock run: the sidecar closed the stream before the lock was granted");
             return EXIT_UNAVAILABLE;
         };
@@ -281,10 +230,9 @@ pub async fn run(args: RunArgs) -> i32 {
 
 /// Waits for the command while watching the hold stream and forwarding
 /// SIGTERM/SIGINT to the command.
-async fn supervise<S, B, E>(child: &mut Child, events: &mut SseReader<S>) -> i32
+async fn supervise<S, E>(child: &mut Child, events: &mut S) -> i32
 where
-    S: futures::Stream<Item = Result<B, E>> + Unpin,
-    B: AsRef<[u8]>,
+    S: Stream<Item = Result<Event, E>> + Unpin,
 {
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -306,7 +254,7 @@ where
             status = child.wait() => return exit_code(status),
             _ = term.recv() => send(Signal::SIGTERM),
             _ = int.recv() => send(Signal::SIGINT),
-            msg = events.next() => match msg {
+            msg = next_event(events) => match msg {
                 Some(m) if m.event == "renewed" => {}
                 other => {
                     let why = other.map_or_else(|| "the hold stream ended".to_owned(), |m| format!("{}: {}", m.event, m.data));

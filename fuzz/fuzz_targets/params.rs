@@ -1,7 +1,7 @@
 //! Request parameter parsing must answer every input with a value or a 4xx
 //! problem, never a panic: names, durations, modes, query strings, JSON and
 //! form bodies, for every route's parameter set. The checks live in
-//! `sidelock::http::fuzz::check_fuzz_input`, which `tests/fuzz_corpus.rs`
+//! `sidelock::http::fuzz::check_fuzz_input`, which `tests/suite/fuzz_corpus.rs`
 //! also replays over the kept corpus.
 #![no_main]
 

@@ -1,6 +1,6 @@
 //! The fuzz hook: every route's parameter parsing and checks, run on
 //! arbitrary bytes. The cargo-fuzz target `params` and the corpus replay
-//! test (`tests/fuzz_corpus.rs`) call [`check_fuzz_input`]; it sits above
+//! test (`tests/suite/fuzz_corpus.rs`) call [`check_fuzz_input`]; it sits above
 //! the parameter parser and the handlers' checks, which know nothing of it.
 
 use serde::de::DeserializeOwned;
@@ -24,7 +24,7 @@ const FUZZ_CONTENT_TYPES: [Option<&str>; 5] = [
 /// problem. Acquire and keepalive parameters that parse are then checked
 /// against the default limits as a request's are (bounds, owner), and a
 /// claim that passes must have sums of time that do not overflow. The cargo-fuzz target `params` and the corpus replay test
-/// (`tests/fuzz_corpus.rs`) both run it.
+/// (`tests/suite/fuzz_corpus.rs`) both run it.
 ///
 /// Input layout: byte 0 picks the body's content type, then the query string
 /// up to the first NUL byte, then the body.

@@ -1,0 +1,441 @@
+//! Real `redis-server` processes for tests: each on a free loopback port in
+//! its own temp dir, killed and reaped on drop, its log printed when the
+//! test fails. Servers can be killed and restarted on the same port for
+//! fault tests.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use crate::free_port;
+use crate::process::ChildGuard;
+
+/// How long a server may take to answer PING.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Starts of a new server on fresh ports before its test fails.
+const START_ATTEMPTS: u32 = 3;
+/// An argument of [`RedisServer::start_with`] that stands for a free port.
+pub const FREE_PORT: &str = "<free port>";
+
+fn require(binary: &str) {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {binary}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "{binary} is not installed: run scripts/setup.sh (it installs Debian's redis-server, redis-sentinel and redis-tools)"
+    );
+}
+
+/// One `redis-server`.
+pub struct RedisServer {
+    /// Dropped first, so it can still print its log from `dir`.
+    child: Option<ChildGuard>,
+    dir: TempDir,
+    port: u16,
+    extra: Vec<String>,
+    /// `requirepass` of the server, which [`Self::url`] then carries.
+    password: Option<String>,
+}
+
+impl RedisServer {
+    /// Starts a server with no persistence on a free port.
+    pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts a server with extra `redis-server` arguments; each
+    /// [`FREE_PORT`] among them becomes another free port.
+    ///
+    /// A port found free can be taken by another process before the server
+    /// binds it: a server that exits before it is ready is started again on
+    /// new ports, up to [`START_ATTEMPTS`] times.
+    pub async fn start_with(extra: &[&str]) -> Self {
+        Self::start_configured(extra, None).await
+    }
+
+    /// Starts a server that requires `password` (`requirepass`); its
+    /// [`url`](Self::url) carries the password.
+    pub async fn start_with_password(password: &str) -> Self {
+        Self::start_configured(&[], Some(password)).await
+    }
+
+    async fn start_configured(extra: &[&str], password: Option<&str>) -> Self {
+        require("redis-server");
+        let dir = tempfile::tempdir().expect("temp dir for redis-server");
+        let mut server = Self {
+            dir,
+            port: 0,
+            extra: Vec::new(),
+            child: None,
+            password: password.map(str::to_owned),
+        };
+        for attempt in 1..=START_ATTEMPTS {
+            server.port = free_port();
+            server.extra = extra
+                .iter()
+                .map(|s| {
+                    if *s == FREE_PORT {
+                        free_port().to_string()
+                    } else {
+                        (*s).to_owned()
+                    }
+                })
+                .collect();
+            if let Some(password) = password {
+                server
+                    .extra
+                    .extend(["--requirepass".to_owned(), password.to_owned()]);
+            }
+            match server.try_launch().await {
+                Ok(()) => return server,
+                Err(e) if attempt < START_ATTEMPTS => eprintln!("{e}\nstarting again on new ports"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    /// Starts the server on its port, panicking if it does not become ready.
+    async fn launch(&mut self) {
+        if let Err(e) = self.try_launch().await {
+            panic!("{e}");
+        }
+    }
+
+    async fn try_launch(&mut self) -> Result<(), String> {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.extra);
+        let log = self.dir.path().join(format!("redis-{}.log", self.port));
+        let label = format!("redis-server :{}", self.port);
+        self.child = Some(ChildGuard::spawn(cmd, &label, &log, false));
+        self.wait_ready().await
+    }
+
+    /// Waits for PING; an error (with the server's log) if it exited first.
+    async fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Ok(mut c) = self.connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .is_ok()
+            {
+                return Ok(());
+            }
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_status()
+            {
+                let error = format!(
+                    "{} exited with {status} before it was ready:\n{}",
+                    child.label(),
+                    child.log()
+                );
+                self.child = None;
+                return Err(error);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server :{} not ready after {READY_TIMEOUT:?}",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://{}127.0.0.1:{}", self.userinfo(), self.port)
+    }
+
+    /// `:<password>@` for a server that requires one, else nothing.
+    fn userinfo(&self) -> String {
+        self.password
+            .as_ref()
+            .map_or(String::new(), |p| format!(":{p}@"))
+    }
+
+    /// A fresh connection for test commands.
+    pub async fn connection(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        redis::Client::open(self.url())?
+            .get_multiplexed_async_connection()
+            .await
+    }
+
+    /// Runs one command and returns its reply.
+    pub async fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = self.connection().await.expect("connect to test redis");
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query_async(&mut c)
+            .await
+            .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
+    }
+
+    /// Calls per command so far (`INFO commandstats`; commands run inside
+    /// scripts count too), without the `INFO` calls themselves.
+    pub async fn command_counts(&self) -> BTreeMap<String, u64> {
+        let info: String = self.cmd(&["INFO", "commandstats"]).await;
+        parse_commandstats(&info)
+    }
+
+    /// Total calls so far, as [`Self::command_counts`] counts them.
+    pub async fn commands_run(&self) -> u64 {
+        self.command_counts().await.values().sum()
+    }
+
+    /// Kills the server (SIGKILL), keeping its port and directory.
+    pub fn kill(&mut self) {
+        drop(self.child.take());
+    }
+
+    /// Starts the server again on the same port (empty dataset).
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.launch().await;
+    }
+}
+
+/// The calls made between two [`RedisServer::command_counts`] readings,
+/// largest first: what an assertion on command counts prints.
+pub fn command_diff(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> String {
+    let mut diff: Vec<(u64, &str)> = after
+        .iter()
+        .map(|(name, n)| (n - before.get(name).copied().unwrap_or(0), name.as_str()))
+        .filter(|(n, _)| *n > 0)
+        .collect();
+    diff.sort_unstable_by(|a, b| b.cmp(a));
+    diff.iter()
+        .map(|(n, name)| format!("{name}={n}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A master, one replica and one `redis-sentinel` watching them as `mymaster`.
+pub struct RedisSentinel {
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    /// Dropped first, so it can still print its log from `dir`.
+    sentinel: ChildGuard,
+    _dir: TempDir,
+    port: u16,
+}
+
+/// The master name the sentinel monitors.
+pub const SENTINEL_MASTER: &str = "mymaster";
+
+impl RedisSentinel {
+    /// Starts master, replica and sentinel, and waits until the sentinel
+    /// knows the master.
+    pub async fn start() -> Self {
+        require("redis-sentinel");
+        let master = RedisServer::start().await;
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()])
+                .await;
+        let dir = tempfile::tempdir().expect("temp dir for redis-sentinel");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                 sentinel failover-timeout {SENTINEL_MASTER} 5000\n",
+                dir.path().display(),
+                master.port()
+            ),
+        )
+        .expect("write sentinel.conf");
+        let mut cmd = Command::new("redis-sentinel");
+        cmd.arg(&conf);
+        let sentinel = ChildGuard::spawn(
+            cmd,
+            &format!("redis-sentinel :{port}"),
+            &dir.path().join("sentinel.log"),
+            false,
+        );
+        let me = Self {
+            master,
+            replica,
+            sentinel,
+            _dir: dir,
+            port,
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while me.master_port().await != Some(me.master.port()) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-sentinel did not report the master:\n{}",
+                me.sentinel.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        me
+    }
+
+    /// `redis+sentinel://127.0.0.1:<sentinel port>/mymaster`.
+    pub fn url(&self) -> String {
+        format!("redis+sentinel://127.0.0.1:{}/{SENTINEL_MASTER}", self.port)
+    }
+
+    /// Waits until the replica has acknowledged every write so far.
+    pub async fn wait_replicated(&self) {
+        crate::eventually(
+            "the replica acknowledges",
+            Duration::from_secs(10),
+            async || {
+                let acked: i64 = self.master.cmd(&["WAIT", "1", "200"]).await;
+                (acked == 1).then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// The port the sentinel currently names as master.
+    pub async fn master_port(&self) -> Option<u16> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).ok()?;
+        let mut c = client.get_multiplexed_async_connection().await.ok()?;
+        let addr: Vec<String> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(SENTINEL_MASTER)
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
+
+/// A Redis Cluster of three masters built with `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub async fn start() -> Self {
+        require("redis-cli");
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            // The bus port defaults to port + 10000, which does not exist for
+            // ephemeral ports above 55535: Redis then refuses to start.
+            nodes.push(
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    FREE_PORT,
+                ])
+                .await,
+            );
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port()));
+        }
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = create.output().expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + READY_TIMEOUT;
+        for n in &nodes {
+            loop {
+                let info: String = n.cmd(&["CLUSTER", "INFO"]).await;
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "cluster not ok: {info}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Self { nodes }
+    }
+
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
+    pub fn url(&self) -> String {
+        format!("redis+cluster://{}", host_list(&self.nodes))
+    }
+}
+
+/// Independent Redis masters for Redlock.
+pub struct RedisNodes {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisNodes {
+    pub async fn start(count: usize) -> Self {
+        let mut nodes = Vec::with_capacity(count);
+        for _ in 0..count {
+            nodes.push(RedisServer::start().await);
+        }
+        Self { nodes }
+    }
+
+    /// Independent masters that all require `password`.
+    pub async fn start_with_password(count: usize, password: &str) -> Self {
+        let mut nodes = Vec::with_capacity(count);
+        for _ in 0..count {
+            nodes.push(RedisServer::start_with_password(password).await);
+        }
+        Self { nodes }
+    }
+
+    /// `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…` (with the nodes'
+    /// password as `:<password>@` when they require one).
+    pub fn url(&self) -> String {
+        let userinfo = self
+            .nodes
+            .first()
+            .map_or(String::new(), RedisServer::userinfo);
+        format!("redlock://{userinfo}{}", host_list(&self.nodes))
+    }
+}
+
+/// `127.0.0.1:<p1>,127.0.0.1:<p2>,…`: the host part of a multi-node URL.
+fn host_list(nodes: &[RedisServer]) -> String {
+    nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Parses `INFO commandstats` into calls per command.
+#[must_use]
+pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            (name != "info").then(|| (name.to_owned(), calls))
+        })
+        .collect()
+}

@@ -1,0 +1,251 @@
+//! Real ZooKeeper servers for tests (Debian's `zookeeper` package, Java): a
+//! standalone server or an ensemble of three, each member on free loopback
+//! ports in its own temp dir, killed and reaped on drop, its log printed when
+//! the test fails. Members can be killed and restarted for fault tests.
+//!
+//! When Java or the jars are missing the tests fail, naming `scripts/setup.sh`.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use crate::free_port;
+use crate::process::ChildGuard;
+
+/// How long a server may take to answer `ruok` (a cold JVM on a busy machine).
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// The server's jar; its manifest names the dependencies.
+pub const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
+/// The log binding the package's own scripts use.
+const LOG_JARS: &[&str] = &[
+    "/usr/share/java/slf4j-log4j12.jar",
+    "/usr/share/java/log4j-1.2.jar",
+];
+
+fn require() {
+    let java = Command::new("sh")
+        .arg("-c")
+        .arg("command -v java")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        java && Path::new(ZOOKEEPER_JAR).exists(),
+        "java or {ZOOKEEPER_JAR} is missing: run scripts/setup.sh (it installs Debian's zookeeper and libcurator-recipes-java)"
+    );
+}
+
+/// Sends a four-letter word to `ip:port` and returns the answer.
+pub fn four_letter_at(ip: &str, port: u16, word: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(
+        &format!("{ip}:{port}").parse().ok()?,
+        Duration::from_secs(2),
+    )
+    .ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(word.as_bytes()).ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Sends a four-letter word to a server on loopback and returns the answer.
+pub fn four_letter(port: u16, word: &str) -> Option<String> {
+    four_letter_at("127.0.0.1", port, word)
+}
+
+/// One member: its ports and process.
+struct Member {
+    id: usize,
+    client_port: u16,
+    child: Option<ChildGuard>,
+}
+
+/// A standalone server (one member) or an ensemble.
+pub struct ZkServer {
+    /// Dropped first, so they can still print their logs from `dir`.
+    members: Vec<Member>,
+    dir: TempDir,
+    /// The address every member serves clients on.
+    ip: String,
+}
+
+impl ZkServer {
+    /// A standalone server.
+    pub async fn start() -> Self {
+        Self::start_members(1, "127.0.0.1").await
+    }
+
+    /// A standalone server serving clients on `ip` (e.g. the host end of a
+    /// [`Link`](crate::netns::Link), so a namespace can reach it).
+    pub async fn start_on(ip: &str) -> Self {
+        Self::start_members(1, ip).await
+    }
+
+    /// An ensemble of three.
+    pub async fn ensemble() -> Self {
+        Self::start_members(3, "127.0.0.1").await
+    }
+
+    async fn start_members(n: usize, ip: &str) -> Self {
+        require();
+        let dir = tempfile::tempdir().expect("temp dir for ZooKeeper");
+        let ports: Vec<(u16, u16, u16)> = (0..n)
+            .map(|_| (free_port(), free_port(), free_port()))
+            .collect();
+        std::fs::write(
+            dir.path().join("log4j.properties"),
+            "log4j.rootLogger=INFO, CONSOLE\n\
+             log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender\n\
+             log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout\n\
+             log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} [myid:%X{myid}] - %-5p [%t:%C{1}@%L] - %m%n\n",
+        )
+        .expect("write log4j.properties");
+        let mut members = Vec::new();
+        for (i, (client, peer, election)) in ports.iter().enumerate() {
+            let id = i + 1;
+            let data = dir.path().join(format!("data-{id}"));
+            std::fs::create_dir_all(&data).expect("create data dir");
+            std::fs::write(data.join("myid"), id.to_string()).expect("write myid");
+            let mut cfg = format!(
+                "tickTime=200\ninitLimit=50\nsyncLimit=25\ndataDir={}\nclientPort={client}\n\
+                 clientPortAddress={ip}\n4lw.commands.whitelist=*\nadmin.enableServer=false\n\
+                 minSessionTimeout=400\nmaxSessionTimeout=60000\n\
+                 maxClientCnxns=0\n",
+                data.display()
+            );
+            if n > 1 {
+                for (j, (_, p, e)) in ports.iter().enumerate() {
+                    cfg.push_str(&format!("server.{}=127.0.0.1:{p}:{e}\n", j + 1));
+                }
+            }
+            let _ = (peer, election);
+            std::fs::write(dir.path().join(format!("zoo-{id}.cfg")), cfg).expect("write zoo.cfg");
+            members.push(Member {
+                id,
+                client_port: *client,
+                child: None,
+            });
+        }
+        let mut server = Self {
+            members,
+            dir,
+            ip: ip.to_owned(),
+        };
+        for i in 0..n {
+            server.launch(i);
+        }
+        for i in 0..n {
+            server.wait_ready(i).await;
+        }
+        server
+    }
+
+    fn launch(&mut self, i: usize) {
+        let id = self.members[i].id;
+        let mut cp = vec![
+            self.dir.path().display().to_string(),
+            ZOOKEEPER_JAR.to_owned(),
+        ];
+        cp.extend(LOG_JARS.iter().map(|s| (*s).to_owned()));
+        let mut cmd = Command::new("java");
+        cmd.args([
+            "-Xms32m",
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+        ])
+        .arg("-Dzookeeper.jmx.log4j.disable=true")
+        // A system property, not a zoo.cfg key (the file's unknown keys become
+        // `zookeeper.`-prefixed properties): empty container nodes are reaped
+        // every second instead of every minute.
+        .arg("-Dznode.container.checkIntervalMs=1000")
+        .arg("-cp")
+        .arg(cp.join(":"))
+        .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+        .arg(self.dir.path().join(format!("zoo-{id}.cfg")));
+        let log = self.dir.path().join(format!("zookeeper-{id}.log"));
+        let label = format!("zookeeper #{id} :{}", self.members[i].client_port);
+        self.members[i].child = Some(ChildGuard::spawn(cmd, &label, &log, false));
+    }
+
+    async fn wait_ready(&mut self, i: usize) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let port = self.members[i].client_port;
+        loop {
+            let (ip, p) = (self.ip.clone(), port);
+            let srvr = tokio::task::spawn_blocking(move || four_letter_at(&ip, p, "srvr"))
+                .await
+                .ok()
+                .flatten();
+            if srvr.is_some_and(|s| s.contains("Mode:")) {
+                return;
+            }
+            let child = self.members[i].child.as_mut().expect("member running");
+            assert!(
+                child.try_status().is_none(),
+                "ZooKeeper member {} exited at start-up; log:\n{}",
+                i + 1,
+                child.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "ZooKeeper member {} did not serve within {READY_TIMEOUT:?}; log:\n{}",
+                i + 1,
+                child.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `host:port,…` of every member.
+    pub fn hosts(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("{}:{}", self.ip, m.client_port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// `zk://…/chroot`.
+    pub fn url(&self, chroot: &str) -> String {
+        format!("zk://{}{chroot}", self.hosts())
+    }
+
+    pub fn client_port(&self, i: usize) -> u16 {
+        self.members[i].client_port
+    }
+
+    /// How many servers the ensemble has (1 for a standalone server).
+    pub fn member_count(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The index of the member that leads the ensemble (0 for a standalone server).
+    pub fn leader(&self) -> Option<usize> {
+        (0..self.members.len()).find(|&i| {
+            self.members[i].child.is_some()
+                && four_letter_at(&self.ip, self.members[i].client_port, "srvr")
+                    .is_some_and(|s| s.contains("Mode: leader") || s.contains("Mode: standalone"))
+        })
+    }
+
+    /// Kills member `i` (SIGKILL) and reaps it.
+    pub fn kill(&mut self, i: usize) {
+        self.members[i].child = None;
+    }
+
+    /// Starts member `i` again and waits until it serves.
+    pub async fn restart(&mut self, i: usize) {
+        self.launch(i);
+        self.wait_ready(i).await;
+    }
+
+    /// Runs a four-letter word on member `i`.
+    pub fn word(&self, i: usize, word: &str) -> String {
+        four_letter_at(&self.ip, self.members[i].client_port, word).unwrap_or_default()
+    }
+}

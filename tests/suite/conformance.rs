@@ -1,0 +1,1876 @@
+//! The conformance suite: the HTTP contract of `sidelock serve`, checked
+//! black-box against the real binary over real HTTP.
+//!
+//! Every test runs once per backend listed in the `backends` template
+//! (`tests/common/backend.rs`). Tests that can use several sidecars ask
+//! `BackendGuard::sidecars`, which gives one sidecar for backends whose
+//! sidecars do not share state (memory).
+
+use crate::common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use reqwest::header::{CONTENT_TYPE, WWW_AUTHENTICATE};
+use reqwest::{Method, StatusCode};
+use rstest::rstest;
+use rstest_reuse::apply;
+use serde_json::{Value, json};
+
+use common::api::{Body, expect_json};
+use common::sse::Renewed;
+use common::*;
+
+/// Slack added to lease expiry before checking that a lease is gone, and the
+/// upper bound on how late a time-based event (expiry, lock-delay end) may
+/// arrive. Generous for a loaded 2-core machine.
+const TIMING_SLACK: Duration = Duration::from_millis(1500);
+
+/// Starts the backend and one sidecar with default settings.
+async fn setup(backend: TestBackend) -> (BackendGuard, SidecarGuard) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    (backend, sidecar)
+}
+
+/// The most permits a semaphore may have on `backend`: Redlock refuses more
+/// than 1 (a majority quorum cannot bound a counting semaphore; see
+/// `refuses_more_permits_than_it_can_bound`), the others take any number.
+fn max_permits(backend: TestBackend, wanted: u32) -> u32 {
+    if backend == TestBackend::Redlock {
+        1
+    } else {
+        wanted
+    }
+}
+
+/// Milliseconds since the Unix epoch (the unit of every `*_ms` timestamp).
+fn now_ms() -> u64 {
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970");
+    u64::try_from(since_epoch.as_millis()).expect("timestamp fits in u64")
+}
+
+fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+fn owner_names(prefix: &str, count: usize) -> Vec<String> {
+    (1..=count).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+fn as_strs(strings: &[String]) -> Vec<&str> {
+    strings.iter().map(String::as_str).collect()
+}
+
+/// Asserts that every member of `expected` is in `actual` with that value
+/// (further members are allowed: responses may grow).
+fn assert_members(actual: &Value, expected: Value) {
+    let expected = expected
+        .as_object()
+        .expect("expected members form an object");
+    for (key, value) in expected {
+        assert_eq!(&actual[key], value, "`{key}` in {actual}");
+    }
+}
+
+fn assert_strictly_increasing(fences: &[u64], what: &str) {
+    for pair in fences.windows(2) {
+        assert!(
+            pair[0] < pair[1],
+            "{what}: fences must strictly increase, got {fences:?}"
+        );
+    }
+}
+
+/// Opens a hold stream for `owner` that must queue; returns it once its
+/// `queued` event has arrived, checking the reported position.
+async fn queue_hold(lock: &Resource, owner: &str, position: u64) -> HoldStream {
+    let mut stream = lock.hold(&[("owner", owner), ("wait", "30s")]).await;
+    let queued = stream.expect_queued().await;
+    assert_eq!(queued.position, position, "{owner} queued at {queued:?}");
+    stream
+}
+
+mod mutual_exclusion {
+    use super::*;
+
+    const CLIENTS: usize = 64;
+    const ROUNDS: usize = 4;
+    /// How long each client keeps the lock per round.
+    const CRITICAL_SECTION: Duration = Duration::from_millis(1);
+
+    /// One grant as seen by its client.
+    struct Interval {
+        client: usize,
+        fence: u64,
+        /// After the grant response arrived.
+        granted: Instant,
+        /// Before the release request was sent.
+        releasing: Instant,
+    }
+
+    async fn run_client(lock: Resource, client: usize) -> Vec<Interval> {
+        let owner = format!("client-{client}");
+        let mut intervals = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let grant = lock
+                .acquire(&[("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+                .await;
+            let granted = Instant::now();
+            tokio::time::sleep(CRITICAL_SECTION).await;
+            let releasing = Instant::now();
+            let released = lock.release(&grant.token).await;
+            assert_eq!(
+                released,
+                Released {
+                    released: true,
+                    count: 0
+                }
+            );
+            intervals.push(Interval {
+                client,
+                fence: grant.fence,
+                granted,
+                releasing,
+            });
+        }
+        intervals
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn concurrent_clients_never_overlap_and_all_finish(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecars = backend.sidecars(2).await;
+        let name = unique_name("contended");
+
+        let mut clients = tokio::task::JoinSet::new();
+        for client in 0..CLIENTS {
+            let lock = sidecars[client % sidecars.len()].api().lock(&name);
+            clients.spawn(run_client(lock, client));
+        }
+        let mut intervals = Vec::new();
+        within(
+            "every client to finish its rounds",
+            Duration::from_secs(120),
+            async {
+                while let Some(done) = clients.join_next().await {
+                    intervals.extend(done.expect("client task panicked"));
+                }
+            },
+        )
+        .await;
+
+        let mut rounds = vec![0; CLIENTS];
+        for interval in &intervals {
+            rounds[interval.client] += 1;
+        }
+        assert!(
+            rounds.iter().all(|&r| r == ROUNDS),
+            "rounds per client: {rounds:?}"
+        );
+
+        intervals.sort_by_key(|i| i.granted);
+        for pair in intervals.windows(2) {
+            let (before, after) = (&pair[0], &pair[1]);
+            assert!(
+                before.releasing <= after.granted,
+                "client {} (fence {}) was granted while client {} (fence {}) still held the lock",
+                after.client,
+                after.fence,
+                before.client,
+                before.fence
+            );
+            assert!(
+                before.fence < after.fence,
+                "fence {} (client {}) granted after fence {} (client {})",
+                after.fence,
+                after.client,
+                before.fence,
+                before.client
+            );
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn waiters_are_granted_in_arrival_order(backend: TestBackend) {
+        const WAITERS: usize = 8;
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("fifo"));
+        let first = lock.acquire(&[("owner", "first")]).await;
+
+        let owners = owner_names("waiter", WAITERS);
+        let mut streams = Vec::new();
+        for (i, owner) in owners.iter().enumerate() {
+            let mut stream = lock.hold(&[("owner", owner), ("wait", "30s")]).await;
+            let queued = stream.expect_queued().await;
+            let expected = i as u64 + 1;
+            assert_eq!(
+                queued,
+                Queued {
+                    position: expected,
+                    queue_length: expected
+                }
+            );
+            streams.push(stream);
+        }
+        let state = lock.inspect().await;
+        assert_eq!(state.waiter_owners(), as_strs(&owners));
+        let positions: Vec<u64> = state.waiters.iter().map(|w| w.position).collect();
+        assert_eq!(
+            positions.iter().copied().collect::<BTreeSet<_>>(),
+            (1..=WAITERS as u64).collect::<BTreeSet<_>>()
+        );
+
+        lock.release(&first.token).await;
+        for (i, mut stream) in streams.into_iter().enumerate() {
+            let grant = stream.expect_acquired().await;
+            assert_eq!(grant.owner, owners[i], "grant {i} went to the wrong waiter");
+            let state = lock.inspect().await;
+            assert_eq!(state.holder_owners(), [owners[i].as_str()]);
+            assert_eq!(state.waiter_owners(), as_strs(&owners[i + 1..]));
+            // Closing the stream releases the lock to the next waiter.
+            drop(stream);
+        }
+    }
+}
+
+mod waiting {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn try_once_on_a_busy_lock_reports_holders_and_queue(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let sidecar_id = api.sidecar_id().await;
+        let lock = api.lock(&unique_name("busy"));
+        let holder = lock.acquire(&[("owner", "holder")]).await;
+        let _waiter = queue_hold(&lock, "waiter", 1).await;
+
+        // No `wait`: the default is to try once.
+        let busy = lock.acquire_busy(&[("owner", "other")]).await;
+        assert_eq!(busy["queue_length"], 1, "{busy}");
+        let holders = busy["holders"].as_array().expect("`holders` array");
+        assert_eq!(holders.len(), 1, "{busy}");
+        assert_eq!(holders[0]["owner"], "holder", "{busy}");
+        assert_eq!(holders[0]["sidecar"], sidecar_id.as_str(), "{busy}");
+        assert_eq!(holders[0]["mode"], "exclusive", "{busy}");
+        assert!(holders[0]["since_ms"].is_u64(), "{busy}");
+        assert!(
+            !busy.to_string().contains(&holder.token),
+            "a busy answer must not reveal the holder's token: {busy}"
+        );
+
+        let busy = lock
+            .acquire_busy(&[("owner", "other"), ("wait", "0")])
+            .await;
+        assert_eq!(busy["queue_length"], 1, "{busy}");
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn disconnected_waiters_leave_the_queue(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("dropped-waiters"));
+        let holder = lock.acquire(&[("owner", "holder")]).await;
+
+        let post_waiter = tokio::spawn({
+            let lock = lock.clone();
+            async move {
+                lock.acquire_raw(&[("owner", "post-waiter"), ("wait", "30s")])
+                    .await
+            }
+        });
+        lock.wait_for_waiters(&["post-waiter"]).await;
+        let hold_waiter = queue_hold(&lock, "hold-waiter", 2).await;
+        let mut survivor = queue_hold(&lock, "survivor", 3).await;
+
+        post_waiter.abort();
+        let aborted = post_waiter.await;
+        assert!(
+            aborted.as_ref().is_err_and(|e| e.is_cancelled()),
+            "the waiting POST finished before it was dropped: {aborted:?}"
+        );
+        drop(hold_waiter);
+
+        let state = lock.wait_for_waiters(&["survivor"]).await;
+        assert_eq!(state.waiters[0].position, 1);
+        survivor.expect_position(1).await;
+
+        lock.release(&holder.token).await;
+        assert_eq!(survivor.expect_acquired().await.owner, "survivor");
+        assert_eq!(lock.inspect().await.holder_owners(), ["survivor"]);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn closing_a_hold_stream_releases_within_100ms(backend: TestBackend) {
+        const BOUND: Duration = Duration::from_millis(100);
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("dropped-hold"));
+        // The default 30 s ttl: only the disconnect can free the lock in time.
+        let mut hold = lock.hold(&[("owner", "stream-holder")]).await;
+        let grant = hold.expect_acquired().await;
+        assert_eq!(lock.inspect().await.holder_owners(), ["stream-holder"]);
+
+        let dropped = Instant::now();
+        drop(hold);
+        let freed_after = loop {
+            if lock.inspect().await.holders.is_empty() {
+                break dropped.elapsed();
+            }
+            assert!(
+                dropped.elapsed() < Duration::from_secs(5),
+                "the lock is still held 5 s after its hold stream was closed"
+            );
+        };
+        assert!(
+            freed_after <= BOUND,
+            "the lock was freed {freed_after:?} after the stream closed (bound {BOUND:?})"
+        );
+        lock.release_lost(&grant.token).await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn an_expired_lease_passes_to_the_waiter(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("expiring"));
+
+        let started = Instant::now();
+        let expiring = lock
+            .acquire(&[("owner", "expiring"), ("ttl", "300ms")])
+            .await;
+        let next = lock.acquire(&[("owner", "next"), ("wait", "5s")]).await;
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= ms(300),
+            "the waiter was granted after {elapsed:?}, before the 300ms lease expired"
+        );
+        assert!(
+            elapsed <= ms(300) + TIMING_SLACK,
+            "the waiter was granted only {elapsed:?} after a 300ms lease began"
+        );
+        assert!(next.fence > expiring.fence);
+
+        // The expired token must not touch the new holder's lease.
+        lock.release_lost(&expiring.token).await;
+        lock.keepalive_lost(&expiring.token).await;
+        assert_eq!(lock.inspect().await.holder_owners(), ["next"]);
+    }
+}
+
+mod leases {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn keepalive_extends_the_lease(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("kept-alive"));
+        let grant = lock.acquire(&[("ttl", "300ms")]).await;
+        assert_eq!(grant.ttl_ms, 300);
+
+        // `ttl_ms` is what the lease has left when reported: allow rounding.
+        let renewed = lock.keepalive(&grant.token, &[]).await;
+        assert!(
+            (250..=300).contains(&renewed.ttl_ms),
+            "the default is the lease's own ttl: {renewed:?}"
+        );
+        assert!(renewed.expires_at_ms >= grant.expires_at_ms);
+
+        let extended = lock.keepalive(&grant.token, &[("ttl", "5s")]).await;
+        // Slack for the round trips between computing the expiry and reading it.
+        let low = 4950 - backend.drift_ms(5000);
+        assert!((low..=5000).contains(&extended.ttl_ms), "{extended:?}");
+        assert!(extended.expires_at_ms >= grant.expires_at_ms + 4000);
+
+        // Three times the original ttl later the lease is still there.
+        tokio::time::sleep(ms(900)).await;
+        lock.acquire_busy(&[]).await;
+        let released = lock.release(&grant.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: true,
+                count: 0
+            }
+        );
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn keepalive_and_release_after_expiry_are_lease_lost(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("expired"));
+        let grant = lock.acquire(&[("ttl", "200ms")]).await;
+        tokio::time::sleep(ms(200) + TIMING_SLACK / 3).await;
+
+        lock.keepalive_lost(&grant.token).await;
+        lock.release_lost(&grant.token).await;
+        assert!(lock.inspect().await.holders.is_empty());
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_wrong_token_is_lease_lost_and_changes_nothing(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let lock = api.lock(&unique_name("guarded"));
+        let other = api.lock(&unique_name("other"));
+        let grant = lock.acquire(&[("owner", "holder")]).await;
+        let other_grant = other.acquire(&[]).await;
+
+        lock.release_lost("not-a-token").await;
+        lock.release_lost(&other_grant.token).await;
+        lock.keepalive_lost("not-a-token").await;
+        lock.keepalive_lost(&other_grant.token).await;
+
+        assert_eq!(lock.inspect().await.holder_owners(), ["holder"]);
+        assert!(lock.release(&grant.token).await.released);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn tokens_are_long_and_distinct(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let mut tokens = BTreeSet::new();
+        for _ in 0..20 {
+            let grant = api.lock(&unique_name("token")).acquire(&[]).await;
+            // 128 random bits need at least 22 characters (base64) to write down.
+            assert!(grant.token.len() >= 22, "short token {:?}", grant.token);
+            assert!(tokens.insert(grant.token), "a token was handed out twice");
+        }
+    }
+}
+
+mod hold {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_waiting_hold_is_queued_then_acquired(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("hold"));
+        let holder = lock.acquire(&[("owner", "holder")]).await;
+
+        let mut stream = lock
+            .hold(&[("owner", "streamer"), ("wait", "30s"), ("ttl", "5s")])
+            .await;
+        assert_eq!(
+            stream.expect_queued().await,
+            Queued {
+                position: 1,
+                queue_length: 1
+            }
+        );
+        lock.release(&holder.token).await;
+
+        let grant = stream.expect_acquired().await;
+        assert_eq!(grant.name, lock.name());
+        assert_eq!(grant.kind, "lock");
+        assert_eq!(grant.owner, "streamer");
+        assert_eq!(grant.mode.as_deref(), Some("exclusive"));
+        assert_eq!(grant.count, 1);
+        assert_eq!(grant.ttl_ms, 5000);
+        assert!(grant.fence > holder.fence);
+        assert!(!grant.token.is_empty());
+        assert_eq!(lock.inspect().await.holder_owners(), ["streamer"]);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_watchdog_renews_while_the_stream_is_open(backend: TestBackend) {
+        const WINDOW: Duration = Duration::from_millis(1200);
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("watched"));
+        let mut stream = lock.hold(&[("owner", "watched"), ("ttl", "300ms")]).await;
+        let grant = stream.expect_acquired().await;
+        assert_eq!(grant.ttl_ms, 300);
+
+        let renewals: Vec<Renewed> = stream
+            .collect_for(WINDOW)
+            .await
+            .into_iter()
+            .map(|event| match event {
+                HoldEvent::Renewed(renewed) => renewed,
+                other => panic!("unexpected {other:?} while holding"),
+            })
+            .collect();
+        // Every ttl/3 = 100 ms: about 12 in the window; at most every ttl/3.
+        assert!(
+            (3..=14).contains(&renewals.len()),
+            "{} renewals in {WINDOW:?} with a 300ms ttl: {renewals:?}",
+            renewals.len()
+        );
+        for pair in renewals.windows(2) {
+            assert!(
+                pair[0].expires_at_ms <= pair[1].expires_at_ms,
+                "{renewals:?}"
+            );
+        }
+        // `ttl_ms` is what is left of the lease when reported (may round down).
+        assert!(
+            renewals
+                .iter()
+                .all(|r| r.ttl_ms.is_some_and(|ttl| (200..=300).contains(&ttl))),
+            "{renewals:?}"
+        );
+        assert!(renewals[renewals.len() - 1].expires_at_ms > grant.expires_at_ms);
+
+        // Four ttls after the grant the lease is still the same one.
+        let state = lock.inspect().await;
+        assert_eq!(state.holder_owners(), ["watched"]);
+        assert_eq!(state.holders[0].fence, grant.fence);
+        lock.acquire_busy(&[]).await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_hold_times_out_when_its_wait_runs_out(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("timeout"));
+        let _holder = lock.acquire(&[("owner", "holder")]).await;
+
+        let mut patient = lock.hold(&[("owner", "patient"), ("wait", "300ms")]).await;
+        assert_eq!(patient.expect_queued().await.position, 1);
+        let data = patient.expect_timeout().await;
+        let waited = data["waited_ms"].as_u64();
+        assert!(
+            waited.is_some_and(|w| w >= 270),
+            "timeout after a 300ms wait reports {data}"
+        );
+        patient.expect_end().await;
+        lock.wait_for_waiters(&[]).await;
+
+        // wait=0 (the default) on a busy lock: `timeout` at once.
+        let mut impatient = lock.hold(&[("owner", "impatient")]).await;
+        impatient.expect_timeout().await;
+        impatient.expect_end().await;
+        assert_eq!(lock.inspect().await.holder_owners(), ["holder"]);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn force_release_ends_the_hold_with_lost(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecar = backend.sidecar().admin_token(ADMIN_TOKEN).start().await;
+        let lock = sidecar.api().lock(&unique_name("forced"));
+        let mut stream = lock.hold(&[("owner", "victim")]).await;
+        let grant = stream.expect_acquired().await;
+
+        let admin = sidecar.api_with_token(ADMIN_TOKEN);
+        assert_eq!(admin.lock(lock.name()).force_release().await, 1);
+        assert_eq!(stream.expect_lost().await, "force_released");
+        stream.expect_end().await;
+        assert!(lock.inspect().await.holders.is_empty());
+        lock.keepalive_lost(&grant.token).await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn max_hold_ends_the_lease(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+
+        // Hold stream: the watchdog stops renewing at max_hold.
+        let lock = api.lock(&unique_name("max-hold"));
+        let started = Instant::now();
+        let mut stream = lock.hold(&[("ttl", "300ms"), ("max_hold", "800ms")]).await;
+        stream.expect_acquired().await;
+        let reason = stream.expect_lost_within(ms(800) + TIMING_SLACK).await;
+        let elapsed = started.elapsed();
+        assert_eq!(reason, "max_hold");
+        assert!(
+            elapsed >= ms(800),
+            "lost after {elapsed:?}, before max_hold"
+        );
+        stream.expect_end().await;
+        assert!(lock.inspect().await.holders.is_empty());
+        lock.acquire(&[]).await;
+
+        // Keepalive: the expiry is capped at acquisition + max_hold.
+        let capped = api.lock(&unique_name("max-hold-keepalive"));
+        let grant = capped
+            .acquire(&[("ttl", "300ms"), ("max_hold", "500ms")])
+            .await;
+        let acquired_at = grant.expires_at_ms - grant.ttl_ms;
+        let renewed = capped.keepalive(&grant.token, &[("ttl", "10s")]).await;
+        assert!(
+            renewed.expires_at_ms <= acquired_at + 500,
+            "keepalive extended past max_hold: {renewed:?}, acquired at {acquired_at}"
+        );
+        assert!(renewed.ttl_ms <= 500, "{renewed:?}");
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn lock_delay_follows_expiry_but_not_release(backend: TestBackend) {
+        const TTL: Duration = Duration::from_millis(300);
+        const DELAY: Duration = Duration::from_millis(1500);
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+
+        let lock = api.lock(&unique_name("delayed"));
+        let started = Instant::now();
+        lock.acquire(&[("ttl", "300ms"), ("lock_delay", "1500ms")])
+            .await;
+        // The lease has expired, the delay still runs (until >= 1800 ms).
+        tokio::time::sleep_until((started + TTL + ms(400)).into()).await;
+        lock.acquire_busy(&[]).await;
+        lock.acquire(&[("wait", "10s")]).await;
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= TTL + DELAY,
+            "granted {elapsed:?} after an expiring lease with a {DELAY:?} lock delay"
+        );
+
+        // A released lock is free at once, whatever its lock_delay.
+        let released = api.lock(&unique_name("released"));
+        let grant = released.acquire(&[("lock_delay", "5s")]).await;
+        released.release(&grant.token).await;
+        released.acquire(&[]).await;
+    }
+}
+
+mod reentrancy {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_same_owner_reenters_and_releases_by_count(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("reentrant"));
+        let first = lock.acquire(&[("owner", "worker")]).await;
+        assert_eq!(first.count, 1);
+        let second = lock.acquire(&[("owner", "worker")]).await;
+        assert_eq!(second.token, first.token);
+        assert_eq!(second.fence, first.fence);
+        assert_eq!(second.count, 2);
+        assert_eq!(lock.inspect().await.holders[0].count, 2);
+        lock.acquire_busy(&[("owner", "stranger")]).await;
+
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: false,
+                count: 1
+            }
+        );
+        lock.acquire_busy(&[("owner", "stranger")]).await;
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: true,
+                count: 0
+            }
+        );
+
+        let stranger = lock.acquire(&[("owner", "stranger")]).await;
+        assert!(stranger.fence > first.fence);
+    }
+
+    /// A queued waiter must not make one release end a re-entered lease: the
+    /// owner still holds it until its count reaches 0.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_reentered_lock_stays_held_after_one_release_while_others_wait(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("reentrant-queued"));
+        let first = lock.acquire(&[("owner", "worker")]).await;
+        let second = lock.acquire(&[("owner", "worker")]).await;
+        assert_eq!(
+            (second.token.as_str(), second.count),
+            (first.token.as_str(), 2)
+        );
+        let mut waiter = queue_hold(&lock, "waiter", 1).await;
+
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: false,
+                count: 1
+            }
+        );
+        let state = lock.inspect().await;
+        assert_eq!(state.holder_owners(), ["worker"], "{state:?}");
+        assert_eq!(state.holders[0].count, 1, "{state:?}");
+        assert_eq!(state.waiter_owners(), ["waiter"], "{state:?}");
+
+        let released = lock.release(&first.token).await;
+        assert_eq!(
+            released,
+            Released {
+                released: true,
+                count: 0
+            }
+        );
+        let granted = waiter.expect_acquired().await;
+        assert!(granted.fence > first.fence);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn clients_without_an_owner_are_not_reentrant(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("anonymous"));
+        let grant = lock.acquire(&[]).await;
+        assert!(!grant.owner.is_empty(), "a generated owner is reported");
+        lock.acquire_busy(&[]).await;
+    }
+}
+
+mod modes {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn shared_holders_coexist_and_exclude_writers(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("rw"));
+        let reader_1 = lock
+            .acquire(&[("mode", "shared"), ("owner", "reader-1")])
+            .await;
+        let reader_2 = lock
+            .acquire(&[("mode", "shared"), ("owner", "reader-2")])
+            .await;
+        assert_eq!(reader_1.mode.as_deref(), Some("shared"));
+        assert_ne!(reader_1.token, reader_2.token);
+        let state = lock.inspect().await;
+        assert_eq!(state.holder_owners(), ["reader-1", "reader-2"]);
+        assert!(
+            state
+                .holders
+                .iter()
+                .all(|h| h.mode.as_deref() == Some("shared"))
+        );
+        lock.acquire_busy(&[("mode", "exclusive"), ("owner", "writer")])
+            .await;
+
+        lock.release(&reader_1.token).await;
+        lock.release(&reader_2.token).await;
+        let writer = lock.acquire(&[("owner", "writer")]).await;
+        assert_eq!(writer.mode.as_deref(), Some("exclusive"));
+        lock.acquire_busy(&[("mode", "shared"), ("owner", "reader-3")])
+            .await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_queued_writer_is_not_overtaken_by_readers(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("fair-rw"));
+        let reader = lock
+            .acquire(&[("mode", "shared"), ("owner", "reader-1")])
+            .await;
+        let mut writer = queue_hold(&lock, "writer", 1).await;
+
+        // Compatible with the current holder, but the writer is first in line.
+        lock.acquire_busy(&[("mode", "shared"), ("owner", "reader-2")])
+            .await;
+
+        lock.release(&reader.token).await;
+        assert_eq!(writer.expect_acquired().await.owner, "writer");
+    }
+}
+
+mod semaphores {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_semaphore_admits_up_to_its_limit(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let semaphore = sidecar.api().semaphore(&unique_name("pool"));
+        let limit = max_permits(backend, 3);
+        let n = limit as usize;
+        let limit = limit.to_string();
+        let owners = owner_names("worker", n + 1);
+
+        let mut permits = Vec::new();
+        for owner in &owners[..n] {
+            let permit = semaphore
+                .acquire(&[("limit", &limit), ("owner", owner)])
+                .await;
+            assert_eq!(permit.kind, "semaphore");
+            assert_eq!(permit.count, 1);
+            permits.push(permit);
+        }
+        let fences: Vec<u64> = permits.iter().map(|p| p.fence).collect();
+        assert_strictly_increasing(&fences, "semaphore permits");
+        let state = semaphore.inspect().await;
+        assert_eq!(state.kind, "semaphore");
+        assert_eq!(state.limit, Some(n as u64));
+        assert_eq!(state.holder_owners(), as_strs(&owners[..n]));
+
+        let busy = semaphore
+            .acquire_busy(&[("limit", &limit), ("owner", &owners[n])])
+            .await;
+        assert_eq!(busy["holders"].as_array().map(Vec::len), Some(n), "{busy}");
+
+        let mut next = semaphore
+            .hold(&[("limit", &limit), ("owner", &owners[n]), ("wait", "30s")])
+            .await;
+        assert_eq!(next.expect_queued().await.position, 1);
+        assert!(semaphore.release(&permits[0].token).await.released);
+        let grant = next.expect_acquired().await;
+        assert_eq!(grant.owner, owners[n]);
+        assert!(grant.fence > fences[n - 1]);
+        assert_eq!(semaphore.inspect().await.holders.len(), n);
+    }
+
+    /// A semaphore lease is a `permit` wherever the API names how it is held:
+    /// the acquire answer, the hold stream's `acquired`, the listing's holders
+    /// and waiters, a busy answer's holders, a `timeout` event's holders and
+    /// the event stream — as on the dashboard. Locks keep `exclusive`/`shared`.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_semaphore_lease_is_called_a_permit_everywhere(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let mut events = api.events().await;
+        let semaphore = api.semaphore(&unique_name("permits"));
+        let limit = [("limit", "1")];
+
+        let permit = semaphore.acquire(&[limit[0], ("owner", "first")]).await;
+        assert_eq!(permit.mode.as_deref(), Some("permit"), "{permit:?}");
+        let mut queued = semaphore
+            .hold(&[limit[0], ("owner", "second"), ("wait", "30s")])
+            .await;
+        queued.expect_queued().await;
+
+        let state = semaphore.raw_inspect().await;
+        assert_eq!(state["holders"][0]["mode"], "permit", "{state}");
+        assert_eq!(state["waiters"][0]["mode"], "permit", "{state}");
+        let busy = semaphore
+            .acquire_busy(&[limit[0], ("owner", "third")])
+            .await;
+        assert_eq!(busy["holders"][0]["mode"], "permit", "{busy}");
+        let timeout = semaphore
+            .hold(&[limit[0], ("owner", "fourth")])
+            .await
+            .expect_timeout()
+            .await;
+        assert_eq!(timeout["holders"][0]["mode"], "permit", "{timeout}");
+
+        semaphore.release(&permit.token).await;
+        let next = queued.expect_acquired().await;
+        assert_eq!(next.mode.as_deref(), Some("permit"), "{next:?}");
+        let event = events
+            .wait_for("`acquired` of the semaphore", EVENT_TIMEOUT, |e| {
+                e.event == "acquired" && e.json()["name"] == semaphore.name()
+            })
+            .await;
+        assert_eq!(event.json()["mode"], "permit", "{}", event.data);
+        let text = format!("{state}{busy}{timeout}{}", event.data);
+        assert!(!text.contains("exclusive"), "{text}");
+    }
+
+    /// Redlock refuses semaphores with more than one permit (400
+    /// `unsupported`, before anything is written); the other backends grant them.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn refuses_more_permits_than_it_can_bound(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let semaphore = sidecar.api().semaphore(&unique_name("bounded"));
+        for limit in ["2", "3", "1000"] {
+            let response = semaphore.acquire_raw(&[("limit", limit)]).await;
+            if backend == TestBackend::Redlock {
+                let problem =
+                    assert_problem(response, StatusCode::BAD_REQUEST, "unsupported").await;
+                let detail = problem["detail"].as_str().unwrap_or_default();
+                assert!(detail.contains("majority"), "{detail}");
+                assert!(detail.contains("limit=1"), "{detail}");
+                let state = semaphore.inspect().await;
+                assert!(
+                    state.holders.is_empty() && state.limit.is_none(),
+                    "{state:?}"
+                );
+            } else {
+                let permit: Grant = expect_json(response, StatusCode::OK).await;
+                semaphore.release(&permit.token).await;
+            }
+        }
+        let permit = semaphore.acquire(&[("limit", "1")]).await;
+        assert_eq!(semaphore.inspect().await.limit, Some(1));
+        semaphore.release(&permit.token).await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn semaphore_parameters_are_checked(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let semaphore = sidecar.api().semaphore(&unique_name("checked"));
+        let bad = StatusCode::BAD_REQUEST;
+
+        assert_problem(semaphore.acquire_raw(&[]).await, bad, "invalid-parameter").await;
+        assert_problem(
+            semaphore.acquire_raw(&[("limit", "0")]).await,
+            bad,
+            "out-of-range",
+        )
+        .await;
+
+        // On Redlock the active limit is 1 and 2 is refused before it is compared.
+        let active = max_permits(backend, 2);
+        let other = if active == 1 { "2" } else { "3" };
+        let permit = semaphore.acquire(&[("limit", &active.to_string())]).await;
+        if backend == TestBackend::Redlock {
+            assert_problem(
+                semaphore.acquire_raw(&[("limit", other)]).await,
+                bad,
+                "unsupported",
+            )
+            .await;
+        } else {
+            let mismatch = assert_problem(
+                semaphore.acquire_raw(&[("limit", other)]).await,
+                bad,
+                "limit-mismatch",
+            )
+            .await;
+            assert_eq!(mismatch["limit"], active, "{mismatch}");
+        }
+        for mode in ["shared", "exclusive"] {
+            assert_problem(
+                semaphore
+                    .acquire_raw(&[("limit", &active.to_string()), ("mode", mode)])
+                    .await,
+                bad,
+                "invalid-parameter",
+            )
+            .await;
+        }
+
+        // Once idle, the limit may change.
+        semaphore.release(&permit.token).await;
+        let changed = max_permits(backend, 5);
+        semaphore.acquire(&[("limit", &changed.to_string())]).await;
+        assert_eq!(semaphore.inspect().await.limit, Some(u64::from(changed)));
+    }
+}
+
+mod fencing {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn fences_strictly_increase_across_all_grants(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecars = backend.sidecars(2).await;
+        let name = unique_name("fenced");
+        let locks: Vec<Resource> = sidecars.iter().map(|s| s.api().lock(&name)).collect();
+
+        let fresh = locks[0].inspect().await;
+        assert_eq!(
+            (fresh.fence, fresh.holders.len(), fresh.waiters.len()),
+            (0, 0, 0)
+        );
+
+        let mut fences = Vec::new();
+        for round in 0..6 {
+            let lock = &locks[round % locks.len()];
+            let grant = lock.acquire(&[]).await;
+            fences.push(grant.fence);
+            lock.release(&grant.token).await;
+
+            let mut stream = lock.hold(&[]).await;
+            fences.push(stream.expect_acquired().await.fence);
+            drop(stream);
+            lock.wait_until_free().await;
+
+            let reader_1 = lock.acquire(&[("mode", "shared")]).await;
+            let reader_2 = lock.acquire(&[("mode", "shared")]).await;
+            fences.extend([reader_1.fence, reader_2.fence]);
+            lock.release(&reader_1.token).await;
+            lock.release(&reader_2.token).await;
+        }
+        assert_strictly_increasing(&fences, "grants of one lock");
+        for lock in &locks {
+            assert_eq!(lock.inspect().await.fence, fences[fences.len() - 1]);
+        }
+    }
+}
+
+mod observability {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn inspect_shows_holders_and_waiters(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecar_id = unique_name("sidecar");
+        let sidecar = backend.sidecar().sidecar_id(&sidecar_id).start().await;
+        let lock = sidecar.api().lock(&unique_name("inspected"));
+
+        let idle = lock.inspect().await;
+        assert_eq!(idle.name, lock.name());
+        assert_eq!(idle.kind, "lock");
+        assert_eq!(idle.fence, 0);
+        assert!(idle.holders.is_empty() && idle.waiters.is_empty());
+
+        let before = now_ms();
+        let grant = lock.acquire(&[("owner", "holder"), ("ttl", "20s")]).await;
+        let _waiter_1 = queue_hold(&lock, "waiter-1", 1).await;
+        let _waiter_2 = queue_hold(&lock, "waiter-2", 2).await;
+
+        let state = lock.inspect().await;
+        assert_eq!(state.fence, grant.fence);
+        let [holder] = state.holders.as_slice() else {
+            panic!("expected one holder: {state:?}");
+        };
+        assert_eq!(holder.owner, "holder");
+        assert_eq!(holder.sidecar, sidecar_id);
+        assert_eq!(holder.mode.as_deref(), Some("exclusive"));
+        assert_eq!(holder.fence, grant.fence);
+        assert_eq!(holder.count, 1);
+        assert!(
+            holder.expires_at_ms.abs_diff(grant.expires_at_ms)
+                <= backend.backend().drift_ms(grant.ttl_ms),
+            "inspect {} vs grant {}",
+            holder.expires_at_ms,
+            grant.expires_at_ms
+        );
+        assert!(
+            holder.since_ms.abs_diff(before) < 5_000,
+            "since_ms {} vs now {before}",
+            holder.since_ms
+        );
+        assert!(
+            (19_900..=20_100).contains(&(holder.expires_at_ms - holder.since_ms)),
+            "{holder:?}"
+        );
+
+        assert_eq!(state.waiter_owners(), ["waiter-1", "waiter-2"]);
+        for waiter in &state.waiters {
+            assert_eq!(waiter.sidecar, sidecar_id);
+            assert_eq!(waiter.mode.as_deref(), Some("exclusive"));
+            assert!(waiter.since_ms >= holder.since_ms, "{waiter:?}");
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn list_filters_by_prefix_and_paginates(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let prefix = unique_name("listed");
+
+        let mut expected = Vec::new();
+        for suffix in ["a", "b", "c"] {
+            let name = format!("{prefix}-{suffix}");
+            let grant = api.lock(&name).acquire(&[]).await;
+            expected.push(("lock".to_owned(), name, grant.fence));
+        }
+        let name = format!("{prefix}-s");
+        let limit = max_permits(backend, 2).to_string();
+        let permit = api.semaphore(&name).acquire(&[("limit", &limit)]).await;
+        expected.push(("semaphore".to_owned(), name, permit.fence));
+        // Neither an idle lock nor another prefix is listed.
+        let idle = api.lock(&format!("{prefix}-idle"));
+        let grant = idle.acquire(&[]).await;
+        idle.release(&grant.token).await;
+        api.lock(&unique_name("unlisted")).acquire(&[]).await;
+
+        let mut listed = Vec::new();
+        let mut cursor: Option<String> = None;
+        for page_number in 0.. {
+            assert!(page_number < 10, "pagination does not end: {listed:?}");
+            let mut query = vec![("prefix", prefix.as_str()), ("limit", "2")];
+            if let Some(cursor) = &cursor {
+                query.push(("cursor", cursor));
+            }
+            let page = api.list(&query).await;
+            assert!(page.locks.len() <= 2, "limit=2 gave {page:?}");
+            if page_number == 0 {
+                assert_eq!(page.locks.len(), 2, "{page:?}");
+                assert!(page.next_cursor.is_some(), "{page:?}");
+            }
+            for entry in &page.locks {
+                assert_eq!((entry.holders, entry.waiters), (1, 0), "{entry:?}");
+            }
+            listed.extend(
+                page.locks
+                    .into_iter()
+                    .map(|entry| (entry.kind, entry.name, entry.fence)),
+            );
+            cursor = page.next_cursor;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        assert_eq!(listed, expected, "sorted by kind, then name");
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn stale_lists_locks_held_too_long(backend: TestBackend) {
+        const STALE_AFTER: Duration = Duration::from_millis(200);
+        let backend = backend.start().await;
+        let sidecar = backend.sidecar().stale_after("200ms").start().await;
+        let api = sidecar.api();
+        let lock = api.lock(&unique_name("stale"));
+
+        let started = Instant::now();
+        lock.acquire(&[("ttl", "30s")]).await;
+        let fresh = api.stale().await;
+        if started.elapsed() < STALE_AFTER {
+            assert!(
+                fresh.iter().all(|e| !e.key.contains(lock.name())),
+                "listed as stale right after the acquire: {fresh:?}"
+            );
+        }
+
+        let entry = eventually(
+            "the lock to be listed as stale",
+            5 * TIMING_SLACK,
+            async || {
+                let stale = api.stale().await;
+                stale.into_iter().find(|e| e.key.contains(lock.name()))
+            },
+        )
+        .await;
+        assert_eq!(entry.reason, "held-too-long", "{entry:?}");
+        assert!(entry.age_ms >= 200, "{entry:?}");
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_event_stream_reports_lock_events_without_tokens(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let sidecar_id = api.sidecar_id().await;
+        let mut events = api.events().await;
+        let lock = api.lock(&unique_name("observed"));
+
+        let grant = lock.acquire(&[("owner", "observed")]).await;
+        lock.release(&grant.token).await;
+
+        for kind in ["acquired", "released"] {
+            let event = events
+                .wait_for(&format!("`{kind}` of the lock"), EVENT_TIMEOUT, |e| {
+                    e.event == kind && e.json()["name"] == lock.name()
+                })
+                .await;
+            let data = event.json();
+            assert_eq!(data["type"], kind, "{data}");
+            assert_eq!(data["kind"], "lock", "{data}");
+            assert_eq!(data["owner"], "observed", "{data}");
+            assert_eq!(data["sidecar"], sidecar_id.as_str(), "{data}");
+            assert_eq!(data["mode"], "exclusive", "{data}");
+            assert_eq!(data["fence"], grant.fence, "{data}");
+            assert!(data["at_ms"].is_u64(), "{data}");
+        }
+        assert!(
+            !events.raw().contains(&grant.token),
+            "the event stream leaked a token:\n{}",
+            events.raw()
+        );
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn info_reports_identity_backend_and_limits(backend: TestBackend) {
+        let backend_guard = backend.start().await;
+        let sidecar_id = unique_name("info");
+        let sidecar = backend_guard
+            .sidecar()
+            .sidecar_id(&sidecar_id)
+            .default_ttl("20s")
+            .max_ttl("2m")
+            .max_wait("90s")
+            .max_waiters(50)
+            .lock_delay("250ms")
+            .stale_after("10m")
+            .start()
+            .await;
+        let api = sidecar.api();
+        let info = api.info().await;
+
+        assert_eq!(info["sidecar"], sidecar_id.as_str(), "{info}");
+        assert_eq!(info["version"], env!("CARGO_PKG_VERSION"), "{info}");
+        assert_members(
+            &info["backend"],
+            json!({
+                "kind": backend.info_kind(),
+                "url": backend_guard.url(),
+                "safety": backend.safety(),
+            }),
+        );
+        assert!(
+            info["started_at_ms"].as_u64().is_some_and(|t| t > 0),
+            "{info}"
+        );
+        assert!(info["uptime_ms"].is_u64(), "{info}");
+        assert_members(
+            &info["limits"],
+            json!({
+                "default_ttl_ms": 20_000,
+                "max_ttl_ms": 120_000,
+                "max_wait_ms": 90_000,
+                "max_waiters": 50,
+                "lock_delay_ms": 250,
+                "stale_after_ms": 600_000,
+            }),
+        );
+        assert_members(
+            &info["auth"],
+            json!({"api_token": false, "admin_token": false}),
+        );
+
+        // The default ttl applies to acquires that do not give one.
+        let grant = api.lock(&unique_name("default-ttl")).acquire(&[]).await;
+        assert_eq!(grant.ttl_ms, 20_000);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn health_readiness_and_openapi(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+
+        let health: Value = api.get_json(&["healthz"], &[]).await;
+        assert_eq!(health["status"], "ok", "{health}");
+        let ready: Value = api.get_json(&["readyz"], &[]).await;
+        assert_eq!(ready["status"], "ready", "{ready}");
+
+        let openapi: Value = api.get_json(&["openapi.json"], &[]).await;
+        assert!(
+            openapi["openapi"]
+                .as_str()
+                .is_some_and(|v| v.starts_with('3')),
+            "not an OpenAPI 3 document: {}",
+            openapi["openapi"]
+        );
+        let paths = openapi["paths"].as_object().expect("`paths` object");
+        for path in [
+            "/v1/locks/{name}",
+            "/v1/locks/{name}/keepalive",
+            "/v1/locks/{name}/hold",
+            "/v1/locks",
+            "/v1/semaphores/{name}",
+            "/v1/info",
+        ] {
+            assert!(
+                paths.contains_key(path),
+                "{path} missing from {:?}",
+                paths.keys()
+            );
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn metrics_are_prometheus_text_with_the_sidelock_prefix(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let lock = api.lock(&unique_name("metered"));
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+
+        let response = api.get(&["metrics"], &[]).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let content_type = response.headers()[CONTENT_TYPE].to_str().unwrap_or("");
+        assert!(content_type.starts_with("text/plain"), "{content_type}");
+        let text = response.text().await.expect("metrics body");
+
+        assert!(
+            text.contains("# TYPE sidelock_acquires_total counter"),
+            "{text}"
+        );
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .collect();
+        assert!(
+            samples
+                .iter()
+                .any(|line| line.starts_with("sidelock_acquires_total")),
+            "{text}"
+        );
+        assert!(
+            samples.iter().any(|line| line.contains("_seconds_bucket")),
+            "no duration histogram: {text}"
+        );
+        for line in &samples {
+            assert!(line.starts_with("sidelock_"), "unprefixed metric: {line}");
+        }
+        assert!(
+            !text.contains(lock.name()),
+            "lock names are labels only with --metrics-lock-labels"
+        );
+    }
+}
+
+mod validation {
+    use super::*;
+
+    /// One request that must be answered with a problem.
+    struct Case {
+        what: &'static str,
+        method: Method,
+        segments: Vec<String>,
+        query: Vec<(&'static str, String)>,
+        body: Body,
+        status: StatusCode,
+        slug: &'static str,
+        /// Extension members the problem must carry.
+        members: Vec<(&'static str, Value)>,
+    }
+
+    impl Case {
+        fn new(what: &'static str, method: Method, segments: &[&str]) -> Self {
+            Self {
+                what,
+                method,
+                segments: segments.iter().map(|s| (*s).to_owned()).collect(),
+                query: Vec::new(),
+                body: Body::Empty,
+                status: StatusCode::BAD_REQUEST,
+                slug: "invalid-parameter",
+                members: Vec::new(),
+            }
+        }
+
+        /// `POST /v1/locks/{name}`.
+        fn acquire(what: &'static str, name: &str) -> Self {
+            Self::new(what, Method::POST, &["v1", "locks", name])
+        }
+
+        fn query(mut self, key: &'static str, value: &str) -> Self {
+            self.query.push((key, value.to_owned()));
+            self
+        }
+
+        fn json(self, value: Value) -> Self {
+            self.body(Body::Json(value))
+        }
+
+        fn raw(self, content_type: &str, bytes: impl Into<Vec<u8>>) -> Self {
+            self.body(Body::Raw {
+                content_type: content_type.to_owned(),
+                bytes: bytes.into(),
+            })
+        }
+
+        fn body(mut self, body: Body) -> Self {
+            self.body = body;
+            self
+        }
+
+        fn expect(mut self, status: u16, slug: &'static str) -> Self {
+            self.status = StatusCode::from_u16(status).expect("valid status");
+            self.slug = slug;
+            self
+        }
+
+        fn member(mut self, name: &'static str, value: Value) -> Self {
+            self.members.push((name, value));
+            self
+        }
+
+        /// Sends the request and checks the problem (panics on mismatch).
+        async fn check(self, api: Api) {
+            let segments: Vec<&str> = self.segments.iter().map(String::as_str).collect();
+            let query: Vec<(&str, &str)> =
+                self.query.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let response = api.send(self.method, &segments, &query, self.body).await;
+            let problem = assert_problem(response, self.status, self.slug).await;
+            for (name, value) in &self.members {
+                assert_eq!(&problem[*name], value, "{}: {problem}", self.what);
+            }
+        }
+    }
+
+    fn out_of_range(case: Case, parameter: &str, max_ms: Option<u64>) -> Case {
+        let case = case
+            .expect(400, "out-of-range")
+            .member("parameter", json!(parameter));
+        match max_ms {
+            Some(max) => case.member("max_ms", json!(max)),
+            None => case,
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn bad_input_is_a_problem_and_never_a_server_error(backend: TestBackend) {
+        let backend = backend.start().await;
+        // The default ttl must fit under --max-ttl.
+        let sidecar = backend
+            .sidecar()
+            .default_ttl("5s")
+            .max_ttl("10s")
+            .max_wait("5s")
+            .start()
+            .await;
+        let api = sidecar.api();
+        let held = api.lock(&unique_name("held"));
+        let grant = held.acquire(&[]).await;
+        let keepalive = ["v1", "locks", held.name(), "keepalive"];
+        let name = unique_name("bad-input");
+        let lock = ["v1", "locks", name.as_str()];
+        let hold = ["v1", "locks", name.as_str(), "hold"];
+        let too_long = "a".repeat(201);
+
+        let cases = vec![
+            // Names.
+            Case::acquire("name of 201 characters", &too_long).expect(400, "invalid-name"),
+            Case::acquire("name with a space", "a b").expect(400, "invalid-name"),
+            Case::acquire("name with an encoded slash", "a/b").expect(400, "invalid-name"),
+            Case::acquire("name with non-ASCII letters", "verrou-ü").expect(400, "invalid-name"),
+            Case::acquire("name with punctuation", "a*b").expect(400, "invalid-name"),
+            Case::new(
+                "inspect with a bad name",
+                Method::GET,
+                &["v1", "locks", "a b"],
+            )
+            .expect(400, "invalid-name"),
+            Case::new(
+                "hold with a bad name",
+                Method::GET,
+                &["v1", "locks", "a b", "hold"],
+            )
+            .expect(400, "invalid-name"),
+            Case::new("empty name", Method::POST, &["v1", "locks", ""]).expect(404, "not-found"),
+            // Values.
+            Case::new("unknown mode", Method::POST, &lock).query("mode", "banana"),
+            Case::new("unparsable ttl", Method::POST, &lock).query("ttl", "soon"),
+            Case::new("negative wait", Method::POST, &lock).query("wait", "-1"),
+            Case::new("unparsable max_hold", Method::POST, &lock).query("max_hold", "forever"),
+            Case::new("ttl of the wrong JSON type", Method::POST, &lock).json(json!({"ttl": true})),
+            out_of_range(
+                Case::new("ttl above --max-ttl", Method::POST, &lock).query("ttl", "11s"),
+                "ttl",
+                Some(10_000),
+            ),
+            out_of_range(
+                Case::new("ttl of zero", Method::POST, &lock).query("ttl", "0"),
+                "ttl",
+                None,
+            ),
+            out_of_range(
+                Case::new("wait above --max-wait", Method::POST, &lock).query("wait", "6s"),
+                "wait",
+                Some(5_000),
+            ),
+            out_of_range(
+                Case::new("keepalive ttl above --max-ttl", Method::POST, &keepalive)
+                    .query("token", &grant.token)
+                    .query("ttl", "1m"),
+                "ttl",
+                Some(10_000),
+            ),
+            // Parameters.
+            Case::new("unknown query parameter", Method::POST, &lock).query("bogus", "1"),
+            Case::new("unknown JSON field", Method::POST, &lock).json(json!({"bogus": 1})),
+            Case::new("parameter repeated in the query", Method::POST, &lock)
+                .query("ttl", "1s")
+                .query("ttl", "2s"),
+            Case::new("parameter in both query and body", Method::POST, &lock)
+                .query("ttl", "1s")
+                .json(json!({"ttl": "2s"})),
+            Case::new("parameter repeated in the JSON body", Method::POST, &lock)
+                .raw("application/json", r#"{"ttl": "1s", "ttl": "2s"}"#),
+            Case::new("release without a token", Method::DELETE, &lock),
+            Case::new("keepalive without a token", Method::POST, &keepalive),
+            Case::new("hold with an unknown mode", Method::GET, &hold).query("mode", "banana"),
+            out_of_range(
+                Case::new("hold with ttl above --max-ttl", Method::GET, &hold).query("ttl", "1h"),
+                "ttl",
+                Some(10_000),
+            ),
+            Case::new(
+                "unparsable semaphore limit",
+                Method::POST,
+                &["v1", "semaphores", name.as_str()],
+            )
+            .query("limit", "many"),
+            Case::new("unparsable list limit", Method::GET, &["v1", "locks"]).query("limit", "x"),
+            Case::new("list limit above 1000", Method::GET, &["v1", "locks"])
+                .query("limit", "1001")
+                .expect(400, "out-of-range"),
+            // Bodies.
+            Case::new("malformed JSON", Method::POST, &lock).raw("application/json", r#"{"ttl": "#),
+            Case::new("JSON that is not an object", Method::POST, &lock)
+                .raw("application/json", r#"["ttl"]"#),
+            Case::new("body over 64 KiB", Method::POST, &lock)
+                .json(json!({"owner": "x".repeat(70 * 1024)}))
+                .expect(413, "body-too-large"),
+            Case::new("text/plain body", Method::POST, &lock)
+                .raw("text/plain", "ttl=1s")
+                .expect(415, "unsupported-media-type"),
+            // Routes.
+            Case::new("unknown /v1 route", Method::GET, &["v1", "nope"]).expect(404, "not-found"),
+            Case::new("unknown route", Method::GET, &["nope"]).expect(404, "not-found"),
+            Case::new("wrong method", Method::PUT, &lock).expect(405, "method-not-allowed"),
+        ];
+        // Each case runs as its own task, so one run reports every failing
+        // case (their panic messages are on stderr).
+        let mut failed = Vec::new();
+        for case in cases {
+            let what = case.what;
+            if tokio::spawn(case.check(api.clone())).await.is_err() {
+                failed.push(what);
+            }
+        }
+        assert!(failed.is_empty(), "failed cases: {failed:#?}");
+
+        // None of that disturbed the lock that was held meanwhile.
+        assert!(held.release(&grant.token).await.released);
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn valid_names_use_the_whole_alphabet_up_to_200_characters(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let base = format!("AZaz09._:-{}", unique_name("n"));
+        for name in [format!("{base:x<200}"), "x".to_owned()] {
+            let grant = api.lock(&name).acquire(&[]).await;
+            assert_eq!(grant.name, name);
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn durations_take_units_or_plain_milliseconds(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        for (ttl, expected_ms) in [
+            ("250ms", 250),
+            ("30s", 30_000),
+            ("5m", 300_000),
+            ("1h", 3_600_000),
+            ("1m30s", 90_000),
+            ("1500", 1_500),
+        ] {
+            let grant = api
+                .lock(&unique_name("duration"))
+                .acquire(&[("ttl", ttl)])
+                .await;
+            assert_eq!(grant.ttl_ms, expected_ms, "ttl={ttl}");
+        }
+        let lock = api.lock(&unique_name("duration"));
+        let response = api
+            .send(
+                Method::POST,
+                &["v1", "locks", lock.name()],
+                &[],
+                Body::Json(json!({"ttl": 1500})),
+            )
+            .await;
+        let grant: Grant = expect_json(response, StatusCode::OK).await;
+        assert_eq!(grant.ttl_ms, 1_500, "a JSON number is milliseconds");
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn parameters_come_from_query_json_or_form(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let form = vec![
+            ("owner".to_owned(), "form".to_owned()),
+            ("ttl".to_owned(), "2s".to_owned()),
+        ];
+        let ways = [
+            ("query", Body::Empty),
+            ("json", Body::Json(json!({"owner": "json", "ttl": "2s"}))),
+            ("form", Body::Form(form)),
+        ];
+        for (way, body) in ways {
+            let name = unique_name(way);
+            let query: &[(&str, &str)] = if way == "query" {
+                &[("owner", "query"), ("ttl", "2s")]
+            } else {
+                &[]
+            };
+            let response = api
+                .send(Method::POST, &["v1", "locks", &name], query, body)
+                .await;
+            let grant: Grant = expect_json(response, StatusCode::OK).await;
+            assert_eq!((grant.owner.as_str(), grant.ttl_ms), (way, 2_000), "{way}");
+        }
+        // The same value in the query and the body is no conflict (`2000` and "2000" too).
+        let response = api
+            .send(
+                Method::POST,
+                &["v1", "locks", &unique_name("both")],
+                &[("ttl", "2000")],
+                Body::Json(json!({"ttl": 2000})),
+            )
+            .await;
+        let grant: Grant = expect_json(response, StatusCode::OK).await;
+        assert_eq!(grant.ttl_ms, 2_000);
+    }
+}
+
+mod auth {
+    use super::*;
+
+    async fn assert_unauthorized(response: reqwest::Response) {
+        let challenge = response
+            .headers()
+            .get(WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        assert!(
+            challenge
+                .as_deref()
+                .is_some_and(|c| c.starts_with("Bearer")),
+            "401 without `WWW-Authenticate: Bearer`: {challenge:?}"
+        );
+        assert_problem(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_api_token_guards_v1_only(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecar = backend
+            .sidecar()
+            .api_token(API_TOKEN)
+            .admin_token(ADMIN_TOKEN)
+            .start()
+            .await;
+        let name = unique_name("guarded");
+        let info = ["v1", "info"];
+
+        let anonymous = sidecar.api();
+        assert_unauthorized(anonymous.get(&info, &[]).await).await;
+        assert_unauthorized(anonymous.lock(&name).acquire_raw(&[]).await).await;
+        let intruder = sidecar.api_with_token("wrong-token");
+        assert_unauthorized(intruder.get(&info, &[]).await).await;
+        assert_unauthorized(intruder.lock(&name).acquire_raw(&[]).await).await;
+
+        let user = sidecar.api_with_token(API_TOKEN);
+        let reported = user.info().await;
+        assert_members(
+            &reported["auth"],
+            json!({"api_token": true, "admin_token": true}),
+        );
+        assert!(
+            user.lock(&name).inspect().await.holders.is_empty(),
+            "a refused acquire took the lock"
+        );
+        user.lock(&name).acquire(&[]).await;
+        // The admin token is accepted on /v1 too.
+        sidecar.api_with_token(ADMIN_TOKEN).info().await;
+
+        for open in ["healthz", "readyz", "metrics", "openapi.json"] {
+            let response = anonymous.get(&[open], &[]).await;
+            assert_eq!(response.status(), StatusCode::OK, "/{open} needs no token");
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_admin_api_is_forbidden_without_an_admin_token(backend: TestBackend) {
+        let backend = backend.start().await;
+        let plain = backend.start_sidecar().await;
+        let guarded = backend.sidecar().api_token(API_TOKEN).start().await;
+        let forbidden = StatusCode::FORBIDDEN;
+
+        for api in [
+            plain.api(),
+            plain.api_with_token("anything"),
+            guarded.api_with_token(API_TOKEN),
+        ] {
+            let lock = api.lock(&unique_name("unadministered"));
+            let grant = lock.acquire(&[]).await;
+            assert_problem(lock.force_release_raw().await, forbidden, "forbidden").await;
+            lock.keepalive(&grant.token, &[]).await;
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn force_release_needs_the_admin_token(backend: TestBackend) {
+        let backend = backend.start().await;
+        let sidecar = backend
+            .sidecar()
+            .api_token(API_TOKEN)
+            .admin_token(ADMIN_TOKEN)
+            .start()
+            .await;
+        let user = sidecar.api_with_token(API_TOKEN);
+        let admin = sidecar.api_with_token(ADMIN_TOKEN);
+        let lock = user.lock(&unique_name("administered"));
+        let grant = lock.acquire(&[("owner", "holder")]).await;
+
+        assert_unauthorized(sidecar.api().lock(lock.name()).force_release_raw().await).await;
+        assert_unauthorized(
+            sidecar
+                .api_with_token("wrong-token")
+                .lock(lock.name())
+                .force_release_raw()
+                .await,
+        )
+        .await;
+        assert_problem(
+            lock.force_release_raw().await,
+            StatusCode::FORBIDDEN,
+            "forbidden",
+        )
+        .await;
+        lock.keepalive(&grant.token, &[]).await;
+
+        assert_eq!(admin.lock(lock.name()).force_release().await, 1);
+        lock.keepalive_lost(&grant.token).await;
+        lock.release_lost(&grant.token).await;
+        assert!(lock.inspect().await.holders.is_empty());
+        // "Every force-release is logged with who and what."
+        eventually(
+            "the force-release to be logged",
+            EVENT_TIMEOUT,
+            async || {
+                let log = sidecar.log();
+                log.lines()
+                    .any(|line| line.contains(lock.name()) && line.to_lowercase().contains("force"))
+                    .then_some(())
+            },
+        )
+        .await;
+
+        let semaphore = user.semaphore(&unique_name("administered"));
+        let permits = max_permits(backend.backend(), 2);
+        for _ in 0..permits {
+            semaphore.acquire(&[("limit", &permits.to_string())]).await;
+        }
+        assert_eq!(
+            admin.semaphore(semaphore.name()).force_release().await,
+            u64::from(permits)
+        );
+        assert!(semaphore.inspect().await.holders.is_empty());
+    }
+}
+
+mod lifecycle {
+    use super::*;
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn sigterm_ends_holds_releases_and_exits_zero(backend: TestBackend) {
+        const GRACE: Duration = Duration::from_secs(5);
+        let backend = backend.start().await;
+        let mut sidecar = backend.sidecar().shutdown_grace("5s").start().await;
+        // A second sidecar on a shared backend checks that the locks are released.
+        let observer = match backend.backend().two_sidecars_share_state() {
+            true => Some(backend.start_sidecar().await),
+            false => None,
+        };
+        let lock = sidecar.api().lock(&unique_name("shutdown"));
+        let mut holder = lock.hold(&[("owner", "holder")]).await;
+        holder.expect_acquired().await;
+        let mut waiter = queue_hold(&lock, "waiter", 1).await;
+
+        let terminated = Instant::now();
+        sidecar.terminate();
+        assert_eq!(holder.expect_lost().await, "shutdown");
+        holder.expect_end().await;
+        let rest = waiter.until_end().await;
+        assert!(
+            rest.iter().all(|event| match event {
+                HoldEvent::Queued(_) => true,
+                HoldEvent::Lost(reason) => reason == "shutdown",
+                _ => false,
+            }),
+            "the waiter must not be granted during shutdown: {rest:?}"
+        );
+
+        let status = sidecar.wait_exit(GRACE + TIMING_SLACK).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+        let took = terminated.elapsed();
+        assert!(took <= GRACE + TIMING_SLACK, "shutdown took {took:?}");
+
+        if let Some(observer) = observer {
+            let state = observer.api().lock(lock.name()).inspect().await;
+            assert!(
+                state.holders.is_empty() && state.waiters.is_empty(),
+                "{state:?}"
+            );
+        }
+    }
+
+    #[apply(backends)]
+    #[tokio::test]
+    async fn flags_override_env_which_overrides_the_config_file(backend: TestBackend) {
+        // The default ttl must fit under every max_ttl used here.
+        const FILE: &str = "default_ttl = \"500ms\"\nmax_ttl = \"1s\"\n";
+        async fn max_ttl_ms(sidecar: SidecarBuilder) -> u64 {
+            let sidecar = sidecar.start().await;
+            let info = sidecar.api().info().await;
+            info["limits"]["max_ttl_ms"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no limits.max_ttl_ms: {info}"))
+        }
+        let backend = backend.start().await;
+        let file = || backend.sidecar().config_toml(FILE);
+
+        assert_eq!(max_ttl_ms(file()).await, 1_000, "file");
+        assert_eq!(
+            max_ttl_ms(file().env("SIDELOCK_MAX_TTL", "2s")).await,
+            2_000,
+            "env over file"
+        );
+        assert_eq!(
+            max_ttl_ms(file().env("SIDELOCK_MAX_TTL", "2s").max_ttl("3s")).await,
+            3_000,
+            "flag over env"
+        );
+
+        // The file's value is enforced, not just reported.
+        let sidecar = file().start().await;
+        let response = sidecar
+            .api()
+            .lock(&unique_name("config"))
+            .acquire_raw(&[("ttl", "1500ms")])
+            .await;
+        assert_problem(response, StatusCode::BAD_REQUEST, "out-of-range").await;
+    }
+}
+
+/// `/openapi.json` is a valid OpenAPI 3.1 document by a real validator, so
+/// code generators and schemathesis can rely on it (every response has its
+/// required `description`, every `$ref` resolves).
+#[tokio::test]
+async fn the_openapi_document_passes_openapi_spec_validator() {
+    let validator =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/openapi-spec-validator");
+    assert!(
+        validator.exists(),
+        "{} is missing: run scripts/setup.sh, which builds .venv from tests/fuzz/requirements.txt",
+        validator.display()
+    );
+    let sidecar = SidecarBuilder::new("memory://")
+        .api_token(API_TOKEN)
+        .admin_token(ADMIN_TOKEN)
+        .start()
+        .await;
+    let response = reqwest::get(format!("{}/openapi.json", sidecar.base_url()))
+        .await
+        .expect("GET /openapi.json");
+    assert_eq!(response.status(), StatusCode::OK);
+    let document = response.bytes().await.expect("the document's body");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("openapi.json");
+    std::fs::write(&path, &document).expect("write the document");
+    let out = std::process::Command::new(&validator)
+        .arg(&path)
+        .output()
+        .expect("run openapi-spec-validator");
+    assert!(
+        out.status.success(),
+        "openapi-spec-validator rejects /openapi.json:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,37 @@
+//! The integration suite, linked as one test binary (one link instead of one
+//! per file): every test starts the real `sidelock` binary and real backends
+//! (`redis-server`, ZooKeeper, PostgreSQL, Chromium) and talks to them over
+//! real HTTP. `scripts/test.sh` runs it with the rest.
+//!
+//! * [`common`]: the harness — sidecar guards, typed API helpers, the SSE
+//!   reader, problem-document checks (the servers come from the
+//!   `sidelock-test-support` crate, shared with the bench).
+//! * [`conformance`]: the HTTP contract, once per backend.
+//! * [`safety`]: the safety checker — several sidecars, random clients, faults.
+//! * [`hostile`]: the hostile-client suite.
+//! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
+//! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract.
+//! * [`dashboard`], [`metrics`]: the operator's views.
+//! * [`cli_run`], [`listen`], [`first_run`], [`readme`]: the command line, its settings and the README.
+//! * [`layers`], [`fuzz_corpus`]: the module layering and the fuzz corpus replay.
+
+mod common;
+
+mod cli_run;
+mod conformance;
+mod dashboard;
+mod first_run;
+mod fuzz_corpus;
+mod hostile;
+mod layers;
+mod listen;
+mod metrics;
+mod outage;
+mod partition;
+mod postgres;
+mod readme;
+mod redis;
+mod redlock;
+mod reliability;
+mod safety;
+mod zookeeper;

@@ -1,0 +1,748 @@
+//! The PostgreSQL backend beyond the shared conformance suite (which also
+//! runs on it): FIFO across sidecars, statement cost of idle waiters, outages
+//! and restarts, concurrent start-up, upgrading a version 1 schema, waiters
+//! of dead sidecars, missed notifications, and every stale reason.
+//!
+//! Tests use the machine's server (a schema or database of their own, see
+//! `common::postgres`), except those that stop the server or count
+//! statements, which start a throwaway cluster.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use reqwest::StatusCode;
+use reqwest::header::RETRY_AFTER;
+
+use common::postgres::{PgCluster, TestDatabase, TestSchema};
+use common::*;
+
+fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+async fn postgres() -> BackendGuard {
+    TestBackend::Postgres.start().await
+}
+
+fn schema(backend: &BackendGuard) -> &TestSchema {
+    backend
+        .server::<TestSchema>()
+        .expect("a PostgreSQL backend has a schema")
+}
+
+fn assert_strictly_increasing(fences: &[u64]) {
+    for pair in fences.windows(2) {
+        assert!(
+            pair[0] < pair[1],
+            "fences must strictly increase: {fences:?}"
+        );
+    }
+}
+
+/// Asserts a 503 `backend-unavailable` problem with `Retry-After`.
+async fn assert_unavailable(response: reqwest::Response) {
+    let retry_after = response
+        .headers()
+        .get(RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(
+        retry_after.is_some_and(|s| s >= 1),
+        "503 without a usable Retry-After: {:?}",
+        response.headers()
+    );
+    assert_problem(
+        response,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+}
+
+/// The schema versions applied to the `sidelock` schema, in order.
+async fn migration_versions(client: &tokio_postgres::Client) -> Vec<i32> {
+    client
+        .query(
+            "SELECT version FROM sidelock.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .expect("read schema_migrations")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn readyz_status(sidecar: &SidecarGuard) -> StatusCode {
+    sidecar.api().get(&["readyz"], &[]).await.status()
+}
+
+/// Two sidecars, 64 clients queued alternately through each: one global
+/// queue, served strictly in arrival order, one holder at a time, fences
+/// strictly increasing. (The conformance suite's
+/// `concurrent_clients_never_overlap_and_all_finish` runs 64 racing clients
+/// over two sidecars on this backend too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_on_two_sidecars_are_served_in_global_queue_order() {
+    const CLIENTS: usize = 64;
+    let backend = postgres().await;
+    let sidecars = backend.sidecars(2).await;
+    let name = unique_name("fifo");
+    let locks: Vec<Resource> = sidecars.iter().map(|s| s.api().lock(&name)).collect();
+    let first = locks[0].acquire(&[("owner", "first")]).await;
+
+    let owners: Vec<String> = (0..CLIENTS).map(|i| format!("client-{i}")).collect();
+    let mut streams = Vec::new();
+    for (i, owner) in owners.iter().enumerate() {
+        let mut stream = locks[i % 2]
+            .hold(&[("owner", owner), ("wait", "60s"), ("ttl", "30s")])
+            .await;
+        let queued = stream.expect_queued().await;
+        assert_eq!(
+            queued.position,
+            i as u64 + 1,
+            "{owner} through sidecar {}",
+            i % 2
+        );
+        streams.push(stream);
+    }
+    let expected: Vec<&str> = owners.iter().map(String::as_str).collect();
+    for lock in &locks {
+        assert_eq!(lock.inspect().await.waiter_owners(), expected);
+    }
+
+    // Released through the other sidecar than the one that granted it.
+    locks[1].release(&first.token).await;
+    let mut fences = vec![first.fence];
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        let grant = stream.expect_acquired().await;
+        assert_eq!(grant.owner, owners[i], "grant {i} went to the wrong client");
+        fences.push(grant.fence);
+        // Both sidecars see exactly this holder and the rest of the queue.
+        for lock in &locks {
+            let state = lock.inspect().await;
+            assert_eq!(state.holder_owners(), [owners[i].as_str()]);
+            assert_eq!(state.waiter_owners(), expected[i + 1..]);
+        }
+        drop(stream);
+    }
+    assert_strictly_increasing(&fences);
+    locks[0].wait_until_free().await;
+}
+
+/// 500 waiters blocked for 3 s cost the database almost nothing: waiting is
+/// NOTIFY plus a timer at the holder's expiry, and the heartbeat is one
+/// statement per sidecar per interval, whatever the number of waiters.
+/// Counted with `pg_stat_statements` in a cluster of its own, for the
+/// sidecars' database only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_blocked_waiters_run_fewer_than_fifty_statements_in_three_seconds() {
+    const WAITERS: usize = 500;
+    const LOCKS: usize = 5;
+    const WINDOW: Duration = Duration::from_secs(3);
+    let cluster = PgCluster::start();
+    let admin = cluster.client("postgres").await;
+    for sql in [
+        "CREATE EXTENSION pg_stat_statements",
+        "CREATE DATABASE sidelock",
+    ] {
+        admin.batch_execute(sql).await.expect(sql);
+    }
+    let url = cluster.url("sidelock");
+    let sidecars = [
+        SidecarBuilder::new(&url).start().await,
+        SidecarBuilder::new(&url).start().await,
+    ];
+    let names: Vec<String> = (0..LOCKS).map(|_| unique_name("idle")).collect();
+    for name in &names {
+        sidecars[0]
+            .api()
+            .lock(name)
+            .acquire(&[("owner", "holder"), ("ttl", "60s")])
+            .await;
+    }
+    let mut joining = tokio::task::JoinSet::new();
+    for i in 0..WAITERS {
+        let lock = sidecars[i % 2].api().lock(&names[i % LOCKS]);
+        joining.spawn(async move {
+            let owner = format!("waiter-{i}");
+            let mut stream = lock.hold(&[("owner", &owner), ("wait", "60s")]).await;
+            stream.expect_queued().await;
+            stream
+        });
+    }
+    let mut streams = Vec::with_capacity(WAITERS);
+    within("500 waiters to queue", Duration::from_secs(60), async {
+        while let Some(stream) = joining.join_next().await {
+            streams.push(stream.expect("waiter task"));
+        }
+    })
+    .await;
+    let db = cluster.client("sidelock").await;
+    let count_waiters = async || -> i64 {
+        db.query_one("SELECT count(*) FROM sidelock.waiters", &[])
+            .await
+            .expect("count waiters")
+            .get(0)
+    };
+    assert_eq!(count_waiters().await, WAITERS as i64);
+
+    const CALLS: &str = "SELECT coalesce(sum(s.calls), 0)::bigint FROM pg_stat_statements s \
+                         JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = 'sidelock'";
+    admin
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .expect("reset pg_stat_statements");
+    tokio::time::sleep(WINDOW).await;
+    let statements: i64 = admin.query_one(CALLS, &[]).await.expect("count").get(0);
+    let detail: Vec<String> = admin
+        .query(
+            "SELECT s.calls, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 80) \
+             FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+             WHERE d.datname = 'sidelock' ORDER BY s.calls DESC",
+            &[],
+        )
+        .await
+        .expect("list statements")
+        .iter()
+        .map(|r| format!("{:>4} {}", r.get::<_, i64>(0), r.get::<_, String>(1)))
+        .collect();
+    eprintln!(
+        "{WAITERS} waiters blocked for {WINDOW:?} on two sidecars: {statements} statements\n{}",
+        detail.join("\n")
+    );
+    assert!(
+        statements < 50,
+        "{statements} statements while {WAITERS} waiters were blocked for {WINDOW:?}:\n{}",
+        detail.join("\n")
+    );
+    // They were blocked all along, and still are.
+    assert_eq!(count_waiters().await, WAITERS as i64);
+    drop(streams);
+}
+
+/// One client's grant, as it saw it.
+struct Interval {
+    fence: u64,
+    granted: Instant,
+    releasing: Instant,
+}
+
+/// PostgreSQL stopped and started again while clients of two sidecars loop
+/// on a lock: 503s (with `Retry-After`) and a failing `/readyz` while it is
+/// down, grants again afterwards, never two holders at once, fences strictly
+/// increasing, and a waiter parked across the restart is woken by a release
+/// made right after it (its lease would otherwise last another minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_missed_wake_ups() {
+    const CLIENTS: usize = 16;
+    let cluster = Arc::new(PgCluster::start());
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE sidelock")
+        .await
+        .expect("create database");
+    drop(admin);
+    let url = cluster.url("sidelock");
+    let a = SidecarBuilder::new(&url).start().await;
+    let b = SidecarBuilder::new(&url).start().await;
+
+    // A waiter on `a` behind a one-minute lease taken through `b`.
+    let parked = unique_name("parked");
+    let holder = b
+        .api()
+        .lock(&parked)
+        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    let mut parked_waiter = a
+        .api()
+        .lock(&parked)
+        .hold(&[("owner", "parked-waiter"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    parked_waiter.expect_queued().await;
+
+    // The load: acquire (waiting up to 2 s), hold 2 ms, release; retry on 503.
+    let load = unique_name("load");
+    let stop = Arc::new(AtomicBool::new(false));
+    let outages = Arc::new(AtomicUsize::new(0));
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..CLIENTS {
+        let lock = [&a, &b][client % 2].api().lock(&load);
+        let (stop, outages) = (stop.clone(), outages.clone());
+        clients.spawn(async move {
+            let owner = format!("client-{client}");
+            let mut intervals = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let response = lock
+                    .acquire_raw(&[("owner", &owner), ("wait", "2s"), ("ttl", "3s")])
+                    .await;
+                match response.status() {
+                    StatusCode::OK => {
+                        let grant: Grant = response.json().await.expect("grant body");
+                        let granted = Instant::now();
+                        tokio::time::sleep(ms(2)).await;
+                        let releasing = Instant::now();
+                        intervals.push(Interval {
+                            fence: grant.fence,
+                            granted,
+                            releasing,
+                        });
+                        // Until released, or lost with the outage (the lease then expires).
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        while Instant::now() < deadline {
+                            match lock.release_raw(&grant.token).await.status() {
+                                StatusCode::OK | StatusCode::GONE => break,
+                                StatusCode::SERVICE_UNAVAILABLE => {
+                                    tokio::time::sleep(ms(50)).await;
+                                }
+                                other => panic!("release answered {other}"),
+                            }
+                        }
+                    }
+                    StatusCode::CONFLICT => {}
+                    StatusCode::SERVICE_UNAVAILABLE => {
+                        outages.fetch_add(1, Ordering::Relaxed);
+                        assert_unavailable(response).await;
+                        tokio::time::sleep(ms(50)).await;
+                    }
+                    other => panic!(
+                        "acquire answered {other}: {}",
+                        response.text().await.unwrap_or_default()
+                    ),
+                }
+            }
+            intervals
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let stopper = cluster.clone();
+    tokio::task::spawn_blocking(move || stopper.stop_server())
+        .await
+        .expect("stop the server");
+    let stopped = Instant::now();
+    for sidecar in [&a, &b] {
+        eventually("/readyz to fail", Duration::from_secs(10), async || {
+            (readyz_status(sidecar).await == StatusCode::SERVICE_UNAVAILABLE).then_some(())
+        })
+        .await;
+        assert_unavailable(
+            sidecar
+                .api()
+                .lock(&unique_name("down"))
+                .acquire_raw(&[])
+                .await,
+        )
+        .await;
+    }
+    tokio::time::sleep_until((stopped + Duration::from_secs(2)).into()).await;
+    let starter = cluster.clone();
+    tokio::task::spawn_blocking(move || starter.start_server())
+        .await
+        .expect("start the server");
+    let restarted = Instant::now();
+
+    // Released as soon as `b` can: the waiter on `a` must hear of it, even if
+    // the release came before `a` was listening again.
+    let released = eventually(
+        "the parked lease to be released",
+        Duration::from_secs(15),
+        async || {
+            let response = b.api().lock(&parked).release_raw(&holder.token).await;
+            match response.status() {
+                StatusCode::OK => Some(Instant::now()),
+                StatusCode::SERVICE_UNAVAILABLE => None,
+                other => panic!("release of the parked lease answered {other}"),
+            }
+        },
+    )
+    .await;
+    let grant = parked_waiter
+        .expect_acquired_within(Duration::from_secs(10))
+        .await;
+    let woken_after = released.elapsed();
+    assert_eq!(grant.owner, "parked-waiter");
+    assert!(
+        released.elapsed() < Duration::from_secs(10),
+        "the parked waiter was granted only {:?} after the release",
+        released.elapsed()
+    );
+    drop(parked_waiter);
+
+    for sidecar in [&a, &b] {
+        eventually("/readyz to pass", Duration::from_secs(15), async || {
+            (readyz_status(sidecar).await == StatusCode::OK).then_some(())
+        })
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut intervals = Vec::new();
+    within("the clients to stop", Duration::from_secs(30), async {
+        while let Some(done) = clients.join_next().await {
+            intervals.extend(done.expect("client task"));
+        }
+    })
+    .await;
+
+    let before = intervals.iter().filter(|i| i.granted < stopped).count();
+    let after = intervals.iter().filter(|i| i.granted > restarted).count();
+    eprintln!(
+        "restart under load: {} grants ({before} before the stop, {after} after the restart), \
+         {} answers 503, parked waiter granted {woken_after:?} after the release",
+        intervals.len(),
+        outages.load(Ordering::Relaxed)
+    );
+    assert!(
+        outages.load(Ordering::Relaxed) > 0,
+        "no client saw a 503 while PostgreSQL was down"
+    );
+    assert!(
+        before > 0 && after > 0,
+        "grants before the stop: {before}, after the restart: {after}"
+    );
+    intervals.sort_by_key(|i| i.granted);
+    for pair in intervals.windows(2) {
+        assert!(
+            pair[0].releasing <= pair[1].granted,
+            "fence {} was granted while fence {} was still held",
+            pair[1].fence,
+            pair[0].fence
+        );
+    }
+    let fences: Vec<u64> = intervals.iter().map(|i| i.fence).collect();
+    assert_strictly_increasing(&fences);
+}
+
+/// A sidecar whose database is down at start-up still starts: 503s and a
+/// failing `/readyz`, until the database comes and the schema is set up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_started_while_the_database_is_down_serves_once_it_is_up() {
+    let cluster = Arc::new(PgCluster::start());
+    cluster.stop_server();
+    let sidecar = SidecarBuilder::new(&cluster.url("postgres")).start().await;
+    assert_eq!(
+        readyz_status(&sidecar).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let lock = sidecar.api().lock(&unique_name("late"));
+    assert_unavailable(lock.acquire_raw(&[]).await).await;
+
+    let starter = cluster.clone();
+    tokio::task::spawn_blocking(move || starter.start_server())
+        .await
+        .expect("start the server");
+    eventually("/readyz to pass", Duration::from_secs(15), async || {
+        (readyz_status(&sidecar).await == StatusCode::OK).then_some(())
+    })
+    .await;
+    let grant = lock.acquire(&[]).await;
+    assert_eq!(grant.fence, 1);
+}
+
+/// Several sidecars starting at the same moment on an empty database all come
+/// up; the schema is created and migrated once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
+    let database = TestDatabase::new().await;
+    let url = database.url();
+    let (a, b, c, d) = tokio::join!(
+        SidecarBuilder::new(&url).start(),
+        SidecarBuilder::new(&url).start(),
+        SidecarBuilder::new(&url).start(),
+        SidecarBuilder::new(&url).start(),
+    );
+    let sidecars = [a, b, c, d];
+    for sidecar in &sidecars {
+        assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
+    }
+    let client = database.client().await;
+    assert_eq!(migration_versions(&client).await, [1, 2]);
+    let registered: i64 = client
+        .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
+        .await
+        .expect("count sidecars")
+        .get(0);
+    assert_eq!(registered, 4);
+
+    let name = unique_name("shared");
+    let grant = sidecars[0].api().lock(&name).acquire(&[]).await;
+    for sidecar in &sidecars[1..] {
+        sidecar.api().lock(&name).acquire_busy(&[]).await;
+    }
+    sidecars[3].api().lock(&name).release(&grant.token).await;
+}
+
+/// A schema an older sidelock left at version 1 is migrated on start-up:
+/// its fences carry on, and the replaced `acquire()` still drops the waiter
+/// of a sidecar process that is gone (here one without a `sidecars` row at
+/// all), which would otherwise hold the queue and answer busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
+    let database = TestDatabase::new().await;
+    let client = database.client().await;
+    let version_1 = include_str!("../../src/backend/postgres/0001_init.sql")
+        .replace("{s}", "sidelock")
+        .replace("{channel}", "'sidelock_wake'");
+    let name = unique_name("upgraded");
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA sidelock;
+             CREATE TABLE sidelock.schema_migrations (
+                 version     integer PRIMARY KEY,
+                 description text NOT NULL,
+                 applied_at  timestamptz NOT NULL DEFAULT now());
+             {version_1}
+             INSERT INTO sidelock.schema_migrations (version, description) VALUES (1, 'init');
+             INSERT INTO sidelock.keys (kind, name, fence) VALUES ('lock', '{name}', 41);
+             INSERT INTO sidelock.waiters (kind, name, owner, sidecar, instance, mode, queued_at)
+             VALUES ('lock', '{name}', 'ghost', 'gone', 'gone-instance', 'exclusive', now());"
+        ))
+        .await
+        .expect("set up a version 1 schema");
+
+    let sidecar = SidecarBuilder::new(&database.url()).start().await;
+    assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
+    assert_eq!(migration_versions(&client).await, [1, 2]);
+
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[]).await;
+    assert_eq!(grant.fence, 42);
+    assert!(lock.inspect().await.waiters.is_empty());
+    lock.release(&grant.token).await;
+}
+
+/// A waiter whose sidecar dies is listed as orphaned once its heartbeat is
+/// overdue, then leaves the queue, and the waiter behind it is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_of_a_dead_sidecar_are_listed_as_orphaned_then_leave_the_queue() {
+    let backend = postgres().await;
+    let doomed = backend.start_sidecar().await;
+    let survivor = backend.start_sidecar().await;
+    let name = unique_name("orphaned");
+    let lock = survivor.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut doomed_waiter = doomed
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "doomed"), ("wait", "60s")])
+        .await;
+    doomed_waiter.expect_queued().await;
+    let mut next = lock.hold(&[("owner", "next"), ("wait", "60s")]).await;
+    assert_eq!(next.expect_queued().await.position, 2);
+
+    doomed.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    drop(doomed_waiter);
+    let entry = eventually(
+        "the dead sidecar's waiter to be listed as orphaned",
+        Duration::from_secs(15),
+        async || {
+            survivor
+                .api()
+                .stale()
+                .await
+                .into_iter()
+                .find(|e| e.reason == "orphaned-waiter" && e.key.contains(&name))
+        },
+    )
+    .await;
+    assert!(entry.age_ms >= 5_000, "{entry:?}");
+    assert_eq!(lock.inspect().await.waiter_owners(), ["doomed", "next"]);
+
+    lock.release(&holder.token).await;
+    let grant = next.expect_acquired_within(Duration::from_secs(20)).await;
+    assert_eq!(grant.owner, "next");
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "granted {:?} after the other sidecar died",
+        killed.elapsed()
+    );
+    assert!(lock.inspect().await.waiters.is_empty());
+}
+
+/// A release whose NOTIFY is lost because the waiter's sidecar is
+/// reconnecting its LISTEN connection still wakes the waiter: every local
+/// waiter is woken when the connection is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_waiter() {
+    let backend = postgres().await;
+    let id = unique_name("listener");
+    let waiting = backend.sidecar().sidecar_id(&id).start().await;
+    let releasing = backend.start_sidecar().await;
+    let name = unique_name("missed");
+    let holder = releasing
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    let mut waiter = waiting
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "waiter"), ("wait", "60s")])
+        .await;
+    waiter.expect_queued().await;
+
+    let client = schema(&backend).client().await;
+    let killed: Vec<bool> = client
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("sidelock {id} listen")],
+        )
+        .await
+        .expect("terminate the LISTEN connection")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(killed, [true], "exactly one LISTEN connection");
+    // Before the sidecar has reconnected (it waits 250 ms first).
+    releasing.api().lock(&name).release(&holder.token).await;
+    let released = Instant::now();
+
+    let grant = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(grant.owner, "waiter");
+    assert!(released.elapsed() < Duration::from_secs(5));
+    eventually(
+        "the lost LISTEN connection to be logged",
+        EVENT_TIMEOUT,
+        async || waiting.log().contains("LISTEN connection").then_some(()),
+    )
+    .await;
+}
+
+/// `/v1/stale` on PostgreSQL: holders older than `--stale-after`, expired rows
+/// not cleaned yet, waiters whose sidecar stopped heartbeating, and rows of a
+/// hand-written lock table (`--legacy-table`) that never expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_lists_every_reason() {
+    let backend = postgres().await;
+    let schema = schema(&backend);
+    let table = schema.table("method_lock");
+    let sidecar = backend
+        .sidecar()
+        .stale_after("300ms")
+        .flag("legacy-table", &format!("{}.method_lock", schema.name))
+        .start()
+        .await;
+    let explicit = backend
+        .sidecar()
+        .flag(
+            "legacy-table",
+            &format!("{}.method_lock(method_name, update_time)", schema.name),
+        )
+        .start()
+        .await;
+    let api = sidecar.api();
+    let client = schema.client().await;
+
+    // The textbook lock table: a unique name, no expiry.
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (
+                 id serial PRIMARY KEY,
+                 method_name varchar(64) NOT NULL UNIQUE,
+                 description varchar(1024),
+                 update_time timestamp NOT NULL DEFAULT now());
+             INSERT INTO {table} (method_name, update_time)
+                 VALUES ('nightly_report', now() - interval '2 hours')"
+        ))
+        .await
+        .expect("create the legacy table");
+
+    let held = unique_name("held");
+    api.lock(&held).acquire(&[("ttl", "60s")]).await;
+
+    // An expired lease whose key is locked, so no sidecar can clean it yet.
+    let expired = unique_name("expired");
+    let grant = api.lock(&expired).acquire(&[("ttl", "200ms")]).await;
+    let mut locker = schema.client().await;
+    let tx = locker.transaction().await.expect("begin");
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM {} WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+            schema.table("keys")
+        ),
+        &[&expired],
+    )
+    .await
+    .expect("lock the key");
+
+    // A waiter of a sidecar that does not exist (or no longer does).
+    let orphan = unique_name("orphan");
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {} (kind, name) VALUES ('lock', '{orphan}');
+             INSERT INTO {} (kind, name, owner, sidecar, instance, mode, queued_at)
+                 VALUES ('lock', '{orphan}', 'ghost', 'gone-sidecar', 'gone-instance',
+                         'exclusive', now() - interval '1 minute')",
+            schema.table("keys"),
+            schema.table("waiters")
+        ))
+        .await
+        .expect("insert an orphaned waiter");
+
+    tokio::time::sleep(ms(400)).await;
+    let stale = api.stale().await;
+    let find = |reason: &str, needle: &str| {
+        stale
+            .iter()
+            .find(|e| e.reason == reason && e.key.contains(needle))
+            .unwrap_or_else(|| panic!("no {reason} entry for {needle}: {stale:#?}"))
+    };
+    let too_long = find("held-too-long", &held);
+    assert!(too_long.age_ms >= 300, "{too_long:?}");
+    let not_cleaned = find("expired-not-cleaned", &expired);
+    assert!(not_cleaned.age_ms >= 100, "{not_cleaned:?}");
+    let orphaned = find("orphaned-waiter", &orphan);
+    assert!(orphaned.age_ms >= 60_000, "{orphaned:?}");
+    let legacy = find("no-expiry", "nightly_report");
+    assert!(legacy.key.contains("method_lock"), "{legacy:?}");
+    assert!(
+        legacy.age_ms >= 2 * 3_600_000 - 60_000,
+        "age from update_time: {legacy:?}"
+    );
+    let explicit_stale = explicit.api().stale().await;
+    assert!(
+        explicit_stale
+            .iter()
+            .any(|e| e.reason == "no-expiry" && e.key.ends_with("/nightly_report")),
+        "{explicit_stale:#?}"
+    );
+
+    // Once the key is free, a heartbeat cleans the expired row.
+    tx.rollback().await.expect("rollback");
+    eventually(
+        "the expired row to be cleaned",
+        Duration::from_secs(10),
+        async || {
+            let rows: i64 = client
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {} WHERE token = $1",
+                        schema.table("leases")
+                    ),
+                    &[&grant.token],
+                )
+                .await
+                .expect("count leases")
+                .get(0);
+            (rows == 0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        !api.stale()
+            .await
+            .iter()
+            .any(|e| e.reason == "expired-not-cleaned" && e.key.contains(&expired))
+    );
+    // The orphan is not in anyone's way: it is not listed as a waiter, and
+    // the lock is granted at once.
+    let orphaned_lock = api.lock(&orphan);
+    assert!(orphaned_lock.inspect().await.waiters.is_empty());
+    orphaned_lock.acquire(&[]).await;
+}

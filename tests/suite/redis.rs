@@ -1,0 +1,658 @@
+//! Redis-specific behaviour against real `redis-server` processes: interop
+//! with hand-written `SET NX PX` clients, the cost of waiting, leases deleted
+//! behind sidelock's back, outages, and stale keys. Everything the other
+//! backends share is in `conformance.rs`.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::{RedisServer, command_diff};
+use common::{SidecarBuilder, SidecarGuard, unique_name, within};
+use reqwest::StatusCode;
+use serde_json::Value;
+use tokio::sync::Mutex;
+
+async fn sidecar(server: &RedisServer) -> SidecarGuard {
+    SidecarBuilder::new(&server.url()).start().await
+}
+
+#[tokio::test]
+async fn waiters_on_two_sidecars_are_granted_in_queue_order() {
+    let server = RedisServer::start().await;
+    let sidecars = [sidecar(&server).await, sidecar(&server).await];
+    let name = unique_name("fifo");
+    let holder = sidecars[0]
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder")])
+        .await;
+
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        let lock = sidecars[i % 2].api().lock(&name);
+        let owner = format!("waiter-{i}");
+        let mut stream = lock.hold(&[("owner", &owner), ("wait", "30s")]).await;
+        assert_eq!(stream.expect_queued().await.position, i as u64 + 1);
+        streams.push(stream);
+    }
+    sidecars[1].api().lock(&name).release(&holder.token).await;
+    // Each waiter must be granted while every later one still waits: a grant
+    // out of order would leave the expected waiter blocked behind a holder
+    // that this loop never releases, and time out.
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        let grant = stream.expect_acquired_within(Duration::from_secs(5)).await;
+        assert_eq!(grant.owner, format!("waiter-{i}"));
+        assert_eq!(
+            grant.fence,
+            holder.fence + 1 + i as u64,
+            "fences follow the queue"
+        );
+        drop(stream);
+    }
+}
+
+#[tokio::test]
+async fn a_legacy_set_nx_px_client_and_sidelock_exclude_each_other() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("legacy");
+    let key = format!("sidelock:{name}");
+    let lock = sidecar.api().lock(&name);
+
+    // The hand-written client holds the key: sidelock is refused, and shows it.
+    let set: Option<String> = server
+        .cmd(&["SET", &key, "legacy-token", "NX", "PX", "600"])
+        .await;
+    assert_eq!(set.as_deref(), Some("OK"));
+    let busy = lock.acquire_busy(&[("owner", "sidelock")]).await;
+    assert_eq!(busy["holders"][0]["owner"], "(foreign)");
+
+    // A sidelock waiter is granted when the legacy key expires, by its timer.
+    let started = Instant::now();
+    let grant = lock.acquire(&[("owner", "sidelock"), ("wait", "5s")]).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "granted at the legacy key's expiry"
+    );
+
+    // While sidelock holds it, the classic protocol is refused.
+    let value: String = server.cmd(&["GET", &key]).await;
+    assert_eq!(value, grant.token, "the main key holds the token");
+    let set: Option<String> = server
+        .cmd(&["SET", &key, "legacy-token", "NX", "PX", "600"])
+        .await;
+    assert_eq!(set, None, "SET NX must fail while sidelock holds the lock");
+    let pttl: i64 = server.cmd(&["PTTL", &key]).await;
+    assert!(
+        pttl > 0 && pttl <= 30_000,
+        "the main key carries the lease's expiry, got {pttl}"
+    );
+
+    lock.release(&grant.token).await;
+    let set: Option<String> = server
+        .cmd(&["SET", &key, "legacy-token", "NX", "PX", "600"])
+        .await;
+    assert_eq!(
+        set.as_deref(),
+        Some("OK"),
+        "released: the classic protocol gets it"
+    );
+}
+
+/// Requests sidelock sent (commands run inside its scripts excluded).
+fn round_trips(counts: &std::collections::BTreeMap<String, u64>) -> u64 {
+    [
+        "evalsha",
+        "eval",
+        "script|load",
+        "ping",
+        "subscribe",
+        "unsubscribe",
+        "zrangebylex",
+        "scan",
+    ]
+    .iter()
+    .filter_map(|c| counts.get(*c))
+    .sum()
+}
+
+/// Queues `count` waiters (plain acquires with `wait`) that release as soon
+/// as they are granted; returns once all are queued.
+async fn queue_waiters(
+    sidecars: &[SidecarGuard],
+    name: &str,
+    count: usize,
+) -> tokio::task::JoinSet<u64> {
+    let mut waiters = tokio::task::JoinSet::new();
+    for i in 0..count {
+        let lock = sidecars[i % sidecars.len()].api().lock(name);
+        waiters.spawn(async move {
+            let grant = lock
+                .acquire(&[("owner", &format!("w{i}")), ("wait", "60s"), ("ttl", "60s")])
+                .await;
+            lock.release(&grant.token).await;
+            grant.fence
+        });
+    }
+    let lock = sidecars[0].api().lock(name);
+    common::eventually("all waiters queued", Duration::from_secs(60), async || {
+        (lock.inspect().await.waiters.len() == count).then_some(())
+    })
+    .await;
+    waiters
+}
+
+#[tokio::test]
+async fn idle_waiters_cost_redis_almost_nothing_and_handoffs_stay_flat() {
+    let server = RedisServer::start().await;
+    let sidecars = [sidecar(&server).await, sidecar(&server).await];
+
+    let mut per_handoff = Vec::new();
+    let mut breakdown = Vec::new();
+    for waiters in [10, 500] {
+        let name = unique_name("cost");
+        let lock = sidecars[0].api().lock(&name);
+        let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+        let mut queued = queue_waiters(&sidecars, &name, waiters).await;
+
+        if waiters == 500 {
+            let before = server.command_counts().await;
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let after = server.command_counts().await;
+            let idle: u64 = after.values().sum::<u64>() - before.values().sum::<u64>();
+            assert!(
+                idle < 50,
+                "500 waiters blocked for 3 s ran {idle} Redis commands: {}",
+                command_diff(&before, &after)
+            );
+        }
+
+        let before = server.command_counts().await;
+        lock.release(&holder.token).await;
+        let mut fences = Vec::new();
+        within("every waiter granted", Duration::from_secs(120), async {
+            while let Some(fence) = queued.join_next().await {
+                fences.push(fence.expect("waiter task"));
+            }
+        })
+        .await;
+        let after = server.command_counts().await;
+        let spent = after.values().sum::<u64>() - before.values().sum::<u64>();
+        let trips = round_trips(&after) - round_trips(&before);
+        breakdown.push(format!(
+            "{waiters} waiters: {}",
+            command_diff(&before, &after)
+        ));
+        fences.sort_unstable();
+        fences.dedup();
+        assert_eq!(fences.len(), waiters, "every grant has its own fence");
+        per_handoff.push((spent as f64 / waiters as f64, trips as f64 / waiters as f64));
+    }
+    let ((small, small_trips), (large, large_trips)) = (per_handoff[0], per_handoff[1]);
+    assert!(
+        large_trips <= 6.0,
+        "{large_trips:.2} round trips to Redis per handoff with 500 waiters"
+    );
+    assert!(
+        large_trips <= small_trips + 0.5,
+        "round trips per handoff grew with the queue: {small_trips:.2} with 10 waiters, {large_trips:.2} with 500"
+    );
+    assert!(
+        large <= small * 1.25,
+        "commands per handoff (scripts' own included) grew with the queue: {small:.2} with 10 waiters, {large:.2} with 500\n{}",
+        breakdown.join("\n")
+    );
+}
+
+#[tokio::test]
+async fn a_lease_deleted_behind_sidelocks_back_is_reported_lost() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("deleted");
+    let lock = sidecar.api().lock(&name);
+
+    let mut hold = lock.hold(&[("ttl", "900ms")]).await;
+    hold.expect_acquired().await;
+    let _: i64 = server.cmd(&["DEL", &format!("sidelock:{name}")]).await;
+    assert_eq!(
+        hold.expect_lost_within(Duration::from_secs(2)).await,
+        "backend"
+    );
+
+    let grant = lock.acquire(&[("ttl", "30s")]).await;
+    let _: String = server
+        .cmd(&[
+            "SET",
+            &format!("sidelock:{name}"),
+            "someone-else",
+            "PX",
+            "30000",
+        ])
+        .await;
+    lock.keepalive_lost(&grant.token).await;
+    lock.release_lost(&grant.token).await;
+
+    let metrics = sidecar
+        .api()
+        .get(&["metrics"], &[])
+        .await
+        .text()
+        .await
+        .unwrap();
+    let lost: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("sidelock_lost_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        lost >= 2.0,
+        "sidelock_lost_total counts both losses:\n{metrics}"
+    );
+}
+
+/// One grant as the protected resource saw it.
+#[derive(Debug, Clone, Copy)]
+struct Interval {
+    fence: u64,
+    start: Instant,
+    end: Instant,
+}
+
+#[tokio::test]
+async fn redis_restarted_under_load_gives_503s_then_recovers_without_double_grants() {
+    // AOF with fsync on every write: a killed Redis comes back with its leases.
+    let mut server =
+        RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]).await;
+    let sidecars = [sidecar(&server).await, sidecar(&server).await];
+    let name = unique_name("outage");
+    // Clients run until well after the restart: a grant whose reply was lost
+    // in the crash has no client to release it and ends only at its ttl.
+    let stop = Arc::new(Mutex::new(Instant::now() + Duration::from_secs(60)));
+    let intervals = Arc::new(Mutex::new(Vec::<Interval>::new()));
+    let unavailable = Arc::new(Mutex::new(0u32));
+
+    let mut clients = tokio::task::JoinSet::new();
+    for c in 0..8 {
+        let lock = sidecars[c % 2].api().lock(&name);
+        let intervals = intervals.clone();
+        let unavailable = unavailable.clone();
+        let stop = stop.clone();
+        clients.spawn(async move {
+            while Instant::now() < *stop.lock().await {
+                let response = lock.acquire_raw(&[("wait", "1s"), ("ttl", "3s")]).await;
+                match response.status() {
+                    StatusCode::OK => {}
+                    StatusCode::CONFLICT => continue,
+                    StatusCode::SERVICE_UNAVAILABLE => {
+                        assert!(response.headers().contains_key("retry-after"));
+                        *unavailable.lock().await += 1;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    other => panic!(
+                        "acquire answered {other}: {}",
+                        response.text().await.unwrap_or_default()
+                    ),
+                }
+                let grant: Value = response.json().await.expect("grant body");
+                let start = Instant::now();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let token = grant["token"].as_str().expect("token").to_owned();
+                let end = Instant::now();
+                // Release until Redis answers: a 503 leaves the lease in place,
+                // or it may have released it with the answer lost in the crash,
+                // and then the retry answers 410 (as the README says).
+                let mut retried = false;
+                loop {
+                    let r = lock.release_raw(&token).await;
+                    match r.status() {
+                        StatusCode::OK => break,
+                        StatusCode::GONE if retried => break,
+                        StatusCode::SERVICE_UNAVAILABLE => {
+                            retried = true;
+                            tokio::time::sleep(Duration::from_millis(50)).await
+                        }
+                        other => panic!(
+                            "release answered {other}: {}",
+                            r.text().await.unwrap_or_default()
+                        ),
+                    }
+                }
+                intervals.lock().await.push(Interval {
+                    fence: grant["fence"].as_u64().expect("fence"),
+                    start,
+                    end,
+                });
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.restart().await;
+    let recovered_from = Instant::now();
+    *stop.lock().await = recovered_from + Duration::from_secs(5);
+    within("clients finish", Duration::from_secs(60), async {
+        while let Some(r) = clients.join_next().await {
+            r.expect("client task");
+        }
+    })
+    .await;
+
+    assert!(
+        *unavailable.lock().await > 0,
+        "acquires during the outage must get 503"
+    );
+    let mut intervals = intervals.lock().await.clone();
+    assert!(
+        intervals.iter().any(|i| i.start > recovered_from),
+        "grants resume after Redis returns"
+    );
+    intervals.sort_by_key(|i| i.start);
+    for pair in intervals.windows(2) {
+        assert!(pair[0].end <= pair[1].start, "overlapping grants: {pair:?}");
+        assert!(
+            pair[0].fence < pair[1].fence,
+            "fence went backwards: {pair:?}"
+        );
+    }
+    for s in &sidecars {
+        assert!(
+            !s.log().contains("panicked"),
+            "a sidecar panicked:\n{}",
+            s.log()
+        );
+    }
+    let ready = sidecars[0].api().get(&["readyz"], &[]).await;
+    assert_eq!(ready.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn readiness_follows_redis_and_the_sidecar_starts_while_it_is_down() {
+    let mut server = RedisServer::start().await;
+    server.kill();
+    let sidecar = sidecar(&server).await;
+    let api = sidecar.api();
+    let ready = api.get(&["readyz"], &[]).await;
+    common::assert_problem(
+        ready,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    let busy = api.lock("down").acquire_raw(&[]).await;
+    assert!(busy.headers().contains_key("retry-after"));
+    common::assert_problem(busy, StatusCode::SERVICE_UNAVAILABLE, "backend-unavailable").await;
+
+    server.restart().await;
+    common::eventually("ready again", Duration::from_secs(10), async || {
+        (api.get(&["readyz"], &[]).await.status() == StatusCode::OK).then_some(())
+    })
+    .await;
+    api.lock("down").acquire(&[]).await;
+}
+
+#[tokio::test]
+async fn a_waiter_of_a_dead_sidecar_drops_out_when_its_heartbeat_lapses() {
+    let server = RedisServer::start().await;
+    let alive = sidecar(&server).await;
+    let mut doomed = sidecar(&server).await;
+    let name = unique_name("orphan");
+    let holder = alive.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+
+    let mut dead_waiter = doomed
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "doomed"), ("wait", "60s")])
+        .await;
+    dead_waiter.expect_queued().await;
+    let mut live_waiter = alive
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "alive"), ("wait", "60s")])
+        .await;
+    assert_eq!(live_waiter.expect_queued().await.position, 2);
+
+    doomed.signal(nix::sys::signal::Signal::SIGKILL);
+    doomed.wait_exit(Duration::from_secs(5)).await;
+    alive.api().lock(&name).release(&holder.token).await;
+    // The dead sidecar's ticket blocks the queue until its heartbeat lapses
+    // (15 s), then the live waiter is granted by its timer.
+    let grant = live_waiter
+        .expect_acquired_within(Duration::from_secs(25))
+        .await;
+    assert_eq!(grant.owner, "alive");
+}
+
+#[tokio::test]
+async fn stale_keys_are_listed_for_every_reason() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .stale_after("200ms")
+        .flag("legacy-pattern", "lock:*")
+        .start()
+        .await;
+    let api = sidecar.api();
+    let held = unique_name("held");
+    api.lock(&held).acquire(&[("ttl", "60s")]).await;
+    // A lock key set without expiry, and a hand-written SETNX lock.
+    let _: String = server.cmd(&["SET", "sidelock:forever", "x"]).await;
+    let _: String = server.cmd(&["SET", "lock:orders", "1"]).await;
+    // A waiter entry whose sidecar stopped heartbeating, and a holder entry
+    // past its expiry that no script has pruned yet.
+    let orphan = unique_name("orphan");
+    let tag = format!("{{sidelock:{orphan}}}");
+    let _: i64 = server
+        .cmd(&["ZADD", &format!("{tag}:queue"), "1", "1"])
+        .await;
+    let _: i64 = server
+        .cmd(&[
+            "HSET",
+            &format!("{tag}:waiters"),
+            "1",
+            r#"{"o":"ghost","s":"gone","m":"x","t0":1}"#,
+        ])
+        .await;
+    let _: i64 = server
+        .cmd(&["HSET", &format!("{tag}:heartbeat"), "gone", "1"])
+        .await;
+    let _: i64 = server
+        .cmd(&[
+            "HSET",
+            &format!("{tag}:holders"),
+            "t",
+            r#"{"o":"late","s":"gone","m":"s","f":1,"c":1,"t0":1,"e":2,"ttl":1,"cap":0,"dl":0}"#,
+        ])
+        .await;
+    let _: i64 = server
+        .cmd(&["ZADD", "sidelock:/index", "0", &format!("locks/{orphan}")])
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let stale = api.stale().await;
+    let has = |reason: &str, key: &str| {
+        stale
+            .iter()
+            .any(|s| s.reason == reason && s.key.contains(key))
+    };
+    assert!(has("held-too-long", &held), "{stale:#?}");
+    assert!(has("no-expiry", "sidelock:forever"), "{stale:#?}");
+    assert!(has("no-expiry", "lock:orders"), "{stale:#?}");
+    assert!(has("orphaned-waiter", &orphan), "{stale:#?}");
+    assert!(has("expired-not-cleaned", &orphan), "{stale:#?}");
+}
+
+#[tokio::test]
+async fn locks_keep_working_through_a_sentinel_failover() {
+    let mut servers = common::redis::RedisSentinel::start().await;
+    let sidecar = SidecarBuilder::new(&servers.url()).start().await;
+    let api = sidecar.api();
+    let before = unique_name("before");
+    // The ttl outlasts the failover (about 1 s to notice, 1-3 s to promote);
+    // a shorter lease would end with `lost`, as it must.
+    let mut hold = api.lock(&before).hold(&[("ttl", "10s")]).await;
+    let held = hold.expect_acquired().await;
+    // Let the replica catch up, as it usually has in production.
+    servers.wait_replicated().await;
+
+    let old_master = servers.master.port();
+    servers.master.kill();
+    common::eventually(
+        "the sentinel promotes the replica",
+        Duration::from_secs(30),
+        async || (servers.master_port().await == Some(servers.replica.port())).then_some(()),
+    )
+    .await;
+    assert_ne!(servers.replica.port(), old_master);
+
+    // New locks work through the same URL once the sidecar follows the master.
+    let after = unique_name("after");
+    let grant = common::eventually(
+        "acquire after failover",
+        Duration::from_secs(20),
+        async || {
+            let r = api.lock(&after).acquire_raw(&[]).await;
+            match r.status() {
+                StatusCode::OK => Some(r.json::<Value>().await.expect("grant")),
+                StatusCode::SERVICE_UNAVAILABLE => None,
+                other => panic!("acquire after failover answered {other}"),
+            }
+        },
+    )
+    .await;
+    assert_eq!(grant["fence"], 1);
+
+    // The lease held across the failover was replicated: the watchdog keeps
+    // renewing it on the new master, and the holder is told nothing is wrong.
+    let state = api.lock(&before).inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, held.fence);
+    let renewed = hold.collect_for(Duration::from_secs(4)).await;
+    assert!(
+        renewed.iter().all(|e| e.name() == "renewed"),
+        "only renewals after the failover: {renewed:?}"
+    );
+    assert!(!renewed.is_empty(), "the watchdog renews on the new master");
+}
+
+#[tokio::test]
+async fn a_lease_shorter_than_a_sentinel_failover_is_lost_before_anyone_else_holds_it() {
+    let mut servers = common::redis::RedisSentinel::start().await;
+    let first = SidecarBuilder::new(&servers.url())
+        .sidecar_id("first")
+        .start()
+        .await;
+    let second = SidecarBuilder::new(&servers.url())
+        .sidecar_id("second")
+        .start()
+        .await;
+    let name = unique_name("failover-lost");
+    // The failover takes at least `down-after-milliseconds` (1 s here); the
+    // lease, renewed every ttl/3, runs out sooner.
+    let mut hold = first.api().lock(&name).hold(&[("ttl", "1s")]).await;
+    let held = hold.expect_acquired().await;
+    servers.wait_replicated().await;
+
+    servers.master.kill();
+    let contender = {
+        let api = second.api();
+        let name = name.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let r = api.lock(&name).acquire_raw(&[("wait", "1s")]).await;
+                match r.status() {
+                    StatusCode::OK => {
+                        let grant: Value = r.json().await.expect("grant");
+                        return (grant, Instant::now());
+                    }
+                    StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {}
+                    other => panic!("acquire during the failover answered {other}"),
+                }
+                assert!(Instant::now() < deadline, "no grant after the failover");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let reason = hold.expect_lost_within(Duration::from_secs(10)).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, "unreachable");
+    let (grant, granted_at) = within(
+        "a grant on the promoted replica",
+        Duration::from_secs(40),
+        async { contender.await.expect("contender task") },
+    )
+    .await;
+    assert!(lost_at < granted_at, "`lost` came after the new grant");
+    assert_eq!(servers.master_port().await, Some(servers.replica.port()));
+    assert!(grant["fence"].as_u64().expect("fence") > held.fence);
+}
+
+#[tokio::test]
+async fn a_locks_keys_share_one_cluster_slot() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let name = unique_name("slot");
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[("ttl", "30s")]).await;
+    let node = &cluster.nodes[0];
+    let slot = |key: String| async move {
+        let slot: i64 = node.cmd(&["CLUSTER", "KEYSLOT", &key]).await;
+        slot
+    };
+    let main = slot(format!("sidelock:{name}")).await;
+    for suffix in ["holders", "expiry", "fence", "queue", "waiters"] {
+        assert_eq!(slot(format!("{{sidelock:{name}}}:{suffix}")).await, main);
+    }
+    // Whichever node owns the slot, the main key holds the token.
+    let client = redis::cluster::ClusterClient::new(
+        cluster.nodes.iter().map(|n| n.url()).collect::<Vec<_>>(),
+    )
+    .expect("cluster client");
+    let mut c = client
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    let value: String = redis::cmd("GET")
+        .arg(format!("sidelock:{name}"))
+        .query_async(&mut c)
+        .await
+        .expect("GET main key");
+    assert_eq!(value, grant.token);
+}
+
+#[tokio::test]
+async fn stale_keys_without_expiry_are_found_on_every_cluster_master() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url())
+        .flag("legacy-pattern", "lock:*")
+        .start()
+        .await;
+    let client = redis::cluster::ClusterClient::new(
+        cluster.nodes.iter().map(|n| n.url()).collect::<Vec<_>>(),
+    )
+    .expect("cluster client");
+    let mut c = client
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    // Enough keys that every master holds some.
+    let keys: Vec<String> = (0..12).map(|i| format!("lock:job-{i}")).collect();
+    for k in &keys {
+        let _: String = redis::cmd("SET")
+            .arg(k)
+            .arg("1")
+            .query_async(&mut c)
+            .await
+            .expect("SET");
+    }
+    let stale = sidecar.api().stale().await;
+    for k in &keys {
+        assert!(
+            stale.iter().any(|s| s.reason == "no-expiry" && &s.key == k),
+            "{k} missing from {stale:#?}"
+        );
+    }
+}

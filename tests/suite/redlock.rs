@@ -1,0 +1,270 @@
+//! Redlock against five real, independent `redis-server` processes: a
+//! minority of nodes down, a majority down, nodes killed or emptied while a
+//! lock is held.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::redis::RedisNodes;
+use common::{SidecarBuilder, SidecarGuard, SseStream, assert_problem, problem_type, unique_name};
+use reqwest::StatusCode;
+
+async fn five() -> (RedisNodes, SidecarGuard, SidecarGuard) {
+    let nodes = RedisNodes::start(5).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    (nodes, a, b)
+}
+
+#[tokio::test]
+async fn locks_work_with_two_of_five_nodes_down() {
+    let (mut nodes, a, b) = five().await;
+    nodes.nodes[0].kill();
+    nodes.nodes[3].kill();
+    let name = unique_name("minority-down");
+    let grant = a.api().lock(&name).acquire(&[("owner", "a")]).await;
+    b.api().lock(&name).acquire_busy(&[("owner", "b")]).await;
+    let state = b.api().lock(&name).inspect().await;
+    assert_eq!(state.holder_owners(), ["a"]);
+    b.api().lock(&name).keepalive(&grant.token, &[]).await;
+    a.api().lock(&name).release(&grant.token).await;
+    let next = b.api().lock(&name).acquire(&[("owner", "b")]).await;
+    assert!(next.fence > grant.fence);
+    let ready = a.api().get(&["readyz"], &[]).await;
+    assert_eq!(ready.status(), StatusCode::OK, "a majority answers: ready");
+}
+
+#[tokio::test]
+async fn locks_are_refused_cleanly_with_three_of_five_nodes_down() {
+    let (mut nodes, a, _b) = five().await;
+    let name = unique_name("majority-down");
+    let held = a.api().lock(&name).acquire(&[("ttl", "30s")]).await;
+    for i in [1, 2, 4] {
+        nodes.nodes[i].kill();
+    }
+    let lock = a.api().lock(&name);
+    let refused = lock.acquire_raw(&[]).await;
+    assert!(refused.headers().contains_key("retry-after"));
+    assert_problem(
+        refused,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    let other = a.api().lock(&unique_name("other")).acquire_raw(&[]).await;
+    assert_problem(
+        other,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    // Without a majority the holder cannot be told its lease is fine either.
+    let renewal = lock.keepalive_raw(&held.token, &[]).await;
+    assert_problem(
+        renewal,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    let ready = a.api().get(&["readyz"], &[]).await;
+    assert_problem(
+        ready,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    assert!(!a.log().contains("panicked"));
+}
+
+#[tokio::test]
+async fn a_node_killed_or_emptied_while_a_lock_is_held_does_not_let_a_second_client_in() {
+    let (mut nodes, a, b) = five().await;
+    let name = unique_name("held-through-faults");
+    let mut hold = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "a"), ("ttl", "2s")])
+        .await;
+    let grant = hold.expect_acquired().await;
+
+    // One node dies, another comes back with an empty dataset: three of the
+    // five still hold the lease, so nobody else can reach a majority.
+    nodes.nodes[0].kill();
+    nodes.nodes[1].restart().await;
+    for _ in 0..5 {
+        b.api().lock(&name).acquire_busy(&[("owner", "b")]).await;
+    }
+    // The watchdog keeps renewing on the majority, and the holder is not told
+    // anything is wrong.
+    let events = hold
+        .collect_for(std::time::Duration::from_millis(1500))
+        .await;
+    assert!(
+        !events.is_empty() && events.iter().all(|e| e.name() == "renewed"),
+        "{events:?}"
+    );
+
+    // The waiter gets it once the holder lets go, with a higher fence.
+    let waiter = b.api().lock(&name);
+    let waiting =
+        tokio::spawn(async move { waiter.acquire(&[("owner", "b"), ("wait", "10s")]).await });
+    drop(hold);
+    let next = waiting.await.expect("waiter task");
+    assert!(
+        next.fence > grant.fence,
+        "fence {} after {}",
+        next.fence,
+        grant.fence
+    );
+}
+
+/// Clients looping on one semaphore through two sidecars, each acquiring
+/// (wait 3 s), holding 20 ms and releasing until `run` is over.
+const SEMAPHORE_CLIENTS: usize = 12;
+
+/// The most permits held at once and the number of grants. A client counts
+/// itself as a holder only between its grant's answer and sending its
+/// release, inside its lease: a count above the limit is a real over-grant.
+async fn hammer(
+    sidecars: &[SidecarGuard],
+    name: &str,
+    limit: &str,
+    run: Duration,
+) -> (usize, usize) {
+    let held = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(AtomicUsize::new(0));
+    let deadline = Instant::now() + run;
+    let clients: Vec<_> = (0..SEMAPHORE_CLIENTS)
+        .map(|i| {
+            let semaphore = sidecars[i % sidecars.len()].api().semaphore(name);
+            let (held, most, grants) = (held.clone(), most.clone(), grants.clone());
+            let limit = limit.to_owned();
+            let owner = format!("client-{i}");
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let params = [("limit", limit.as_str()), ("wait", "3s"), ("owner", &owner)];
+                    let response = semaphore.acquire_raw(&params).await;
+                    if response.status() != StatusCode::OK {
+                        assert_problem(response, StatusCode::CONFLICT, "lock-busy").await;
+                        continue;
+                    }
+                    let grant: common::Grant = response.json().await.expect("grant body");
+                    let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    grants.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    held.fetch_sub(1, Ordering::SeqCst);
+                    semaphore.release(&grant.token).await;
+                }
+            })
+        })
+        .collect();
+    for client in clients {
+        client.await.expect("client task");
+    }
+    (most.load(Ordering::SeqCst), grants.load(Ordering::SeqCst))
+}
+
+/// Asserts that the problem refuses a Redlock semaphore, naming why and what
+/// to use instead.
+fn assert_unsupported_detail(problem: &serde_json::Value) {
+    assert_eq!(problem["type"], problem_type("unsupported"), "{problem}");
+    assert_eq!(problem["status"], 400, "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    for needle in ["majority", "redis://", "zk://", "postgres://", "limit=1"] {
+        assert!(
+            detail.contains(needle),
+            "{needle:?} missing from {detail:?}"
+        );
+    }
+}
+
+/// Asserts that an acquire is refused with 400 `unsupported`.
+async fn assert_unsupported(response: reqwest::Response) {
+    let problem = assert_problem(response, StatusCode::BAD_REQUEST, "unsupported").await;
+    assert_unsupported_detail(&problem);
+}
+
+/// Asserts that a hold stream ends with an `error` event carrying the
+/// `unsupported` problem, before any other event.
+async fn assert_hold_unsupported(response: reqwest::Response) {
+    let mut stream = SseStream::from_response(response).await;
+    let event = stream.next().await.expect("an `error` event");
+    assert_eq!(event.event, "error", "{}", event.data);
+    assert_unsupported_detail(&event.json());
+    assert!(
+        stream.next().await.is_none(),
+        "the stream ends after the error"
+    );
+}
+
+/// Two sidecars, 12 clients looping on one semaphore: with `limit=3` a
+/// majority quorum let 4 hold permits at once (no fault injected), so
+/// Redlock refuses `limit > 1` on acquire and hold, on either sidecar, and
+/// nothing is written; `limit=1` (an exclusive lock) never over-grants.
+#[tokio::test]
+async fn a_semaphore_never_holds_more_permits_than_its_limit() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecars = [
+        SidecarBuilder::new(&nodes.url()).start().await,
+        SidecarBuilder::new(&nodes.url()).start().await,
+    ];
+    let name = unique_name("counted");
+    for sidecar in &sidecars {
+        let semaphore = sidecar.api().semaphore(&name);
+        for limit in ["2", "3", "4294967295"] {
+            for wait in ["0", "1s"] {
+                let params = [("limit", limit), ("wait", wait)];
+                assert_unsupported(semaphore.acquire_raw(&params).await).await;
+                assert_hold_unsupported(semaphore.hold_raw(&params).await).await;
+            }
+        }
+        let state = semaphore.inspect().await;
+        assert!(
+            state.holders.is_empty() && state.waiters.is_empty(),
+            "{state:?}"
+        );
+        assert_eq!(state.limit, None, "nothing was written");
+    }
+
+    let (most, grants) = hammer(&sidecars, &name, "1", Duration::from_secs(3)).await;
+    assert!(grants > 0, "no permit was granted");
+    assert!(
+        most <= 1,
+        "{most} permits of a limit=1 semaphore were held at once ({grants} grants)"
+    );
+}
+
+/// A semaphore in use with 3 permits on every node (as a `redis://`
+/// sidecar, or an older version, left it) is refused too when the claim
+/// leaves `limit` out, and the refusal writes nothing.
+#[tokio::test]
+async fn a_semaphore_in_use_with_more_than_one_permit_is_refused_without_limit() {
+    let nodes = RedisNodes::start(3).await;
+    let name = unique_name("inherited");
+    let mut plain = Vec::new();
+    for node in &nodes.nodes {
+        let sidecar = SidecarBuilder::new(&node.url()).start().await;
+        sidecar
+            .api()
+            .semaphore(&name)
+            .acquire(&[("limit", "3"), ("owner", "old"), ("ttl", "30s")])
+            .await;
+        plain.push(sidecar);
+    }
+    let redlock = SidecarBuilder::new(&nodes.url()).start().await;
+    let semaphore = redlock.api().semaphore(&name);
+    assert_unsupported(semaphore.acquire_raw(&[("owner", "new")]).await).await;
+    assert_hold_unsupported(semaphore.hold_raw(&[("owner", "new")]).await).await;
+    assert_unsupported(semaphore.acquire_raw(&[("limit", "3")]).await).await;
+    assert_eq!(semaphore.inspect().await.limit, Some(3));
+    for sidecar in &plain {
+        let state = sidecar.api().semaphore(&name).inspect().await;
+        assert_eq!(state.holder_owners(), ["old"], "{state:?}");
+        assert!(state.waiters.is_empty(), "{state:?}");
+    }
+}

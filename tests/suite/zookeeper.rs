@@ -1,0 +1,707 @@
+//! ZooKeeper-specific behaviour against real servers: no herd on release
+//! (locks and semaphores), session expiry, a network cut between a sidecar and
+//! ZooKeeper, a leader failure in an ensemble, and interop with Apache
+//! Curator's `InterProcessMutex` and `InterProcessReadWriteLock`. Everything
+//! the backends share is in `conformance.rs`.
+
+use crate::common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::netns::Netns;
+use common::zookeeper::ZkServer;
+use common::{SidecarBuilder, SidecarGuard, unique_name};
+use nix::sys::signal::Signal;
+use reqwest::StatusCode;
+
+async fn sidecar(url: &str) -> SidecarGuard {
+    SidecarBuilder::new(url).start().await
+}
+
+/// A figure from `mntr`.
+fn mntr(server: &ZkServer, i: usize, name: &str) -> u64 {
+    let out = server.word(i, "mntr");
+    out.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in mntr output:\n{out}"))
+}
+
+#[tokio::test]
+async fn one_release_fires_one_watch_among_200_waiters() {
+    let server = ZkServer::start().await;
+    let url = server.url("/herd");
+    let a = sidecar(&url).await;
+    let name = unique_name("herd");
+    let lock = a.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "5m")]).await;
+
+    let mut waiters = Vec::new();
+    for i in 0..200 {
+        let lock = a.api().lock(&name);
+        waiters.push(tokio::spawn(async move {
+            let owner = format!("w{i}");
+            lock.acquire_raw(&[("owner", &owner), ("wait", "2m"), ("ttl", "5m")])
+                .await
+                .status()
+        }));
+    }
+    let queued = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let s = lock.inspect().await;
+            if s.waiters.len() == 200 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("200 waiters queue");
+    let first = queued.waiter_owners()[0].to_owned();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let deleted = mntr(&server, 0, "zk_sum_node_deleted_watch_count");
+    let children = mntr(&server, 0, "zk_sum_node_children_watch_count");
+    lock.release(&holder.token).await;
+    // Exactly one waiter is granted.
+    let state = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let s = lock.inspect().await;
+            if s.holders.len() == 1 && s.waiters.len() == 199 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the next waiter is granted");
+    assert_eq!(state.holder_owners(), [first.as_str()]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let fired = mntr(&server, 0, "zk_sum_node_deleted_watch_count") - deleted
+        + (mntr(&server, 0, "zk_sum_node_children_watch_count") - children);
+    assert_eq!(fired, 1, "one release must fire exactly one watch");
+    drop(waiters);
+}
+
+/// Watch events the server has triggered so far, of every kind.
+fn watches_fired(server: &ZkServer) -> u64 {
+    let out = server.word(0, "mntr");
+    [
+        "zk_sum_node_created_watch_count",
+        "zk_sum_node_deleted_watch_count",
+        "zk_sum_node_changed_watch_count",
+        "zk_sum_node_children_watch_count",
+    ]
+    .iter()
+    .map(|name| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{name} not in mntr output:\n{out}"))
+    })
+    .sum()
+}
+
+// Waiters are spread over several sidecars because the server counts one
+// watch per connection and path: a herd within one sidecar would count once.
+#[tokio::test]
+async fn a_semaphore_release_admits_the_next_waiter_and_fires_at_most_two_watches() {
+    const SIDECARS: usize = 5;
+    const WAITERS: usize = 50;
+    const ROUNDS: usize = 12;
+    let server = ZkServer::start().await;
+    let url = server.url("/semherd");
+    let mut sidecars = Vec::new();
+    for _ in 0..SIDECARS {
+        sidecars.push(sidecar(&url).await);
+    }
+    let name = unique_name("semherd");
+    let sem = sidecars[0].api().semaphore(&name);
+    let mut held = std::collections::VecDeque::new();
+    for i in 0..3 {
+        let owner = format!("h{i}");
+        let g = sem
+            .acquire(&[("owner", &owner), ("limit", "3"), ("ttl", "5m")])
+            .await;
+        held.push_back((owner, g.token));
+    }
+    let mut pending = std::collections::HashMap::new();
+    for i in 0..WAITERS {
+        let sem = sidecars[i % SIDECARS].api().semaphore(&name);
+        let owner = format!("w{i}");
+        pending.insert(
+            owner.clone(),
+            tokio::spawn(async move {
+                sem.acquire(&[
+                    ("owner", &owner),
+                    ("limit", "3"),
+                    ("wait", "3m"),
+                    ("ttl", "5m"),
+                ])
+                .await
+            }),
+        );
+    }
+    let queued = common::eventually("50 queued waiters", Duration::from_secs(90), async || {
+        let s = sem.inspect().await;
+        (s.waiters.len() == WAITERS).then_some(s)
+    })
+    .await;
+    let order: Vec<String> = queued
+        .waiter_owners()
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    // Let the joins' watch events settle before counting.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    for (round, next) in order.iter().take(ROUNDS).enumerate() {
+        let before = watches_fired(&server);
+        let (_, token) = held.pop_front().expect("a holder");
+        sem.release(&token).await;
+        let grant = common::within(
+            &format!("round {round}: {next} is granted"),
+            Duration::from_secs(20),
+            pending.remove(next).expect("a waiter"),
+        )
+        .await
+        .expect("waiter task");
+        held.push_back((next.clone(), grant.token));
+        let state = sem.inspect().await;
+        let mut holders = state.holder_owners();
+        holders.sort_unstable();
+        let mut want: Vec<&str> = held.iter().map(|(o, _)| o.as_str()).collect();
+        want.sort_unstable();
+        assert_eq!(holders, want, "round {round}: FIFO order");
+        assert_eq!(state.waiters.len(), WAITERS - round - 1, "round {round}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let fired = watches_fired(&server) - before;
+        assert!(
+            (1..=2).contains(&fired),
+            "round {round}: one release fired {fired} watches; at most 2 expected (the queue head's children watch, its successor's data watch)"
+        );
+    }
+    for (_, task) in pending {
+        task.abort();
+    }
+}
+
+#[tokio::test]
+async fn an_expired_session_loses_its_holds_and_the_sidecar_recovers() {
+    let server = ZkServer::start().await;
+    let short = format!("{}?session_timeout=1s", server.url("/expiry"));
+    let a = sidecar(&short).await;
+    let b = sidecar(&server.url("/expiry")).await;
+    let name = unique_name("expiry");
+    let mut held = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "a"), ("ttl", "3s")])
+        .await;
+    held.expect_acquired().await;
+    let mut waiting = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "b"), ("ttl", "30s"), ("wait", "1m")])
+        .await;
+    waiting.expect_queued().await;
+
+    // Freeze sidecar A past its session timeout: the server expires the session.
+    a.signal(Signal::SIGSTOP);
+    let granted = waiting
+        .expect_acquired_within(Duration::from_secs(20))
+        .await;
+    a.signal(Signal::SIGCONT);
+    assert_eq!(granted.owner, "b");
+    held.expect_lost_within(Duration::from_secs(20)).await;
+
+    // A opens a new session and serves again.
+    let other = unique_name("after");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = a.api().lock(&other).acquire_raw(&[("owner", "a2")]).await;
+        if r.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sidecar A did not recover: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let state = b.api().lock(&name).inspect().await;
+    assert_eq!(state.holder_owners(), ["b"]);
+}
+
+// Sidecar A reaches ZooKeeper only through a link the test cuts (a network
+// namespace), while the test keeps talking to A over a second link. ZooKeeper
+// expires A's session `session_timeout` after it last heard from A and then
+// grants B; A must have told its holder before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted() {
+    let ns = Netns::create();
+    let http = ns.link();
+    let data = ns.link();
+    let server = ZkServer::start_on(&data.host_ip).await;
+    let url = format!("{}?session_timeout=4s", server.url("/cut"));
+    let a = SidecarBuilder::new(&url)
+        .netns(&ns, &http.peer_ip)
+        .start()
+        .await;
+    let b = sidecar(&server.url("/cut")).await;
+    let name = unique_name("cut");
+    let mut held = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "a"), ("ttl", "60s")])
+        .await;
+    let first = held.expect_acquired().await;
+    let mut waiting = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "b"), ("ttl", "60s"), ("wait", "2m")])
+        .await;
+    waiting.expect_queued().await;
+
+    ns.cut(&data);
+    let cut_at = Instant::now();
+    let lost = tokio::spawn(async move {
+        let reason = held.expect_lost_within(Duration::from_secs(30)).await;
+        (reason, Instant::now(), held)
+    });
+    let granted = tokio::spawn(async move {
+        let grant = waiting
+            .expect_acquired_within(Duration::from_secs(60))
+            .await;
+        (grant, Instant::now(), waiting)
+    });
+    let (reason, lost_at, _held) = lost.await.expect("A's hold stream");
+    let (second, granted_at, _waiting) = granted.await.expect("B's hold stream");
+    eprintln!(
+        "after the cut: A's holder told lost at {:?}, B granted at {:?}",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(reason, "backend");
+    assert!(
+        lost_at < granted_at,
+        "A's holder learned of the loss {:?} after the cut, B was granted {:?} after it",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(second.owner, "b");
+    assert!(second.fence > first.fence);
+    // The token reported lost holds nothing, even asked through A while cut off.
+    let lock_a = a.api().lock(&name);
+    lock_a.keepalive_lost(&first.token).await;
+    lock_a.release_lost(&first.token).await;
+
+    ns.heal(&data);
+    let other = unique_name("after-cut");
+    common::eventually(
+        "A serves again after the cut heals",
+        Duration::from_secs(30),
+        async || {
+            let r = a.api().lock(&other).acquire_raw(&[("owner", "a2")]).await;
+            (r.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+    lock_a.keepalive_lost(&first.token).await;
+    assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
+}
+
+// The test server reaps empty container nodes every second: the lock-delay
+// must outlive the last claim of the lock node it applies to.
+#[tokio::test]
+async fn a_lock_delay_outlives_the_reaping_of_the_empty_lock_node() {
+    const DELAY: Duration = Duration::from_secs(6);
+    let server = ZkServer::start().await;
+    let a = sidecar(&server.url("/delay")).await;
+    let name = unique_name("delay");
+    let lock = a.api().lock(&name);
+    let started = Instant::now();
+    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "6s")])
+        .await;
+    common::eventually(
+        "the expired lease is deleted",
+        Duration::from_secs(10),
+        async || lock.inspect().await.holders.is_empty().then_some(()),
+    )
+    .await;
+    // Several container sweeps with no claim under the lock node.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        started.elapsed() < DELAY,
+        "the machine is too slow for this test"
+    );
+    lock.acquire_busy(&[]).await;
+    lock.acquire(&[("wait", "20s")]).await;
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= DELAY,
+        "granted {elapsed:?} after an expired lease with a {DELAY:?} lock delay"
+    );
+}
+
+#[tokio::test]
+async fn killing_the_leader_keeps_locks_exclusive_and_waiting_resumes() {
+    let mut server = ZkServer::ensemble().await;
+    let url = server.url("/ensemble");
+    let a = sidecar(&url).await;
+    let b = sidecar(&url).await;
+    let name = unique_name("leader");
+    let holder = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "a"), ("ttl", "2m")])
+        .await;
+    let mut waiting = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "b"), ("ttl", "30s"), ("wait", "2m")])
+        .await;
+    waiting.expect_queued().await;
+
+    let leader = server.leader().expect("a leader");
+    server.kill(leader);
+    // A new leader is elected; the holder still holds and the waiter waits.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let state = loop {
+        let r = b
+            .api()
+            .lock(&name)
+            .api()
+            .get(&["v1", "locks", &name], &[])
+            .await;
+        if r.status() == StatusCode::OK {
+            break r.json::<serde_json::Value>().await.expect("json");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no recovery: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        state["holders"].as_array().map(Vec::len),
+        Some(1),
+        "{state}"
+    );
+    assert_eq!(state["holders"][0]["owner"], "a", "{state}");
+    let busy = b
+        .api()
+        .lock(&name)
+        .acquire_raw(&[("owner", "c")])
+        .await
+        .status();
+    assert_eq!(busy, StatusCode::CONFLICT);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = a.api().lock(&name).release_raw(&holder.token).await;
+        if r.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "release failed: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let granted = waiting
+        .expect_acquired_within(Duration::from_secs(30))
+        .await;
+    assert_eq!(granted.owner, "b");
+    assert!(granted.fence > holder.fence);
+    server.restart(leader).await;
+}
+
+const CURATOR_JARS: &[&str] = &[
+    "/usr/share/java/curator-recipes.jar",
+    "/usr/share/java/curator-framework.jar",
+    "/usr/share/java/curator-client.jar",
+    "/usr/share/java/guava.jar",
+    "/usr/share/java/zookeeper.jar",
+    "/usr/share/java/slf4j-api.jar",
+    "/usr/share/java/slf4j-nop.jar",
+];
+
+const MUTEX_JAVA: &str = r#"
+import java.io.*;
+import org.apache.curator.framework.*;
+import org.apache.curator.framework.recipes.locks.InterProcessMutex;
+import org.apache.curator.retry.RetryOneTime;
+
+public class Mutex {
+    public static void main(String[] args) throws Exception {
+        CuratorFramework c = CuratorFrameworkFactory.newClient(args[0], new RetryOneTime(100));
+        c.start();
+        c.blockUntilConnected();
+        InterProcessMutex m = new InterProcessMutex(c, args[1]);
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
+        System.out.println("READY");
+        System.out.flush();
+        String line;
+        while ((line = in.readLine()) != null) {
+            if (line.equals("try")) {
+                System.out.println(m.acquire(0, java.util.concurrent.TimeUnit.MILLISECONDS) ? "ACQUIRED" : "BUSY");
+            } else if (line.equals("acquire")) {
+                m.acquire();
+                System.out.println("ACQUIRED");
+            } else if (line.equals("release")) {
+                m.release();
+                System.out.println("RELEASED");
+            } else if (line.equals("quit")) {
+                break;
+            }
+            System.out.flush();
+        }
+        c.close();
+    }
+}
+"#;
+
+/// Both sides of one `InterProcessReadWriteLock`, driven line by line:
+/// `r…`/`w…` for the read/write lock, then `try`, `acquire` or `release`.
+const RWLOCK_JAVA: &str = r#"
+import java.io.*;
+import java.util.concurrent.TimeUnit;
+import org.apache.curator.framework.*;
+import org.apache.curator.framework.recipes.locks.*;
+import org.apache.curator.retry.RetryOneTime;
+
+public class RwLock {
+    public static void main(String[] args) throws Exception {
+        CuratorFramework c = CuratorFrameworkFactory.newClient(args[0], new RetryOneTime(100));
+        c.start();
+        c.blockUntilConnected();
+        InterProcessReadWriteLock rw = new InterProcessReadWriteLock(c, args[1]);
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
+        System.out.println("READY");
+        System.out.flush();
+        String line;
+        while ((line = in.readLine()) != null) {
+            if (line.equals("quit")) break;
+            InterProcessMutex m = line.charAt(0) == 'r' ? rw.readLock() : rw.writeLock();
+            String cmd = line.substring(1);
+            if (cmd.equals("try")) {
+                System.out.println(m.acquire(0, TimeUnit.MILLISECONDS) ? "ACQUIRED" : "BUSY");
+            } else if (cmd.equals("acquire")) {
+                m.acquire();
+                System.out.println("ACQUIRED");
+            } else if (cmd.equals("release")) {
+                m.release();
+                System.out.println("RELEASED");
+            }
+            System.out.flush();
+        }
+        c.close();
+    }
+}
+"#;
+
+/// Writes and compiles `class`'s source into `dir`.
+fn javac(dir: &std::path::Path, class: &str, source: &str) {
+    for jar in CURATOR_JARS {
+        assert!(
+            std::path::Path::new(jar).exists(),
+            "{jar} is missing: run scripts/setup.sh (it installs Debian's libcurator-recipes-java and zookeeper)"
+        );
+    }
+    let file = dir.join(format!("{class}.java"));
+    std::fs::write(&file, source).expect("write the Java source");
+    let javac = Command::new("javac")
+        .args(["-cp", &CURATOR_JARS.join(":"), "-d"])
+        .arg(dir)
+        .arg(&file)
+        .output()
+        .expect("javac is installed (scripts/setup.sh installs a JDK)");
+    assert!(
+        javac.status.success(),
+        "javac failed: {}",
+        String::from_utf8_lossy(&javac.stderr)
+    );
+}
+
+struct Curator {
+    child: std::process::Child,
+    out: std::sync::mpsc::Receiver<String>,
+}
+
+impl Curator {
+    fn start(dir: &std::path::Path, connect: &str, path: &str) -> Self {
+        Self::start_class(dir, "Mutex", connect, path)
+    }
+
+    fn start_class(dir: &std::path::Path, class: &str, connect: &str, path: &str) -> Self {
+        let cp = format!("{}:{}", dir.display(), CURATOR_JARS.join(":"));
+        let mut child = Command::new("java")
+            .args(["-cp", &cp, class, connect, path])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run java");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, out) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut me = Self { child, out };
+        assert_eq!(me.line(), "READY");
+        me
+    }
+
+    fn send(&mut self, cmd: &str) {
+        let stdin = self.child.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{cmd}").expect("write to java");
+        stdin.flush().expect("flush");
+    }
+
+    fn line(&mut self) -> String {
+        self.out
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the Curator program answers within 30 s")
+    }
+
+    fn no_line_within(&mut self, d: Duration) {
+        assert!(self.out.recv_timeout(d).is_err(), "Curator did not wait");
+    }
+
+    /// Sends `cmd` and returns the answer.
+    fn ask(&mut self, cmd: &str) -> String {
+        self.send(cmd);
+        self.line()
+    }
+}
+
+impl Drop for Curator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// The Curator program is read with blocking calls: keep a worker free for HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_interprocess_mutex_and_sidelock_exclude_each_other() {
+    let server = ZkServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    javac(dir.path(), "Mutex", MUTEX_JAVA);
+
+    let a = sidecar(&server.url("/interop")).await;
+    let name = unique_name("curator");
+    let lock = a.api().lock(&name);
+    let path = format!("/interop/sidelock/locks/{name}");
+    let hosts = server.hosts();
+    let classes = dir.path().to_owned();
+    let mut curator =
+        tokio::task::spawn_blocking(move || (Curator::start(&classes, &hosts, &path), ()))
+            .await
+            .expect("start curator");
+
+    // Curator holds: sidelock is refused, then waits and is granted after Curator releases.
+    curator.0.send("acquire");
+    assert_eq!(curator.0.line(), "ACQUIRED");
+    let busy = lock.acquire_raw(&[("owner", "s1")]).await;
+    assert_eq!(busy.status(), StatusCode::CONFLICT);
+    let mut waiting = lock.hold(&[("owner", "s1"), ("wait", "1m")]).await;
+    waiting.expect_queued().await;
+    curator.0.send("release");
+    assert_eq!(curator.0.line(), "RELEASED");
+    let grant = waiting
+        .expect_acquired_within(Duration::from_secs(20))
+        .await;
+    assert_eq!(grant.owner, "s1");
+
+    // sidelock holds: Curator is refused, then waits and is granted after sidelock releases.
+    curator.0.send("try");
+    assert_eq!(curator.0.line(), "BUSY");
+    curator.0.send("acquire");
+    curator.0.no_line_within(Duration::from_millis(500));
+    drop(waiting); // closing the hold stream releases at once
+    assert_eq!(curator.0.line(), "ACQUIRED");
+    let busy = lock.acquire_raw(&[("owner", "s2")]).await;
+    assert_eq!(busy.status(), StatusCode::CONFLICT);
+    curator.0.send("release");
+    assert_eq!(curator.0.line(), "RELEASED");
+    curator.0.send("quit");
+}
+
+// The Curator program is read with blocking calls: keep a worker free for HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interoperate() {
+    let server = ZkServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    javac(dir.path(), "RwLock", RWLOCK_JAVA);
+    // Locks named `rw-…` are the read-write ones: sidelock's writers are `__WRIT__` nodes.
+    let a = sidecar(&format!("{}?rw_locks=rw-*", server.url("/rwinterop"))).await;
+    let name = unique_name("rw");
+    let lock = a.api().lock(&name);
+    let path = format!("/rwinterop/sidelock/locks/{name}");
+    let (hosts, classes) = (server.hosts(), dir.path().to_owned());
+    let mut java = tokio::task::spawn_blocking(move || {
+        (Curator::start_class(&classes, "RwLock", &hosts, &path), ())
+    })
+    .await
+    .expect("start curator")
+    .0;
+    let shared = |owner: &'static str| [("owner", owner), ("mode", "shared"), ("ttl", "1m")];
+    let exclusive = |owner: &'static str| [("owner", owner), ("mode", "exclusive"), ("ttl", "1m")];
+
+    // A Curator writer excludes sidelock's exclusive and shared claims…
+    assert_eq!(java.ask("wacquire"), "ACQUIRED");
+    let busy = lock.acquire_raw(&exclusive("x1")).await.status();
+    assert_eq!(
+        busy,
+        StatusCode::CONFLICT,
+        "exclusive beside a Curator writer"
+    );
+    let busy = lock.acquire_raw(&shared("s1")).await.status();
+    assert_eq!(busy, StatusCode::CONFLICT, "shared beside a Curator writer");
+    // …and a waiting sidelock reader is granted when the writer leaves.
+    let mut reader = lock
+        .hold(&[("owner", "s1"), ("mode", "shared"), ("wait", "1m")])
+        .await;
+    reader.expect_queued().await;
+    assert_eq!(java.ask("wrelease"), "RELEASED");
+    reader.expect_acquired_within(Duration::from_secs(20)).await;
+
+    // A sidelock reader: Curator readers share it, Curator writers wait for it.
+    assert_eq!(java.ask("rtry"), "ACQUIRED");
+    assert_eq!(java.ask("rrelease"), "RELEASED");
+    assert_eq!(java.ask("wtry"), "BUSY");
+    java.send("wacquire");
+    java.no_line_within(Duration::from_millis(500));
+    drop(reader); // closing the hold stream releases at once
+    assert_eq!(java.line(), "ACQUIRED");
+    assert_eq!(java.ask("wrelease"), "RELEASED");
+
+    // A sidelock writer: Curator readers and writers both wait for it.
+    let mut writer = lock
+        .hold(&[("owner", "x2"), ("mode", "exclusive"), ("wait", "1m")])
+        .await;
+    writer.expect_acquired().await;
+    assert_eq!(java.ask("rtry"), "BUSY");
+    assert_eq!(java.ask("wtry"), "BUSY");
+    java.send("racquire");
+    java.no_line_within(Duration::from_millis(500));
+    drop(writer);
+    assert_eq!(java.line(), "ACQUIRED");
+
+    // A Curator reader: sidelock readers share it, sidelock writers are refused.
+    let s2 = lock.acquire(&shared("s2")).await;
+    let busy = lock.acquire_raw(&exclusive("x3")).await.status();
+    assert_eq!(
+        busy,
+        StatusCode::CONFLICT,
+        "exclusive beside a Curator reader"
+    );
+    lock.release(&s2.token).await;
+    assert_eq!(java.ask("rrelease"), "RELEASED");
+    java.send("quit");
+}
