@@ -1,7 +1,8 @@
 //! The fuzz hook: every route's parameter parsing and checks, run on
-//! arbitrary bytes. The cargo-fuzz target `params` and the corpus replay
-//! test (`tests/suite/fuzz_corpus.rs`) call [`check_fuzz_input`]; it sits above
-//! the parameter parser and the handlers' checks, which know nothing of it.
+//! arbitrary bytes. The cargo-fuzz target `params` (through the `fuzz`
+//! feature) and the corpus replay test below call [`check_fuzz_input`]; it
+//! sits above the parameter parser and the handlers' checks, which know
+//! nothing of it. Release builds without the feature do not contain it.
 
 use serde::de::DeserializeOwned;
 
@@ -24,7 +25,7 @@ const FUZZ_CONTENT_TYPES: [Option<&str>; 5] = [
 /// problem. Acquire and keepalive parameters that parse are then checked
 /// against the default limits as a request's are (bounds, owner), and a
 /// claim that passes must have sums of time that do not overflow. The cargo-fuzz target `params` and the corpus replay test
-/// (`tests/suite/fuzz_corpus.rs`) both run it.
+/// below both run it.
 ///
 /// Input layout: byte 0 picks the body's content type, then the query string
 /// up to the first NUL byte, then the body.
@@ -93,5 +94,42 @@ pub fn check_fuzz_input(data: &[u8]) {
         let _ = Name::parse(text);
         let _ = LockKey::parse(text);
         let _ = parse_duration(text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Replays the kept cargo-fuzz corpus (`fuzz/corpus/params`) through
+    //! [`check_fuzz_input`], so every input the fuzzer ever found
+    //! interesting stays a regression test on the stable toolchain.
+
+    use std::path::Path;
+
+    use super::check_fuzz_input;
+
+    #[test]
+    fn every_corpus_input_parses_to_a_value_or_a_4xx() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/params");
+        let entries = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("read the fuzz corpus {}: {e}", dir.display()));
+        let mut replayed = 0;
+        for entry in entries {
+            let path = entry.expect("corpus entry").path();
+            let data =
+                std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+            let outcome = std::panic::catch_unwind(|| check_fuzz_input(&data));
+            assert!(
+                outcome.is_ok(),
+                "corpus input {} panicked; reproduce with `cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run params {}`",
+                path.display(),
+                path.display()
+            );
+            replayed += 1;
+        }
+        assert!(
+            replayed > 1000,
+            "only {replayed} corpus inputs in {}",
+            dir.display()
+        );
     }
 }

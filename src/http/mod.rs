@@ -5,6 +5,7 @@
 //! `IntoResponse`, as `application/problem+json`.
 
 pub mod auth;
+#[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 pub mod locks;
 pub mod ops;

@@ -13,7 +13,7 @@
 //! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract.
 //! * [`dashboard`], [`metrics`]: the operator's views.
 //! * [`cli_run`], [`listen`], [`first_run`], [`readme`]: the command line, its settings and the README.
-//! * [`layers`], [`fuzz_corpus`]: the module layering and the fuzz corpus replay.
+//! * [`layers`]: the module layering.
 
 mod common;
 
@@ -21,7 +21,6 @@ mod cli_run;
 mod conformance;
 mod dashboard;
 mod first_run;
-mod fuzz_corpus;
 mod hostile;
 mod layers;
 mod listen;
