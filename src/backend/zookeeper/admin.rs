@@ -1,0 +1,277 @@
+//! What operators ask of a lock: inspecting it, listing locks, finding
+//! stale nodes, and force-releasing a lock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zookeeper_client as zk;
+
+use super::data::NodeData;
+use super::names::{DELAY_NODE, decode_name};
+use super::request::{call, unavailable};
+use super::{Inner, lock};
+use crate::backend::{Error, Holder, StaleKey, State, Summary, Waiter};
+use crate::clock::{ms, now_ms};
+use crate::lock::{Held, Kind, LockKey, Token};
+
+impl Inner {
+    /// [`Backend::inspect`](crate::backend::Backend::inspect): the holders
+    /// and waiters of `key`.
+    pub(super) async fn inspect(self: &Arc<Self>, key: &LockKey) -> Result<State, Error> {
+        let zk = self.client().await?;
+        let parent = self.key_path(key);
+        let (children, nodes, limit) = self.snapshot(&zk, "inspect", key, &parent).await?;
+        let (pdata, _) = self.parent_data(&zk, "inspect", &parent).await?;
+        let holders: Vec<Holder> = nodes
+            .iter()
+            .filter(|n| n.is_held())
+            .map(|n| n.holder(key.kind))
+            .collect();
+        let mut waiters = Vec::new();
+        for c in children.iter() {
+            if nodes.iter().any(|n| n.child.name == c.name && n.is_held()) {
+                continue;
+            }
+            let Some(node) = self.read(&zk, "inspect", &parent, c).await? else {
+                continue;
+            };
+            let (owner, sidecar, since_ms) = match &node.data {
+                Some(d) => (d.owner.clone(), d.sidecar.clone(), d.queued_ms),
+                None => (
+                    "(foreign)".into(),
+                    String::new(),
+                    u64::try_from(node.stat.ctime).unwrap_or(0),
+                ),
+            };
+            waiters.push(Waiter {
+                owner,
+                sidecar,
+                mode: Held::of(key.kind, c.mode),
+                position: waiters.len() + 1,
+                since_ms,
+            });
+        }
+        let fence = holders
+            .iter()
+            .map(|h| h.fence)
+            .max()
+            .unwrap_or(0)
+            .max(pdata.fence);
+        Ok(State {
+            fence,
+            limit: (key.kind == Kind::Semaphore && !children.is_empty()).then_some(limit),
+            holders,
+            waiters,
+        })
+    }
+
+    /// [`Backend::list`](crate::backend::Backend::list): keys with claims
+    /// whose name starts with `prefix`, by key, after `after`, at most `limit`.
+    pub(super) async fn list(
+        self: &Arc<Self>,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let zk = self.client().await?;
+        let mut keys = Vec::new();
+        for kind in [Kind::Lock, Kind::Semaphore] {
+            let dir = format!("{}/{}", self.root, kind.plural());
+            let names = match call("list", zk.list_children(&dir)).await? {
+                Ok(n) => n,
+                Err(zk::Error::NoNode) => Vec::new(),
+                Err(e) => return Err(unavailable("list", e)),
+            };
+            keys.extend(
+                names
+                    .iter()
+                    .filter_map(|n| decode_name(n))
+                    .map(|name| LockKey { kind, name }),
+            );
+        }
+        keys.sort();
+        let mut rows = Vec::new();
+        for key in keys {
+            if rows.len() >= limit {
+                break;
+            }
+            if !key.name.as_str().starts_with(prefix) || after.is_some_and(|a| &key <= a) {
+                continue;
+            }
+            let parent = self.key_path(&key);
+            let (children, nodes, _) = self.snapshot(&zk, "list", &key, &parent).await?;
+            if children.is_empty() {
+                continue;
+            }
+            let held = nodes.iter().filter(|n| n.is_held()).count();
+            let (pdata, _) = self.parent_data(&zk, "list", &parent).await?;
+            let fence = nodes
+                .iter()
+                .filter(|n| n.is_held())
+                .map(|n| n.holder(key.kind).fence)
+                .max()
+                .unwrap_or(0)
+                .max(pdata.fence);
+            rows.push(Summary {
+                key,
+                holders: held,
+                waiters: children.len() - held,
+                fence,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// [`Backend::stale`](crate::backend::Backend::stale): nodes that
+    /// block a lock for no live holder; empty lock nodes whose lock-delay
+    /// is over are removed on the way.
+    pub(super) async fn stale(
+        self: &Arc<Self>,
+        stale_after: Duration,
+    ) -> Result<Vec<StaleKey>, Error> {
+        let zk = self.client().await?;
+        let now = now_ms();
+        let mut out = Vec::new();
+        for kind in [Kind::Lock, Kind::Semaphore] {
+            let dir = format!("{}/{}", self.root, kind.plural());
+            let names = match call("stale", zk.list_children(&dir)).await? {
+                Ok(n) => n,
+                Err(zk::Error::NoNode) => Vec::new(),
+                Err(e) => return Err(unavailable("stale", e)),
+            };
+            for segment in names {
+                let parent = format!("{dir}/{segment}");
+                let shown = format!("{}/{segment}", kind.plural());
+                let (mut raw, pstat) = match call("stale", zk.get_children(&parent)).await? {
+                    Ok(r) => r,
+                    Err(zk::Error::NoNode) => continue,
+                    Err(e) => return Err(unavailable("stale", e)),
+                };
+                raw.retain(|n| n != DELAY_NODE);
+                if raw.is_empty() {
+                    let age = now.saturating_sub(u64::try_from(pstat.mtime).unwrap_or(0));
+                    let (pdata, _) = self.parent_data(&zk, "stale", &parent).await?;
+                    let (marked, marker) = self.delay(&zk, "stale", &parent).await?;
+                    let over = pdata.delay_until_ms.max(marked) <= now;
+                    if over && let Some(version) = marker {
+                        self.clear_delay(&zk, "stale", &parent, version).await;
+                    }
+                    // An empty parent whose lock-delay is over is removed; a
+                    // container node would be removed by the server anyway.
+                    let cleaned = over
+                        && matches!(
+                            call("stale", zk.delete(&parent, Some(pstat.version))).await?,
+                            Ok(())
+                        );
+                    out.push(StaleKey {
+                        key: parent.clone(),
+                        reason: "empty-parent",
+                        age_ms: age,
+                        detail: if cleaned {
+                            "lock node without claims; removed".into()
+                        } else {
+                            "lock node without claims".into()
+                        },
+                    });
+                    continue;
+                }
+                for name in raw {
+                    let path = format!("{parent}/{name}");
+                    let (bytes, stat) = match call("stale", zk.get_data(&path)).await? {
+                        Ok(r) => r,
+                        Err(zk::Error::NoNode) => continue,
+                        Err(e) => return Err(unavailable("stale", e)),
+                    };
+                    let age = now.saturating_sub(u64::try_from(stat.ctime).unwrap_or(0));
+                    if stat.ephemeral_owner == 0 {
+                        out.push(StaleKey {
+                            key: path,
+                            reason: "no-expiry",
+                            age_ms: age,
+                            detail: format!(
+                                "non-ephemeral node under {shown}: it outlives every session and blocks the lock until deleted"
+                            ),
+                        });
+                        continue;
+                    }
+                    let Ok(d) = serde_json::from_slice::<NodeData>(&bytes) else {
+                        continue;
+                    };
+                    if !d.held {
+                        continue;
+                    }
+                    if d.expires_at_ms <= now {
+                        out.push(StaleKey {
+                            key: path,
+                            reason: "expired-not-cleaned",
+                            age_ms: now - d.since_ms.min(now),
+                            detail: format!(
+                                "lease of owner {:?} on sidecar {:?} expired {} ms ago",
+                                d.owner,
+                                d.sidecar,
+                                now - d.expires_at_ms
+                            ),
+                        });
+                    } else if now.saturating_sub(d.since_ms) > ms(stale_after) {
+                        out.push(StaleKey {
+                            key: shown.clone(),
+                            reason: "held-too-long",
+                            age_ms: now - d.since_ms,
+                            detail: format!(
+                                "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",
+                                d.owner,
+                                d.sidecar,
+                                d.fence,
+                                humantime::format_duration(stale_after)
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Backend::force_release`](crate::backend::Backend::force_release):
+    /// deletes every holder's node of `key`, starting the longest of their
+    /// lock-delays.
+    pub(super) async fn force_release(
+        self: &Arc<Self>,
+        key: &LockKey,
+    ) -> Result<Vec<Token>, Error> {
+        let zk = self.client().await?;
+        let parent = self.key_path(key);
+        let (_, nodes, _) = self.snapshot(&zk, "force_release", key, &parent).await?;
+        let mut tokens = Vec::new();
+        let mut delay = 0;
+        for node in &nodes {
+            let Some(d) = node.data.as_ref().filter(|d| d.held) else {
+                continue;
+            };
+            let path = format!("{parent}/{}", node.child.name);
+            match call("force_release", zk.delete(&path, None)).await? {
+                Ok(()) => {
+                    let token = Token::from_client(d.token.clone());
+                    lock(&self.leases).remove(&token);
+                    tokens.push(token);
+                    delay = delay.max(d.lock_delay_ms);
+                }
+                Err(zk::Error::NoNode) => {}
+                Err(e) => return Err(unavailable("force_release", e)),
+            }
+        }
+        if delay > 0 {
+            self.record_delay(
+                &zk,
+                "force_release",
+                &parent,
+                now_ms().saturating_add(delay),
+            )
+            .await?;
+        }
+        if !tokens.is_empty() {
+            self.wakeups.wake(key);
+        }
+        Ok(tokens)
+    }
+}

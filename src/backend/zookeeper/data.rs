@@ -1,0 +1,97 @@
+//! Node data: the JSON sidelock writes into claim nodes and lock nodes, and a
+//! claim read back with it.
+
+use serde::{Deserialize, Serialize};
+use zookeeper_client as zk;
+
+use super::names::Child;
+use crate::backend::Holder;
+use crate::lock::{Held, Kind};
+
+/// What sidelock stores in each claim node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct NodeData {
+    /// The lease's token.
+    pub(super) token: String,
+    /// Who asked for the claim.
+    pub(super) owner: String,
+    /// The sidecar that made the claim.
+    pub(super) sidecar: String,
+    /// True once granted; a waiting claim is false.
+    pub(super) held: bool,
+    /// When the lease was granted (0 while waiting).
+    pub(super) since_ms: u64,
+    /// When the lease ends unless renewed (0 while waiting).
+    pub(super) expires_at_ms: u64,
+    /// The lease's time to live.
+    pub(super) ttl_ms: u64,
+    /// The longest hold asked for while waiting; once granted, when the
+    /// lease ends at the latest.
+    #[serde(default)]
+    pub(super) cap_ms: Option<u64>,
+    /// How long the lock stays closed after the lease expires or is force-released.
+    pub(super) lock_delay_ms: u64,
+    /// The hold count (re-entries by the same owner).
+    pub(super) count: u32,
+    /// The zxid of the write that granted the lease (0 while waiting).
+    pub(super) fence: u64,
+    /// A semaphore's limit, as the claim asked for it.
+    #[serde(default)]
+    pub(super) limit: Option<u32>,
+    /// When the claim joined the queue.
+    pub(super) queued_ms: u64,
+}
+
+/// What sidelock stores in a lock's parent node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(super) struct ParentData {
+    /// The highest fence granted on the lock.
+    #[serde(default)]
+    pub(super) fence: u64,
+    /// The end of the lock-delay (kept in the delay node; older parents
+    /// carry it themselves).
+    #[serde(default)]
+    pub(super) delay_until_ms: u64,
+}
+
+/// A child with its data, once read.
+#[derive(Debug, Clone)]
+pub(super) struct Node {
+    /// The node's name, sequence and mode.
+    pub(super) child: Child,
+    /// `None` for a node sidelock did not write (Curator, other tools).
+    pub(super) data: Option<NodeData>,
+    /// The node's stat, with the version the next write must match.
+    pub(super) stat: zk::Stat,
+}
+
+impl Node {
+    /// The holder this node stands for, as [`State`](crate::backend::State) shows it.
+    pub(super) fn holder(&self, kind: Kind) -> Holder {
+        match &self.data {
+            Some(d) => Holder {
+                owner: d.owner.clone(),
+                sidecar: d.sidecar.clone(),
+                mode: Held::of(kind, self.child.mode),
+                since_ms: d.since_ms,
+                expires_at_ms: d.expires_at_ms,
+                fence: d.fence.max(1),
+                count: d.count,
+            },
+            None => Holder {
+                owner: "(foreign)".into(),
+                sidecar: String::new(),
+                mode: Held::of(kind, self.child.mode),
+                since_ms: u64::try_from(self.stat.ctime).unwrap_or(0),
+                expires_at_ms: u64::MAX / 2,
+                fence: u64::try_from(self.stat.czxid).unwrap_or(0),
+                count: 1,
+            },
+        }
+    }
+
+    /// Whether the node holds the lock: granted, or not written by sidelock.
+    pub(super) fn is_held(&self) -> bool {
+        self.data.as_ref().is_none_or(|d| d.held)
+    }
+}

@@ -1,0 +1,341 @@
+//! `zk://h1:port,h2:port/chroot`: leases are ephemeral sequential znodes.
+//!
+//! Every lock or semaphore is a parent node `<root>/locks/<name>` or
+//! `<root>/semaphores/<name>` (a container node, which the server removes when
+//! it is empty); `<root>/elections/<name>` is kept for elections. A name is
+//! one path segment (it has no `/`), and `.` and `..`, which are no valid
+//! segments, are written `%2e` and `%2e%2e` (`%` is in no name), so no name
+//! reaches another name's node, another kind's directory, or the claim and
+//! lock-delay nodes that live one level below a name. Each claim — holder or waiter — is one ephemeral sequential
+//! child of this sidecar's session, named as Apache Curator names them:
+//!
+//! | claim | node | Curator recipe it excludes |
+//! |---|---|---|
+//! | exclusive lock | `_c_<uuid>-lock-<seq>` | `InterProcessMutex` |
+//! | exclusive lock named in `?rw_locks=` | `_c_<uuid>-__WRIT__<seq>` | `InterProcessReadWriteLock` (write side) |
+//! | shared lock | `_c_<uuid>-__READ__<seq>` | `InterProcessReadWriteLock` (read side) |
+//! | semaphore permit | `_c_<uuid>-lock-<seq>` | none |
+//!
+//! Curator's recipes sort children by the text after their own lock name, so
+//! an `InterProcessMutex` ignores `__WRIT__`/`__READ__` nodes and a read-write
+//! lock ignores `lock-` nodes: which name sidelock writes for an exclusive
+//! claim has to follow the recipe the Java side uses on that path, hence
+//! `?rw_locks=` (names, or prefixes ending in `*`). sidelock itself reads
+//! every node that is not `__READ__` as exclusive. The sequence suffix orders
+//! the queue:
+//!
+//! * an exclusive claim is admitted when its node is the first child;
+//! * a shared claim when no exclusive node comes before it;
+//! * a semaphore claim when fewer than `limit` nodes come before it.
+//!
+//! # Watches
+//!
+//! A lock waiter watches only the node that blocks it (its predecessor for an
+//! exclusive claim, the nearest earlier exclusive node for a shared one), so a
+//! release fires one watch.
+//!
+//! A semaphore waiter at index `i` (children sorted by sequence, `L` the
+//! limit, `i >= L`) watches:
+//!
+//! * `i == L` (the head): the parent's children;
+//! * `i > L`: its predecessor (index `i - 1`, itself a waiter) for deletion
+//!   or a data change — a waiter's data changes exactly once, when it is
+//!   granted.
+//!
+//! Each registration is checked against a listing taken after it (the
+//! children watch returns one; a predecessor watch is followed by a second
+//! listing, and the waiter starts over if its index moved), so no change
+//! before the registration is missed. Why every waiter is woken when it is
+//! admitted: indexes only fall (new nodes come last), by one per deletion of
+//! an earlier node. The head is admitted by exactly such a deletion, which
+//! fires its children watch. A waiter `w` at `i > L` is admitted only after it
+//! became head; it becomes head either by its predecessor `p` being deleted
+//! (its watch fires) or by a deletion before `p` while `p` was head, which
+//! admits `p`: `p` is then granted (its data changes: `w`'s watch fires) or
+//! leaves (deleted: it fires too), and `w` re-evaluates as head. So a release
+//! fires two watches: the head's children watch, and the data watch of the
+//! head's successor when the head is granted. Joins and departures of waiters
+//! fire at most one children watch and one predecessor watch each.
+//!
+//! # Data
+//!
+//! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
+//! expiry and fence. The fence is the zxid of the write that granted the lease,
+//! strictly increasing across the ensemble's life, also after the parent is
+//! removed and created again. The parent's data keeps the highest fence
+//! granted; a lock-delay is the data of a persistent child `_sidelock_delay`,
+//! which keeps the container parent from being reaped while the delay runs
+//! and is deleted once it is over. The per-lock ttl is enforced here: a node whose
+//! expiry passed is deleted by whichever sidecar notices (its status check, a
+//! waiter's expiry timer).
+//!
+//! # Sessions
+//!
+//! The session is the backend's own lease: when it expires, every node of
+//! this sidecar is gone. The server expires it `T` (the negotiated session
+//! timeout) after it last heard from this sidecar, and another sidecar can be
+//! granted right after. So this sidecar stops vouching for its leases before
+//! that: a lifeline sends a request every `T/6`; the server heard from the
+//! session no earlier than the send time `s` of the last answered one, so it
+//! cannot expire the session before `s + T`. At `s + 2T/3` without a newer
+//! answer (cut off, ensemble without quorum, a process pause), the backend
+//! gives the session up: it announces every lease of the session lost on
+//! [`Backend::losses`] (the core ends them and tells hold streams), revokes
+//! their tokens (renew and release answer lost from then on, even while
+//! ZooKeeper is unreachable), drops the session's tickets and opens a new
+//! session for later requests. The old session's nodes are deleted as soon
+//! as it reconnects, or the server deletes them when it expires it. The
+//! margin of `T/3` covers delivering the loss and scheduling delays; the
+//! price is that a pause longer than `2T/3` ends the leases even if the
+//! session would have survived. An expiry the client is told of is handled
+//! the same way.
+
+mod acquire;
+mod admin;
+mod data;
+mod lease;
+mod names;
+mod request;
+mod session;
+mod tree;
+mod watch;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::broadcast;
+use zookeeper_client as zk;
+
+use self::request::must;
+use self::tree::Lister;
+use super::{
+    Attempt, Backend, Busy, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
+    Ticket, Turn, Watch,
+};
+use crate::clock::now_ms;
+use crate::lock::{Claim, LockKey, Token};
+use crate::wakeups::Wakeups;
+
+/// Default session timeout (`?session_timeout=` in the URL overrides it).
+const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The ZooKeeper backend.
+pub struct ZooKeeper {
+    inner: Arc<Inner>,
+}
+
+/// The backend's state, shared with its background tasks (the lifeline,
+/// watch followers, discards of unaccounted nodes).
+struct Inner {
+    hosts: String,
+    chroot: String,
+    root: String,
+    session_timeout: Duration,
+    url: String,
+    wakeups: Wakeups,
+    /// The current session; replaced when it expires.
+    client: tokio::sync::Mutex<Option<zk::Client>>,
+    /// Waiting nodes of this sidecar by (key, sequence): the tickets.
+    tickets: Mutex<HashMap<(LockKey, u64), Queued>>,
+    /// Leases granted through this sidecar: token → node path.
+    leases: Mutex<HashMap<Token, String>>,
+    /// Shared children listings by (session, parent path), while in use. A
+    /// listing is O(queue length): a burst of n waiters joining one lock,
+    /// each listing on its own, would cost O(n²) bytes on the wire and in
+    /// memory, and queue n large responses on the session's one connection
+    /// ahead of the lifeline's pings.
+    listers: Mutex<HashMap<(i64, String), Arc<Lister>>>,
+    /// Whether the parent-create call may use container nodes.
+    containers: std::sync::atomic::AtomicBool,
+    /// The session whose nodes count as this sidecar's; `None` between sessions.
+    /// Locked before `leases`.
+    session: Mutex<Option<zk::SessionId>>,
+    /// Tokens reported lost, with when: they hold nothing even while their
+    /// node may still exist (abandoned session not yet closed or expired).
+    revoked: Mutex<HashMap<Token, Instant>>,
+    /// Where lost leases are announced ([`Backend::losses`]).
+    losses: broadcast::Sender<Token>,
+    /// Lock names whose exclusive claims are `__WRIT__` nodes (`?rw_locks=`).
+    rw_locks: Vec<String>,
+    /// Cancelled by [`Backend::close`]: stops the session's lifeline, which
+    /// holds a handle of the client.
+    closing: tokio_util::sync::CancellationToken,
+}
+
+/// A waiting node of this sidecar.
+struct Queued {
+    /// The node's name under its lock's parent.
+    name: String,
+    /// Whether a task watches what blocks it ([`Inner::follow`]).
+    following: bool,
+}
+
+impl ZooKeeper {
+    /// Parses `zk://h1:port,h2:port/chroot[?session_timeout=10s&rw_locks=a,b*]`; connects lazily.
+    ///
+    /// # Errors
+    /// A sentence for the operator when the URL is malformed.
+    pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
+        let rest = url.strip_prefix("zk://").ok_or_else(|| {
+            format!(
+                "ZooKeeper URL {:?} must start with zk://",
+                super::redact(url)
+            )
+        })?;
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (hosts, chroot) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
+            None => (rest, String::new()),
+        };
+        if hosts.is_empty() {
+            return Err(format!(
+                "ZooKeeper URL {:?} names no server; use zk://host:2181[,host:2181…][/chroot]",
+                super::redact(url)
+            ));
+        }
+        let mut session_timeout = SESSION_TIMEOUT;
+        let mut rw_locks = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("session_timeout", v)) => {
+                    session_timeout = crate::duration::parse_duration(v)
+                        .map_err(|e| format!("ZooKeeper URL: session_timeout: {e}"))?;
+                }
+                Some(("rw_locks", v)) => {
+                    rw_locks.extend(v.split(',').filter(|p| !p.is_empty()).map(str::to_owned));
+                }
+                _ => {
+                    return Err(format!(
+                        "ZooKeeper URL: unknown parameter {:?}; only session_timeout and rw_locks are accepted",
+                        pair.split('=').next().unwrap_or_default()
+                    ));
+                }
+            }
+        }
+        let root = options.zk_lock_root.trim_end_matches('/').to_owned();
+        if !root.starts_with('/') || root.len() < 2 {
+            return Err(format!(
+                "--zk-lock-root {:?} must be an absolute ZooKeeper path such as /sidelock",
+                options.zk_lock_root
+            ));
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                hosts: hosts.to_owned(),
+                chroot,
+                root,
+                session_timeout,
+                url: super::redact(url),
+                wakeups,
+                client: tokio::sync::Mutex::new(None),
+                tickets: Mutex::new(HashMap::new()),
+                leases: Mutex::new(HashMap::new()),
+                listers: Mutex::new(HashMap::new()),
+                containers: std::sync::atomic::AtomicBool::new(true),
+                session: Mutex::new(None),
+                revoked: Mutex::new(HashMap::new()),
+                losses: broadcast::channel(4096).0,
+                rw_locks,
+                closing: tokio_util::sync::CancellationToken::new(),
+            }),
+        })
+    }
+}
+
+/// Locks `m`, also after a panic poisoned it.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[async_trait]
+impl Backend for ZooKeeper {
+    fn describe(&self) -> Description {
+        Description {
+            kind: "zookeeper",
+            url: self.inner.url.clone(),
+            safety: Safety::Correctness,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        let zk = self.inner.client().await?;
+        must("ping", zk.check_stat(&self.inner.root)).await?;
+        Ok(())
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let result = self.attempt(claim, turn).await;
+        // A waiter keeps its place through a connection loss (e.g. a leader
+        // election) as long as its session, and so its node, lives: retry soon.
+        if let (Err(Error::Unavailable { .. }), Turn::Queued(t)) = (&result, turn)
+            && lock(&self.inner.tickets).contains_key(&(t.key.clone(), t.seq))
+        {
+            return Ok(Attempt::Busy(Busy {
+                retry_at_ms: Some(now_ms() + 500),
+                ..Busy::default()
+            }));
+        }
+        result
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        self.dequeue_node(ticket).await
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        self.inner.renew(key, token, ttl).await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        self.inner.release(key, token).await
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        self.inner.status(key, token).await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        self.inner.inspect(key).await
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        self.inner.list(prefix, after, limit).await
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        self.inner.stale(stale_after).await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        self.inner.force_release(key).await
+    }
+
+    async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
+        // Every waiting node watches its blocker from the attempt that left it
+        // waiting (before that attempt answered), so delivery is already in place.
+        Ok(Box::new(()))
+    }
+
+    fn losses(&self) -> Option<broadcast::Receiver<Token>> {
+        Some(self.inner.losses.subscribe())
+    }
+
+    async fn close(&self) {
+        self.inner.closing.cancel();
+        // Dropping the last handle closes the session, which deletes its
+        // ephemeral nodes at once (watchers hold handles only while waiting).
+        drop(self.inner.client.lock().await.take());
+    }
+}

@@ -1,0 +1,146 @@
+//! Node names: where a lock's node lives, what a claim node is called, and
+//! how a child's name gives its place and mode in the queue.
+
+use rand::RngExt;
+
+use super::Inner;
+use crate::lock::{LockKey, Mode, Name};
+
+/// Curator's node infix of an exclusive lock (`InterProcessMutex`).
+pub(super) const EXCLUSIVE: &str = "lock-";
+/// Curator's node infix of a read lock (`InterProcessReadWriteLock`).
+pub(super) const READ: &str = "__READ__";
+/// Curator's node infix of a write lock (`InterProcessReadWriteLock`).
+pub(super) const WRITE: &str = "__WRIT__";
+/// The persistent child of a lock node that carries its lock-delay. It keeps
+/// the container parent from being reaped while the delay runs. No claim
+/// name: no sequence suffix, and neither `lock-` nor Curator's infixes, so
+/// Curator sorts it after every claim.
+pub(super) const DELAY_NODE: &str = "_sidelock_delay";
+/// One child of a lock node.
+#[derive(Debug, Clone)]
+pub(super) struct Child {
+    /// The node's name under its lock's parent.
+    pub(super) name: String,
+    /// The sequence suffix the server appended: the place in the queue.
+    pub(super) seq: u64,
+    /// Shared for a `__READ__` node, else exclusive.
+    pub(super) mode: Mode,
+}
+/// The claim named `name`, or `None` for other nodes (see [`child_from`]).
+pub(super) fn parse_child(name: &str) -> Option<Child> {
+    child_from(name.to_owned())
+}
+
+/// The claim named `name` (its sequence and mode), or `None` for other nodes.
+fn child_from(name: String) -> Option<Child> {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    if digits < 10 {
+        return None;
+    }
+    let seq = name[name.len() - digits..].parse().ok()?;
+    let mode = if name.contains(READ) {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    };
+    Some(Child { name, seq, mode })
+}
+
+/// The claims among `names`, sorted by sequence: the queue.
+pub(super) fn sorted(names: Vec<String>) -> Vec<Child> {
+    let mut children: Vec<Child> = names.into_iter().filter_map(child_from).collect();
+    children.sort_by_key(|c| c.seq);
+    children
+}
+/// The path segment of `name` under its kind's directory.
+fn encode_name(name: &Name) -> String {
+    // `.` and `..` are not valid ZooKeeper path segments; `%` is not a valid lock name character.
+    match name.as_str() {
+        "." => "%2e".into(),
+        ".." => "%2e%2e".into(),
+        other => other.into(),
+    }
+}
+
+/// The name a path segment under a kind's directory stands for ([`encode_name`] reversed).
+pub(super) fn decode_name(segment: &str) -> Option<Name> {
+    let s = match segment {
+        "%2e" => ".",
+        "%2e%2e" => "..",
+        other => other,
+    };
+    Name::parse(s).ok()
+}
+
+/// Whether `name` matches one of the `?rw_locks=` patterns (exact, or a prefix ending in `*`).
+pub(super) fn matches_any(patterns: &[String], name: &str) -> bool {
+    patterns.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == p,
+    })
+}
+
+/// A new claim node's name without its sequence, as Curator names it:
+/// `_c_<uuid>-<infix>`.
+pub(super) fn node_prefix(infix: &str) -> String {
+    let b: [u8; 16] = rand::rng().random();
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    let uuid = format!(
+        "{}-{}-4{}-a{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    );
+    format!("_c_{uuid}-{infix}")
+}
+impl Inner {
+    /// The path of `key`'s parent node.
+    pub(super) fn key_path(&self, key: &LockKey) -> String {
+        format!(
+            "{}/{}/{}",
+            self.root,
+            key.kind.plural(),
+            encode_name(&key.name)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DELAY_NODE, Mode, matches_any, parse_child, sorted};
+
+    #[test]
+    fn rw_lock_patterns_match_names_and_prefixes() {
+        let patterns = vec!["orders".to_owned(), "billing-*".to_owned()];
+        assert!(matches_any(&patterns, "orders"));
+        assert!(!matches_any(&patterns, "orders-2"));
+        assert!(matches_any(&patterns, "billing-eu"));
+        assert!(matches_any(&patterns, "billing-"));
+        assert!(!matches_any(&patterns, "billing"));
+        assert!(!matches_any(&[], "orders"));
+    }
+
+    #[test]
+    fn curator_names_parse_to_modes_and_the_delay_node_is_no_claim() {
+        let write = parse_child("_c_0a-__WRIT__0000000007").expect("a claim");
+        assert_eq!((write.seq, write.mode), (7, Mode::Exclusive));
+        let read = parse_child("_c_0a-__READ__0000000005").expect("a claim");
+        assert_eq!((read.seq, read.mode), (5, Mode::Shared));
+        let mutex = parse_child("_c_0a-lock-0000000006").expect("a claim");
+        assert_eq!(mutex.mode, Mode::Exclusive);
+        assert!(parse_child(DELAY_NODE).is_none());
+        let order: Vec<u64> = sorted(vec![
+            "_c_0a-__WRIT__0000000007".into(),
+            DELAY_NODE.into(),
+            "_c_0b-lock-0000000006".into(),
+            "_c_0c-__READ__0000000005".into(),
+        ])
+        .iter()
+        .map(|c| c.seq)
+        .collect();
+        assert_eq!(order, [5, 6, 7]);
+    }
+}
