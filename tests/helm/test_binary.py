@@ -31,7 +31,7 @@ import helm_python as helm
 import pytest
 
 from conftest import CHART_DIR, REPO, find_container, manifests, one, pod_spec, render_chart
-from test_chart import METRICS_IN_ALERTS, load_yaml
+from test_chart import EXAMPLE_ON, METRICS_IN_ALERTS, deep_merge, load_yaml
 
 POD = "demo-sidelock-example-7d9f-abcde"
 
@@ -130,7 +130,7 @@ class Sidecar:
 
 @pytest.fixture
 def sidecar(chart: helm.Chart, tmp_path: Path, request: pytest.FixtureRequest):
-    values = getattr(request, "param", {})
+    values = deep_merge(EXAMPLE_ON, getattr(request, "param", {}))
     s = Sidecar(render_chart(chart, values), tmp_path)
     yield s
     if s.proc.poll() is None:

@@ -35,6 +35,9 @@ from conftest import (
 )
 
 FULLNAME = f"{RELEASE}-sidelock"
+# The example Deployment carries the injected sidecar in the rendering tests;
+# it is off by default, so they turn it on.
+EXAMPLE_ON: dict[str, Any] = {"example": {"enabled": True}}
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
 
 # The config keys sidelock reads from sidelock.toml (its flag names in snake_case).
@@ -368,7 +371,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS), ids=str)
 def scenario(request: pytest.FixtureRequest, chart: helm.Chart, chart_values: dict[str, Any]):
-    overrides = SCENARIOS[request.param]
+    overrides = deep_merge(EXAMPLE_ON, SCENARIOS[request.param])
     values = deep_merge(chart_values, overrides)
     rendered = render_chart(chart, overrides, api_versions=["monitoring.coreos.com/v1"])
     return request.param, values, rendered, manifests(rendered)
@@ -495,13 +498,14 @@ def test_all_alerts_disabled_still_renders_a_valid_rule(chart: helm.Chart) -> No
     assert rule["spec"]["groups"][0]["rules"] == []
 
 
-def test_example_disabled_renders_only_shared_resources(chart: helm.Chart) -> None:
-    objects = manifests(render_chart(chart, {"example": {"enabled": False}}))
-    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Secret", "Service"]
+def test_example_is_off_by_default_and_renders_only_shared_resources(chart: helm.Chart) -> None:
+    for values in ({}, {"example": {"enabled": False}}):
+        objects = manifests(render_chart(chart, values))
+        assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Secret", "Service"], values
 
 
 def test_notes_have_curl_commands(chart: helm.Chart) -> None:
-    notes = render_chart(chart)["sidelock/templates/NOTES.txt"]
+    notes = render_chart(chart, EXAMPLE_ON)["sidelock/templates/NOTES.txt"]
     for needle in ("curl -s http://127.0.0.1:7070/healthz", "/readyz", "/metrics",
                    "Authorization: Bearer $SIDELOCK_API_TOKEN", "/v1/locks/demo", "curl -N",
                    f"kubectl get secret --namespace {NAMESPACE} {FULLNAME}",
