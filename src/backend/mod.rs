@@ -9,6 +9,7 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 pub mod redlock;
+pub mod url;
 pub mod zookeeper;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use utoipa::ToSchema;
 
 use crate::lock::{Claim, Held, LockKey, Token};
 use crate::wakeups::Wakeups;
+pub use url::redact;
 
 /// Errors a backend reports.
 #[derive(Debug, thiserror::Error)]
@@ -513,80 +515,6 @@ pub trait Backend: Send + Sync + 'static {
 /// Keeps a backend's wake-up delivery for one waiter alive; dropping it unwatches.
 pub type Watch = Box<dyn Send + Sync>;
 
-/// Substrings of a query parameter's name (decoded, lower-cased, letters
-/// and digits only) that mark its value as a credential.
-const CREDENTIAL_WORDS: &[&str] = &[
-    "pass",
-    "pwd",
-    "secret",
-    "token",
-    "auth",
-    "credential",
-    "key",
-];
-
-/// A backend URL as it may be shown (`/v1/info`, logs, errors, the
-/// dashboard): the one function every URL goes through before it is shown.
-///
-/// Removes the password of the user info (everything up to the last `@`
-/// before the query, so a raw `/` or `@` in a password is covered too) and
-/// every query parameter whose name, once percent-decoded (repeatedly, so
-/// `pass%77ord` and `pass%2577ord` count), looks like a credential (see
-/// [`CREDENTIAL_WORDS`]). Works on the text, so multi-host URLs
-/// (`redlock://u:pw@a:1,b:2`) and strings that are no URL at all are
-/// covered too.
-pub fn redact(url: &str) -> String {
-    let (base, query) = url
-        .split_once('?')
-        .map_or((url, None), |(b, q)| (b, Some(q)));
-    let (scheme, rest) = base.split_once("://").map_or(("", base), |(s, r)| (s, r));
-    let rest = match rest.rsplit_once('@') {
-        Some((userinfo, hosts)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            let at = if user.is_empty() { "" } else { "@" };
-            format!("{user}{at}{hosts}")
-        }
-        None => rest.to_owned(),
-    };
-    let base = if base.contains("://") {
-        format!("{scheme}://{rest}")
-    } else {
-        rest
-    };
-    let kept: Vec<&str> = query
-        .into_iter()
-        .flat_map(|q| q.split('&'))
-        .filter(|pair| !pair.is_empty() && !is_credential(pair.split('=').next().unwrap_or("")))
-        .collect();
-    if kept.is_empty() {
-        base
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
-/// Whether a query parameter named `name` (as written) carries a credential.
-fn is_credential(name: &str) -> bool {
-    let mut name = name.to_owned();
-    // Decoding until nothing changes: a parameter encoded twice is still
-    // a credential to whoever decodes it twice.
-    for _ in 0..4 {
-        let decoded: String = url::form_urlencoded::parse(format!("{name}=").as_bytes())
-            .next()
-            .map_or_else(String::new, |(k, _)| k.into_owned());
-        if decoded == name {
-            break;
-        }
-        name = decoded;
-    }
-    let plain: String = name
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .collect::<String>()
-        .to_ascii_lowercase();
-    CREDENTIAL_WORDS.iter().any(|w| plain.contains(w))
-}
-
 /// Backend settings from the configuration.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -643,8 +571,7 @@ pub async fn open(
     options: &Options,
     wakeups: Wakeups,
 ) -> Result<Arc<dyn Backend>, String> {
-    let scheme = url.split_once("://").map_or(url, |(s, _)| s);
-    match scheme {
+    match url::scheme(url) {
         "memory" => Ok(Arc::new(memory::Memory::new(wakeups))),
         "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
         | "rediss+cluster" => Ok(Arc::new(redis::Redis::open(url, options, wakeups)?)),
@@ -655,7 +582,7 @@ pub async fn open(
         "zk" => Ok(Arc::new(zookeeper::ZooKeeper::open(url, options, wakeups)?)),
         _ => {
             let shown = redact(url);
-            let other = shown.split_once("://").map_or(shown.as_str(), |(s, _)| s);
+            let other = url::scheme(&shown);
             Err(format!(
                 "backend URL scheme {other:?} is not supported; use memory://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, postgres:// or zk://"
             ))
@@ -665,7 +592,7 @@ pub async fn open(
 
 #[cfg(test)]
 mod tests {
-    use super::{Safety, redact};
+    use super::Safety;
 
     #[test]
     fn the_safety_class_is_written_as_the_api_writes_it() {
@@ -678,70 +605,6 @@ mod tests {
                 serde_json::to_value(safety).unwrap(),
                 serde_json::json!(safety.to_string())
             );
-        }
-    }
-
-    #[test]
-    fn passwords_are_removed_from_urls() {
-        assert_eq!(
-            redact("postgres://app:secret@db:5432/locks"),
-            "postgres://app@db:5432/locks"
-        );
-        assert_eq!(
-            redact("postgresql://db/locks?user=app&password=secret&sslmode=disable"),
-            "postgresql://db/locks?user=app&sslmode=disable"
-        );
-        assert_eq!(
-            redact("postgres://postgres@127.0.0.1:5432/postgres"),
-            "postgres://postgres@127.0.0.1:5432/postgres"
-        );
-        assert_eq!(
-            redact("redis://:hunter2@127.0.0.1:6379/0"),
-            "redis://127.0.0.1:6379/0"
-        );
-        assert_eq!(
-            redact("redlock://u:hunter2@a:1,b:2/3"),
-            "redlock://u@a:1,b:2/3"
-        );
-        assert_eq!(
-            redact("zk://a:2181,b:2181/chroot"),
-            "zk://a:2181,b:2181/chroot"
-        );
-    }
-
-    #[test]
-    fn credentials_are_removed_in_every_spelling() {
-        for (url, shown) in [
-            ("postgres://db/x?pass%77ord=pw", "postgres://db/x"),
-            (
-                "postgres://db/x?PASSWORD=pw&sslmode=require",
-                "postgres://db/x?sslmode=require",
-            ),
-            (
-                "postgres://db/x?%70%61%73%73%77%6f%72%64=pw",
-                "postgres://db/x",
-            ),
-            ("postgres://db/x?pass%2577ord=pw", "postgres://db/x"),
-            ("postgres://db/x?pass+word=pw", "postgres://db/x"),
-            (
-                "postgres://db/x?sslpassword=pw&user=app",
-                "postgres://db/x?user=app",
-            ),
-            (
-                "redis://h:1/0?auth_token=pw&protocol=resp3",
-                "redis://h:1/0?protocol=resp3",
-            ),
-            ("redis://h:1/0?api%5Fkey=pw&secret=pw", "redis://h:1/0"),
-            ("redis://:pa/ss@h:1/0", "redis://h:1/0"),
-            ("redis://u:p@ss@h:1/0", "redis://u@h:1/0"),
-            ("redlock://:pw@a:1,b:2", "redlock://a:1,b:2"),
-            ("admin:pw@h:1", "admin@h:1"),
-            (
-                "zk://a:2181/x?session_timeout=5s&pwd=pw",
-                "zk://a:2181/x?session_timeout=5s",
-            ),
-        ] {
-            assert_eq!(redact(url), shown, "{url}");
         }
     }
 }

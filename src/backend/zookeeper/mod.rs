@@ -110,6 +110,7 @@ use zookeeper_client as zk;
 
 use self::request::must;
 use self::tree::Lister;
+use super::url::Parts;
 use super::{
     Attempt, Backend, Busy, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
     Ticket, Turn, Watch,
@@ -178,38 +179,46 @@ impl ZooKeeper {
     /// # Errors
     /// A sentence for the operator when the URL is malformed.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let rest = url.strip_prefix("zk://").ok_or_else(|| {
-            format!(
-                "ZooKeeper URL {:?} must start with zk://",
-                super::redact(url)
-            )
-        })?;
-        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (hosts, chroot) = match rest.find('/') {
-            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
-            None => (rest, String::new()),
-        };
-        if hosts.is_empty() {
+        let parts = Parts::parse(url)
+            .ok()
+            .filter(|p| p.scheme == "zk")
+            .ok_or_else(|| {
+                format!(
+                    "ZooKeeper URL {:?} names no server; use zk://host:2181[,host:2181…][/chroot]",
+                    super::redact(url)
+                )
+            })?;
+        if parts.userinfo.is_some() {
             return Err(format!(
-                "ZooKeeper URL {:?} names no server; use zk://host:2181[,host:2181…][/chroot]",
+                "ZooKeeper URL {:?} has user info; ZooKeeper URLs carry none: zk://host:2181[,host:2181…][/chroot]",
                 super::redact(url)
             ));
         }
+        let hosts = parts.hosts.join(",");
+        let chroot = if parts.path.is_empty() {
+            String::new()
+        } else {
+            format!("/{}", parts.path).trim_end_matches('/').to_owned()
+        };
         let mut session_timeout = SESSION_TIMEOUT;
         let mut rw_locks = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            match pair.split_once('=') {
-                Some(("session_timeout", v)) => {
-                    session_timeout = crate::duration::parse_duration(v)
+        for (name, value) in parts.query_pairs() {
+            match name {
+                "session_timeout" => {
+                    session_timeout = crate::duration::parse_duration(value)
                         .map_err(|e| format!("ZooKeeper URL: session_timeout: {e}"))?;
                 }
-                Some(("rw_locks", v)) => {
-                    rw_locks.extend(v.split(',').filter(|p| !p.is_empty()).map(str::to_owned));
+                "rw_locks" => {
+                    rw_locks.extend(
+                        value
+                            .split(',')
+                            .filter(|p| !p.is_empty())
+                            .map(str::to_owned),
+                    );
                 }
                 _ => {
                     return Err(format!(
-                        "ZooKeeper URL: unknown parameter {:?}; only session_timeout and rw_locks are accepted",
-                        pair.split('=').next().unwrap_or_default()
+                        "ZooKeeper URL: unknown parameter {name:?}; only session_timeout and rw_locks are accepted"
                     ));
                 }
             }
@@ -223,7 +232,7 @@ impl ZooKeeper {
         }
         Ok(Self {
             inner: Arc::new(Inner {
-                hosts: hosts.to_owned(),
+                hosts,
                 chroot,
                 root,
                 session_timeout,
