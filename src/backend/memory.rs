@@ -205,7 +205,7 @@ impl Memory {
 impl Backend for Memory {
     fn describe(&self) -> Description {
         Description {
-            kind: "memory",
+            kind: super::BackendKind::Memory,
             url: "memory://".into(),
             safety: Safety::SingleProcess,
         }
@@ -444,7 +444,7 @@ impl Backend for Memory {
                     .filter(move |l| l.expires_at_ms > now && now - l.since_ms > ms(stale_after))
                     .map(move |l| StaleKey {
                         key: key.to_string(),
-                        reason: "held-too-long",
+                        reason: super::StaleReason::HeldTooLong,
                         age_ms: now - l.since_ms,
                         detail: format!(
                             "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",

@@ -249,11 +249,40 @@ impl std::fmt::Display for Safety {
     }
 }
 
+/// Which backend a URL opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Memory,
+    Redis,
+    Redlock,
+    ZooKeeper,
+    Postgres,
+}
+
+impl BackendKind {
+    /// The word the API, the metrics and the logs use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Redis => "redis",
+            Self::Redlock => "redlock",
+            Self::ZooKeeper => "zookeeper",
+            Self::Postgres => "postgres",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Static facts about a backend.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Description {
-    /// `memory`, `redis`, `redlock`, `zookeeper` or `postgres`.
-    pub kind: &'static str,
+    pub kind: BackendKind,
     /// The URL with any password removed.
     pub url: String,
     pub safety: Safety,
@@ -359,11 +388,56 @@ pub struct Summary {
 pub struct StaleKey {
     /// The backend's own key or path.
     pub key: String,
-    /// `held-too-long`, `no-expiry`, `expired-not-cleaned`, `orphaned-waiter`,
-    /// `empty-parent`, `wrong-type` (a key holding data sidelock did not write there).
-    pub reason: &'static str,
+    pub reason: StaleReason,
     pub age_ms: u64,
     pub detail: String,
+}
+
+/// Why `/v1/stale` lists a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum StaleReason {
+    /// A lease older than `--stale-after`.
+    HeldTooLong,
+    /// A key with no expiry: a hand-written lock (`--legacy-pattern`,
+    /// `--legacy-table`) or one whose TTL was removed.
+    NoExpiry,
+    /// A lease past its expiry that the backend has not removed yet.
+    ExpiredNotCleaned,
+    /// A waiter whose sidecar stopped sending heartbeats.
+    OrphanedWaiter,
+    /// A ZooKeeper lock node with no children left.
+    EmptyParent,
+    /// A key holding data sidelock did not write there.
+    WrongType,
+}
+
+impl StaleReason {
+    /// The word the API and the dashboard use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HeldTooLong => "held-too-long",
+            Self::NoExpiry => "no-expiry",
+            Self::ExpiredNotCleaned => "expired-not-cleaned",
+            Self::OrphanedWaiter => "orphaned-waiter",
+            Self::EmptyParent => "empty-parent",
+            Self::WrongType => "wrong-type",
+        }
+    }
+
+    /// The reason `word` names (as a backend's script or query writes it).
+    pub fn parse(word: &str) -> Option<Self> {
+        [
+            Self::HeldTooLong,
+            Self::NoExpiry,
+            Self::ExpiredNotCleaned,
+            Self::OrphanedWaiter,
+            Self::EmptyParent,
+            Self::WrongType,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == word)
+    }
 }
 
 /// Why a lease ended without its holder releasing it.

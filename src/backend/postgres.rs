@@ -1039,7 +1039,7 @@ impl Inner {
                 };
                 StaleKey {
                     key: format!("{table}/{name}"),
-                    reason: "no-expiry",
+                    reason: super::StaleReason::NoExpiry,
                     age_ms: age.map_or(0, |a| a.max(0) as u64),
                     detail: format!(
                         "row {name:?} of the hand-written lock table {table} has no expiry: \
@@ -1187,7 +1187,7 @@ impl Drop for Postgres {
 impl Backend for Postgres {
     fn describe(&self) -> Description {
         Description {
-            kind: "postgres",
+            kind: super::BackendKind::Postgres,
             url: self.inner.url.clone(),
             safety: Safety::Correctness,
         }
@@ -1438,7 +1438,7 @@ impl Backend for Postgres {
                 let age = humantime::format_duration(Duration::from_millis(age_ms));
                 let (reason, detail) = match reason {
                     "held-too-long" => (
-                        "held-too-long",
+                        super::StaleReason::HeldTooLong,
                         format!(
                             "held by owner {owner:?} on sidecar {sidecar:?} with fence {} for longer than {} (row in {})",
                             fence.unwrap_or(0),
@@ -1447,7 +1447,7 @@ impl Backend for Postgres {
                         ),
                     ),
                     "expired-not-cleaned" => (
-                        "expired-not-cleaned",
+                        super::StaleReason::ExpiredNotCleaned,
                         format!(
                             "the lease of owner {owner:?} (sidecar {sidecar:?}, fence {}) expired {age} ago and its row is still in {}; it counts as free",
                             fence.unwrap_or(0),
@@ -1455,7 +1455,7 @@ impl Backend for Postgres {
                         ),
                     ),
                     "orphaned-waiter" => (
-                        "orphaned-waiter",
+                        super::StaleReason::OrphanedWaiter,
                         format!(
                             "waiter of owner {owner:?} queued through sidecar {sidecar:?}, which has sent no heartbeat for {age} (row in {}); it leaves the queue after {}",
                             table("waiters"),

@@ -874,7 +874,7 @@ impl Node {
                             format!("lock key {k:?} has no expiry: whoever set it never set PX, so it will never be freed")
                         },
                         key: k,
-                        reason: "no-expiry",
+                        reason: super::StaleReason::NoExpiry,
                         age_ms: 0,
                     });
                 }
@@ -1092,14 +1092,9 @@ fn waiters(json: &str, kind: Kind, clock: &Clock) -> Vec<Waiter> {
         .collect()
 }
 
-fn reason_of(s: &str) -> &'static str {
-    match s {
-        "held-too-long" => "held-too-long",
-        "expired-not-cleaned" => "expired-not-cleaned",
-        "orphaned-waiter" => "orphaned-waiter",
-        "wrong-type" => "wrong-type",
-        _ => "no-expiry",
-    }
+/// The reason a stale-key script wrote (`no-expiry` for any word it does not know).
+fn reason_of(s: &str) -> super::StaleReason {
+    super::StaleReason::parse(s).unwrap_or(super::StaleReason::NoExpiry)
 }
 
 fn glob_escape(s: &str) -> String {
@@ -1507,7 +1502,7 @@ impl Redis {
 impl Backend for Redis {
     fn describe(&self) -> Description {
         Description {
-            kind: "redis",
+            kind: super::BackendKind::Redis,
             url: self.node().url.clone(),
             safety: Safety::Efficiency,
         }

@@ -240,7 +240,7 @@ impl Redlock {
 impl Backend for Redlock {
     fn describe(&self) -> Description {
         Description {
-            kind: "redlock",
+            kind: super::BackendKind::Redlock,
             url: self.url.clone(),
             safety: Safety::Efficiency,
         }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::Gauge;
 
-use crate::backend::{Cause, Description};
+use crate::backend::{BackendKind, Cause, Description};
 use crate::clock::now_ms;
 
 /// How often an outage that goes on is logged again.
@@ -32,7 +32,7 @@ pub enum Seen {
 
 /// The tracker; see the module doc.
 pub struct Health {
-    kind: &'static str,
+    kind: BackendKind,
     /// The redacted URL.
     url: String,
     gauge: Gauge,

@@ -550,7 +550,7 @@ mod tests {
         )];
         let stale = vec![StaleKey {
             key: format!("locks/{HOSTILE}"),
-            reason: "held-too-long",
+            reason: crate::backend::StaleReason::HeldTooLong,
             age_ms: 7_200_000,
             detail: format!("held by owner {HOSTILE:?}"),
         }];

@@ -363,7 +363,7 @@ pub async fn gather(app: &Arc<App>, dashboard: &super::Dashboard, q: &PageQuery)
     let identity = Identity {
         sidecar: core.sidecar.clone(),
         backend_url: description.url,
-        backend_kind: description.kind,
+        backend_kind: description.kind.as_str(),
         safety: description.safety,
         started_at_ms: app.started_at_ms,
         held_here: core.held(),
@@ -580,7 +580,7 @@ pub fn build(
                     since_ms: now.saturating_sub(s.age_ms),
                     age: fmt_duration_ms(s.age_ms),
                     key: s.key,
-                    reason: s.reason.to_owned(),
+                    reason: s.reason.as_str().to_owned(),
                     detail: s.detail,
                 })
                 .collect(),

@@ -10,7 +10,7 @@ use super::data::NodeData;
 use super::names::{DELAY_NODE, decode_name};
 use super::request::{call, unavailable};
 use super::{Inner, lock};
-use crate::backend::{Error, Holder, StaleKey, State, Summary, Waiter};
+use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
 use crate::clock::{ms, now_ms};
 use crate::lock::{Held, Kind, LockKey, Token};
 
@@ -165,7 +165,7 @@ impl Inner {
                         );
                     out.push(StaleKey {
                         key: parent.clone(),
-                        reason: "empty-parent",
+                        reason: StaleReason::EmptyParent,
                         age_ms: age,
                         detail: if cleaned {
                             "lock node without claims; removed".into()
@@ -186,7 +186,7 @@ impl Inner {
                     if stat.ephemeral_owner == 0 {
                         out.push(StaleKey {
                             key: path,
-                            reason: "no-expiry",
+                            reason: StaleReason::NoExpiry,
                             age_ms: age,
                             detail: format!(
                                 "non-ephemeral node under {shown}: it outlives every session and blocks the lock until deleted"
@@ -203,7 +203,7 @@ impl Inner {
                     if d.expires_at_ms <= now {
                         out.push(StaleKey {
                             key: path,
-                            reason: "expired-not-cleaned",
+                            reason: StaleReason::ExpiredNotCleaned,
                             age_ms: now - d.since_ms.min(now),
                             detail: format!(
                                 "lease of owner {:?} on sidecar {:?} expired {} ms ago",
@@ -215,7 +215,7 @@ impl Inner {
                     } else if now.saturating_sub(d.since_ms) > ms(stale_after) {
                         out.push(StaleKey {
                             key: shown.clone(),
-                            reason: "held-too-long",
+                            reason: StaleReason::HeldTooLong,
                             age_ms: now - d.since_ms,
                             detail: format!(
                                 "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",

@@ -262,7 +262,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Backend for ZooKeeper {
     fn describe(&self) -> Description {
         Description {
-            kind: "zookeeper",
+            kind: super::BackendKind::ZooKeeper,
             url: self.inner.url.clone(),
             safety: Safety::Correctness,
         }
