@@ -57,7 +57,8 @@ use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
 use super::redact;
-use super::redis::{Member, Node, Numbering, Step, Watchers, split_hosts, watch};
+use super::redis::{Member, Node, Numbering, Step, Watchers, watch};
+use super::url::Parts;
 use super::{
     Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Options, Outage, Safety,
     StaleKey, State, Status, Summary, Ticket, Turn, Watch,
@@ -131,7 +132,13 @@ impl Redlock {
     /// # Errors
     /// A sentence naming what is wrong with the URL.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let (scheme, hosts, path) = split_hosts(url)?;
+        let parts = Parts::parse(url)?;
+        let (scheme, hosts, path) = (parts.scheme, parts.hosts_with_userinfo(), parts.path);
+        let query = if parts.query.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", parts.query)
+        };
         let base = if scheme == "redlocks" {
             "rediss"
         } else {
@@ -142,7 +149,10 @@ impl Redlock {
         let members = hosts
             .iter()
             .map(|h| {
-                let node = Node::open(&format!("{base}://{h}/{path}"), &options.redis_prefix)?;
+                let node = Node::open(
+                    &format!("{base}://{h}/{path}{query}"),
+                    &options.redis_prefix,
+                )?;
                 Ok(Member::start(
                     node,
                     &options.sidecar,

@@ -28,7 +28,7 @@ impl<'a> Parts<'a> {
     pub fn parse(url: &'a str) -> Result<Self, String> {
         let (scheme, rest) = url
             .split_once("://")
-            .ok_or_else(|| format!("backend URL {:?}: missing ://", redact(url)))?;
+            .ok_or_else(|| bad_url(url, "missing ://"))?;
         let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         let (userinfo, rest) = match rest.rsplit_once('@') {
             Some((u, r)) => (Some(u), r),
@@ -37,7 +37,7 @@ impl<'a> Parts<'a> {
         let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
         let hosts: Vec<&str> = hosts.split(',').filter(|h| !h.is_empty()).collect();
         if hosts.is_empty() {
-            return Err(format!("backend URL {:?}: no host given", redact(url)));
+            return Err(bad_url(url, "no host given"));
         }
         Ok(Self {
             scheme,
@@ -62,6 +62,11 @@ impl<'a> Parts<'a> {
             .filter(|p| !p.is_empty())
             .map(|p| p.split_once('=').unwrap_or((p, "")))
     }
+}
+
+/// The operator's sentence for what is wrong with `url` (shown redacted).
+pub fn bad_url(url: &str, e: impl std::fmt::Display) -> String {
+    format!("backend URL {:?}: {e}", redact(url))
 }
 
 /// The scheme of `url` (before `://`), or the whole text when it has none.

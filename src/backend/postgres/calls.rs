@@ -1,0 +1,191 @@
+//! Running statements: a pooled connection within a deadline, one
+//! function call per operation, failures as 503s while the schema is not
+//! ready, and database times mapped onto this process's clock.
+
+use std::sync::atomic::Ordering;
+
+use deadpool_postgres::{Object, Pool, PoolError, TimeoutType};
+use serde::Deserialize;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use crate::backend::{Cause, Error, Holder, Outage};
+use crate::clock::{ms, now_ms};
+use crate::lock::{Held, Kind};
+
+use super::errors::{Class, Failure};
+use super::sql::HolderRow;
+use super::{BUSY_POOL_TIMEOUT, Inner, OFFSET_SLACK_MS, OP_TIMEOUT, POOL_TIMEOUT, Tickets};
+
+impl Inner {
+    /// A database time as this process's Unix milliseconds. The offset is
+    /// measured so that converted times are never later than the moment the
+    /// database reads its clock, as seen here.
+    pub(super) fn local(&self, db_ms: i64) -> u64 {
+        let offset = self.offset_ms.load(Ordering::Relaxed);
+        u64::try_from(db_ms.saturating_add(offset)).unwrap_or(0)
+    }
+
+    /// Takes a re-measured clock offset when it differs by more than
+    /// [`OFFSET_SLACK_MS`] (the database's clock moved, or another server took
+    /// over); smaller differences are measurement noise, and keeping the
+    /// offset keeps the times reported for one lease consistent.
+    pub(super) fn adopt_offset(&self, measured: i64) {
+        let current = self.offset_ms.load(Ordering::Relaxed);
+        if (measured - current).abs() > OFFSET_SLACK_MS {
+            tracing::info!(
+                from_ms = current,
+                to_ms = measured,
+                "the database clock moved against ours; adopting the new offset"
+            );
+            self.offset_ms.store(measured, Ordering::Relaxed);
+        }
+    }
+
+    /// A database deadline as a local moment that is never early: the time
+    /// left, counted from now (after the answer arrived), plus 1 ms.
+    pub(super) fn local_deadline(&self, at_db: i64, now_db: i64) -> u64 {
+        now_ms() + u64::try_from(at_db.saturating_sub(now_db)).unwrap_or(0) + 1
+    }
+
+    pub(super) fn holder(&self, kind: Kind, h: HolderRow) -> Holder {
+        Holder {
+            owner: h.owner,
+            sidecar: h.sidecar,
+            mode: Held::of(kind, h.mode),
+            since_ms: self.local(h.since_ms),
+            expires_at_ms: self.local(h.expires_at_ms),
+            fence: h.fence,
+            count: h.count,
+        }
+    }
+
+    pub(super) fn tickets(&self) -> std::sync::MutexGuard<'_, Tickets> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Inner {
+    pub(super) fn not_ready(&self, op: &'static str) -> Option<Error> {
+        (!*self.ready.borrow()).then(|| Error::Unavailable {
+            op,
+            source: Outage::boxed(
+                *self
+                    .setup_failure
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                format!(
+                    "PostgreSQL has not been reachable since start-up, so schema {:?} is not set up yet",
+                    self.schema
+                ),
+            ),
+        })
+    }
+
+    /// Remembers why setting the schema up failed, for [`Inner::not_ready`].
+    pub(super) fn setup_failed(&self, f: &Failure) {
+        *self
+            .setup_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Cause::of(f.source.as_ref());
+    }
+
+    /// Runs one statement on a pooled connection, within [`OP_TIMEOUT`],
+    /// again after a serialization failure or deadlock.
+    pub(super) async fn rows(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error> {
+        if let Some(e) = self.not_ready(op) {
+            return Err(e);
+        }
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            // Lease upkeep has connections of its own.
+            let pool = match op {
+                "renew" | "release" | "status" => &self.upkeep,
+                _ => &self.pool,
+            };
+            let run = async {
+                let client = self.connection(pool).await?;
+                let query = async {
+                    let statement = client.prepare_cached(sql).await?;
+                    Ok::<_, Failure>(client.query(&statement, params).await?)
+                };
+                tokio::time::timeout(OP_TIMEOUT, query)
+                    .await
+                    .unwrap_or_else(|_| Err(Failure::timeout(op)))
+            };
+            match run.await {
+                Ok(rows) => {
+                    self.progress_ms.store(now_ms(), Ordering::Relaxed);
+                    if !*self.listening.borrow() {
+                        self.reconnect.notify_one();
+                    }
+                    return Ok(rows);
+                }
+                Err(f) if f.class == Class::Retry && tries < 3 => continue,
+                Err(f) => return Err(f.into_error(op)),
+            }
+        }
+    }
+
+    /// A pooled connection. Waiting for one fails after [`POOL_TIMEOUT`] in
+    /// an outage, but goes on (up to [`BUSY_POOL_TIMEOUT`]) while statements
+    /// on the pool's other connections keep succeeding.
+    pub(super) async fn connection(&self, pool: &Pool) -> Result<Object, Failure> {
+        let started = tokio::time::Instant::now();
+        // Kept across the checks below, so the request keeps its place in
+        // the pool's FIFO queue.
+        let get = pool.get();
+        tokio::pin!(get);
+        loop {
+            tokio::select! {
+                got = &mut get => return Ok(got?),
+                () = tokio::time::sleep(POOL_TIMEOUT) => {}
+            }
+            let idle_ms = now_ms().saturating_sub(self.progress_ms.load(Ordering::Relaxed));
+            if idle_ms >= ms(POOL_TIMEOUT) || started.elapsed() >= BUSY_POOL_TIMEOUT {
+                return Err(PoolError::Timeout(TimeoutType::Wait).into());
+            }
+        }
+    }
+
+    /// The first column of the one row a function call returns.
+    pub(super) async fn value<T>(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<T, Error>
+    where
+        T: for<'a> tokio_postgres::types::FromSql<'a>,
+    {
+        let rows = self.rows(op, sql, params).await?;
+        let row = rows.first().ok_or_else(|| Error::Unavailable {
+            op,
+            source: "the function returned no row".into(),
+        })?;
+        row.try_get(0).map_err(|e| Failure::from(e).into_error(op))
+    }
+
+    /// A function's JSON answer (`NULL` as `None`).
+    pub(super) async fn json<T: for<'de> Deserialize<'de>>(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<T>, Error> {
+        let text: Option<String> = self.value(op, sql, params).await?;
+        text.map(|t| {
+            serde_json::from_str(&t).map_err(|e| Error::Unavailable {
+                op,
+                source: format!("unexpected answer {t:?}: {e}").into(),
+            })
+        })
+        .transpose()
+    }
+}

@@ -1,0 +1,208 @@
+//! The LISTEN connection: wake-ups from `NOTIFY`, the heartbeat on the same
+//! connection, reconnects with backoff (waking every key with local
+//! waiters), and the clock offset measured on connecting.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use crate::backend::chain;
+use crate::clock::now_ms;
+use crate::lock::LockKey;
+
+use super::errors::Failure;
+use super::sql::{NOW_SQL, ms_i64, quote_ident};
+use super::{
+    GHOST_AFTER, HEARTBEAT_EVERY, Inner, LAPSE_AFTER, MAX_BACKOFF, MIN_BACKOFF, OP_TIMEOUT,
+};
+
+impl Inner {
+    /// Sends one heartbeat on `client` (see `heartbeat` in the SQL).
+    pub(super) async fn heartbeat(
+        &self,
+        client: &tokio_postgres::Client,
+        statement: &tokio_postgres::Statement,
+    ) -> Result<(), tokio_postgres::Error> {
+        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
+            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
+        };
+        let (live, gone) = {
+            let t = self.tickets();
+            (as_i64(&t.live), as_i64(&t.gone))
+        };
+        let params: [&(dyn ToSql + Sync); 6] = [
+            &self.instance,
+            &self.sidecar,
+            &ms_i64(LAPSE_AFTER),
+            &live,
+            &gone,
+            &ms_i64(GHOST_AFTER),
+        ];
+        client.query_one(statement, &params).await?;
+        let mut t = self.tickets();
+        for seq in gone {
+            t.gone.remove(&u64::try_from(seq).unwrap_or(0));
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Background task: sets the schema up if start-up could not, then keeps
+    /// the LISTEN connection (and with it the heartbeat) alive.
+    pub(super) async fn run(self: Arc<Self>) {
+        let mut backoff = MIN_BACKOFF;
+        while !self.stop.is_cancelled() {
+            if !*self.ready.borrow() {
+                match self.setup().await {
+                    Ok(()) => {
+                        tracing::info!(schema = %self.schema, "PostgreSQL is reachable; schema ready")
+                    }
+                    Err(f) => {
+                        // The sidecar's health check warns once per outage.
+                        self.setup_failed(&f);
+                        tracing::debug!(error = %f.describe(), "PostgreSQL is not reachable; retrying");
+                        self.pause(&mut backoff).await;
+                        continue;
+                    }
+                }
+            }
+            match tokio::time::timeout(OP_TIMEOUT, self.connect_listener()).await {
+                Ok(Ok((client, notifications))) => {
+                    backoff = MIN_BACKOFF;
+                    self.listen(client, notifications).await;
+                }
+                Ok(Err(f)) => {
+                    tracing::warn!(error = %f.describe(), "cannot LISTEN on PostgreSQL; retrying");
+                }
+                Err(_) => tracing::warn!("connecting the LISTEN connection timed out; retrying"),
+            }
+            self.pause(&mut backoff).await;
+        }
+    }
+
+    /// Waits before the next connection attempt: `backoff` (doubling up to
+    /// [`MAX_BACKOFF`]), or [`MIN_BACKOFF`] once a pooled call shows the
+    /// database is back.
+    pub(super) async fn pause(&self, backoff: &mut Duration) {
+        let started = tokio::time::Instant::now();
+        tokio::select! {
+            () = tokio::time::sleep(*backoff) => {}
+            () = self.reconnect.notified() => {
+                tokio::time::sleep_until(started + MIN_BACKOFF).await;
+            }
+            () = self.stop.cancelled() => {}
+        }
+        *backoff = (*backoff * 2).min(MAX_BACKOFF);
+    }
+
+    /// Opens the dedicated LISTEN connection; its notifications arrive on the channel,
+    /// which closes when the connection ends.
+    pub(super) async fn connect_listener(
+        &self,
+    ) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<String>), Failure> {
+        let (client, mut connection) = self.listen_config.connect(NoTls).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(AsyncMessage::Notification(n)) => {
+                        if tx.send(n.payload().to_owned()).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %chain(&e), "the LISTEN connection ended");
+                        return;
+                    }
+                }
+            }
+        });
+        client
+            .batch_execute(&format!("LISTEN {}", quote_ident(&self.channel)))
+            .await?;
+        Ok((client, rx))
+    }
+
+    /// Delivers notifications and sends heartbeats until the connection fails.
+    pub(super) async fn listen(
+        &self,
+        client: tokio_postgres::Client,
+        mut notifications: mpsc::UnboundedReceiver<String>,
+    ) {
+        let beat = match client.prepare(&self.sql.heartbeat).await {
+            Ok(statement) => statement,
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "cannot prepare the heartbeat");
+                return;
+            }
+        };
+        match measure_offset(&client).await {
+            Ok(offset) => self.adopt_offset(offset),
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "cannot read the database clock");
+                return;
+            }
+        }
+        self.listening.send_replace(true);
+        tracing::debug!(channel = %self.channel, "listening for wake-ups");
+        // Releases made while this connection was down were not heard: let
+        // every local queue head look again.
+        for key in self.wakeups.keys() {
+            self.wakeups.wake(&key);
+        }
+        let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = self.stop.cancelled() => break,
+                payload = notifications.recv() => match payload {
+                    Some(payload) => match LockKey::parse(&payload) {
+                        Some(key) => self.wakeups.wake(&key),
+                        None => tracing::debug!(payload, "ignoring a foreign notification"),
+                    },
+                    None => {
+                        tracing::warn!("lost the LISTEN connection to PostgreSQL; reconnecting");
+                        break;
+                    }
+                },
+                _ = ticker.tick() => {
+                    match tokio::time::timeout(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %chain(&e), "heartbeat failed; reconnecting");
+                            break;
+                        }
+                        Err(_) => {
+                            tracing::warn!("heartbeat timed out; reconnecting");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.listening.send_replace(false);
+    }
+}
+
+/// Local clock minus database clock, in ms, measured so it errs towards
+/// making database times look early here (never late): the best of three
+/// probes, each taking the local time before the query was sent.
+pub(super) async fn measure_offset(
+    client: &tokio_postgres::Client,
+) -> Result<i64, tokio_postgres::Error> {
+    let mut best = i64::MIN;
+    for _ in 0..3 {
+        let before = i64::try_from(now_ms()).unwrap_or(i64::MAX);
+        let db: i64 = client.query_one(NOW_SQL, &[]).await?.get(0);
+        best = best.max(before - db);
+    }
+    Ok(best - 1)
+}

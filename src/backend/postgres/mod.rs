@@ -1,0 +1,576 @@
+//! `postgres://` and `postgresql://`: the classic database lock, done right.
+//!
+//! Leases, the FIFO queue, fences and the sidecars' heartbeats are rows in
+//! tables of one schema (`--pg-schema`, default `sidelock`), created and
+//! migrated here at start-up under an advisory lock, so sidecars that start
+//! together on an empty database do not race. The SQL is in
+//! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
+//! replaces functions of 0001); the README documents every table and index.
+//!
+//! * Names are data: every row is keyed by (kind, name), kind `lock` or
+//!   `semaphore` (`election` is kept for elections), and names reach SQL only
+//!   as parameters, so no name can reach a table, a function or the channel.
+//! * Every operation is one call of a PL/pgSQL function, i.e. one statement
+//!   and one transaction. Acquire takes the key's row lock, frees expired
+//!   leases (an expired row counts as free), and grants with `expires_at`
+//!   and the next fence from the key's counter, or queues.
+//! * Time is the database's clock, so sidecars with skewed clocks agree on
+//!   expiry. It is mapped onto this process's clock with an offset measured
+//!   on connecting, chosen so that expiries look slightly early here, never
+//!   late.
+//! * Waiting never polls: every change that may let a waiter in sends
+//!   `NOTIFY <schema>_wake, '<kind>/<name>'`; one `LISTEN` connection per
+//!   sidecar wakes its local queue heads, and a waiter's own timer covers
+//!   holders that die. When that connection comes back after a loss, every
+//!   key with local waiters is woken, so releases missed meanwhile are not.
+//! * The same connection sends the heartbeat, one statement every
+//!   [`HEARTBEAT_EVERY`] whatever the number of waiters. It also removes the
+//!   waiters of sidecars that stopped heartbeating, this sidecar's own
+//!   waiter rows that no request waits for any more, and expired leases.
+//!
+//! # Layout
+//!
+//! * [`errors`]: failures classified by SQLSTATE and driver kind.
+//! * [`sql`]: the statements and their replies.
+//! * [`calls`]: running statements within deadlines; the clock mapping.
+//! * [`schema`]: migrations and the `--legacy-table`.
+//! * [`listener`]: the LISTEN connection, heartbeat and reconnects.
+//! * [`open`]: the URL, the pools and the background task.
+
+use schema::LegacyTable;
+use sql::{AcquireReply, InspectReply, RenewReply, Sql, ms_i64, parse_kind};
+
+mod calls;
+mod errors;
+mod listener;
+mod open;
+mod schema;
+mod sql;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::Pool;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{
+    Attempt, Backend, Busy, Cause, Description, Error, Grant, Loss, Safety, StaleKey, State,
+    Status, Summary, Ticket, Turn, Waiter, Watch,
+};
+use crate::lock::{Claim, Held, Kind, LockKey, Name, Token};
+use crate::wakeups::Wakeups;
+
+/// How often a sidecar sends its heartbeat (and cleans expired rows).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// A waiter whose sidecar has not sent a heartbeat for this long is listed
+/// by `/v1/stale` as `orphaned-waiter`.
+pub const ORPHAN_AFTER: Duration = Duration::from_secs(5);
+/// A waiter whose sidecar has not sent a heartbeat for this long leaves the queue.
+pub const LAPSE_AFTER: Duration = Duration::from_secs(10);
+/// A waiter row of this sidecar that no request knows of (its join's answer
+/// was lost) is removed once it is this old: longer than any join can take.
+pub const GHOST_AFTER: Duration = Duration::from_secs(10);
+/// Longest wait for a pooled connection, or to open one: an outage answers 503 this fast.
+const POOL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait for a pooled connection while the pool's connections are
+/// busy but working (statements finish): a burst of requests larger than
+/// the pool queues for a connection instead of answering 503.
+const BUSY_POOL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest time one operation may take before it counts as an outage.
+const OP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections per sidecar unless the URL says `pool_max_size=N`.
+const DEFAULT_POOL_SIZE: usize = 10;
+/// Connections per sidecar kept for renewals, releases and status checks.
+const UPKEEP_POOL_SIZE: usize = 2;
+/// How long `watch` waits for the LISTEN connection before relying on the
+/// catch-up wake-up that follows every (re)connection.
+const LISTEN_WAIT: Duration = Duration::from_secs(2);
+/// First and longest pause between reconnection attempts.
+const MIN_BACKOFF: Duration = Duration::from_millis(250);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Clock-offset changes up to this are measurement noise (see [`Inner::adopt_offset`]).
+const OFFSET_SLACK_MS: i64 = 10;
+/// Most stale entries reported per reason source.
+const STALE_LIMIT: i64 = 1000;
+
+/// One versioned schema migration.
+struct Migration {
+    version: i32,
+    description: &'static str,
+    /// `{s}` is replaced by the quoted schema, `{channel}` by the quoted NOTIFY channel.
+    sql: &'static str,
+}
+
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "keys, leases, sidecars and waiters with their functions",
+        sql: include_str!("0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "acquire and inspect check waiters' sidecars with a join, not live() per row",
+        sql: include_str!("0002_liveness_joins.sql"),
+    },
+];
+
+/// The PostgreSQL backend.
+pub struct Postgres {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    /// Connections for renewals, releases and status checks only, so lease
+    /// upkeep never queues behind a burst of acquires on `pool`.
+    upkeep: Pool,
+    /// Settings of the LISTEN connection (the pool's, another application name).
+    listen_config: tokio_postgres::Config,
+    sql: Sql,
+    schema: String,
+    channel: String,
+    /// This process, in `sidecars` and `waiters` (a sidecar id may be reused
+    /// by a restarted process; an instance never is).
+    instance: String,
+    sidecar: String,
+    url: String,
+    legacy: Option<LegacyTable>,
+    wakeups: Wakeups,
+    /// The schema is migrated and this sidecar registered.
+    ready: watch::Sender<bool>,
+    /// Why the last attempt to set the schema up failed, while not `ready`.
+    setup_failure: std::sync::Mutex<Cause>,
+    /// The LISTEN connection is up.
+    listening: watch::Sender<bool>,
+    /// A pooled call worked while the LISTEN connection was down: reconnect
+    /// it now rather than after the backoff.
+    reconnect: Notify,
+    /// Local clock minus database clock, in ms (see [`Inner::local`]).
+    offset_ms: AtomicI64,
+    /// When a pooled statement last succeeded (local ms): a pool whose
+    /// connections all are in use is busy, not down, while this moves.
+    progress_ms: AtomicU64,
+    /// This sidecar's tickets: the ones requests wait with, and the ones whose
+    /// dequeue failed; the heartbeat removes every other row of this instance.
+    tickets: Mutex<Tickets>,
+    stop: CancellationToken,
+}
+
+#[derive(Default)]
+struct Tickets {
+    live: HashSet<u64>,
+    gone: HashSet<u64>,
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.inner.stop.cancel();
+    }
+}
+
+#[async_trait]
+impl Backend for Postgres {
+    fn describe(&self) -> Description {
+        Description {
+            kind: crate::backend::BackendKind::Postgres,
+            url: self.inner.url.clone(),
+            safety: Safety::Correctness,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        self.inner.rows("ping", "SELECT 1", &[]).await.map(|_| ())
+    }
+
+    async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let inner = &self.inner;
+        let token = Token::generate();
+        let (turn_name, seq) = match turn {
+            Turn::Once => ("once", None),
+            Turn::Join => ("join", None),
+            Turn::Queued(ticket) => ("queued", i64::try_from(ticket.seq).ok()),
+        };
+        let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
+        let reply: Option<AcquireReply> = inner
+            .json(
+                "try_acquire",
+                &inner.sql.acquire,
+                &[
+                    &claim.key.kind.as_str(),
+                    &claim.key.name.as_str(),
+                    &claim.mode.as_str(),
+                    &claim.owner,
+                    &claim.sidecar,
+                    &inner.instance,
+                    &token.expose(),
+                    &ms_i64(claim.ttl),
+                    &limit,
+                    &ms_i64(claim.lock_delay),
+                    &claim.max_hold.map(ms_i64),
+                    &turn_name,
+                    &seq,
+                    &ms_i64(LAPSE_AFTER),
+                ],
+            )
+            .await?;
+        let reply = reply.ok_or_else(|| Error::Unavailable {
+            op: "try_acquire",
+            source: "acquire returned NULL".into(),
+        })?;
+        match (&reply, turn) {
+            (AcquireReply::Busy(b), _) => {
+                if let Some(seq) = b.seq {
+                    inner.tickets().live.insert(seq);
+                }
+            }
+            // The grant removed the ticket.
+            (AcquireReply::Granted(_), Turn::Queued(ticket)) => {
+                inner.tickets().live.remove(&ticket.seq);
+            }
+            _ => {}
+        }
+        match reply {
+            AcquireReply::Granted(g) => Ok(Attempt::Granted(Grant {
+                token: Token::from_client(g.token),
+                fence: g.fence,
+                count: g.count,
+                since_ms: inner.local(g.since_ms),
+                expires_at_ms: inner.local(g.expires_at_ms),
+            })),
+            AcquireReply::Busy(b) => Ok(Attempt::Busy(Busy {
+                holders: b
+                    .holders
+                    .into_iter()
+                    .map(|h| inner.holder(claim.key.kind, h))
+                    .collect(),
+                queue_length: b.queue_length,
+                position: b.position,
+                retry_at_ms: b.retry_at_ms.map(|at| inner.local_deadline(at, b.now_ms)),
+                ticket: b.seq.map(|seq| Ticket {
+                    key: claim.key.clone(),
+                    seq,
+                }),
+            })),
+            AcquireReply::LimitMismatch { active } => Err(Error::LimitMismatch { active }),
+            AcquireReply::LimitRequired => Err(Error::LimitRequired),
+        }
+    }
+
+    async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
+        let inner = &self.inner;
+        inner.tickets().live.remove(&ticket.seq);
+        let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
+        let result: Result<bool, Error> = inner.value("dequeue", &inner.sql.dequeue, &[&seq]).await;
+        if result.is_err() {
+            // The row must not stay at the head of the queue: the heartbeat
+            // removes it once the database is back.
+            inner.tickets().gone.insert(ticket.seq);
+        }
+        result.map(|_| ())
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Option<u64>, Error> {
+        let inner = &self.inner;
+        let reply: Option<RenewReply> = inner
+            .json(
+                "renew",
+                &inner.sql.renew,
+                &[
+                    &key.kind.as_str(),
+                    &key.name.as_str(),
+                    &token.expose(),
+                    &ttl.map(ms_i64),
+                ],
+            )
+            .await?;
+        Ok(reply.map(|r| inner.local(r.expires_at_ms)))
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let remaining: Option<i32> = self
+            .inner
+            .value(
+                "release",
+                &self.inner.sql.release,
+                &[&key.kind.as_str(), &key.name.as_str(), &token.expose()],
+            )
+            .await?;
+        Ok(remaining.map(|n| u32::try_from(n).unwrap_or(0)))
+    }
+
+    async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        let rows = self
+            .inner
+            .rows(
+                "status",
+                &self.inner.sql.status,
+                &[&token.expose(), &key.kind.as_str(), &key.name.as_str()],
+            )
+            .await?;
+        Ok(match rows.first() {
+            Some(row) => Status::Held {
+                expires_at_ms: self.inner.local(row.get(0)),
+            },
+            None => Status::Gone(Loss::Expired),
+        })
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        let inner = &self.inner;
+        let reply: Option<InspectReply> = inner
+            .json(
+                "inspect",
+                &inner.sql.inspect,
+                &[&key.kind.as_str(), &key.name.as_str(), &ms_i64(LAPSE_AFTER)],
+            )
+            .await?;
+        let Some(reply) = reply else {
+            return Ok(State::default());
+        };
+        let in_use = !reply.holders.is_empty() || !reply.waiters.is_empty();
+        Ok(State {
+            fence: reply.fence,
+            limit: reply
+                .permits
+                .filter(|_| in_use && key.kind == Kind::Semaphore),
+            holders: reply
+                .holders
+                .into_iter()
+                .map(|h| inner.holder(key.kind, h))
+                .collect(),
+            waiters: reply
+                .waiters
+                .into_iter()
+                .enumerate()
+                .map(|(i, w)| Waiter {
+                    owner: w.owner,
+                    sidecar: w.sidecar,
+                    mode: Held::of(key.kind, w.mode),
+                    position: i + 1,
+                    since_ms: inner.local(w.since_ms),
+                })
+                .collect(),
+        })
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&LockKey>,
+        limit: usize,
+    ) -> Result<Vec<Summary>, Error> {
+        let after_kind = after.map(|k| k.kind.as_str());
+        let after_name = after.map(|k| k.name.as_str());
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .inner
+            .rows(
+                "list",
+                &self.inner.sql.list,
+                &[
+                    &prefix,
+                    &after_kind,
+                    &after_name,
+                    &limit,
+                    &ms_i64(LAPSE_AFTER),
+                ],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .filter_map(|row| {
+                let kind = parse_kind(row.get(0))?;
+                let name = Name::parse(row.get(1)).ok()?;
+                let fence: i64 = row.get(2);
+                let holders: i64 = row.get(3);
+                let waiters: i64 = row.get(4);
+                Some(Summary {
+                    key: LockKey { kind, name },
+                    holders: usize::try_from(holders).unwrap_or(0),
+                    waiters: usize::try_from(waiters).unwrap_or(0),
+                    fence: u64::try_from(fence).unwrap_or(0),
+                })
+            })
+            .collect())
+    }
+
+    async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
+        let inner = &self.inner;
+        let rows = inner
+            .rows(
+                "stale",
+                &inner.sql.stale,
+                &[&ms_i64(stale_after), &ms_i64(ORPHAN_AFTER), &STALE_LIMIT],
+            )
+            .await?;
+        let table = |t: &str| format!("{}.{t}", inner.schema);
+        let mut stale: Vec<StaleKey> = rows
+            .iter()
+            .filter_map(|row| {
+                let reason: &str = row.get(0);
+                let kind = parse_kind(row.get(1))?;
+                let name: &str = row.get(2);
+                let owner: &str = row.get(3);
+                let sidecar: &str = row.get(4);
+                let fence: Option<i64> = row.get(5);
+                let age_ms = u64::try_from(row.get::<_, i64>(6)).unwrap_or(0);
+                let key = format!("{}/{name}", kind.plural());
+                let age = humantime::format_duration(Duration::from_millis(age_ms));
+                let (reason, detail) = match reason {
+                    "held-too-long" => (
+                        crate::backend::StaleReason::HeldTooLong,
+                        format!(
+                            "held by owner {owner:?} on sidecar {sidecar:?} with fence {} for longer than {} (row in {})",
+                            fence.unwrap_or(0),
+                            humantime::format_duration(stale_after),
+                            table("leases")
+                        ),
+                    ),
+                    "expired-not-cleaned" => (
+                        crate::backend::StaleReason::ExpiredNotCleaned,
+                        format!(
+                            "the lease of owner {owner:?} (sidecar {sidecar:?}, fence {}) expired {age} ago and its row is still in {}; it counts as free",
+                            fence.unwrap_or(0),
+                            table("leases")
+                        ),
+                    ),
+                    "orphaned-waiter" => (
+                        crate::backend::StaleReason::OrphanedWaiter,
+                        format!(
+                            "waiter of owner {owner:?} queued through sidecar {sidecar:?}, which has sent no heartbeat for {age} (row in {}); it leaves the queue after {}",
+                            table("waiters"),
+                            humantime::format_duration(LAPSE_AFTER)
+                        ),
+                    ),
+                    _ => return None,
+                };
+                Some(StaleKey {
+                    key,
+                    reason,
+                    age_ms,
+                    detail,
+                })
+            })
+            .collect();
+        if let Some(legacy) = &inner.legacy {
+            stale.extend(inner.legacy_stale(legacy).await?);
+        }
+        Ok(stale)
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
+        let tokens: Option<Vec<String>> = self
+            .inner
+            .json(
+                "force_release",
+                &self.inner.sql.force_release,
+                &[&key.kind.as_str(), &key.name.as_str()],
+            )
+            .await?;
+        Ok(tokens
+            .unwrap_or_default()
+            .into_iter()
+            .map(Token::from_client)
+            .collect())
+    }
+
+    async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
+        // One LISTEN covers every key. Once it is up, a release cannot be
+        // missed; if it is down, its reconnection wakes every local waiter.
+        let mut listening = self.inner.listening.subscribe();
+        let _ = tokio::time::timeout(LISTEN_WAIT, listening.wait_for(|up| *up)).await;
+        Ok(Box::new(()))
+    }
+
+    async fn close(&self) {
+        let inner = &self.inner;
+        inner.stop.cancel();
+        if *inner.ready.borrow()
+            && let Err(e) = inner
+                .rows("close", &inner.sql.leave, &[&inner.instance])
+                .await
+        {
+            tracing::warn!(error = %e, "could not remove this sidecar's rows from PostgreSQL");
+        }
+        inner.pool.close();
+        inner.upkeep.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::errors::{Class, Failure};
+    use super::open::{strip_query, validate_schema};
+    use super::*;
+
+    #[test]
+    fn schema_names_need_no_quoting() {
+        assert!(validate_schema("sidelock").is_ok());
+        assert!(validate_schema("_t_1").is_ok());
+        assert!(validate_schema("").is_err());
+        assert!(validate_schema("1abc").is_err());
+        assert!(validate_schema("Upper").is_err());
+        assert!(validate_schema("a-b").is_err());
+        assert!(validate_schema(&"a".repeat(49)).is_err());
+    }
+
+    #[test]
+    fn sidelock_parameters_are_taken_out_of_the_url() {
+        let (url, ours) = strip_query(
+            "postgres://db/x?options=-c%20a%3Db&pool_max_size=4",
+            &["pool_max_size"],
+        );
+        assert_eq!(url, "postgres://db/x?options=-c%20a%3Db");
+        assert_eq!(ours, [("pool_max_size".to_owned(), "4".to_owned())]);
+        let (url, ours) = strip_query("postgres://db/x", &["pool_max_size"]);
+        assert_eq!((url.as_str(), ours.len()), ("postgres://db/x", 0));
+    }
+
+    #[test]
+    fn payloads_are_keys() {
+        let key = LockKey::parse("locks/a.b:c").unwrap();
+        assert_eq!((key.kind, key.name.as_str()), (Kind::Lock, "a.b:c"));
+        let key = LockKey::parse("semaphores/gpu").unwrap();
+        assert_eq!(key.kind, Kind::Semaphore);
+        assert!(LockKey::parse("other/x").is_none());
+        assert!(LockKey::parse("locks/a b").is_none());
+    }
+
+    #[test]
+    fn legacy_table_specs() {
+        let t = LegacyTable::parse("method_lock").unwrap();
+        assert_eq!(
+            (t.table.as_str(), t.name_column, t.time_column),
+            ("method_lock", None, None)
+        );
+        let t = LegacyTable::parse("public.method_lock(method_name, update_time)").unwrap();
+        assert_eq!(t.table, "public.method_lock");
+        assert_eq!(t.name_column.as_deref(), Some("method_name"));
+        assert_eq!(t.time_column.as_deref(), Some("update_time"));
+        assert!(LegacyTable::parse("a;drop table x").is_err());
+        assert!(LegacyTable::parse("t(a,b,c)").is_err());
+        assert!(LegacyTable::parse("a.b.c").is_err());
+    }
+
+    #[test]
+    fn errors_without_sqlstate_from_io_are_outages() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let failure = Failure {
+            class: Class::Outage,
+            source: Box::new(io),
+        };
+        assert!(matches!(
+            failure.into_error("ping"),
+            Error::Unavailable { op: "ping", .. }
+        ));
+    }
+}

@@ -1,0 +1,184 @@
+//! The statements, with the schema filled in, and the rows and JSON replies
+//! the functions return.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::clock::ms;
+use crate::lock::{Kind, Mode};
+
+/// The statements, with the schema filled in.
+pub(super) struct Sql {
+    pub(super) acquire: String,
+    pub(super) dequeue: String,
+    pub(super) renew: String,
+    pub(super) release: String,
+    pub(super) status: String,
+    pub(super) inspect: String,
+    pub(super) list: String,
+    pub(super) stale: String,
+    pub(super) force_release: String,
+    pub(super) heartbeat: String,
+    pub(super) leave: String,
+}
+
+impl Sql {
+    pub(super) fn new(schema: &str) -> Self {
+        let s = quote_ident(schema);
+        let fill = |template: &str| template.replace("{s}", &s);
+        Self {
+            acquire: fill(
+                "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)::text",
+            ),
+            dequeue: fill("SELECT {s}.dequeue($1)"),
+            renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
+            release: fill("SELECT {s}.release($1, $2, $3)"),
+            status: fill(
+                "SELECT {s}.ms(expires_at), {s}.ms(clock_timestamp()) FROM {s}.leases \
+                 WHERE token = $1 AND kind = $2 AND name = $3 AND expires_at > clock_timestamp()",
+            ),
+            inspect: fill("SELECT {s}.inspect($1, $2, $3)::text"),
+            list: fill(LIST_SQL),
+            stale: fill(STALE_SQL),
+            force_release: fill("SELECT {s}.force_release($1, $2)::text"),
+            heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text"),
+            leave: fill("SELECT 1 FROM {s}.leave($1)"),
+        }
+    }
+}
+
+/// Held or contended keys after a cursor: `$1` prefix, `$2`/`$3` the cursor's
+/// kind and name (NULL for the first page), `$4` limit, `$5` lapse in ms.
+pub(super) const LIST_SQL: &str = "
+WITH t AS (SELECT clock_timestamp() AS now),
+active AS (
+    SELECT l.kind, l.name FROM {s}.leases l, t
+     WHERE l.expires_at > t.now AND starts_with(l.name, $1)
+    UNION
+    SELECT w.kind, w.name FROM {s}.waiters w, t
+     WHERE starts_with(w.name, $1)
+       AND EXISTS (SELECT 1 FROM {s}.sidecars c
+                    WHERE c.instance = w.instance AND c.heartbeat_at > t.now - {s}.millis($5))
+)
+SELECT a.kind, a.name, k.fence,
+       (SELECT count(*) FROM {s}.leases l
+         WHERE l.kind = a.kind AND l.name = a.name AND l.expires_at > t.now) AS holders,
+       (SELECT count(*) FROM {s}.waiters w
+         WHERE w.kind = a.kind AND w.name = a.name
+           AND EXISTS (SELECT 1 FROM {s}.sidecars c
+                        WHERE c.instance = w.instance
+                          AND c.heartbeat_at > t.now - {s}.millis($5))) AS waiters
+  FROM active a JOIN {s}.keys k ON k.kind = a.kind AND k.name = a.name, t
+ WHERE $2::text IS NULL OR (a.kind, a.name) > ($2::text, $3::text)
+ ORDER BY a.kind, a.name
+ LIMIT $4";
+
+/// Stale rows of sidelock's own tables: `$1` stale-after in ms, `$2` orphan
+/// threshold in ms, `$3` limit.
+pub(super) const STALE_SQL: &str = "
+WITH t AS (SELECT clock_timestamp() AS now)
+SELECT * FROM (
+    SELECT 'held-too-long' AS reason, l.kind, l.name, l.owner, l.sidecar, l.fence,
+           {s}.ms(t.now) - {s}.ms(l.acquired_at) AS age_ms
+      FROM {s}.leases l, t
+     WHERE l.expires_at > t.now AND l.acquired_at < t.now - {s}.millis($1)
+    UNION ALL
+    SELECT 'expired-not-cleaned', l.kind, l.name, l.owner, l.sidecar, l.fence,
+           {s}.ms(t.now) - {s}.ms(l.expires_at)
+      FROM {s}.leases l, t
+     WHERE l.expires_at <= t.now
+    UNION ALL
+    SELECT 'orphaned-waiter', w.kind, w.name, w.owner, w.sidecar, NULL::bigint,
+           {s}.ms(t.now) - {s}.ms(coalesce(s.heartbeat_at, w.queued_at))
+      FROM {s}.waiters w LEFT JOIN {s}.sidecars s ON s.instance = w.instance, t
+     WHERE s.heartbeat_at IS NULL OR s.heartbeat_at <= t.now - {s}.millis($2)
+) x
+ORDER BY kind, name, reason
+LIMIT $3";
+
+/// The database clock in ms (works before the schema exists).
+pub(super) const NOW_SQL: &str =
+    "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+pub(super) fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+pub(super) fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+pub(super) fn parse_kind(kind: &str) -> Option<Kind> {
+    match kind {
+        "lock" => Some(Kind::Lock),
+        "semaphore" => Some(Kind::Semaphore),
+        _ => None,
+    }
+}
+
+/// Milliseconds as the database's `bigint`.
+pub(super) fn ms_i64(d: Duration) -> i64 {
+    i64::try_from(ms(d)).unwrap_or(i64::MAX)
+}
+
+/// `acquire`'s answer.
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub(super) enum AcquireReply {
+    Granted(GrantedReply),
+    Busy(BusyReply),
+    LimitMismatch { active: u32 },
+    LimitRequired,
+}
+
+#[derive(Deserialize)]
+pub(super) struct GrantedReply {
+    pub(super) token: String,
+    pub(super) fence: u64,
+    pub(super) count: u32,
+    pub(super) since_ms: i64,
+    pub(super) expires_at_ms: i64,
+}
+
+#[derive(Deserialize)]
+pub(super) struct BusyReply {
+    pub(super) holders: Vec<HolderRow>,
+    pub(super) queue_length: usize,
+    pub(super) position: Option<usize>,
+    pub(super) seq: Option<u64>,
+    pub(super) retry_at_ms: Option<i64>,
+    pub(super) now_ms: i64,
+}
+
+#[derive(Deserialize)]
+pub(super) struct HolderRow {
+    pub(super) owner: String,
+    pub(super) sidecar: String,
+    pub(super) mode: Mode,
+    pub(super) since_ms: i64,
+    pub(super) expires_at_ms: i64,
+    pub(super) fence: u64,
+    pub(super) count: u32,
+}
+
+#[derive(Deserialize)]
+pub(super) struct WaiterRow {
+    pub(super) owner: String,
+    pub(super) sidecar: String,
+    pub(super) mode: Mode,
+    pub(super) since_ms: i64,
+}
+
+#[derive(Deserialize)]
+pub(super) struct RenewReply {
+    pub(super) expires_at_ms: i64,
+}
+
+#[derive(Deserialize)]
+pub(super) struct InspectReply {
+    pub(super) fence: u64,
+    pub(super) permits: Option<u32>,
+    pub(super) holders: Vec<HolderRow>,
+    pub(super) waiters: Vec<WaiterRow>,
+}

@@ -1,0 +1,442 @@
+//! One logical Redis — a server, a Sentinel-managed master or a Cluster —
+//! with sidelock's key layout: how to reach it, connections with timeouts,
+//! key and channel names, script calls, and the server clock. Redis and
+//! Redlock both use it by its public surface.
+
+use std::sync::Mutex;
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{AsyncConnectionConfig, Cmd, ErrorKind, RedisError, RedisFuture, Script, Value};
+
+use crate::backend::Error;
+use crate::backend::url::{Parts, bad_url};
+use crate::clock::now_ms;
+use crate::lock::{Kind, LockKey};
+
+use super::CALL_TIMEOUT;
+use super::members::lock;
+use super::scripts::{Call, SIDE_KEYS, Scripts};
+
+/// How to reach the Redis deployment.
+pub(super) enum Target {
+    Single(redis::Client),
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    Cluster {
+        client: ClusterClient,
+        /// The seed nodes, for the pub/sub connection.
+        seeds: Vec<redis::Client>,
+    },
+}
+
+/// A live connection of either shape.
+#[derive(Clone)]
+pub(super) enum Conn {
+    Plain(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Plain(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Plain(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Plain(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+pub(super) fn config() -> AsyncConnectionConfig {
+    AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CALL_TIMEOUT))
+        .set_response_timeout(Some(CALL_TIMEOUT))
+}
+
+/// One logical Redis (a server, a Sentinel-managed master, or a Cluster)
+/// with sidelock's key layout and scripts. Redlock runs several of these.
+pub struct Node {
+    pub(super) target: Target,
+    /// The cached connection; dropped after a connection-level error so the
+    /// next call reconnects (and, with Sentinel, asks for the master again).
+    /// A plain mutex, held only to clone or replace it: every call takes it,
+    /// and an async mutex would park and wake callers that contend for it.
+    pub(super) conn: Mutex<Option<Conn>>,
+    /// Held while connecting, so that callers finding no connection make one.
+    pub(super) connecting: tokio::sync::Mutex<()>,
+    pub(super) scripts: Scripts,
+    pub(super) prefix: String,
+    /// Server clock minus ours, in ms, as last settled (`i64::MIN`: not yet).
+    pub(super) skew: std::sync::atomic::AtomicI64,
+    /// Where this node's URL is shown (without password).
+    pub url: String,
+    /// The index key, `<prefix>/index`: no lock or semaphore key has a `/`
+    /// right after the prefix.
+    pub(super) index: String,
+    /// Where earlier versions kept the index: `<prefix>index`, the key
+    /// of the lock named `index` now. Its entries are moved to [`Node::index`]
+    /// by the next listing (see [`Node::adopt_legacy_index`]).
+    pub(super) legacy_index: String,
+}
+
+impl Node {
+    /// A node for `url`: `redis://host:port/db`, `rediss://…`,
+    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`.
+    ///
+    /// # Errors
+    /// A sentence naming what is wrong with the URL.
+    pub fn open(url: &str, prefix: &str) -> Result<Self, String> {
+        let parts = Parts::parse(url)?;
+        let (scheme, hosts, path) = (parts.scheme, parts.hosts_with_userinfo(), parts.path);
+        let base = if scheme.starts_with("rediss") {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let target = match scheme {
+            "redis" | "rediss" => {
+                Target::Single(redis::Client::open(url).map_err(|e| bad_url(url, e))?)
+            }
+            "redis+sentinel" | "rediss+sentinel" => {
+                let mut parts = path.split('/').filter(|p| !p.is_empty());
+                let master = parts.next().ok_or_else(|| {
+                    bad_url(
+                        url,
+                        "name the master: redis+sentinel://host:port,host:port/<master>[/db]",
+                    )
+                })?;
+                let db: i64 = match parts.next() {
+                    Some(d) => d
+                        .parse()
+                        .map_err(|_| bad_url(url, "the database must be a number"))?,
+                    None => 0,
+                };
+                let sentinels: Vec<String> =
+                    hosts.iter().map(|h| format!("{base}://{h}")).collect();
+                let node_info = redis::sentinel::SentinelNodeConnectionInfo::default()
+                    .set_redis_connection_info(redis::RedisConnectionInfo::default().set_db(db));
+                let client = SentinelClient::build(
+                    sentinels,
+                    master,
+                    Some(node_info),
+                    SentinelServerType::Master,
+                )
+                .map_err(|e| bad_url(url, e))?;
+                Target::Sentinel(tokio::sync::Mutex::new(client))
+            }
+            "redis+cluster" | "rediss+cluster" => {
+                let nodes: Vec<String> = hosts.iter().map(|h| format!("{base}://{h}")).collect();
+                let client = ClusterClient::builder(nodes.clone())
+                    .connection_timeout(CALL_TIMEOUT)
+                    .response_timeout(CALL_TIMEOUT)
+                    .build()
+                    .map_err(|e| bad_url(url, e))?;
+                let seeds = nodes
+                    .iter()
+                    .map(|n| redis::Client::open(n.as_str()).map_err(|e| bad_url(url, e)))
+                    .collect::<Result<_, _>>()?;
+                Target::Cluster { client, seeds }
+            }
+            other => return Err(bad_url(url, format!("unknown scheme {other:?}"))),
+        };
+        if prefix.contains(['{', '}']) {
+            return Err(format!(
+                "--redis-prefix {prefix:?} must not contain braces (they are Cluster hash tags)"
+            ));
+        }
+        Ok(Self {
+            target,
+            conn: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            scripts: Scripts::new(),
+            prefix: prefix.to_owned(),
+            skew: std::sync::atomic::AtomicI64::new(i64::MIN),
+            url: crate::backend::redact(url),
+            index: format!("{prefix}/index"),
+            legacy_index: format!("{prefix}index"),
+        })
+    }
+
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster { .. })
+    }
+
+    pub(super) async fn connect(&self) -> Result<Conn, RedisError> {
+        match &self.target {
+            Target::Single(c) => Ok(Conn::Plain(
+                c.get_multiplexed_async_connection_with_config(&config())
+                    .await?,
+            )),
+            Target::Sentinel(s) => {
+                let client = s.lock().await.async_get_client().await?;
+                Ok(Conn::Plain(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config())
+                        .await?,
+                ))
+            }
+            Target::Cluster { client, .. } => {
+                Ok(Conn::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+
+    /// A client for the pub/sub connection: the server, the current master,
+    /// or a reachable Cluster node (Cluster PUBLISH reaches every node).
+    pub(super) async fn pubsub_client(&self) -> Result<redis::Client, RedisError> {
+        match &self.target {
+            Target::Single(c) => Ok(c.clone()),
+            Target::Sentinel(s) => s.lock().await.async_get_client().await,
+            Target::Cluster { seeds, .. } => {
+                let mut last = None;
+                for seed in seeds {
+                    match seed
+                        .get_multiplexed_async_connection_with_config(&config())
+                        .await
+                    {
+                        Ok(_) => return Ok(seed.clone()),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.unwrap_or_else(|| RedisError::from((ErrorKind::Io, "no cluster node"))))
+            }
+        }
+    }
+
+    /// Runs `f` on the cached connection, reconnecting first if needed, and
+    /// forgets the connection after a connection-level failure.
+    pub(super) async fn with_conn<T, F>(&self, op: &'static str, f: F) -> Result<T, Error>
+    where
+        F: AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    {
+        let mut conn = self.connection(op).await?;
+        match f(&mut conn).await {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                if e.is_connection_dropped()
+                    || e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_refusal()
+                    || e.kind() == ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+                {
+                    *lock(&self.conn) = None;
+                }
+                Err(unavailable(op, e))
+            }
+        }
+    }
+
+    /// The cached connection, made first if there is none.
+    pub(super) async fn connection(&self, op: &'static str) -> Result<Conn, Error> {
+        if let Some(c) = lock(&self.conn).clone() {
+            return Ok(c);
+        }
+        let _connecting = self.connecting.lock().await;
+        // Made by the caller that held the lock before.
+        if let Some(c) = lock(&self.conn).clone() {
+            return Ok(c);
+        }
+        let c = tokio::time::timeout(CALL_TIMEOUT, self.connect())
+            .await
+            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
+            .map_err(|e| unavailable(op, e))?;
+        *lock(&self.conn) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
+    ///
+    /// The mapping from (kind, name) to keys is injective, and no name
+    /// reaches a key sidelock keeps for itself: a lock is `<prefix><name>`
+    /// (the classic `SET NX` key), a semaphore `<prefix>semaphores/<name>`,
+    /// and `<prefix>elections/<name>` is kept for elections; names have no
+    /// `/`, so none of these can equal another kind's key or the index
+    /// `<prefix>/index`, and no `{` or `}` (nor has the prefix), so none can
+    /// equal a side key. Channels (`<prefix>wake:<kind>/<name>`) live in
+    /// pub/sub's own namespace and carry the kind.
+    pub(super) fn base(&self, key: &LockKey) -> String {
+        // Built by hand: this runs for every script call, and `format!` costs
+        // several times more than the copies.
+        let kind = match key.kind {
+            Kind::Lock => "",
+            Kind::Semaphore => "semaphores/",
+        };
+        let name = key.name.as_str();
+        let mut base = String::with_capacity(self.prefix.len() + kind.len() + name.len());
+        base.push_str(&self.prefix);
+        base.push_str(kind);
+        base.push_str(name);
+        base
+    }
+
+    /// The key a lock's exclusive holder is stored under.
+    pub fn main_key(&self, key: &LockKey) -> String {
+        self.base(key)
+    }
+
+    pub(super) fn channel(&self, key: &LockKey) -> String {
+        format!("{}wake:{key}", self.prefix)
+    }
+
+    /// Prepares a script call with the lock's keys and the common arguments.
+    pub(super) fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> Call<'a> {
+        let base = self.base(key);
+        // A Cluster cannot touch a global index from a lock's slot.
+        let index = !self.is_cluster();
+        let mut inv = Call::new(script, 1 + SIDE_KEYS.len() + usize::from(index));
+        inv.arg(&base);
+        // One buffer for every side key `{base}:<suffix>`.
+        let mut side = String::with_capacity(base.len() + 12);
+        side.push('{');
+        side.push_str(&base);
+        side.push_str("}:");
+        let stem = side.len();
+        for suffix in SIDE_KEYS {
+            side.truncate(stem);
+            side.push_str(suffix);
+            inv.arg(side.as_str());
+        }
+        if index {
+            inv.arg(self.index.as_str());
+        }
+        inv.arg(match key.kind {
+            Kind::Lock => "l",
+            Kind::Semaphore => "s",
+        });
+        // The channel is `<prefix>wake:<kind>/<name>`, the index member `<kind>/<name>`.
+        let member_at = self.prefix.len() + "wake:".len();
+        let mut channel = String::with_capacity(member_at + 11 + key.name.as_str().len());
+        channel.push_str(&self.prefix);
+        channel.push_str("wake:");
+        channel.push_str(key.kind.plural());
+        channel.push('/');
+        channel.push_str(key.name.as_str());
+        inv.arg(channel.as_str());
+        inv.arg(&channel[member_at..]);
+        inv
+    }
+
+    pub(super) async fn run<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        inv: Call<'_>,
+    ) -> Result<T, Error> {
+        self.with_conn(op, async |c| inv.invoke(c).await).await
+    }
+
+    /// Records a key in use in the Cluster index (single nodes do it in the scripts).
+    pub(super) async fn index(&self, key: &LockKey) {
+        if self.is_cluster() {
+            let index = &self.index;
+            let member = key.to_string();
+            let _ = self
+                .with_conn("index", async |c| {
+                    redis::cmd("ZADD")
+                        .arg(index)
+                        .arg("NX")
+                        .arg(0)
+                        .arg(&member)
+                        .query_async::<i64>(c)
+                        .await
+                })
+                .await;
+        }
+    }
+}
+
+/// String keys matching `pattern` that have no expiry, on one server.
+pub(super) async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, RedisError> {
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .arg("TYPE")
+            .arg("string")
+            .query_async(c)
+            .await?;
+        for k in keys {
+            let pttl: i64 = redis::cmd("PTTL").arg(&k).query_async(c).await?;
+            if pttl == -1 {
+                found.push(k);
+            }
+        }
+        if next == 0 {
+            return Ok(found);
+        }
+        cursor = next;
+    }
+}
+
+/// How one node takes part in the queue for one attempt (a [`Turn`] with
+/// the node's own ticket number).
+#[derive(Debug, Clone, Copy)]
+pub enum Step {
+    Once,
+    Join,
+    Queued(u64),
+}
+
+/// Translates server timestamps into this sidecar's clock.
+pub(super) struct Clock {
+    /// Server milliseconds minus local milliseconds.
+    pub(super) skew: i64,
+}
+
+impl Clock {
+    pub(super) fn local(&self, server_ms: i64) -> u64 {
+        (server_ms - self.skew).max(0) as u64
+    }
+}
+
+/// Offsets closer than this to the settled one are measurement noise.
+pub(super) const SKEW_NOISE_MS: i64 = 5;
+
+impl Node {
+    /// The clock of a reply whose element `at` is the server time. The
+    /// offset is settled per node and moves only when it changes by more
+    /// than [`SKEW_NOISE_MS`], so one expiry reads the same in every reply.
+    pub(super) fn clock(&self, reply: &[Value], at: usize) -> Clock {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(Value::Int(server)) = reply.get(at) else {
+            return Clock { skew: 0 };
+        };
+        let measured = server.saturating_sub(i64::try_from(now_ms()).unwrap_or(i64::MAX));
+        let settled = self.skew.load(Relaxed);
+        if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
+            self.skew.store(measured, Relaxed);
+            return Clock { skew: measured };
+        }
+        Clock { skew: settled }
+    }
+}
+
+pub(super) fn unavailable(op: &'static str, e: RedisError) -> Error {
+    Error::Unavailable {
+        op,
+        source: Box::new(e),
+    }
+}

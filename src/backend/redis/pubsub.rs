@@ -1,0 +1,197 @@
+//! Wake-ups over pub/sub: one subscription per watched lock channel on one
+//! connection per member, resubscribed (and every watched lock woken) after a
+//! reconnect.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use redis::{ErrorKind, RedisError};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Error, Watch};
+use crate::lock::LockKey;
+use crate::wakeups::Wakeups;
+
+use super::CALL_TIMEOUT;
+use super::members::{Member, Numbering, lock};
+use super::node::{Node, unavailable};
+
+/// Requests to a pub/sub task.
+pub(super) enum Sub {
+    Subscribe(String, oneshot::Sender<Result<(), RedisError>>),
+    Unsubscribe(String),
+}
+
+/// Local watchers per wake channel; subscriptions live while above zero.
+pub type Watchers = Arc<Mutex<HashMap<String, (LockKey, usize)>>>;
+
+/// Subscribes `key`'s channel on every member (once per channel however many
+/// local waiters watch it) and resolves when `quorum` members confirmed.
+///
+/// # Errors
+/// [`Error::Unavailable`] when fewer than `quorum` members could subscribe.
+pub async fn watch(
+    members: &[Arc<Member>],
+    watchers: &Watchers,
+    key: &LockKey,
+    quorum: usize,
+) -> Result<Watch, Error> {
+    let channel = members[0].node.channel(key);
+    let first = {
+        let mut w = lock(watchers);
+        let entry = w.entry(channel.clone()).or_insert_with(|| (key.clone(), 0));
+        entry.1 += 1;
+        entry.1 == 1
+    };
+    let guard = WatchGuard {
+        channel: channel.clone(),
+        watchers: watchers.clone(),
+        subs: members.iter().map(|m| m.subs.clone()).collect(),
+    };
+    if first {
+        let acks = members.iter().map(|m| {
+            let (ack, done) = oneshot::channel();
+            let _ = m.subs.send(Sub::Subscribe(channel.clone(), ack));
+            async move {
+                matches!(
+                    tokio::time::timeout(CALL_TIMEOUT, done).await,
+                    Ok(Ok(Ok(())))
+                )
+            }
+        });
+        let confirmed = futures::future::join_all(acks)
+            .await
+            .into_iter()
+            .filter(|ok| *ok)
+            .count();
+        if confirmed < quorum {
+            return Err(unavailable(
+                "subscribe",
+                RedisError::from((ErrorKind::Io, "subscription not confirmed")),
+            ));
+        }
+    }
+    Ok(Box::new(guard))
+}
+
+/// Keeps one subscription per watched channel on one pub/sub connection;
+/// a message wakes the local queue head of its lock. After a reconnect it
+/// resubscribes and wakes every watched lock, catching up releases missed
+/// while disconnected.
+pub(super) async fn pubsub(
+    node: Arc<Node>,
+    mut rx: mpsc::UnboundedReceiver<Sub>,
+    watchers: Watchers,
+    wakeups: Wakeups,
+    stop: CancellationToken,
+    numbering: Numbering,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let connected = async {
+            let client = node.pubsub_client().await?;
+            client.get_async_pubsub().await
+        };
+        let ps = tokio::select! {
+            () = stop.cancelled() => return,
+            r = tokio::time::timeout(CALL_TIMEOUT, connected) => r,
+        };
+        let Ok(Ok(ps)) = ps else {
+            // Fail waiting subscribers now rather than at their timeout.
+            while let Ok(sub) = rx.try_recv() {
+                if let Sub::Subscribe(_, ack) = sub {
+                    let down = RedisError::from((ErrorKind::Io, "pub/sub connection down"));
+                    let _ = ack.send(Err(down));
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            continue;
+        };
+        backoff = Duration::from_millis(50);
+        let (mut sink, mut stream) = ps.split();
+        let current: Vec<(String, LockKey)> = lock(&watchers)
+            .iter()
+            .map(|(c, (k, _))| (c.clone(), k.clone()))
+            .collect();
+        let mut healthy = true;
+        for (channel, _) in &current {
+            if sink.subscribe(channel).await.is_err() {
+                healthy = false;
+            }
+        }
+        if !healthy {
+            continue;
+        }
+        for (_, key) in &current {
+            wakeups.wake(key);
+        }
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                sub = rx.recv() => match sub {
+                    None => return,
+                    Some(Sub::Subscribe(channel, ack)) => {
+                        let r = sink.subscribe(&channel).await;
+                        let failed = r.is_err();
+                        let _ = ack.send(r);
+                        if failed { break; }
+                    }
+                    Some(Sub::Unsubscribe(channel)) => {
+                        if sink.unsubscribe(&channel).await.is_err() { break; }
+                    }
+                },
+                msg = stream.next() => {
+                    let Some(msg) = msg else { break };
+                    let key = lock(&watchers)
+                        .get(msg.get_channel_name())
+                        .map(|(k, _)| k.clone());
+                    if let Some(key) = key {
+                        match next_ticket(&msg).filter(|_| numbering == Numbering::Shared) {
+                            Some(seq) => wakeups.wake_ticket(&key, seq),
+                            None => wakeups.wake(&key),
+                        }
+                    }
+                }
+            }
+        }
+        tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
+    }
+}
+
+/// The ticket a release message names (`h<seq>`: only its holder can be
+/// admitted), if it names one.
+pub(super) fn next_ticket(msg: &redis::Msg) -> Option<u64> {
+    std::str::from_utf8(msg.get_payload_bytes().strip_prefix(b"h")?)
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Unsubscribes when the last local watcher of a channel goes.
+pub(super) struct WatchGuard {
+    pub(super) channel: String,
+    pub(super) watchers: Watchers,
+    pub(super) subs: Vec<mpsc::UnboundedSender<Sub>>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let mut watchers = lock(&self.watchers);
+        if let Some(entry) = watchers.get_mut(&self.channel) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                watchers.remove(&self.channel);
+                for subs in &self.subs {
+                    let _ = subs.send(Sub::Unsubscribe(self.channel.clone()));
+                }
+            }
+        }
+    }
+}
