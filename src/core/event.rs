@@ -3,7 +3,8 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::lock::{Held, Kind, LostReason};
+use crate::clock::now_ms;
+use crate::lock::{Held, Kind, LockKey, LostReason, Mode};
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -41,4 +42,34 @@ pub struct Event {
     pub held_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub position: Option<usize>,
+}
+
+impl Event {
+    /// An event of type `event` about `owner`'s claim on `key` in `mode`
+    /// through `sidecar`, stamped now; `fence` once a lease exists. The
+    /// optional details (reason, count, times, position) start empty.
+    pub fn new(
+        event: EventType,
+        key: &LockKey,
+        mode: Mode,
+        owner: &str,
+        sidecar: &str,
+        fence: Option<u64>,
+    ) -> Self {
+        Self {
+            event,
+            name: key.name.to_string(),
+            kind: key.kind,
+            owner: owner.to_owned(),
+            sidecar: sidecar.to_owned(),
+            mode: Held::of(key.kind, mode),
+            fence,
+            at_ms: now_ms(),
+            reason: None,
+            count: None,
+            waited_ms: None,
+            held_ms: None,
+            position: None,
+        }
+    }
 }

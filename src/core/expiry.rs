@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio::time::sleep_until;
 
-use super::{Core, Local, Look, expiry_checkpoint};
+use super::hold::{Look, expiry_checkpoint};
+use super::{Core, Local};
 use crate::clock::{instant_at, now_ms};
 
 /// Sleeping until this means: until a lease is filed.

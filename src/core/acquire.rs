@@ -1,0 +1,433 @@
+//! Acquiring: the caps on leases and waiters, the FIFO wait in the local
+//! queue (woken by the backend, never polling), attempts, `queued` updates,
+//! and recording a grant.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::time::sleep_until;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Attempt, Busy, Grant, Turn};
+use crate::clock::{after, instant_at, ms};
+use crate::error::Error;
+use crate::lock::{Claim, Kind, LockKey, Mode};
+use crate::metrics::Metrics;
+use crate::wakeups::Place;
+
+use super::Core;
+use super::event::{Event, EventType};
+use super::expiry;
+use super::hold::{HoldEvent, HoldEvents};
+use super::lease::Local;
+
+/// A successful acquire.
+#[derive(Clone)]
+pub struct Granted {
+    pub lease: Arc<Local>,
+    pub count: u32,
+    pub expires_at_ms: u64,
+    pub waited: Duration,
+    /// The lease is new and its expiry timer is the caller's to run (a
+    /// hold runs it inside its watchdog); otherwise the shared timer has it
+    /// or, re-entered, had one already.
+    pub(super) supervise_here: bool,
+}
+
+/// The result of an acquire that did not fail.
+pub enum Outcome {
+    Granted(Granted),
+    /// Not granted within `wait` (`waited` is zero for try-once).
+    Busy {
+        busy: Busy,
+        waited: Duration,
+    },
+    /// The caller went away or the sidecar is shutting down.
+    Cancelled,
+}
+
+/// One place under a per-sidecar cap, given back when dropped unless kept.
+pub(super) struct Slot<'a>(Option<&'a AtomicUsize>);
+
+impl<'a> Slot<'a> {
+    /// A place in `count` if it is below `limit`.
+    pub(super) fn take(count: &'a AtomicUsize, limit: usize) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(Some(count)))
+    }
+
+    /// Keeps the place taken (a new lease's, given back when it ends).
+    pub(super) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let Some(count) = self.0 {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Decrements the waiters gauge when a waiter leaves, however it leaves.
+pub(super) struct Waiting<'a> {
+    pub(super) metrics: &'a Metrics,
+    pub(super) kind: Kind,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .waiters
+            .with_label_values(&[self.kind.as_str()])
+            .dec();
+    }
+}
+
+impl Core {
+    pub(super) fn full_of_leases(&self) -> Error {
+        Error::SidecarFull {
+            cap: "max_held",
+            flag: "max-held",
+            what: "leases held",
+            limit: self.limits.max_held,
+        }
+    }
+
+    pub(super) fn full_of_waiters(&self) -> Error {
+        Error::SidecarFull {
+            cap: "max_total_waiters",
+            flag: "max-total-waiters",
+            what: "requests waiting",
+            limit: self.limits.max_total_waiters,
+        }
+    }
+
+    /// Checks that a new acquire (one that may wait if `waits`) would find
+    /// room under this sidecar's caps now, so that a hold can answer 429
+    /// before its stream starts. The acquire itself takes the place.
+    ///
+    /// # Errors
+    /// [`Error::SidecarFull`] naming the cap reached.
+    pub fn check_room(&self, waits: bool) -> Result<(), Error> {
+        if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
+            return Err(self.full_of_waiters());
+        }
+        if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
+            return Err(self.full_of_leases());
+        }
+        Ok(())
+    }
+
+    /// A place for one more lease under `max_held`, for an attempt.
+    pub(super) fn held_slot(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+        Slot::take(&self.held_slots, self.limits.max_held).ok_or_else(|| {
+            self.metrics.acquired(key, "rejected");
+            self.full_of_leases()
+        })
+    }
+
+    /// Acquires `claim`, waiting up to `wait` in FIFO order. A new lease
+    /// is filed with the shared expiry timer.
+    ///
+    /// # Errors
+    /// Backend outages, semaphore limit errors, and 429 when the local queue is full.
+    ///
+    /// # Cancellation safety
+    /// Not cancellation safe: a grant may be lost if the future is dropped.
+    /// Cancel through `cancel` instead, which dequeues cleanly.
+    pub async fn acquire(
+        &self,
+        claim: &Claim,
+        wait: Duration,
+        cancel: &CancellationToken,
+    ) -> Result<Outcome, Error> {
+        self.acquire_for(claim, wait, cancel, None).await
+    }
+
+    /// [`Core::acquire`], for a hold when `hold` is its events: they receive
+    /// `queued` updates, and the hold runs the expiry timer of a lease it
+    /// creates itself ([`Granted::supervise_here`]).
+    pub(super) async fn acquire_for(
+        &self,
+        claim: &Claim,
+        wait: Duration,
+        cancel: &CancellationToken,
+        progress: Option<&HoldEvents>,
+    ) -> Result<Outcome, Error> {
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(started)
+            .checked_add(wait)
+            .unwrap_or_else(|| after(wait));
+        let key = &claim.key;
+        let queueing = !wait.is_zero();
+        if queueing && self.wakeups.len(key) >= self.limits.max_waiters {
+            self.metrics.acquired(key, "rejected");
+            return Err(Error::TooManyWaiters {
+                limit: self.limits.max_waiters,
+            });
+        }
+        // Taken before the first attempt, so the cap holds however many
+        // acquires race; given back when this returns or is dropped.
+        let _waiting_slot = match queueing {
+            true => Some(
+                Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(
+                    || {
+                        self.metrics.acquired(key, "rejected");
+                        self.full_of_waiters()
+                    },
+                )?,
+            ),
+            false => None,
+        };
+        let turn = if queueing { Turn::Join } else { Turn::Once };
+        let slot = self.held_slot(key)?;
+        let busy = match self.attempt(claim, turn).await? {
+            Attempt::Granted(g) => {
+                return Ok(Outcome::Granted(self.granted(
+                    claim,
+                    g,
+                    started,
+                    progress.is_some(),
+                    slot,
+                )));
+            }
+            Attempt::Busy(busy) => {
+                drop(slot);
+                busy
+            }
+        };
+        let Some(ticket) = busy.ticket.clone().filter(|_| queueing) else {
+            self.metrics.acquired(key, "busy");
+            return Ok(Outcome::Busy {
+                busy,
+                waited: Duration::ZERO,
+            });
+        };
+
+        let place = self.wakeups.join(key, ticket.seq);
+        let mut moves = place.moves();
+        self.metrics
+            .waiters
+            .with_label_values(&[key.kind.as_str()])
+            .inc();
+        let _waiting = Waiting {
+            metrics: &self.metrics,
+            kind: key.kind,
+        };
+        let watch = match self.op("watch", self.backend.watch(key)).await {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                self.metrics.acquired(key, "error");
+                return Err(e);
+            }
+        };
+        let (local_pos, _) = place.position();
+        let mut offset = busy.position.unwrap_or(local_pos).saturating_sub(local_pos);
+        let mut reported = None;
+        self.report_position(&place, offset, &mut reported, busy.queue_length, progress);
+        let mut queued = self.claim_event(claim, EventType::Queued);
+        queued.position = busy.position;
+        self.publish(queued);
+
+        let mut retry_at = busy.retry_at_ms;
+        let mut last = busy;
+        let outcome = loop {
+            // A wake-up and a cancellation can arrive together (shutdown
+            // releases locks, which wakes waiters): cancellation wins.
+            if cancel.is_cancelled() || self.shutdown.is_cancelled() {
+                break Outcome::Cancelled;
+            }
+            if place.is_head() {
+                let slot = match self.held_slot(key) {
+                    Ok(slot) => slot,
+                    Err(e) => {
+                        drop(place);
+                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        return Err(e);
+                    }
+                };
+                match self.attempt(claim, Turn::Queued(&ticket)).await {
+                    Ok(Attempt::Granted(g)) => {
+                        let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
+                        place.leave_granted(pass_on);
+                        drop(watch);
+                        return Ok(Outcome::Granted(self.granted(
+                            claim,
+                            g,
+                            started,
+                            progress.is_some(),
+                            slot,
+                        )));
+                    }
+                    Ok(Attempt::Busy(b)) => {
+                        retry_at = b.retry_at_ms;
+                        if let Some(p) = b.position {
+                            offset = p.saturating_sub(place.position().0);
+                        }
+                        self.report_position(
+                            &place,
+                            offset,
+                            &mut reported,
+                            b.queue_length,
+                            progress,
+                        );
+                        last = b;
+                    }
+                    Err(e) => {
+                        // `attempt` counted the failure.
+                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        return Err(e);
+                    }
+                }
+            }
+            let retry = retry_at.map(instant_at);
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => break Outcome::Cancelled,
+                () = self.shutdown.cancelled() => break Outcome::Cancelled,
+                () = place.notified() => {}
+                () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => retry_at = None,
+                () = sleep_until(deadline) => break Outcome::Busy { busy: last, waited: started.elapsed() },
+                Ok(()) = moves.changed(), if progress.is_some() => {
+                    self.report_position(&place, offset, &mut reported, 0, progress);
+                }
+            }
+        };
+        drop(place);
+        drop(watch);
+        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+        let result = match &outcome {
+            Outcome::Busy { .. } => "timeout",
+            _ => "cancelled",
+        };
+        self.metrics.acquired(key, result);
+        Ok(outcome)
+    }
+
+    /// Sends a `queued` update when the position changed.
+    pub(super) fn report_position(
+        &self,
+        place: &Place,
+        offset: usize,
+        reported: &mut Option<usize>,
+        queue_length: usize,
+        progress: Option<&HoldEvents>,
+    ) {
+        let Some(events) = progress else { return };
+        let (local, local_len) = place.position();
+        let position = local + offset;
+        if *reported == Some(position) {
+            return;
+        }
+        *reported = Some(position);
+        let queue_length = queue_length.max(local_len + offset).max(position);
+        events.send(HoldEvent::Queued {
+            position,
+            queue_length,
+        });
+    }
+
+    /// One acquire attempt; a failure is counted as the acquire's result
+    /// (`error` for an outage, `rejected` for a refused claim).
+    pub(super) async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        let result = self
+            .op("try_acquire", self.backend.try_acquire(claim, turn))
+            .await;
+        match &result {
+            Err(Error::Unavailable { .. }) => self.metrics.acquired(&claim.key, "error"),
+            Err(_) => self.metrics.acquired(&claim.key, "rejected"),
+            Ok(_) => {}
+        }
+        result
+    }
+
+    pub(super) fn claim_event(&self, claim: &Claim, event: EventType) -> Event {
+        Event::new(
+            event,
+            &claim.key,
+            claim.mode,
+            &claim.owner,
+            &self.sidecar,
+            None,
+        )
+    }
+
+    /// Records a grant of `claim`: the local lease (new, or re-entered),
+    /// metrics and the `acquired` event. A new lease's expiry timer goes to
+    /// the shared timer ([`Core::supervise_elsewhere`]) unless `inline` (a
+    /// hold, which runs it itself). A new lease keeps `slot`, its place
+    /// under `max_held`.
+    pub(super) fn granted(
+        &self,
+        claim: &Claim,
+        g: Grant,
+        started: Instant,
+        inline: bool,
+        slot: Slot<'_>,
+    ) -> Granted {
+        let mut supervise_here = false;
+        let waited = started.elapsed();
+        // A reentrant grant of a token given up earlier holds again.
+        self.lock_revoked().remove(&g.token);
+        let lease = {
+            let mut leases = self.lock_leases();
+            match leases.get(&g.token) {
+                Some(local) => {
+                    local.set(Some(g.expires_at_ms), Some(g.count));
+                    local.renewing.store(false, Ordering::Relaxed);
+                    local.clone()
+                }
+                None => {
+                    let local = Arc::new(Local {
+                        key: claim.key.clone(),
+                        token: g.token.clone(),
+                        owner: claim.owner.clone(),
+                        mode: claim.mode,
+                        fence: g.fence,
+                        ttl: claim.ttl,
+                        since_ms: g.since_ms,
+                        cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
+                        state: Mutex::new((g.expires_at_ms, g.count)),
+                        renewing: AtomicBool::new(false),
+                        end: std::sync::OnceLock::new(),
+                        ended: CancellationToken::new(),
+                        filing: expiry::Filing::default(),
+                    });
+                    leases.insert(g.token.clone(), local.clone());
+                    slot.keep();
+                    self.metrics
+                        .held
+                        .with_label_values(&[claim.key.kind.as_str()])
+                        .inc();
+                    if inline {
+                        supervise_here = true;
+                    } else {
+                        self.supervise_elsewhere(&local);
+                    }
+                    local
+                }
+            }
+        };
+        self.metrics.acquired(&claim.key, "granted");
+        self.metrics.observe(&self.metrics.wait, &claim.key, waited);
+        let mut event = lease.event(EventType::Acquired, &self.sidecar);
+        event.count = Some(g.count);
+        event.waited_ms = Some(ms(waited));
+        self.publish(event);
+        Granted {
+            lease,
+            count: g.count,
+            expires_at_ms: g.expires_at_ms,
+            waited,
+            supervise_here,
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! Hold streams and the expiry timer: a hold acquires, then its watchdog
+//! renews every ttl/3 until the client leaves; every lease is looked at a
+//! safety margin before its expiry, and one the backend no longer has is
+//! reported `lost`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+use tokio::time::sleep_until;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Busy, Loss, Status};
+use crate::clock::{after, drift_ms, instant_at, ms, now_ms};
+use crate::error::Error;
+use crate::lock::{Claim, LostReason};
+
+use super::Core;
+use super::acquire::{Granted, Outcome};
+use super::lease::{End, Local};
+
+/// What a hold stream reports, in order.
+pub enum HoldEvent {
+    Queued {
+        position: usize,
+        queue_length: usize,
+    },
+    // The large variants are boxed: a hold keeps a few events' room.
+    Acquired(Box<Granted>),
+    Renewed {
+        expires_at_ms: u64,
+        ttl_ms: u64,
+    },
+    Lost(LostReason),
+    Timeout {
+        busy: Box<Busy>,
+        waited: Duration,
+    },
+    Failed(Box<Error>),
+}
+
+/// The events of one hold not yet handed to its client, and whether the
+/// client is still there.
+///
+/// A hold has no task or channel of its own: [`Core::hold`] runs inside the
+/// client's response stream, which polls it and then hands out what it
+/// reported (with ten thousand holds, a task and a channel each were a
+/// fifth of the sidecar's memory). The stream leaves when the client
+/// closes it, and lets the hold finish elsewhere: stop waiting, or release.
+#[derive(Default)]
+pub struct HoldEvents {
+    /// Reported and not yet handed out, oldest first.
+    pub(super) queue: Mutex<VecDeque<HoldEvent>>,
+    /// Cancelled when the client has gone.
+    pub(super) left: CancellationToken,
+}
+
+impl HoldEvents {
+    /// Queues `event`. A position update replaces one not yet handed out.
+    /// Returns false, queuing nothing, once the client has gone.
+    pub fn send(&self, event: HoldEvent) -> bool {
+        if self.left.is_cancelled() {
+            return false;
+        }
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if let (HoldEvent::Queued { .. }, Some(last @ HoldEvent::Queued { .. })) =
+            (&event, queue.back_mut())
+        {
+            *last = event;
+        } else {
+            queue.push_back(event);
+        }
+        true
+    }
+
+    /// The oldest event not yet handed out.
+    pub fn next(&self) -> Option<HoldEvent> {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let event = queue.pop_front();
+        if queue.is_empty() {
+            // A hold spends nearly all its life with nothing to report.
+            queue.shrink_to_fit();
+        }
+        event
+    }
+
+    /// Cancelled to mark the client gone: the hold stops waiting or
+    /// releases its lease.
+    pub fn left(&self) -> &CancellationToken {
+        &self.left
+    }
+}
+
+impl Core {
+    /// Runs a hold stream: acquire, then renew every ttl/3 until the client
+    /// goes away (release), the lease is lost, or the sidecar shuts down.
+    /// Events go to `events`; the stream ends when this returns. Leaving
+    /// (cancelling `events.left()`) ends it early: the wait is given up, a
+    /// lease released.
+    ///
+    /// The claim comes boxed: an argument stays part of the hold's state
+    /// for as long as the lock is held, a box only while it is acquired.
+    pub async fn hold(&self, claim: Box<Claim>, wait: Duration, events: &HoldEvents) {
+        // Boxed and dropped once done: inline, the acquire's state would
+        // stay part of the hold for as long as the lock is held.
+        let outcome = Box::pin(async move {
+            self.acquire_for(&claim, wait, &events.left, Some(events))
+                .await
+        })
+        .await;
+        let granted = match outcome {
+            Ok(Outcome::Granted(g)) => g,
+            Ok(Outcome::Busy { busy, waited }) => {
+                events.send(HoldEvent::Timeout {
+                    busy: Box::new(busy),
+                    waited,
+                });
+                return;
+            }
+            Ok(Outcome::Cancelled) => {
+                if self.shutdown.is_cancelled() {
+                    events.send(HoldEvent::Lost(LostReason::Shutdown));
+                }
+                return;
+            }
+            Err(e) => {
+                events.send(HoldEvent::Failed(Box::new(e)));
+                return;
+            }
+        };
+        let lease = granted.lease.clone();
+        let supervise = granted.supervise_here;
+        if self.shutdown.is_cancelled() {
+            // Granted by an attempt already in flight when shutdown began.
+            Box::pin(self.release_fully(&lease)).await;
+            events.send(HoldEvent::Lost(LostReason::Shutdown));
+            return;
+        }
+        if !events.send(HoldEvent::Acquired(Box::new(granted))) {
+            // The client left as the grant arrived.
+            let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+            if supervise {
+                self.supervise_elsewhere(&lease);
+            }
+            return;
+        }
+        self.watchdog(&lease, events, supervise).await;
+    }
+
+    // The rare ends (release, shutdown) are boxed: inline, their state
+    // would be part of every hold for as long as it waits for the next renewal.
+    // With `supervise`, the lease's expiry timer runs here too (its
+    // checkpoints and renewals share one timer), and goes to the shared
+    // timer if the hold ends before the lease.
+    pub(super) async fn watchdog(
+        &self,
+        lease: &Arc<Local>,
+        events: &HoldEvents,
+        mut supervise: bool,
+    ) {
+        let every = (lease.ttl / 3).max(Duration::from_millis(1));
+        // After a failed renewal, try again sooner: the lease is running out.
+        let retry = (every / 3).max(Duration::from_millis(1));
+        let mut next = after(every);
+        loop {
+            if let Some(&end) = lease.end.get() {
+                let reason = match end {
+                    End::Lost(reason) => reason,
+                    End::Released => LostReason::Released,
+                };
+                events.send(HoldEvent::Lost(reason));
+                return;
+            }
+            let capped = lease.cap_ms.is_some_and(|cap| {
+                lease.expires_at_ms().saturating_add(drift_ms(lease.ttl)) >= cap
+            });
+            let (seen, checkpoint) = expiry_checkpoint(lease);
+            let checkpoint = instant_at(checkpoint);
+            // The next renewal and the expiry checkpoint share one timer
+            // until the renewal starts; then the renewal races the
+            // checkpoint, and whether it is under way is read before it is
+            // dropped (a dropped renewal no longer counts as under way).
+            let tick = async {
+                if capped || (supervise && checkpoint <= next) {
+                    if !supervise {
+                        return std::future::pending().await;
+                    }
+                    sleep_until(checkpoint).await;
+                    return Tick::Checkpoint(lease.renewing.load(Ordering::Relaxed));
+                }
+                sleep_until(next).await;
+                // Boxed: the hold sleeps far more than it renews.
+                let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl)));
+                if !supervise {
+                    return Tick::Renewed(renewal.await.ok());
+                }
+                tokio::select! {
+                    renewed = renewal => Tick::Renewed(renewed.ok()),
+                    renewing = async {
+                        sleep_until(checkpoint).await;
+                        lease.renewing.load(Ordering::Relaxed)
+                    } => Tick::Checkpoint(renewing),
+                }
+            };
+            // The renewal races the lease's end: a lease given up while a
+            // renewal hangs on an unreachable backend is reported at once.
+            tokio::select! {
+                tick = tick => match tick {
+                    Tick::Renewed(Some(expires_at_ms)) => {
+                        next = after(every);
+                        let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
+                        events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
+                    }
+                    // On an error, `ended` fires next if the lease is lost; in an
+                    // outage the lease may still be valid and the expiry timer decides.
+                    Tick::Renewed(None) => next = after(retry),
+                    Tick::Checkpoint(renewing) => {
+                        supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
+                    }
+                },
+                // The top of the loop reports the end.
+                () = lease.ended.cancelled() => {}
+                () = events.left.cancelled() => {
+                    let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+                    if supervise {
+                        // Still held (re-entered, or the release failed).
+                        self.supervise_elsewhere(lease);
+                    }
+                    return;
+                }
+                () = self.shutdown.cancelled() => {
+                    events.send(HoldEvent::Lost(LostReason::Shutdown));
+                    Box::pin(self.release_fully(lease)).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Releases every hold count of a local lease and ends it as lost by shutdown.
+    pub(super) async fn release_fully(&self, lease: &Local) {
+        for _ in 0..=lease.count() {
+            match self
+                .op("release", self.backend.release(&lease.key, &lease.token))
+                .await
+            {
+                Ok(Some(n)) if n > 0 => continue,
+                _ => break,
+            }
+        }
+        self.end(lease, End::Lost(LostReason::Shutdown));
+    }
+
+    /// Releases everything this sidecar holds (shutdown). Returns how many.
+    pub async fn release_everything(&self) -> usize {
+        let all: Vec<Arc<Local>> = self.lock_leases().values().cloned().collect();
+        for lease in &all {
+            self.release_fully(lease).await;
+        }
+        all.len()
+    }
+
+    /// Hands the expiry timer of `lease` to the shared timer
+    /// ([`expiry::Expiries`]), unless it has ended.
+    ///
+    /// The expiry timer of a lease: a safety margin before its expiry, it
+    /// gives the lease up if a renewal through this sidecar is failing or
+    /// still under way (the backend is unreachable from here, and may grant
+    /// the lock elsewhere at the expiry). At its expiry, it asks the backend
+    /// whether the lease still holds (it may have been renewed through
+    /// another sidecar) and ends it as expired if not.
+    pub(super) fn supervise_elsewhere(&self, lease: &Arc<Local>) {
+        self.expiries.file(self, lease);
+    }
+
+    /// The expiry timer's look at `lease` at its checkpoint, `seen` its
+    /// expiry when the checkpoint was set, `renewing` whether a renewal was
+    /// under way there. False once the lease has ended.
+    pub(super) async fn check_expiry(&self, lease: &Arc<Local>, seen: u64, renewing: bool) -> bool {
+        match self.look(lease, seen, renewing) {
+            Look::Ended => false,
+            Look::Again => true,
+            Look::Ask => self.ask_expired(lease).await,
+        }
+    }
+
+    /// What [`Core::check_expiry`] can tell without the backend.
+    pub(super) fn look(&self, lease: &Arc<Local>, seen: u64, renewing: bool) -> Look {
+        if lease.end.get().is_some() {
+            return Look::Ended;
+        }
+        if lease.expires_at_ms() != seen {
+            return Look::Again;
+        }
+        if renewing {
+            self.revoke(lease);
+            return Look::Ended;
+        }
+        if seen > now_ms() {
+            return Look::Again;
+        }
+        Look::Ask
+    }
+
+    /// Asks the backend about `lease`, past its expiry by our clock; ends it
+    /// unless renewed through another sidecar. False once it has ended.
+    pub(super) async fn ask_expired(&self, lease: &Arc<Local>) -> bool {
+        match self
+            .op("status", self.backend.status(&lease.key, &lease.token))
+            .await
+        {
+            Ok(Status::Held { expires_at_ms }) => {
+                // Renewed through another sidecar. The floor stops a backend
+                // whose clock runs behind ours from making this loop spin.
+                lease.set(Some(expires_at_ms.max(now_ms().saturating_add(10))), None);
+                true
+            }
+            Ok(Status::Gone(loss)) => {
+                self.lapsed(lease, loss);
+                false
+            }
+            // Past its expiry by our clock and unconfirmable: nobody here renewed it.
+            Err(_) => {
+                self.lapsed(lease, Loss::Expired);
+                false
+            }
+        }
+    }
+
+    /// Starts ending local leases as soon as the backend reports them lost
+    /// ([`Backend::losses`]), in a task that stops at shutdown. Without it a
+    /// loss reaches holders only at their next renewal or expiry check.
+    pub fn follow_losses(self: &Arc<Self>) {
+        let Some(mut losses) = self.backend.losses() else {
+            return;
+        };
+        let me = self.clone();
+        self.tasks.spawn(async move {
+            loop {
+                let received = tokio::select! {
+                    () = me.shutdown.cancelled() => return,
+                    r = losses.recv() => r,
+                };
+                match received {
+                    Ok(token) => {
+                        if let Some(local) = me.local(&token) {
+                            me.end(&local, End::Lost(LostReason::Backend));
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        // Some tokens were missed: ask about every lease.
+                        let all: Vec<Arc<Local>> = me.lock_leases().values().cloned().collect();
+                        for local in all {
+                            let status = me
+                                .op("status", me.backend.status(&local.key, &local.token))
+                                .await;
+                            if let Ok(Status::Gone(_)) = status {
+                                me.end(&local, End::Lost(LostReason::Backend));
+                            }
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+    }
+
+    /// Marks a lease that the expiry timer found gone.
+    pub(super) fn lapsed(&self, lease: &Local, loss: Loss) {
+        let reason = match loss {
+            Loss::Expired => lapse_reason(lease),
+            Loss::ForceReleased => LostReason::ForceReleased,
+            Loss::Backend => LostReason::Backend,
+        };
+        self.end(lease, End::Lost(reason));
+    }
+}
+
+/// What woke a hold's watchdog.
+pub(super) enum Tick {
+    /// A renewal ended, with the new expiry if it worked.
+    Renewed(Option<u64>),
+    /// The expiry checkpoint came; whether a renewal was under way then.
+    Checkpoint(bool),
+}
+
+/// What the expiry timer found at a checkpoint, before asking the backend.
+pub(super) enum Look {
+    /// The lease has ended (or was given up now).
+    Ended,
+    /// Not due yet: look again at the next checkpoint.
+    Again,
+    /// Past its expiry by our clock: ask the backend.
+    Ask,
+}
+
+/// When the expiry timer next looks at `lease`: its expiry as seen now,
+/// and the safety margin before it (the expiry itself once inside the margin).
+pub(super) fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
+    let expires_at_ms = lease.expires_at_ms();
+    let margin = margin_ms(lease.ttl);
+    let checkpoint = if expires_at_ms > now_ms().saturating_add(margin) {
+        expires_at_ms - margin
+    } else {
+        expires_at_ms
+    };
+    (expires_at_ms, checkpoint)
+}
+
+/// How long before a lease's expiry the sidecar gives it up when its
+/// renewals cannot reach the backend: the drift allowance plus a tenth of the
+/// ttl, so that the holder is told `lost` before the backend can expire the
+/// lease and grant it to another sidecar.
+pub fn margin_ms(ttl: Duration) -> u64 {
+    drift_ms(ttl).saturating_add(ms(ttl) / 10)
+}
+
+/// Why a lease the backend no longer has ended: `max_hold` if renewals had
+/// reached its cap, `expired` if its time was up, else `backend` (it
+/// vanished while still valid: key deleted, token overwritten, data lost).
+pub(super) fn lapse_reason(lease: &Local) -> LostReason {
+    let now = now_ms();
+    match lease.cap_ms {
+        Some(cap) if now.saturating_add(drift_ms(lease.ttl)) >= cap => LostReason::MaxHold,
+        _ if now < lease.expires_at_ms() => LostReason::Backend,
+        _ => LostReason::Expired,
+    }
+}

@@ -1,0 +1,216 @@
+//! Ending and extending leases: release, keepalive, and giving up a lease
+//! whose renewals cannot reach the backend (revoked: 410 from then on,
+//! released in the backend once it answers).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::clock::{ms, now_ms};
+use crate::error::Error;
+use crate::lock::{LockKey, LostReason, Token};
+
+use super::Core;
+use super::event::EventType;
+use super::hold::{lapse_reason, margin_ms};
+use super::lease::{End, Local, Underway};
+
+impl Core {
+    /// Ends a local lease once: removes it, counts it, publishes the event.
+    /// Returns false if it had ended already.
+    pub(super) fn end(&self, local: &Local, end: End) -> bool {
+        if local.end.set(end).is_err() {
+            return false;
+        }
+        local.ended.cancel();
+        self.expiries.remove(local);
+        if self.lock_leases().remove(&local.token).is_some() {
+            self.held_slots.fetch_sub(1, Ordering::AcqRel);
+        }
+        let m = &self.metrics;
+        m.held.with_label_values(&[local.key.kind.as_str()]).dec();
+        let held = Duration::from_millis(now_ms().saturating_sub(local.since_ms));
+        m.observe(&m.hold, &local.key, held);
+        let mut event = match end {
+            End::Released => local.event(EventType::Released, &self.sidecar),
+            End::Lost(reason) => {
+                m.lost.with_label_values(&[reason.as_str()]).inc();
+                let kind = match reason {
+                    LostReason::Expired | LostReason::MaxHold => {
+                        m.expirations
+                            .with_label_values(&[local.key.kind.as_str()])
+                            .inc();
+                        EventType::Expired
+                    }
+                    LostReason::ForceReleased => EventType::ForceReleased,
+                    _ => EventType::Lost,
+                };
+                let mut e = local.event(kind, &self.sidecar);
+                e.reason = Some(reason);
+                e
+            }
+        };
+        event.held_ms = Some(ms(held));
+        self.publish(event);
+        true
+    }
+
+    /// Releases one hold of a lease by its token.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<u32, Error> {
+        if self.is_revoked(token) {
+            return Err(Error::LeaseLost);
+        }
+        let result = self.op("release", self.backend.release(key, token)).await?;
+        let local = self.local_on(key, token);
+        match (result, local) {
+            (Some(0), Some(local)) => {
+                self.end(&local, End::Released);
+                Ok(0)
+            }
+            (Some(n), Some(local)) => {
+                local.set(None, Some(n));
+                Ok(n)
+            }
+            (Some(n), None) => Ok(n),
+            (None, local) => {
+                if let Some(local) = local {
+                    self.end(&local, End::Lost(LostReason::Expired));
+                }
+                Err(Error::LeaseLost)
+            }
+        }
+    }
+
+    /// The ttl of a lease on `key` granted through this sidecar.
+    pub fn lease_ttl(&self, key: &LockKey, token: &Token) -> Option<Duration> {
+        self.local_on(key, token).map(|l| l.ttl)
+    }
+
+    /// Extends a lease to `ttl` (default: its own) from now.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
+    pub async fn keepalive(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<u64, Error> {
+        if self.is_revoked(token) {
+            self.metrics.renewals.with_label_values(&["lost"]).inc();
+            return Err(Error::LeaseLost);
+        }
+        let renewal = self.op("renew", self.backend.renew(key, token, ttl));
+        let renewed = match self.local_on(key, token) {
+            Some(local) => {
+                local.renewing.store(true, Ordering::Relaxed);
+                let mut underway = Underway(Some(&local.renewing));
+                let renewed = tokio::select! {
+                    renewed = renewal => renewed,
+                    // A renewal hanging on an unreachable backend must not
+                    // outlive the lease: its client learns with the others.
+                    () = local.ended.cancelled() => {
+                        self.metrics.renewals.with_label_values(&["lost"]).inc();
+                        return Err(Error::LeaseLost);
+                    }
+                };
+                // Finished: its result decides the mark below.
+                underway.0 = None;
+                renewed
+            }
+            None => renewal.await,
+        };
+        let local = self.local_on(key, token);
+        match renewed {
+            // Given up while the renewal was under way: the client was told.
+            Ok(Some(_)) if local.is_none() && self.is_revoked(token) => {
+                self.metrics.renewals.with_label_values(&["lost"]).inc();
+                Err(Error::LeaseLost)
+            }
+            Ok(Some(expires_at_ms)) => {
+                self.metrics.renewals.with_label_values(&["ok"]).inc();
+                if let Some(local) = local {
+                    local.set(Some(expires_at_ms), None);
+                    local.renewing.store(false, Ordering::Relaxed);
+                }
+                Ok(expires_at_ms)
+            }
+            Ok(None) => {
+                self.metrics.renewals.with_label_values(&["lost"]).inc();
+                if let Some(local) = local {
+                    let reason = lapse_reason(&local);
+                    self.end(&local, End::Lost(reason));
+                }
+                Err(Error::LeaseLost)
+            }
+            Err(e) => {
+                self.metrics.renewals.with_label_values(&["error"]).inc();
+                // Too close to its expiry for another try to be safe.
+                if let Some(local) = local
+                    && now_ms().saturating_add(margin_ms(local.ttl)) >= local.expires_at_ms()
+                {
+                    self.revoke(&local);
+                }
+                // Given up now or while the renewal was under way.
+                if self.is_revoked(token) {
+                    Err(Error::LeaseLost)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// Gives up a lease whose renewals cannot reach the backend, before the
+    /// backend can expire it and grant it to someone else: ends it as lost
+    /// (the client is told now), answers 410 for its token from here on, and
+    /// releases it in the backend once the backend answers again.
+    pub(super) fn revoke(&self, lease: &Arc<Local>) {
+        // Marked before the end, so no request sees it neither held nor revoked.
+        self.lock_revoked().insert(lease.token.clone());
+        if !self.end(lease, End::Lost(LostReason::Unreachable)) {
+            // It had ended already, and the client was told how.
+            self.lock_revoked().remove(&lease.token);
+            return;
+        }
+        tracing::warn!(
+            lock = %lease.key,
+            owner = %lease.owner,
+            "backend unreachable near the lease's expiry; lease given up"
+        );
+        if let Some(me) = self.me.upgrade() {
+            self.tasks.spawn(me.release_revoked(lease.clone()));
+        }
+    }
+
+    /// Releases a revoked lease in the backend, retrying until the backend
+    /// answers (it may have expired the lease meanwhile) or the token is
+    /// granted again.
+    pub(super) async fn release_revoked(self: Arc<Self>, lease: Arc<Local>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if !self.is_revoked(&lease.token) {
+                return;
+            }
+            match self
+                .op("release", self.backend.release(&lease.key, &lease.token))
+                .await
+            {
+                Ok(Some(n)) if n > 0 => continue,
+                Ok(_) => {
+                    self.lock_revoked().remove(&lease.token);
+                    return;
+                }
+                Err(_) => {}
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+}
