@@ -1,0 +1,106 @@
+//! What the lock routes answer: the JSON bodies, as the OpenAPI document
+//! lists them.
+
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::backend::{Holder, StaleKey, Waiter};
+use crate::clock::ms;
+use crate::core::Granted;
+use crate::lock::{Held, Kind};
+
+/// A granted lease (acquire's 200 and the hold stream's `acquired` event).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Acquired {
+    pub name: String,
+    pub kind: Kind,
+    /// Secret needed to release or renew; keep it private.
+    pub token: String,
+    /// Strictly increasing per name across all grants; pass it to the protected resource.
+    pub fence: u64,
+    /// `exclusive` or `shared` for a lock, `permit` for a semaphore.
+    pub mode: Held,
+    pub owner: String,
+    /// Hold count (above 1 after re-entry).
+    pub count: u32,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+    pub waited_ms: u64,
+}
+
+/// Release result.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Released {
+    /// False while a re-entrant hold count is still above zero.
+    pub released: bool,
+    /// Remaining hold count.
+    pub count: u32,
+}
+
+/// Keepalive result (also the hold stream's `renewed` event).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Renewed {
+    pub expires_at_ms: u64,
+    pub ttl_ms: u64,
+}
+
+/// The global state of one lock or semaphore.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockView {
+    pub name: String,
+    pub kind: Kind,
+    /// Highest fence granted so far (0 if never).
+    pub fence: u64,
+    /// Permits of a semaphore in use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    pub holders: Vec<Holder>,
+    pub waiters: Vec<Waiter>,
+}
+
+/// One held or contended lock.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockRow {
+    pub name: String,
+    pub kind: Kind,
+    pub holders: usize,
+    pub waiters: usize,
+    pub fence: u64,
+}
+
+/// A page of held or contended locks and semaphores.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockList {
+    pub locks: Vec<LockRow>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// Stale keys.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StaleList {
+    pub stale: Vec<StaleKey>,
+}
+
+/// Force-release result.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForceReleased {
+    /// Number of leases removed.
+    pub released: usize,
+}
+
+pub(super) fn acquired(g: &Granted) -> Acquired {
+    let lease = &g.lease;
+    Acquired {
+        name: lease.key.name.to_string(),
+        kind: lease.key.kind,
+        token: lease.token.expose().to_owned(),
+        fence: lease.fence,
+        mode: Held::of(lease.key.kind, lease.mode),
+        owner: lease.owner.clone(),
+        count: g.count,
+        ttl_ms: ms(lease.ttl),
+        expires_at_ms: g.expires_at_ms,
+        waited_ms: ms(g.waited),
+    }
+}

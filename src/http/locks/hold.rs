@@ -1,0 +1,197 @@
+//! The hold stream (`GET …/hold`): an acquire whose lease lives as long as
+//! the response, renewed by the sidecar's watchdog, with its events as SSE;
+//! and [`Finishing`], which lets a request's work finish after its client
+//! left.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures::Stream;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::ms;
+use crate::core::{HoldEvent, HoldEvents};
+use crate::error::Error;
+use crate::http::App;
+use crate::lock::LockKey;
+
+use super::answers::{Renewed, acquired};
+use super::ask::Ask;
+
+/// Keep-alive comments on SSE streams: at least this often.
+pub(super) const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// Work a request runs in its own task that must not stop midway (an
+/// acquire could lose a grant, a hold its release). Dropped unfinished (the
+/// client left), it cancels `left` and finishes in a task, where the work
+/// gives up its wait or releases what it got. (A task per request from the
+/// start would cost every request a hand-over between tasks, and every hold
+/// a task.)
+pub(super) struct Finishing<T: Send + 'static> {
+    /// The work until it has returned.
+    work: Option<futures::future::BoxFuture<'static, T>>,
+    /// Tells the work that its client left.
+    left: CancellationToken,
+    /// Where unfinished work finishes.
+    tasks: tokio_util::task::TaskTracker,
+}
+
+impl<T: Send + 'static> Finishing<T> {
+    pub(super) fn new(
+        work: impl Future<Output = T> + Send + 'static,
+        left: CancellationToken,
+        tasks: &tokio_util::task::TaskTracker,
+    ) -> Self {
+        Self {
+            work: Some(Box::pin(work)),
+            left,
+            tasks: tasks.clone(),
+        }
+    }
+
+    pub(super) fn is_done(&self) -> bool {
+        self.work.is_none()
+    }
+}
+
+impl<T: Send + 'static> Future for Finishing<T> {
+    type Output = T;
+
+    /// # Panics
+    /// When polled after it returned (the `Future` contract).
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<T> {
+        let work = self
+            .work
+            .as_mut()
+            .expect("Finishing polled after it returned");
+        let output = std::task::ready!(work.as_mut().poll(cx));
+        self.work = None;
+        std::task::Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for Finishing<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else {
+            return;
+        };
+        self.left.cancel();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.tasks.spawn_on(
+                async move {
+                    work.await;
+                },
+                &runtime,
+            );
+        }
+    }
+}
+
+pub(super) fn sse_json(name: &str, data: &impl Serialize) -> SseEvent {
+    SseEvent::default()
+        .event(name)
+        .json_data(data)
+        .unwrap_or_else(|_| SseEvent::default().comment("unserialisable event"))
+}
+
+pub(super) fn hold_event(event: HoldEvent) -> SseEvent {
+    match event {
+        HoldEvent::Queued {
+            position,
+            queue_length,
+        } => sse_json(
+            "queued",
+            &serde_json::json!({ "position": position, "queue_length": queue_length }),
+        ),
+        HoldEvent::Acquired(g) => sse_json("acquired", &acquired(&g)),
+        HoldEvent::Renewed {
+            expires_at_ms,
+            ttl_ms,
+        } => sse_json(
+            "renewed",
+            &Renewed {
+                expires_at_ms,
+                ttl_ms,
+            },
+        ),
+        HoldEvent::Lost(reason) => sse_json("lost", &serde_json::json!({ "reason": reason })),
+        HoldEvent::Timeout { busy, waited } => sse_json(
+            "timeout",
+            &serde_json::json!({
+                "waited_ms": ms(waited),
+                "queue_length": busy.queue_length,
+                "holders": busy.holders,
+            }),
+        ),
+        HoldEvent::Failed(e) => sse_json("error", &e.problem()),
+    }
+}
+
+/// Starts a hold: the lease lives as long as the returned stream is open.
+pub(super) fn hold(
+    app: Arc<App>,
+    key: LockKey,
+    ask: Ask,
+) -> Result<axum::response::Response, Error> {
+    use axum::response::IntoResponse as _;
+    let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
+    if app.core.shutdown.is_cancelled() {
+        return Err(Error::ShuttingDown);
+    }
+    app.core.check_room(!wait.is_zero())?;
+    let events = Arc::new(HoldEvents::default());
+    let core = app.core.clone();
+    let reported = events.clone();
+    let claim = Box::new(claim);
+    let hold = async move { core.hold(claim, wait, &reported).await };
+    let stream = HoldStream {
+        hold: Finishing::new(hold, events.left().clone(), &app.core.tasks),
+        events,
+    };
+    let mut response = Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
+        .into_response();
+    // hyper keeps a response's header map for the connection's next
+    // response, which a hold never sends: sized for the two headers of SSE
+    // (hyper writes transfer-encoding itself), not the default six.
+    let mut headers = HeaderMap::with_capacity(2);
+    headers.extend(response.headers_mut().drain());
+    *response.headers_mut() = headers;
+    Ok(response)
+}
+
+/// A hold's event stream, which also runs the hold: each poll advances it
+/// ([`crate::core::Core::hold`]) and then hands out what it reported. The
+/// connection's task is the hold's only task; when the client leaves, the
+/// hold finishes elsewhere ([`Finishing`]), giving up its wait or releasing
+/// its lease.
+pub(super) struct HoldStream {
+    hold: Finishing<()>,
+    events: Arc<HoldEvents>,
+}
+
+impl Stream for HoldStream {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if !self.hold.is_done() {
+            let _ = std::pin::Pin::new(&mut self.hold).poll(cx);
+        }
+        match self.events.next() {
+            Some(event) => Poll::Ready(Some(Ok(hold_event(event)))),
+            None if self.hold.is_done() => Poll::Ready(None),
+            None => Poll::Pending,
+        }
+    }
+}
