@@ -17,6 +17,8 @@
 //! throttled per peer (see [`crate::http::throttle`]).
 
 mod assets;
+mod chart;
+mod format;
 pub mod session;
 pub mod stats;
 pub mod view;
@@ -368,7 +370,6 @@ mod tests {
         Identity {
             sidecar: sidecar.into(),
             backend_url: "memory://".into(),
-            backend_kind: "memory",
             safety: Safety::SingleProcess,
             started_at_ms: NOW - 3_600_000,
             held_here: 0,

@@ -31,9 +31,11 @@ pub const BUCKET_MS: u64 = 5_000;
 /// Buckets kept: 15 minutes.
 pub const BUCKETS: usize = 180;
 
-/// Cumulative totals read from the metric families at one moment.
+/// Acquire counts and the wait histogram: cumulative at one moment (as
+/// [`Counts::read`] takes them from the metric families), or over an interval
+/// (as [`Counts::since`] takes the difference of two).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct Totals {
+pub(crate) struct Counts {
     granted: u64,
     busy: u64,
     timeout: u64,
@@ -46,10 +48,10 @@ pub(crate) struct Totals {
     wait_sum: f64,
 }
 
-impl Totals {
+impl Counts {
     /// Reads the current totals.
     pub(crate) fn read(metrics: &Metrics) -> Self {
-        let mut t = Totals::default();
+        let mut t = Self::default();
         for family in metrics.acquires.collect() {
             for metric in family.get_metric() {
                 let result = metric
@@ -85,7 +87,7 @@ impl Totals {
     }
 
     /// What happened between `earlier` and `self`.
-    fn since(&self, earlier: &Totals) -> Delta {
+    fn since(&self, earlier: &Counts) -> Counts {
         let wait = self
             .wait
             .iter()
@@ -95,7 +97,7 @@ impl Totals {
                 (le, n.saturating_sub(before))
             })
             .collect();
-        Delta {
+        Counts {
             granted: self.granted.saturating_sub(earlier.granted),
             busy: self.busy.saturating_sub(earlier.busy),
             timeout: self.timeout.saturating_sub(earlier.timeout),
@@ -105,18 +107,6 @@ impl Totals {
             wait_sum: (self.wait_sum - earlier.wait_sum).max(0.0),
         }
     }
-}
-
-/// Counts over one interval; `wait` holds cumulative bucket counts.
-#[derive(Debug, Clone, Default)]
-struct Delta {
-    granted: u64,
-    busy: u64,
-    timeout: u64,
-    other: u64,
-    wait: Vec<(f64, u64)>,
-    wait_count: u64,
-    wait_sum: f64,
 }
 
 /// The `q` quantile (0..1) of a histogram given as cumulative bucket counts,
@@ -210,7 +200,7 @@ fn three_decimals_opt<S: serde::Serializer>(x: &Option<f64>, s: S) -> Result<S::
 }
 
 impl Bucket {
-    fn new(start_ms: u64, elapsed_ms: u64, partial: bool, d: &Delta) -> Self {
+    fn new(start_ms: u64, elapsed_ms: u64, partial: bool, d: &Counts) -> Self {
         let pct = |q| quantile(&d.wait, q).map(|s| s * 1000.0);
         Bucket {
             start_ms,
@@ -254,10 +244,10 @@ pub struct Recent {
 struct Ring {
     /// Start of the running bucket.
     start_ms: u64,
-    /// Totals at `start_ms`.
-    base: Totals,
+    /// Counts at `start_ms`.
+    base: Counts,
     /// Finished buckets with their raw deltas (for percentiles over windows).
-    done: VecDeque<(Bucket, Delta)>,
+    done: VecDeque<(Bucket, Counts)>,
 }
 
 /// The chart history of one sidecar.
@@ -275,7 +265,7 @@ impl Stats {
         Stats {
             ring: Mutex::new(Ring {
                 start_ms: now_ms(),
-                base: Totals::read(metrics),
+                base: Counts::read(metrics),
                 done: VecDeque::with_capacity(BUCKETS),
             }),
         }
@@ -286,7 +276,7 @@ impl Stats {
     }
 
     /// Closes the running bucket at `at_ms` with `totals`, starting the next.
-    fn close(&self, at_ms: u64, totals: Totals) {
+    fn close(&self, at_ms: u64, totals: Counts) {
         let mut ring = self.lock();
         if at_ms <= ring.start_ms {
             return;
@@ -305,7 +295,7 @@ impl Stats {
     /// The history, ending with the running bucket as of now.
     pub fn view(&self, metrics: &Metrics) -> StatsView {
         let now = now_ms();
-        let totals = Totals::read(metrics);
+        let totals = Counts::read(metrics);
         let ring = self.lock();
         let mut buckets: Vec<Bucket> = ring.done.iter().map(|(b, _)| b.clone()).collect();
         let running = totals.since(&ring.base);
@@ -323,10 +313,10 @@ impl Stats {
         }
     }
 
-    /// Totals over the finished buckets of the last `window_ms` plus the running one.
+    /// Counts over the finished buckets of the last `window_ms` plus the running one.
     pub fn recent(&self, metrics: &Metrics, window_ms: u64) -> Recent {
         let now = now_ms();
-        let totals = Totals::read(metrics);
+        let totals = Counts::read(metrics);
         let ring = self.lock();
         let from = now.saturating_sub(window_ms);
         let mut sum = totals.since(&ring.base);
@@ -362,7 +352,7 @@ pub async fn sample(core: Arc<Core>, stats: Arc<Stats>) {
             () = core.shutdown.cancelled() => return,
             () = tokio::time::sleep_until(instant_at(next)) => {}
         }
-        stats.close(now_ms(), Totals::read(&core.metrics));
+        stats.close(now_ms(), Counts::read(&core.metrics));
     }
 }
 
@@ -411,12 +401,12 @@ mod tests {
 
     #[test]
     fn figures_are_written_with_at_most_three_decimals() {
-        let d = Delta {
+        let d = Counts {
             granted: 1,
             wait: vec![(0.1, 0), (0.25, 3), (f64::INFINITY, 3)],
             wait_count: 1,
             wait_sum: 0.00009,
-            ..Delta::default()
+            ..Counts::default()
         };
         let json = serde_json::to_value(Bucket::new(0, 3000, true, &d)).unwrap();
         assert_eq!(
@@ -440,7 +430,7 @@ mod tests {
         }
         m.acquired(&k, "busy");
         let start = stats.lock().start_ms;
-        stats.close(start + BUCKET_MS, Totals::read(&m));
+        stats.close(start + BUCKET_MS, Counts::read(&m));
         m.acquired(&k, "timeout");
         m.acquired(&k, "granted");
         m.observe(&m.wait, &k, Duration::from_secs(3));
@@ -470,7 +460,7 @@ mod tests {
         let mut at = stats.lock().start_ms;
         for _ in 0..BUCKETS + 20 {
             at += BUCKET_MS;
-            stats.close(at, Totals::read(&m));
+            stats.close(at, Counts::read(&m));
         }
         assert_eq!(stats.view(&m).buckets.len(), BUCKETS + 1);
     }

@@ -6,11 +6,14 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use super::stats::{BUCKET_MS, Recent, StatsView};
 use crate::backend::{Safety, StaleKey};
 use crate::error::Error;
 use crate::http::App;
 use crate::lock::{LockKey, Name};
+
+use super::chart::{Charts, charts};
+use super::format::{fmt_duration_ms, fmt_latency_ms, fmt_rate, fmt_utc};
+use super::stats::{Recent, StatsView};
 
 /// Locks per page unless `limit` says otherwise.
 pub const DEFAULT_LIMIT: usize = 50;
@@ -175,7 +178,6 @@ pub struct LockGroup {
     pub kind: &'static str,
     /// `locks` or `semaphores` (API path segment).
     pub path: &'static str,
-    pub fence: u64,
     pub limit: Option<u32>,
     pub holders: Vec<HolderRow>,
     pub waiters: Vec<WaiterRow>,
@@ -215,51 +217,6 @@ pub struct Tiles {
     pub wait_p99: String,
 }
 
-/// An axis label of a chart.
-#[derive(Debug, Clone)]
-pub struct Tick {
-    pub label: String,
-    /// Position in chart units (0 at the bottom).
-    pub y: f64,
-}
-
-/// One bar of the acquisitions chart, in chart units.
-#[derive(Debug, Clone)]
-pub struct Bar {
-    pub x: f64,
-    pub width: f64,
-    pub granted_y: f64,
-    pub granted_h: f64,
-    pub refused_y: f64,
-    pub refused_h: f64,
-    pub title: String,
-}
-
-/// One line of the wait chart: SVG paths in chart units.
-#[derive(Debug, Clone)]
-pub struct Line {
-    pub class: &'static str,
-    pub label: &'static str,
-    /// The line through consecutive buckets.
-    pub d: String,
-    /// A marker at every point (zero-length segments drawn with round caps).
-    pub dots: String,
-    /// The percentile over the whole window, for the legend.
-    pub summary: String,
-}
-
-/// The two charts: plot areas are `CHART_BUCKETS` wide and 100 high; labels are HTML.
-#[derive(Debug, Clone, Default)]
-pub struct Charts {
-    pub width: usize,
-    pub bars: Vec<Bar>,
-    pub rate_ticks: Vec<Tick>,
-    pub lines: Vec<Line>,
-    pub wait_ticks: Vec<Tick>,
-    pub x_labels: Vec<&'static str>,
-    pub empty: bool,
-}
-
 /// Everything the page shows.
 #[derive(Debug, Clone)]
 pub struct View {
@@ -267,7 +224,6 @@ pub struct View {
     pub sidecar: String,
     pub version: &'static str,
     pub backend_url: String,
-    pub backend_kind: &'static str,
     pub safety: &'static str,
     pub safety_note: &'static str,
     pub started_at_ms: u64,
@@ -338,7 +294,6 @@ impl View {
 pub struct Identity {
     pub sidecar: String,
     pub backend_url: String,
-    pub backend_kind: &'static str,
     pub safety: Safety,
     pub started_at_ms: u64,
     pub held_here: usize,
@@ -357,13 +312,16 @@ pub struct Listing {
 }
 
 /// Gathers a page from the running sidecar.
-pub async fn gather(app: &Arc<App>, dashboard: &super::Dashboard, q: &PageQuery) -> View {
+pub async fn gather(
+    app: &Arc<App>,
+    dashboard: &crate::dashboard::Dashboard,
+    q: &PageQuery,
+) -> View {
     let core = &app.core;
     let description = core.backend().describe();
     let identity = Identity {
         sidecar: core.sidecar.clone(),
         backend_url: description.url,
-        backend_kind: description.kind.as_str(),
         safety: description.safety,
         started_at_ms: app.started_at_ms,
         held_here: core.held(),
@@ -566,7 +524,6 @@ pub fn build(
                 name: key.name.to_string(),
                 kind: key.kind.as_str(),
                 path: key.kind.plural(),
-                fence: state.fence,
                 limit: state.limit,
                 holders,
                 waiters,
@@ -624,7 +581,6 @@ pub fn build(
         sidecar: id.sidecar,
         version: env!("CARGO_PKG_VERSION"),
         backend_url: id.backend_url,
-        backend_kind: id.backend_kind,
         safety,
         safety_note,
         started_at_ms: id.started_at_ms,
@@ -647,238 +603,9 @@ pub fn build(
     }
 }
 
-/// Rounds `v` up to 1, 2 or 5 times a power of ten.
-fn nice_ceiling(v: f64) -> f64 {
-    if v <= 1.0 {
-        return 1.0;
-    }
-    let magnitude = 10f64.powf(v.log10().floor());
-    for step in [1.0, 2.0, 5.0, 10.0] {
-        if v <= step * magnitude {
-            return step * magnitude;
-        }
-    }
-    10.0 * magnitude
-}
-
-/// The lowest and highest decade on the wait chart, in milliseconds (as log10).
-const WAIT_MIN_DECADE: i32 = -1; // 0.1 ms
-const WAIT_MIN_TOP_DECADE: i32 = 2; // at least up to 100 ms
-
-fn charts(stats: &StatsView, window: &Recent) -> Charts {
-    let window_start =
-        bucket_floor(stats.now_ms).saturating_sub(BUCKET_MS * (CHART_BUCKETS as u64 - 1));
-    let slot = |start_ms: u64| (start_ms.saturating_sub(window_start) / BUCKET_MS) as f64;
-    let visible: Vec<_> = stats
-        .buckets
-        .iter()
-        .filter(|b| b.start_ms >= window_start)
-        .collect();
-
-    let per_second = |n: u64, b: &super::stats::Bucket| {
-        let elapsed = if b.partial {
-            stats.now_ms.saturating_sub(b.start_ms).max(1000)
-        } else {
-            BUCKET_MS
-        };
-        n as f64 * 1000.0 / elapsed as f64
-    };
-    let top = visible
-        .iter()
-        .map(|b| per_second(b.granted + b.busy + b.timeout, b))
-        .fold(0.0, f64::max);
-    let rate_max = nice_ceiling(top);
-    let scale = |v: f64| (v / rate_max * 100.0).min(100.0);
-    let bars = visible
-        .iter()
-        .filter(|b| b.granted + b.busy + b.timeout > 0)
-        .map(|b| {
-            let g = scale(per_second(b.granted, b));
-            let r = scale(per_second(b.busy + b.timeout, b));
-            let ago = stats.now_ms.saturating_sub(b.start_ms);
-            Bar {
-                x: slot(b.start_ms) + 0.1,
-                width: 0.8,
-                granted_y: round2(100.0 - g),
-                granted_h: round2(g),
-                refused_y: round2(100.0 - g - r),
-                refused_h: round2(r),
-                title: format!(
-                    "{} ago: {} granted ({}/s), {} busy, {} timed out",
-                    fmt_duration_ms(ago - ago % 1000),
-                    b.granted,
-                    fmt_rate(per_second(b.granted, b)),
-                    b.busy,
-                    b.timeout
-                ),
-            }
-        })
-        .collect();
-    let rate_ticks = [1.0, 0.5, 0.0]
-        .iter()
-        .map(|f| Tick {
-            label: format!("{}/s", fmt_rate(rate_max * f)),
-            y: round2(f * 100.0),
-        })
-        .collect();
-
-    let highest = visible
-        .iter()
-        .filter_map(|b| b.wait_p99_ms)
-        .fold(0.0, f64::max);
-    let top_decade = if highest > 0.0 {
-        (highest.log10().ceil() as i32).max(WAIT_MIN_TOP_DECADE)
-    } else {
-        WAIT_MIN_TOP_DECADE
-    };
-    let decades = f64::from(top_decade - WAIT_MIN_DECADE);
-    let y_of = |ms: f64| {
-        let v = ms.max(10f64.powi(WAIT_MIN_DECADE)).log10();
-        ((v - f64::from(WAIT_MIN_DECADE)) / decades * 100.0).clamp(0.0, 100.0)
-    };
-    let line =
-        |class, label, summary: Option<f64>, pick: fn(&super::stats::Bucket) -> Option<f64>| {
-            let mut d = String::new();
-            let mut dots = String::new();
-            let mut previous: Option<f64> = None;
-            for b in &visible {
-                let x = slot(b.start_ms) + 0.5;
-                match pick(b) {
-                    Some(ms) => {
-                        let y = 100.0 - y_of(ms);
-                        let joined = previous.is_some_and(|px| x - px <= 1.5);
-                        d.push_str(&format!("{}{x:.1} {y:.2} ", if joined { "L" } else { "M" }));
-                        dots.push_str(&format!("M{x:.1} {y:.2} L{x:.1} {y:.2} "));
-                        previous = Some(x);
-                    }
-                    None => previous = None,
-                }
-            }
-            Line {
-                class,
-                label,
-                d: d.trim_end().to_owned(),
-                dots: dots.trim_end().to_owned(),
-                summary: summary.map_or_else(|| "–".into(), fmt_latency_ms),
-            }
-        };
-    let lines = vec![
-        line("p50", "p50", window.wait_p50_ms, |b| b.wait_p50_ms),
-        line("p90", "p90", window.wait_p90_ms, |b| b.wait_p90_ms),
-        line("p99", "p99", window.wait_p99_ms, |b| b.wait_p99_ms),
-    ];
-    let wait_ticks = (WAIT_MIN_DECADE..=top_decade)
-        .rev()
-        .map(|decade| Tick {
-            label: fmt_latency_ms(10f64.powi(decade)),
-            y: round2(y_of(10f64.powi(decade))),
-        })
-        .collect();
-    Charts {
-        width: CHART_BUCKETS,
-        empty: visible.iter().all(|b| b.granted + b.busy + b.timeout == 0),
-        bars,
-        rate_ticks,
-        lines,
-        wait_ticks,
-        x_labels: vec!["5 min ago", "4 min", "3 min", "2 min", "1 min", "now"],
-    }
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
-}
-
-fn bucket_floor(ms: u64) -> u64 {
-    ms - ms % BUCKET_MS
-}
-
-/// `850 ms`, `12 s`, `2m 03s`, `1h 02m`, `3d 04h` (the same as the page's script).
-pub fn fmt_duration_ms(ms: u64) -> String {
-    let s = ms / 1000;
-    if ms < 1000 {
-        format!("{ms} ms")
-    } else if s < 60 {
-        format!("{s} s")
-    } else if s < 3600 {
-        format!("{}m {:02}s", s / 60, s % 60)
-    } else if s < 86_400 {
-        format!("{}h {:02}m", s / 3600, s % 3600 / 60)
-    } else {
-        format!("{}d {:02}h", s / 86_400, s % 86_400 / 3600)
-    }
-}
-
-/// A latency: `0.25 ms`, `3.2 ms`, `45 ms`, `1.3 s`, `2m 05s`.
-pub fn fmt_latency_ms(ms: f64) -> String {
-    if ms < 0.1 {
-        // Below the lowest histogram bucket: more digits would be invented.
-        "< 0.1 ms".into()
-    } else if ms < 1.0 {
-        format!("{} ms", trim_float(ms, 2))
-    } else if ms < 10.0 {
-        format!("{} ms", trim_float(ms, 1))
-    } else if ms < 1000.0 {
-        format!("{:.0} ms", ms)
-    } else if ms < 60_000.0 {
-        format!("{} s", trim_float(ms / 1000.0, 1))
-    } else {
-        fmt_duration_ms(ms as u64)
-    }
-}
-
-/// A rate: `0`, `0.4`, `12`, `1.2k`.
-pub fn fmt_rate(v: f64) -> String {
-    if v <= 0.0 {
-        "0".into()
-    } else if v < 10.0 {
-        trim_float(v, 1)
-    } else if v < 1000.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{}k", trim_float(v / 1000.0, 1))
-    }
-}
-
-fn trim_float(v: f64, decimals: usize) -> String {
-    let s = format!("{v:.decimals$}");
-    if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.').to_owned()
-    } else {
-        s
-    }
-}
-
-/// `2026-11-21 07:45:52 UTC`.
-pub fn fmt_utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
-    let t = secs % 86_400;
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        t / 3600,
-        t % 3600 / 60,
-        t % 60
-    )
-}
-
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian
-/// (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::chart::nice_ceiling;
     use super::*;
 
     #[test]
