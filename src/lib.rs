@@ -23,18 +23,22 @@
 //! * [`cli`]: the command line of the `sidelock` binary.
 
 pub mod alloc;
-pub mod backend;
+mod backend;
 pub mod cli;
-pub mod clock;
+mod clock;
 pub mod config;
-pub mod core;
-pub mod dashboard;
-pub mod duration;
-pub mod error;
-pub mod http;
-pub mod lock;
-pub mod metrics;
+mod core;
+mod dashboard;
+mod duration;
+mod error;
+mod http;
+mod lock;
+mod metrics;
 pub mod run;
-pub mod shutdown;
+mod shutdown;
 pub mod sidecar;
-pub mod wakeups;
+mod wakeups;
+
+/// The fuzz hook, for the cargo-fuzz target (the `fuzz` feature).
+#[cfg(feature = "fuzz")]
+pub use http::fuzz::check_fuzz_input;

@@ -39,7 +39,10 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     )
     .await?;
     let description = backend.describe();
-    let metrics = Arc::new(Metrics::new(description.kind.as_str(), settings.metrics_lock_labels));
+    let metrics = Arc::new(Metrics::new(
+        description.kind.as_str(),
+        settings.metrics_lock_labels,
+    ));
     let core = Core::new(
         backend,
         wakeups,

@@ -7,4 +7,4 @@
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| sidelock::http::fuzz::check_fuzz_input(data));
+fuzz_target!(|data: &[u8]| sidelock::check_fuzz_input(data));

@@ -76,10 +76,6 @@ pub enum Cause {
     ConnectionLost,
     /// The server refused the credentials.
     AuthenticationFailed,
-    /// The host name could not be resolved.
-    NameNotResolved,
-    /// Fewer nodes than a quorum answered (Redlock, a ZooKeeper ensemble).
-    NoQuorum,
     /// The ZooKeeper session expired.
     SessionExpired,
     /// Anything else; the log at debug level has the chain.
@@ -94,8 +90,6 @@ impl Cause {
             Cause::TimedOut => "timed out",
             Cause::ConnectionLost => "connection lost",
             Cause::AuthenticationFailed => "authentication failed",
-            Cause::NameNotResolved => "name not resolved",
-            Cause::NoQuorum => "no quorum",
             Cause::SessionExpired => "session expired",
             Cause::Failed => "failed",
         }
@@ -446,8 +440,6 @@ impl StaleReason {
 pub enum Loss {
     /// The lease ran past its expiry.
     Expired,
-    /// An operator force-released it.
-    ForceReleased,
     /// The backend no longer has it and cannot say why (key deleted, session lost).
     Backend,
 }

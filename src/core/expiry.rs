@@ -171,7 +171,8 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use crate::backend::memory::Memory;
-    use crate::core::{Core, EventType, Limits, Outcome};
+    use crate::core::event::EventType;
+    use crate::core::{Core, Limits, Outcome};
     use crate::lock::{Claim, Kind, LockKey, Mode, Name};
     use crate::metrics::Metrics;
     use crate::wakeups::Wakeups;

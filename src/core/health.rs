@@ -58,11 +58,6 @@ impl Health {
         }
     }
 
-    /// The backend's health as last seen.
-    pub fn seen(&self) -> Seen {
-        self.lock().seen
-    }
-
     /// An operation reached the backend.
     pub fn reached(&self) {
         let mut state = self.lock();

@@ -371,7 +371,6 @@ impl Core {
     pub(super) fn lapsed(&self, lease: &Local, loss: Loss) {
         let reason = match loss {
             Loss::Expired => lapse_reason(lease),
-            Loss::ForceReleased => LostReason::ForceReleased,
             Loss::Backend => LostReason::Backend,
         };
         self.end(lease, End::Lost(reason));

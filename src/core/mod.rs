@@ -27,8 +27,8 @@ mod lease;
 mod release;
 
 pub use acquire::{Granted, Outcome};
-pub use hold::{HoldEvent, HoldEvents, margin_ms};
-pub use lease::{End, Local};
+pub use hold::{HoldEvent, HoldEvents};
+pub use lease::Local;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::wakeups::Wakeups;
-pub use event::{Event, EventType};
+pub use event::Event;
 
 use crate::backend::{self, Backend};
 use crate::error::Error;

@@ -288,11 +288,6 @@ impl Node {
         base
     }
 
-    /// The key a lock's exclusive holder is stored under.
-    pub fn main_key(&self, key: &LockKey) -> String {
-        self.base(key)
-    }
-
     pub(super) fn channel(&self, key: &LockKey) -> String {
         format!("{}wake:{key}", self.prefix)
     }
