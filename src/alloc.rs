@@ -22,7 +22,7 @@
 //! multi-threaded process, a TLB shootdown on `munmap`: measured, a third
 //! of the throughput with 32 clients. So while the process has few
 //! connections open ([`CONNECTIONS`] below [`REUSE_BELOW`]), freed buffers
-//! of hyper's size are kept in [`SPARES`] and handed out again, written
+//! of hyper's size are kept in `SPARES` and handed out again, written
 //! pages and all; with many connections open — the waiting and holding
 //! ones that this module exists for — every buffer is a fresh mapping
 //! again, so idle connections still cost only the pages they write.
@@ -66,7 +66,7 @@ mod mapped {
     const PAGE: usize = 4096;
 
     /// Freed buffers are kept for reuse only below this many open connections
-    /// (at most [`SPARES`]' length of them, 256 KiB).
+    /// (at most `SPARES`' length of them, 256 KiB).
     pub const REUSE_BELOW: usize = 256;
     /// Freed mappings of exactly [`THRESHOLD`] bytes (hyper's buffer size),
     /// kept for reuse; null slots are empty.

@@ -21,6 +21,14 @@
 //! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
 //! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
 //! * [`cli`]: the command line of the `sidelock` binary.
+//!
+//! Modules are private unless the binary needs them: the public API is
+//! [`alloc`], [`cli`], [`config`], [`run`] and [`sidecar`] (and, with the
+//! `fuzz` feature, the fuzz target's `check_fuzz_input`). The load generator
+//! is the `sidelock-bench` package, which talks to sidecars over HTTP only.
+
+// The layout list names every module, private ones included, on purpose.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod alloc;
 mod backend;

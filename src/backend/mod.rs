@@ -3,7 +3,23 @@
 //! Everything above this module — local queues, the watchdog, SSE, metrics,
 //! HTTP — is the same for every backend. A backend only has to keep the
 //! shared state consistent and say when it changed. [`open`] is the one place
-//! that maps a `--backend` URL to an implementation.
+//! that maps a `--backend` URL to an implementation, and [`url`] the one
+//! place that takes backend URLs apart and redacts them.
+//!
+//! One module per backend, a folder split by concern where it is large:
+//!
+//! * [`memory`]: one process, for tests and single-instance use.
+//! * [`redis`]: `redis://`, Sentinel and Cluster — `node` (one logical Redis,
+//!   also Redlock's), `scripts`, `leases`, `listing`, `members`, `pubsub`.
+//! * [`redlock`]: `redlock://`, a quorum of independent Redis nodes.
+//! * [`postgres`]: `postgres://` — `errors`, `sql`, `calls`, `schema`,
+//!   `listener`, `open`.
+//! * [`zookeeper`]: `zk://` — `names`, `session`, `tree`, `watch`, `acquire`,
+//!   `lease`, `admin`, `request` (with the one compare-and-set helper), `data`.
+//!
+//! Adding a backend is a module here, one match arm in [`open`] (and its
+//! schemes in [`SCHEMES`]) and one `#[case]` line in the conformance suite's
+//! backend list (`tests/suite/common/backend.rs`).
 
 pub mod memory;
 pub mod postgres;
