@@ -64,6 +64,29 @@ impl<'a> Parts<'a> {
     }
 }
 
+/// Removes the raw `key=value` pairs of `keys` from a URL's query, keeping
+/// every other byte as it was. Returns the URL and the removed values.
+pub fn strip_query(url: &str, keys: &[&str]) -> (String, Vec<(String, String)>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), Vec::new());
+    };
+    let mut kept = Vec::new();
+    let mut removed = Vec::new();
+    for pair in query.split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if keys.contains(&key) {
+            removed.push((key.to_owned(), value.to_owned()));
+        } else {
+            kept.push(pair);
+        }
+    }
+    if kept.is_empty() {
+        (base.to_owned(), removed)
+    } else {
+        (format!("{base}?{}", kept.join("&")), removed)
+    }
+}
+
 /// The operator's sentence for what is wrong with `url` (shown redacted).
 pub fn bad_url(url: &str, e: impl std::fmt::Display) -> String {
     format!("backend URL {:?}: {e}", redact(url))

@@ -509,8 +509,9 @@ impl Backend for Postgres {
 #[cfg(test)]
 mod tests {
     use super::errors::{Class, Failure};
-    use super::open::{strip_query, validate_schema};
+    use super::open::validate_schema;
     use super::*;
+    use crate::backend::url::strip_query;
 
     #[test]
     fn schema_names_need_no_quoting() {

@@ -10,6 +10,7 @@ use tokio::sync::{Notify, watch};
 use tokio_postgres::NoTls;
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::url::strip_query;
 use crate::backend::{Cause, Options, chain};
 use crate::lock::Token;
 use crate::wakeups::Wakeups;
@@ -37,29 +38,6 @@ pub(super) fn validate_schema(schema: &str) -> Result<(), String> {
         Err(format!(
             "--pg-schema {schema:?}: use 1 to 48 characters of a-z 0-9 _, not starting with a digit"
         ))
-    }
-}
-
-/// Removes the raw `key=value` pairs of `keys` from a URL's query, keeping
-/// every other byte as it was. Returns the URL and the removed values.
-pub(super) fn strip_query(url: &str, keys: &[&str]) -> (String, Vec<(String, String)>) {
-    let Some((base, query)) = url.split_once('?') else {
-        return (url.to_owned(), Vec::new());
-    };
-    let mut kept = Vec::new();
-    let mut removed = Vec::new();
-    for pair in query.split('&') {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if keys.contains(&key) {
-            removed.push((key.to_owned(), value.to_owned()));
-        } else {
-            kept.push(pair);
-        }
-    }
-    if kept.is_empty() {
-        (base.to_owned(), removed)
-    } else {
-        (format!("{base}?{}", kept.join("&")), removed)
     }
 }
 
