@@ -68,7 +68,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     });
     let mut listeners = Vec::with_capacity(settings.listen.len());
     for addr in &settings.listen {
-        listeners.push(http::server::Listener::bind(addr).await?);
+        listeners.push(http::listener::Listener::bind(addr).await?);
     }
     for listener in &listeners {
         tracing::info!(

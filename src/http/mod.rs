@@ -7,6 +7,7 @@
 pub mod auth;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
+pub mod listener;
 pub mod locks;
 pub mod ops;
 pub mod origin;

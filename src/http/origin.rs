@@ -72,7 +72,7 @@ where
     fn call(&mut self, request: Request) -> Self::Future {
         let over_socket = request
             .extensions()
-            .get::<super::server::OverUnixSocket>()
+            .get::<super::listener::OverUnixSocket>()
             .is_some();
         match refusal(
             &self.allowed_hosts,

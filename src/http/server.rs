@@ -45,109 +45,16 @@ use axum::extract::ConnectInfo;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::time::{Instant, Sleep};
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
-use crate::config::{ConnectionLimits, Listen};
+use crate::config::ConnectionLimits;
 use crate::error::Error;
 
-/// One accepted connection, over TCP or a Unix-domain socket.
-type Conn = Either<TcpStream, UnixStream>;
-
-/// The peer address handlers see for a Unix-socket connection: it is a
-/// process on this host, as a loopback peer is (one throttle bucket with
-/// loopback TCP clients).
-pub const UNIX_PEER: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
-
-/// Marks a request that came over a Unix socket: only processes that may
-/// open the socket file reach it (no browser, no DNS rebinding), so any
-/// `Host` is this sidecar's — clients name socket hosts in many ways
-/// (`localhost`, the percent-encoded path).
-#[derive(Debug, Clone, Copy)]
-pub struct OverUnixSocket;
-
-/// A bound listener and what it shows in logs.
-pub struct Listener {
-    socket: Either<TcpListener, UnixListener>,
-    /// The bound address (`127.0.0.1:40123`, `unix:/run/s.sock`).
-    pub shown: String,
-    /// Removes the socket file when the listener is gone.
-    _file: Option<SocketFile>,
-}
-
-/// A Unix socket's file, removed on drop (graceful exit).
-struct SocketFile(std::path::PathBuf);
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-impl Listener {
-    /// Binds `addr`. A Unix socket file left by a process that is gone is
-    /// replaced; one where a process still accepts is refused, so a second
-    /// sidecar never takes over the first one's clients. The socket is made
-    /// mode 0660 (owner and group: the pod's containers sharing it).
-    ///
-    /// # Errors
-    /// A sentence naming `--listen`, the address and the cause.
-    pub async fn bind(addr: &Listen) -> Result<Self, String> {
-        let cannot = |e: io::Error| format!("--listen {addr}: cannot listen there: {e}");
-        match addr {
-            Listen::Tcp(a) => {
-                let socket = TcpListener::bind(a).await.map_err(cannot)?;
-                let shown = socket.local_addr().map_err(cannot)?.to_string();
-                Ok(Self {
-                    socket: Either::Left(socket),
-                    shown,
-                    _file: None,
-                })
-            }
-            Listen::Unix(path) => {
-                if std::fs::symlink_metadata(path).is_ok() {
-                    if UnixStream::connect(path).await.is_ok() {
-                        return Err(format!(
-                            "--listen {addr}: another process accepts connections on that socket; stop it or choose another path"
-                        ));
-                    }
-                    std::fs::remove_file(path).map_err(cannot)?;
-                }
-                let socket = UnixListener::bind(path).map_err(cannot)?;
-                let file = SocketFile(path.clone());
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-                    .map_err(cannot)?;
-                Ok(Self {
-                    socket: Either::Right(socket),
-                    shown: addr.to_string(),
-                    _file: Some(file),
-                })
-            }
-        }
-    }
-
-    async fn accept(&self) -> io::Result<(Conn, SocketAddr)> {
-        match &self.socket {
-            Either::Left(tcp) => {
-                let (stream, peer) = tcp.accept().await?;
-                // Responses are single writes; without this an SSE event or
-                // a grant could wait for the peer's delayed ACK.
-                let _ = stream.set_nodelay(true);
-                Ok((Either::Left(stream), peer))
-            }
-            Either::Right(unix) => {
-                let (stream, _) = unix.accept().await?;
-                Ok((Either::Right(stream), UNIX_PEER))
-            }
-        }
-    }
-}
+use super::listener::{Conn, Listener, OverUnixSocket};
 
 /// How long to pause accepting after an accept error such as `EMFILE`, so a
 /// full file table is not a busy loop.
