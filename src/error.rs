@@ -86,6 +86,9 @@ pub enum Error {
     },
     #[error("the sidecar is shutting down")]
     ShuttingDown,
+    /// `…/ready` of an election no campaign through this sidecar leads.
+    #[error("no campaign through this sidecar leads election {0:?}")]
+    NotLeader(String),
 }
 
 impl From<backend::Error> for Error {

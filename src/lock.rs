@@ -123,12 +123,15 @@ fn invisible(c: char) -> bool {
     )
 }
 
-/// Whether a key is a lock (exclusive/shared) or a counting semaphore.
+/// Whether a key is a lock (exclusive/shared), a counting semaphore or an
+/// election. An election's key is an exclusive lock in a namespace of its
+/// own: backends treat it as a lock, and its name never meets a lock's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     Lock,
     Semaphore,
+    Election,
 }
 
 impl Kind {
@@ -137,6 +140,7 @@ impl Kind {
         match self {
             Kind::Lock => "lock",
             Kind::Semaphore => "semaphore",
+            Kind::Election => "election",
         }
     }
 
@@ -145,7 +149,17 @@ impl Kind {
         match self {
             Kind::Lock => "locks",
             Kind::Semaphore => "semaphores",
+            Kind::Election => "elections",
         }
+    }
+
+    /// Every kind, in key order.
+    pub const ALL: [Kind; 3] = [Kind::Lock, Kind::Semaphore, Kind::Election];
+
+    /// Whether keys of this kind are locks (exclusive or shared holders,
+    /// re-entry by owner) rather than a semaphore's permits.
+    pub fn is_lock(self) -> bool {
+        self != Kind::Semaphore
     }
 }
 
@@ -157,13 +171,14 @@ pub struct LockKey {
 }
 
 impl LockKey {
-    /// Parses the `locks/<name>` or `semaphores/<name>` form that `Display`
+    /// Parses the `locks/<name>`, `semaphores/<name>` or `elections/<name>` form that `Display`
     /// writes (cursors, event payloads, index members).
     pub fn parse(s: &str) -> Option<Self> {
         let (kind, name) = s.split_once('/')?;
         let kind = match kind {
             "locks" => Kind::Lock,
             "semaphores" => Kind::Semaphore,
+            "elections" => Kind::Election,
             _ => return None,
         };
         Some(Self {
@@ -174,7 +189,7 @@ impl LockKey {
 }
 
 impl fmt::Display for LockKey {
-    /// `locks/<name>` or `semaphores/<name>`: the form used in events, stale keys and cursors.
+    /// `locks/<name>`, `semaphores/<name>` or `elections/<name>`: the form used in events, stale keys and cursors.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.kind.plural(), self.name)
     }
@@ -245,8 +260,8 @@ impl Held {
     pub fn of(kind: Kind, mode: Mode) -> Self {
         match (kind, mode) {
             (Kind::Semaphore, _) => Held::Permit,
-            (Kind::Lock, Mode::Exclusive) => Held::Exclusive,
-            (Kind::Lock, Mode::Shared) => Held::Shared,
+            (Kind::Lock | Kind::Election, Mode::Exclusive) => Held::Exclusive,
+            (Kind::Lock | Kind::Election, Mode::Shared) => Held::Shared,
         }
     }
 

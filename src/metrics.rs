@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::lock::LostReason;
@@ -60,9 +60,11 @@ pub const BACKEND_OPS: &[&str] = &[
     "list",
     "stale",
     "force_release",
+    "announce",
+    "observe",
 ];
 
-const KINDS: &[Kind] = &[Kind::Lock, Kind::Semaphore];
+const KINDS: &[Kind] = &Kind::ALL;
 
 /// Buckets for lock waits and backend calls: sub-millisecond to minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -97,6 +99,10 @@ pub struct Metrics {
     pub http_requests: IntCounterVec,
     pub http_seconds: HistogramVec,
     pub force_releases: IntCounter,
+    /// Leaderships won through this sidecar (each leader change is counted
+    /// once, by the new leader's sidecar), by election with lock labels.
+    pub leader_changes: IntCounterVec,
+    pub elections_leading: IntGauge,
 }
 
 fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -291,6 +297,24 @@ impl Metrics {
                 r.register(Box::new(c.clone())).expect("unique metric");
                 c
             },
+            leader_changes: counter(
+                r,
+                "leader_changes_total",
+                "Leaderships won by campaigns through this sidecar: each leader change of an \
+                 election is counted once, by the sidecar of the new leader (summed over \
+                 sidecars, the election's leader changes); by election with \
+                 --metrics-lock-labels.",
+                if lock_labels { &["election"] } else { &[] },
+            ),
+            elections_leading: {
+                let g = IntGauge::new(
+                    "elections_leading",
+                    "Campaigns through this sidecar that currently lead their election.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             registry,
         };
         metrics.initialise_known_series();
@@ -311,6 +335,9 @@ impl Metrics {
             self.held.with_label_values(&[kind]);
             self.waiters.with_label_values(&[kind]);
             self.expirations.with_label_values(&[kind]);
+        }
+        if self.lock_labels.is_none() {
+            self.leader_changes.with_label_values::<&str>(&[]);
         }
         for result in RENEWAL_RESULTS {
             self.renewals.with_label_values(&[result]);
@@ -360,6 +387,22 @@ impl Metrics {
         labels.push(result.to_owned());
         let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
         self.acquires.with_label_values(&refs).inc();
+    }
+
+    /// Counts a leadership won through this sidecar.
+    pub fn leader_changed(&self, election: &crate::lock::Name) {
+        if self.lock_labels.is_none() {
+            self.leader_changes.with_label_values::<&str>(&[]).inc();
+            return;
+        }
+        let key = LockKey {
+            kind: Kind::Election,
+            name: election.clone(),
+        };
+        let label = self.key_labels(&key).pop().unwrap_or_default();
+        self.leader_changes
+            .with_label_values(&[label.as_str()])
+            .inc();
     }
 
     /// Records a wait or hold duration.

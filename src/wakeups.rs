@@ -17,6 +17,8 @@ use crate::lock::LockKey;
 #[derive(Clone, Default)]
 pub struct Wakeups {
     queues: Arc<Mutex<HashMap<LockKey, LocalQueue>>>,
+    /// Observers of keys (elections): told of every change the backend reports.
+    observers: Arc<Mutex<HashMap<LockKey, Arc<Notify>>>>,
 }
 
 /// One key's local waiters, sorted by ticket sequence.
@@ -34,6 +36,7 @@ struct Slot {
 impl Wakeups {
     /// Something changed on `key` that may let a waiter in: wake the local head.
     pub fn wake(&self, key: &LockKey) {
+        self.changed(key);
         let queues = self.lock();
         if let Some(head) = queues.get(key).and_then(|q| q.slots.first()) {
             head.notify.notify_one();
@@ -44,11 +47,33 @@ impl Wakeups {
     /// local head (tickets sort globally, so the global head is the head of
     /// its sidecar's queue).
     pub fn wake_ticket(&self, key: &LockKey, seq: u64) {
+        self.changed(key);
         let queues = self.lock();
         if let Some(head) = queues.get(key).and_then(|q| q.slots.first())
             && head.seq == seq
         {
             head.notify.notify_one();
+        }
+    }
+
+    /// Something changed on `key` that lets no waiter in (a new holder was
+    /// announced): tell its observer only. [`wake`](Self::wake) tells it too.
+    pub fn changed(&self, key: &LockKey) {
+        let observers = lock(&self.observers);
+        if let Some(notify) = observers.get(key) {
+            notify.notify_one();
+        }
+    }
+
+    /// Starts observing `key`: the returned guard is notified of every
+    /// change reported for it until dropped. One observer per key.
+    pub(crate) fn observe(&self, key: &LockKey) -> Observer {
+        let notify = Arc::new(Notify::new());
+        lock(&self.observers).insert(key.clone(), notify.clone());
+        Observer {
+            wakeups: self.clone(),
+            key: key.clone(),
+            notify,
         }
     }
 
@@ -95,7 +120,37 @@ impl Wakeups {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, LocalQueue>> {
-        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.queues)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An observer's registration for one key; dropping it stops the notifications.
+pub(crate) struct Observer {
+    wakeups: Wakeups,
+    key: LockKey,
+    notify: Arc<Notify>,
+}
+
+impl Observer {
+    /// Resolves at the next change (one that came since the last call counts).
+    pub async fn notified(&self) {
+        self.notify.notified().await;
+    }
+}
+
+impl Drop for Observer {
+    fn drop(&mut self) {
+        let mut observers = lock(&self.wakeups.observers);
+        if observers
+            .get(&self.key)
+            .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+        {
+            observers.remove(&self.key);
+        }
     }
 }
 

@@ -131,8 +131,10 @@ impl Entry {
     fn room_for(&self, claim: &Claim) -> bool {
         match (claim.key.kind, claim.mode) {
             (Kind::Semaphore, _) => (self.leases.len() as u64) < u64::from(self.limit.unwrap_or(0)),
-            (Kind::Lock, Mode::Exclusive) => self.leases.is_empty(),
-            (Kind::Lock, Mode::Shared) => self.leases.iter().all(|l| l.mode == Mode::Shared),
+            (Kind::Lock | Kind::Election, Mode::Exclusive) => self.leases.is_empty(),
+            (Kind::Lock | Kind::Election, Mode::Shared) => {
+                self.leases.iter().all(|l| l.mode == Mode::Shared)
+            }
         }
     }
 
@@ -151,8 +153,10 @@ impl Entry {
                     u64::from(self.limit.unwrap_or(0)).saturating_sub(self.leases.len() as u64);
                 (pos as u64) < free
             }
-            (Kind::Lock, Mode::Exclusive) => pos == 0,
-            (Kind::Lock, Mode::Shared) => ahead.iter().all(|q| q.mode == Mode::Shared),
+            (Kind::Lock | Kind::Election, Mode::Exclusive) => pos == 0,
+            (Kind::Lock | Kind::Election, Mode::Shared) => {
+                ahead.iter().all(|q| q.mode == Mode::Shared)
+            }
         }
     }
 
@@ -220,7 +224,10 @@ impl Backend for Memory {
             if let Err(err) = e.settle_limit(claim) {
                 return (Err(err), false);
             }
-            let reentry = (claim.key.kind == Kind::Lock)
+            let reentry = claim
+                .key
+                .kind
+                .is_lock()
                 .then(|| {
                     e.leases
                         .iter_mut()
@@ -469,6 +476,11 @@ impl Backend for Memory {
             let any = !tokens.is_empty();
             (tokens, any)
         }))
+    }
+
+    async fn announce(&self, key: &LockKey) -> Result<(), Error> {
+        self.wakeups.changed(key);
+        Ok(())
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {

@@ -500,6 +500,8 @@ pub enum Status {
 ///   the backend calls [`Wakeups::wake`] for that key on every sidecar that
 ///   [`watch`](Backend::watch)es it (pub/sub, watches, `NOTIFY`). Waiting never
 ///   polls: between wake-ups a waiter sleeps until [`Busy::retry_at_ms`].
+///   A grant wakes nobody; [`announce`](Backend::announce) tells observers of
+///   an election of its new leader where the backend can.
 ///
 /// # Errors
 ///
@@ -569,6 +571,26 @@ pub trait Backend: Send + Sync + 'static {
     /// subscription is confirmed), so an attempt made afterwards cannot miss
     /// a release. Backends count watchers and subscribe once per key.
     async fn watch(&self, key: &LockKey) -> Result<Watch, Error>;
+
+    /// Tells every sidecar [`watch`](Backend::watch)ing `key` that it has
+    /// a new holder (an election's new leader), so that their observers
+    /// ([`Wakeups::changed`]) read it at once. A change that lets no waiter
+    /// in: no waiter needs to wake for it. The default does nothing;
+    /// observers then see the new holder at their next look.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the backend cannot be reached.
+    async fn announce(&self, _key: &LockKey) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Delivers [`Wakeups::changed`] (or [`Wakeups::wake`]) for every change
+    /// of `key` this backend can report — releases, expiries, queue changes
+    /// and announced grants — until the returned guard is dropped: what an
+    /// election's observer follows. The default is [`watch`](Backend::watch).
+    async fn observe(&self, key: &LockKey) -> Result<Watch, Error> {
+        self.watch(key).await
+    }
 
     /// Releases backend resources at shutdown.
     async fn close(&self) {}

@@ -611,6 +611,17 @@ impl Backend for Redlock {
         Ok(tokens)
     }
 
+    /// Published on every node; one that answers is enough, as every
+    /// sidecar subscribes on every node.
+    async fn announce(&self, key: &LockKey) -> Result<(), Error> {
+        let results = join_all(self.members.iter().map(|m| m.node.announce(key))).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        match results.into_iter().find(Result::is_err) {
+            Some(Err(e)) if failed == self.members.len() => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     async fn watch(&self, key: &LockKey) -> Result<Watch, Error> {
         watch(&self.members, &self.watchers, key, self.quorum).await
     }

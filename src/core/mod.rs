@@ -15,10 +15,12 @@
 //! * [`hold`]: hold streams, the watchdog and the expiry timer.
 //! * [`expiry`]: the shared expiry timer.
 //! * [`admin`]: inspect, list, stale keys and force-release.
+//! * [`election`]: elections over holds — leaders, observers, who leads here.
 //! * [`health`]: backend health as operators see it.
 
 mod acquire;
 mod admin;
+pub mod election;
 pub mod event;
 mod expiry;
 pub mod health;
@@ -113,6 +115,8 @@ pub struct Core {
     held_slots: AtomicUsize,
     /// Whether the backend answers, from every operation.
     pub health: health::Health,
+    /// Election observers and the elections led through this sidecar.
+    elections: election::Elections,
 }
 
 impl Core {
@@ -142,6 +146,7 @@ impl Core {
             expiries: expiry::Expiries::default(),
             waiting_slots: AtomicUsize::new(0),
             held_slots: AtomicUsize::new(0),
+            elections: election::Elections::default(),
         })
     }
 

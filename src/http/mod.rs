@@ -5,6 +5,7 @@
 //! `IntoResponse`, as `application/problem+json`.
 
 pub mod auth;
+pub mod elections;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 pub mod listener;
@@ -62,6 +63,7 @@ pub struct App {
     tags(
         (name = "locks", description = "Exclusive and shared locks"),
         (name = "semaphores", description = "Counting semaphores"),
+        (name = "elections", description = "Leader election: campaigns, leaders, observers and the leader's readiness probe"),
         (name = "operations", description = "Inspection, health, metrics"),
         (name = "admin", description = "Force-release (admin token)"),
     )
@@ -106,6 +108,9 @@ fn routes(
         .routes(routes!(ops::info))
         .routes(routes!(force_release_lock))
         .routes(routes!(force_release_semaphore))
+        .routes(routes!(elections::campaign))
+        .routes(routes!(elections::election))
+        .routes(routes!(elections::observe))
         .merge(more_v1)
         .split_for_parts();
     let v1 = v1.route_layer(auth::RequireApiToken { app: app.clone() });
@@ -113,6 +118,7 @@ fn routes(
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::metrics))
+        .routes(routes!(elections::ready))
         .split_for_parts();
     let mut doc = ApiDoc::openapi();
     doc.merge(v1_doc);

@@ -56,6 +56,7 @@ impl Error {
             Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
             Error::Unavailable { .. } => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),
             Error::ShuttingDown => (S::SERVICE_UNAVAILABLE, "shutting-down"),
+            Error::NotLeader(_) => (S::SERVICE_UNAVAILABLE, "not-leader"),
         }
     }
 

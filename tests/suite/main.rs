@@ -7,6 +7,7 @@
 //!   reader, problem-document checks (the servers come from the
 //!   `sidelock-test-support` crate, shared with the bench).
 //! * [`conformance`]: the HTTP contract, once per backend.
+//! * [`elections`]: leader election, once per backend.
 //! * [`safety`]: the safety checker — several sidecars, random clients, faults.
 //! * [`hostile`]: the hostile-client suite.
 //! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
@@ -20,6 +21,7 @@ mod common;
 mod cli_run;
 mod conformance;
 mod dashboard;
+mod elections;
 mod first_run;
 mod hostile;
 mod layers;

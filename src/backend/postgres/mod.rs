@@ -5,10 +5,11 @@
 //! migrated here at start-up under an advisory lock, so sidecars that start
 //! together on an empty database do not race. The SQL is in
 //! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
-//! replaces functions of 0001); the README documents every table and index.
+//! replaces functions of 0001, `0003_*.sql` admits elections); the README
+//! documents every table and index.
 //!
-//! * Names are data: every row is keyed by (kind, name), kind `lock` or
-//!   `semaphore` (`election` is kept for elections), and names reach SQL only
+//! * Names are data: every row is keyed by (kind, name), kind `lock`,
+//!   `semaphore` or `election`, and names reach SQL only
 //!   as parameters, so no name can reach a table, a function or the channel.
 //! * Every operation is one call of a PL/pgSQL function, i.e. one statement
 //!   and one transaction. Acquire takes the key's row lock, frees expired
@@ -115,6 +116,11 @@ const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "acquire and inspect check waiters' sidecars with a join, not live() per row",
         sql: include_str!("0002_liveness_joins.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "elections: the key kind 'election' and one leader per name",
+        sql: include_str!("0003_elections.sql"),
     },
 ];
 
@@ -481,6 +487,18 @@ impl Backend for Postgres {
             .into_iter()
             .map(Token::from_client)
             .collect())
+    }
+
+    async fn announce(&self, key: &LockKey) -> Result<(), Error> {
+        let inner = &self.inner;
+        inner
+            .rows(
+                "announce",
+                &inner.sql.announce,
+                &[&key.kind.as_str(), &key.name.as_str()],
+            )
+            .await
+            .map(|_| ())
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {

@@ -21,6 +21,7 @@ pub(super) struct Sql {
     pub(super) force_release: String,
     pub(super) heartbeat: String,
     pub(super) leave: String,
+    pub(super) announce: String,
 }
 
 impl Sql {
@@ -44,6 +45,7 @@ impl Sql {
             force_release: fill("SELECT {s}.force_release($1, $2)::text"),
             heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text"),
             leave: fill("SELECT 1 FROM {s}.leave($1)"),
+            announce: fill("SELECT {s}.wake($1, $2)"),
         }
     }
 }
@@ -113,6 +115,7 @@ pub(super) fn parse_kind(kind: &str) -> Option<Kind> {
     match kind {
         "lock" => Some(Kind::Lock),
         "semaphore" => Some(Kind::Semaphore),
+        "election" => Some(Kind::Election),
         _ => None,
     }
 }

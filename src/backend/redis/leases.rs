@@ -201,6 +201,20 @@ impl Node {
         self.run::<i64>("raise_fence", inv).await.map(|_| ())
     }
 
+    /// Publishes `g` (a new holder) on the key's wake channel.
+    pub async fn announce(&self, key: &LockKey) -> Result<(), Error> {
+        let channel = self.channel(key);
+        self.with_conn("announce", async |c| {
+            redis::cmd("PUBLISH")
+                .arg(&channel)
+                .arg("g")
+                .query_async::<i64>(c)
+                .await
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Answers PING.
     pub async fn ping(&self) -> Result<(), Error> {
         self.with_conn("ping", async |c| {

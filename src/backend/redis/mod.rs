@@ -170,6 +170,10 @@ impl Backend for Redis {
         self.node().force_release(key).await
     }
 
+    async fn announce(&self, key: &LockKey) -> Result<(), Error> {
+        self.node().announce(key).await
+    }
+
     async fn watch(&self, key: &LockKey) -> Result<Watch, Error> {
         watch(std::slice::from_ref(&self.member), &self.watchers, key, 1).await
     }
@@ -199,7 +203,7 @@ mod tests {
     fn no_name_reaches_another_names_key_or_an_internal_key() {
         for prefix in ["sidelock:", "", "lock:"] {
             let node = Node::open("redis://127.0.0.1:1", prefix).expect("node");
-            let internal = [node.index.clone(), format!("{prefix}elections/x")];
+            let internal = [node.index.clone()];
             let mut owner: HashMap<String, LockKey> = HashMap::new();
             let names = [
                 "index",
@@ -219,7 +223,7 @@ mod tests {
                 "..",
                 "x",
             ];
-            for kind in [Kind::Lock, Kind::Semaphore] {
+            for kind in Kind::ALL {
                 for name in names {
                     let key = LockKey {
                         kind,

@@ -268,7 +268,8 @@ impl Node {
     /// The mapping from (kind, name) to keys is injective, and no name
     /// reaches a key sidelock keeps for itself: a lock is `<prefix><name>`
     /// (the classic `SET NX` key), a semaphore `<prefix>semaphores/<name>`,
-    /// and `<prefix>elections/<name>` is kept for elections; names have no
+    /// an election `<prefix>elections/<name>` (an exclusive lock to the
+    /// scripts); names have no
     /// `/`, so none of these can equal another kind's key or the index
     /// `<prefix>/index`, and no `{` or `}` (nor has the prefix), so none can
     /// equal a side key. Channels (`<prefix>wake:<kind>/<name>`) live in
@@ -279,6 +280,7 @@ impl Node {
         let kind = match key.kind {
             Kind::Lock => "",
             Kind::Semaphore => "semaphores/",
+            Kind::Election => "elections/",
         };
         let name = key.name.as_str();
         let mut base = String::with_capacity(self.prefix.len() + kind.len() + name.len());
@@ -314,7 +316,8 @@ impl Node {
             inv.arg(self.index.as_str());
         }
         inv.arg(match key.kind {
-            Kind::Lock => "l",
+            // An election is an exclusive lock to the scripts.
+            Kind::Lock | Kind::Election => "l",
             Kind::Semaphore => "s",
         });
         // The channel is `<prefix>wake:<kind>/<name>`, the index member `<kind>/<name>`.

@@ -153,6 +153,11 @@ pub(super) async fn pubsub(
                         .get(msg.get_channel_name())
                         .map(|(k, _)| k.clone());
                     if let Some(key) = key {
+                        if msg.get_payload_bytes() == b"g" {
+                            // A new holder: nobody waiting can get in.
+                            wakeups.changed(&key);
+                            continue;
+                        }
                         match next_ticket(&msg).filter(|_| numbering == Numbering::Shared) {
                             Some(seq) => wakeups.wake_ticket(&key, seq),
                             None => wakeups.wake(&key),

@@ -173,7 +173,7 @@ impl ZooKeeper {
         let op = "try_acquire";
 
         // Re-entry: the same owner holding the lock in the same mode.
-        if key.kind == Kind::Lock {
+        if key.kind.is_lock() {
             let (_, nodes, _) = me.snapshot(&zk, op, key, &parent).await?;
             for node in &nodes {
                 let Some(d) = &node.data else { continue };
@@ -252,13 +252,13 @@ impl ZooKeeper {
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 let infix = match (key.kind, claim.mode) {
                     (Kind::Semaphore, _) => EXCLUSIVE,
-                    (Kind::Lock, Mode::Shared) => READ,
+                    (Kind::Lock | Kind::Election, Mode::Shared) => READ,
                     (Kind::Lock, Mode::Exclusive)
                         if matches_any(&me.rw_locks, key.name.as_str()) =>
                     {
                         WRITE
                     }
-                    (Kind::Lock, Mode::Exclusive) => EXCLUSIVE,
+                    (Kind::Lock | Kind::Election, Mode::Exclusive) => EXCLUSIVE,
                 };
                 // Armed before the create: its answer may be lost.
                 let unclaimed = Unclaimed {

@@ -75,7 +75,7 @@ impl Inner {
     ) -> Result<Vec<Summary>, Error> {
         let zk = self.client().await?;
         let mut keys = Vec::new();
-        for kind in [Kind::Lock, Kind::Semaphore] {
+        for kind in Kind::ALL {
             let dir = format!("{}/{}", self.root, kind.plural());
             let names = match call("list", zk.list_children(&dir)).await? {
                 Ok(n) => n,
@@ -132,7 +132,7 @@ impl Inner {
         let zk = self.client().await?;
         let now = now_ms();
         let mut out = Vec::new();
-        for kind in [Kind::Lock, Kind::Semaphore] {
+        for kind in Kind::ALL {
             let dir = format!("{}/{}", self.root, kind.plural());
             let names = match call("stale", zk.list_children(&dir)).await? {
                 Ok(n) => n,

@@ -1,8 +1,9 @@
 //! `zk://h1:port,h2:port/chroot`: leases are ephemeral sequential znodes.
 //!
-//! Every lock or semaphore is a parent node `<root>/locks/<name>` or
-//! `<root>/semaphores/<name>` (a container node, which the server removes when
-//! it is empty); `<root>/elections/<name>` is kept for elections. A name is
+//! Every lock, semaphore or election is a parent node `<root>/locks/<name>`,
+//! `<root>/semaphores/<name>` or `<root>/elections/<name>` (a container node,
+//! which the server removes when it is empty); an election is an exclusive
+//! lock there. A name is
 //! one path segment (it has no `/`), and `.` and `..`, which are no valid
 //! segments, are written `%2e` and `%2e%2e` (`%` is in no name), so no name
 //! reaches another name's node, another kind's directory, or the claim and
@@ -329,6 +330,18 @@ impl Backend for ZooKeeper {
 
     async fn force_release(&self, key: &LockKey) -> Result<Vec<Token>, Error> {
         self.inner.force_release(key).await
+    }
+
+    /// A persistent watch on the key's parent node: every child created or
+    /// deleted (a candidate joining, a leader leaving, the next one granted)
+    /// tells the observer, with no announcement needed.
+    async fn observe(&self, key: &LockKey) -> Result<Watch, Error> {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let inner = self.inner.clone();
+        let key = key.clone();
+        let stopped = stop.clone();
+        tokio::spawn(async move { inner.observe(key, stopped).await });
+        Ok(Box::new(stop.drop_guard()))
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {

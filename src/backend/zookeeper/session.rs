@@ -48,10 +48,10 @@ impl Inner {
                 .map_err(|_| unavailable("connect", Message("bad chroot".into())))?
         };
         let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-        for dir in ["locks", "semaphores"] {
+        for kind in crate::lock::Kind::ALL {
             must(
                 "connect",
-                client.mkdir(&format!("{}/{dir}", self.root), &opts),
+                client.mkdir(&format!("{}/{}", self.root, kind.plural()), &opts),
             )
             .await?;
         }

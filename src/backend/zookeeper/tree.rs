@@ -58,8 +58,10 @@ pub(super) struct Lister {
 pub(super) fn admitted(children: &[Child], index: usize, kind: Kind, limit: u32) -> bool {
     match (kind, children[index].mode) {
         (Kind::Semaphore, _) => index < limit as usize,
-        (Kind::Lock, Mode::Exclusive) => index == 0,
-        (Kind::Lock, Mode::Shared) => children[..index].iter().all(|c| c.mode == Mode::Shared),
+        (Kind::Lock | Kind::Election, Mode::Exclusive) => index == 0,
+        (Kind::Lock | Kind::Election, Mode::Shared) => {
+            children[..index].iter().all(|c| c.mode == Mode::Shared)
+        }
     }
 }
 impl Inner {
@@ -307,7 +309,7 @@ impl Inner {
             let now = now_ms();
             for (i, c) in children.iter().enumerate() {
                 if !admitted(&children, i, key.kind, limit) {
-                    if key.kind == Kind::Lock && c.mode == Mode::Exclusive {
+                    if key.kind.is_lock() && c.mode == Mode::Exclusive {
                         break;
                     }
                     continue;

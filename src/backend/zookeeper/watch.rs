@@ -2,7 +2,9 @@
 //! local waiters when that changes (module doc, # Watches).
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
 use zookeeper_client as zk;
 
 use super::names::{parse_child, sorted};
@@ -92,13 +94,13 @@ impl Inner {
                         }
                     }
                 }
-                (Kind::Lock, Mode::Exclusive) => (
+                (Kind::Lock | Kind::Election, Mode::Exclusive) => (
                     at.checked_sub(1).map_or(Blocker::Nothing, |b| {
                         Blocker::Node(children[b].name.clone())
                     }),
                     0,
                 ),
-                (Kind::Lock, Mode::Shared) => (
+                (Kind::Lock | Kind::Election, Mode::Shared) => (
                     children[..at]
                         .iter()
                         .rev()
@@ -169,6 +171,49 @@ impl Inner {
             && event.event_type != zk::EventType::NodeDataChanged
         {
             self.wakeups.wake(key);
+        }
+    }
+}
+
+impl Inner {
+    /// Follows every change of `key`'s parent node — children created or
+    /// deleted, the node itself created or removed — with a persistent watch,
+    /// and tells the key's observer ([`Wakeups::changed`]) until `stop`.
+    /// After a lost session or a failed call it watches again, telling the
+    /// observer, which may have missed changes meanwhile.
+    ///
+    /// [`Wakeups::changed`]: crate::wakeups::Wakeups::changed
+    pub(super) async fn observe(self: Arc<Self>, key: LockKey, stop: CancellationToken) {
+        let path = self.key_path(&key);
+        loop {
+            let watched = async {
+                let zk = self.client().await?;
+                must("observe", zk.watch(&path, zk::AddWatchMode::Persistent)).await
+            };
+            let watcher = tokio::select! {
+                () = stop.cancelled() => return,
+                w = watched => w,
+            };
+            if let Ok(mut watcher) = watcher {
+                loop {
+                    let event = tokio::select! {
+                        () = stop.cancelled() => return,
+                        e = watcher.changed() => e,
+                    };
+                    self.wakeups.changed(&key);
+                    // The watcher must not be asked again after its session ended.
+                    if event.event_type == zk::EventType::Session
+                        && event.session_state.is_terminated()
+                    {
+                        break;
+                    }
+                }
+            }
+            self.wakeups.changed(&key);
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
         }
     }
 }

@@ -26,7 +26,7 @@ pub(super) const MAX_REASON_BYTES: usize = 1024;
 #[derive(Serialize, ToSchema)]
 #[serde(untagged)]
 #[allow(dead_code)]
-pub(super) enum DurationValue {
+pub(crate) enum DurationValue {
     /// `250ms`, `30s`, `5m`, `1h`, `1m30s`.
     Text(String),
     /// Milliseconds.
@@ -165,6 +165,25 @@ pub(crate) struct Ask {
     max_hold: Option<Given<Duration>>,
     lock_delay: Option<Given<Duration>>,
     limit: Option<Given<u64>>,
+}
+
+impl Ask {
+    /// An election campaign's acquire: exclusive, waiting as long as a wait may.
+    pub(crate) fn campaign(
+        ttl: Option<Given<Duration>>,
+        lock_delay: Option<Given<Duration>>,
+        owner: Option<String>,
+    ) -> Self {
+        Ask {
+            ttl,
+            wait: None,
+            owner,
+            mode: Some(Mode::Exclusive),
+            max_hold: None,
+            lock_delay,
+            limit: None,
+        }
+    }
 }
 
 impl From<LockParams> for Ask {

@@ -23,7 +23,7 @@ use super::answers::{Renewed, acquired};
 use super::ask::Ask;
 
 /// Keep-alive comments on SSE streams: at least this often.
-pub(super) const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
+pub(in crate::http) const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
 
 /// Work a request runs in its own task that must not stop midway (an
 /// acquire could lose a grant, a hold its release). Dropped unfinished (the
@@ -31,7 +31,7 @@ pub(super) const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
 /// gives up its wait or releases what it got. (A task per request from the
 /// start would cost every request a hand-over between tasks, and every hold
 /// a task.)
-pub(super) struct Finishing<T: Send + 'static> {
+pub(in crate::http) struct Finishing<T: Send + 'static> {
     /// The work until it has returned.
     work: Option<futures::future::BoxFuture<'static, T>>,
     /// Tells the work that its client left.
@@ -41,7 +41,7 @@ pub(super) struct Finishing<T: Send + 'static> {
 }
 
 impl<T: Send + 'static> Finishing<T> {
-    pub(super) fn new(
+    pub(in crate::http) fn new(
         work: impl Future<Output = T> + Send + 'static,
         left: CancellationToken,
         tasks: &tokio_util::task::TaskTracker,
@@ -53,7 +53,7 @@ impl<T: Send + 'static> Finishing<T> {
         }
     }
 
-    pub(super) fn is_done(&self) -> bool {
+    pub(in crate::http) fn is_done(&self) -> bool {
         self.work.is_none()
     }
 }
@@ -94,14 +94,14 @@ impl<T: Send + 'static> Drop for Finishing<T> {
     }
 }
 
-pub(super) fn sse_json(name: &str, data: &impl Serialize) -> SseEvent {
+pub(in crate::http) fn sse_json(name: &str, data: &impl Serialize) -> SseEvent {
     SseEvent::default()
         .event(name)
         .json_data(data)
         .unwrap_or_else(|_| SseEvent::default().comment("unserialisable event"))
 }
 
-pub(super) fn hold_event(event: HoldEvent) -> SseEvent {
+pub(in crate::http) fn hold_event(event: HoldEvent) -> SseEvent {
     match event {
         HoldEvent::Queued {
             position,

@@ -11,7 +11,7 @@
 
 mod answers;
 mod ask;
-mod hold;
+pub(super) mod hold;
 mod operations;
 
 pub use answers::*;

@@ -1,0 +1,359 @@
+//! Leader election, once per backend: campaigns on two sidecars, the
+//! leader's death, observers, the readiness probe that follows the leader,
+//! and the attacks on it — a second campaign of the same owner, a lock of
+//! the same name, hostile values.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use rstest::rstest;
+use rstest_reuse::apply;
+use serde_json::Value;
+
+use common::api::{Api, expect_json};
+use common::*;
+
+/// A campaign's stream, opened through `api`.
+async fn campaign(api: &Api, election: &str, params: &[(&str, &str)]) -> SseStream {
+    api.open_stream(&["v1", "elections", election, "campaign"], params)
+        .await
+}
+
+async fn observe(api: &Api, election: &str) -> SseStream {
+    api.open_stream(&["v1", "elections", election, "observe"], &[])
+        .await
+}
+
+async fn election(api: &Api, election: &str) -> Value {
+    api.get_json(&["v1", "elections", election], &[]).await
+}
+
+async fn ready(api: &Api, election: &str) -> StatusCode {
+    api.get(&["v1", "elections", election, "ready"], &[])
+        .await
+        .status()
+}
+
+/// The next event, which must be `name`; its data.
+async fn expect_event(stream: &mut SseStream, name: &str) -> Value {
+    let event = stream
+        .next()
+        .await
+        .unwrap_or_else(|| panic!("stream ended before `{name}`:\n{}", stream.raw()));
+    assert_eq!(event.event, name, "{}", stream.raw());
+    event.json()
+}
+
+/// Waits for the `leader` event of a campaign (skipping `follower` events).
+async fn expect_leadership(stream: &mut SseStream, within: Duration) -> Value {
+    stream
+        .wait_for("a leader event", within, |e| e.event == "leader")
+        .await
+        .json()
+}
+
+/// Polls `…/ready` until it answers `status`.
+async fn until_ready_is(api: &Api, name: &str, status: StatusCode) {
+    eventually(
+        &format!("{name}/ready answers {status}"),
+        EVENT_TIMEOUT,
+        async || (ready(api, name).await == status).then_some(()),
+    )
+    .await;
+}
+
+/// Two candidates on two sidecars: the first leads and publishes its value;
+/// the second follows, seeing that leader; the leader's process dies (its
+/// stream drops) and the second leads with a higher fence; an observer on
+/// a third connection sees both leaders in order; `ready` follows the
+/// leadership from one sidecar to the other.
+#[apply(backends)]
+#[tokio::test]
+async fn the_leader_dies_and_the_follower_takes_over(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecars = backend.sidecars(2).await;
+    let (one, two) = (sidecars[0].api(), sidecars[sidecars.len() - 1].api());
+    let name = unique_name("election");
+
+    assert_eq!(ready(&one, &name).await, StatusCode::SERVICE_UNAVAILABLE);
+    let mut observer = observe(&two, &name).await;
+    assert_eq!(expect_event(&mut observer, "leader").await, Value::Null);
+
+    let mut first = campaign(
+        &one,
+        &name,
+        &[("owner", "pod-a"), ("value", "10.0.0.1:8080")],
+    )
+    .await;
+    let won = expect_event(&mut first, "leader").await;
+    assert_eq!(won["value"], "10.0.0.1:8080");
+    let first_fence = won["fence"].as_u64().expect("fence");
+    assert!(first_fence >= 1);
+    assert_eq!(ready(&one, &name).await, StatusCode::OK);
+    if sidecars.len() > 1 {
+        assert_eq!(ready(&two, &name).await, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    let mut second = campaign(
+        &two,
+        &name,
+        &[("owner", "pod-b"), ("value", "10.0.0.2:8080")],
+    )
+    .await;
+    let follower = expect_event(&mut second, "follower").await;
+    assert_eq!(follower["leader"]["owner"], "pod-a");
+    assert_eq!(follower["leader"]["value"], "10.0.0.1:8080");
+    assert_eq!(follower["leader"]["fence"], first_fence);
+
+    let seen = election(&two, &name).await;
+    assert_eq!(seen["name"], name.as_str());
+    assert_eq!(seen["leader"]["value"], "10.0.0.1:8080");
+    assert_eq!(
+        seen["leader"]["sidecar"],
+        sidecars[0].api().sidecar_id().await
+    );
+    assert_eq!(seen["candidates"], 2);
+
+    // The leader's process dies: its stream drops.
+    let killed = Instant::now();
+    drop(first);
+    let took_over = expect_leadership(&mut second, EVENT_TIMEOUT).await;
+    let failover = killed.elapsed();
+    assert_eq!(took_over["value"], "10.0.0.2:8080");
+    assert!(
+        took_over["fence"].as_u64().expect("fence") > first_fence,
+        "the new leader's fence {took_over} must exceed {first_fence}"
+    );
+    // A dropped stream resigns at once, not at the lease's expiry (30 s).
+    assert!(
+        failover < Duration::from_secs(5),
+        "failover took {failover:?}"
+    );
+
+    until_ready_is(&two, &name, StatusCode::OK).await;
+    if sidecars.len() > 1 {
+        assert_eq!(ready(&one, &name).await, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    // The observer saw pod-a, then (perhaps nobody between) pod-b.
+    let mut leaders = Vec::new();
+    while leaders
+        .last()
+        .map(|l: &Value| l["owner"] != "pod-b")
+        .unwrap_or(true)
+    {
+        let event = observer
+            .wait_for("a leader event", EVENT_TIMEOUT, |e| e.event == "leader")
+            .await;
+        let leader = event.json();
+        if !leader.is_null() {
+            leaders.push(leader);
+        }
+    }
+    let owners: Vec<&str> = leaders
+        .iter()
+        .map(|l| l["owner"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(owners, ["pod-a", "pod-b"], "observed leaders");
+    assert!(leaders[0]["fence"].as_u64() < leaders[1]["fence"].as_u64());
+
+    drop(second);
+    until_ready_is(&two, &name, StatusCode::SERVICE_UNAVAILABLE).await;
+    let after = observer
+        .wait_for("nobody leads", EVENT_TIMEOUT, |e| e.event == "leader")
+        .await;
+    assert_eq!(after.json(), Value::Null);
+}
+
+/// Re-entry is by owner for locks; two campaigns of one owner through one
+/// sidecar must still not both lead.
+#[apply(backends)]
+#[tokio::test]
+async fn two_campaigns_of_one_owner_do_not_both_lead(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let name = unique_name("same-owner");
+    let mut first = campaign(&api, &name, &[("owner", "twin"), ("value", "one")]).await;
+    expect_event(&mut first, "leader").await;
+    let mut second = campaign(&api, &name, &[("owner", "twin"), ("value", "two")]).await;
+    let follower = expect_event(&mut second, "follower").await;
+    assert_eq!(follower["leader"]["value"], "one");
+    assert!(
+        second
+            .next_within(Duration::from_millis(500))
+            .await
+            .is_err(),
+        "the second campaign must keep waiting: {}",
+        second.raw()
+    );
+    assert_eq!(election(&api, &name).await["candidates"], 2);
+}
+
+/// Election names never meet lock names: a held lock and a led election of
+/// the same name are independent, and neither shows up as the other.
+#[apply(backends)]
+#[tokio::test]
+async fn an_election_and_a_lock_of_one_name_are_independent(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let name = unique_name("shared-name");
+    let lock = api.lock(&name);
+    let held = lock.acquire(&[("owner", "locker")]).await;
+    let mut leader = campaign(&api, &name, &[("owner", "leader")]).await;
+    expect_event(&mut leader, "leader").await;
+    assert_eq!(lock.inspect().await.holder_owners(), ["locker"]);
+    assert_eq!(election(&api, &name).await["leader"]["owner"], "leader");
+    lock.release(&held.token).await;
+    assert_eq!(election(&api, &name).await["leader"]["owner"], "leader");
+}
+
+/// A leader whose sidecar stops gracefully hears `lost` `shutdown`, and
+/// the election is free at once.
+#[apply(backends)]
+#[tokio::test]
+async fn a_leader_hears_shutdown_and_the_election_is_free(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecars = backend.sidecars(2).await;
+    let name = unique_name("shutdown");
+    let mut leader = campaign(&sidecars[0].api(), &name, &[("owner", "stopping")]).await;
+    expect_event(&mut leader, "leader").await;
+    sidecars[0].terminate();
+    let lost = expect_event(&mut leader, "lost").await;
+    assert_eq!(lost["reason"], "shutdown");
+    if sidecars.len() > 1 {
+        let next = sidecars[1].api();
+        let mut successor = campaign(&next, &name, &[("owner", "next")]).await;
+        expect_leadership(&mut successor, EVENT_TIMEOUT).await;
+    }
+}
+
+/// A leader whose whole pod dies (sidecar killed, nothing released) is
+/// replaced once its lease runs out: the follower leads after about the
+/// campaign's ttl, never before it.
+#[rstest]
+#[case::redis(TestBackend::Redis)]
+#[case::redlock(TestBackend::Redlock)]
+#[case::postgres(TestBackend::Postgres)]
+#[case::zookeeper(TestBackend::ZooKeeper)]
+#[tokio::test]
+async fn a_killed_leaders_lease_runs_out_before_the_follower_leads(#[case] backend: TestBackend) {
+    let backend = backend.start().await;
+    let mut sidecars = backend.sidecars(2).await;
+    let name = unique_name("killed");
+    let ttl = Duration::from_secs(2);
+    let mut first = campaign(
+        &sidecars[0].api(),
+        &name,
+        &[("owner", "doomed"), ("ttl", "2s")],
+    )
+    .await;
+    expect_event(&mut first, "leader").await;
+    let mut second = campaign(
+        &sidecars[1].api(),
+        &name,
+        &[("owner", "heir"), ("ttl", "2s")],
+    )
+    .await;
+    expect_event(&mut second, "follower").await;
+
+    let killed = Instant::now();
+    sidecars[0].signal(nix::sys::signal::Signal::SIGKILL);
+    sidecars[0].wait_exit(EXIT_TIMEOUT).await;
+    expect_leadership(&mut second, ttl + Duration::from_secs(10)).await;
+    let took = killed.elapsed();
+    // ZooKeeper ends the session (and its nodes) at its own timeout, which
+    // may come first; the lease's ttl bounds the rest. The last renewal came
+    // at most ttl/3 before the kill.
+    let earliest = if backend.backend() == TestBackend::ZooKeeper {
+        Duration::ZERO
+    } else {
+        ttl * 2 / 3 - Duration::from_millis(100)
+    };
+    assert!(
+        took >= earliest,
+        "the heir led {took:?} after the kill, before the lease ran out"
+    );
+    let _ = sidecars.remove(0);
+}
+
+/// Bad parameters are refused before anything is written, with a sentence
+/// saying what is allowed.
+#[apply(backends)]
+#[tokio::test]
+async fn bad_campaign_parameters_are_refused(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let name = unique_name("refused");
+    let long = "v".repeat(1025);
+    for (params, says) in [
+        (vec![("value", long.as_str())], "at most 1024 bytes"),
+        (vec![("value", "line\nbreak")], "value contains"),
+        (vec![("value", "\u{202e}evil")], "value contains"),
+        (vec![("owner", "")], "owner is 0 characters"),
+        (vec![("ttl", "0s")], "ttl must be above 0"),
+        (vec![("ttl", "1000h")], "above the maximum"),
+        (vec![("wait", "1s")], "wait"),
+        (vec![("mode", "shared")], "mode"),
+    ] {
+        let response = api
+            .open_stream_raw(&["v1", "elections", &name, "campaign"], &params)
+            .await;
+        let problem: Value = expect_json(response, StatusCode::BAD_REQUEST).await;
+        let detail = problem["detail"].as_str().unwrap_or("");
+        assert!(detail.contains(says), "{params:?}: {problem}");
+    }
+    for bad in ["a/b", "with space", ""] {
+        let status = api
+            .get(&["v1", "elections", bad, "ready"], &[])
+            .await
+            .status();
+        assert!(
+            status == StatusCode::BAD_REQUEST || status == StatusCode::NOT_FOUND,
+            "ready of {bad:?}: {status}"
+        );
+    }
+    assert_eq!(election(&api, &name).await["candidates"], 0);
+    assert_eq!(ready(&api, &name).await, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+/// With an API token, the election API needs it but `…/ready` does not
+/// (kubelets call it by pod IP, without credentials), and answers the
+/// same from a non-loopback Host.
+#[tokio::test]
+async fn ready_is_open_like_readyz_and_the_rest_needs_the_token() {
+    let backend = TestBackend::Memory.start().await;
+    let sidecar = backend.sidecar().api_token(API_TOKEN).start().await;
+    let open = sidecar.api();
+    let name = unique_name("probe");
+    let refused = open.get(&["v1", "elections", &name], &[]).await.status();
+    assert_eq!(refused, StatusCode::UNAUTHORIZED);
+    let refused = open
+        .open_stream_raw(&["v1", "elections", &name, "campaign"], &[])
+        .await
+        .status();
+    assert_eq!(refused, StatusCode::UNAUTHORIZED);
+
+    let mut leader = campaign(&sidecar.api_with_token(API_TOKEN), &name, &[]).await;
+    expect_event(&mut leader, "leader").await;
+    assert_eq!(ready(&open, &name).await, StatusCode::OK);
+    let by_pod_ip = reqwest::Client::new()
+        .get(open.url(&["v1", "elections", &name, "ready"], &[]))
+        .header(reqwest::header::HOST, "10.1.2.3:7070")
+        .send()
+        .await
+        .expect("ready by pod IP");
+    assert_eq!(by_pod_ip.status(), StatusCode::OK);
+    let other = reqwest::Client::new()
+        .get(open.url(&["v1", "elections", &name], &[]))
+        .header(reqwest::header::HOST, "10.1.2.3:7070")
+        .bearer_auth(API_TOKEN)
+        .send()
+        .await
+        .expect("election by pod IP");
+    assert_eq!(other.status(), StatusCode::MISDIRECTED_REQUEST);
+}
