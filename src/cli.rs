@@ -1,4 +1,4 @@
-//! The command line: `sidelock [serve]` and `sidelock run`,
+//! The command line: `sidelock [serve]`, `sidelock run` and `sidelock campaign`,
 //! each subcommand's flags defined beside the code that runs it.
 
 use clap::{Parser, Subcommand};
@@ -29,6 +29,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Hold a lock through a sidecar while a command runs.
     Run(crate::run::RunArgs),
+    /// Run a command only while leading an election through a sidecar.
+    Campaign(crate::campaign::CampaignArgs),
 }
 
 #[cfg(test)]

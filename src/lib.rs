@@ -19,11 +19,12 @@
 //! * [`http`]: the server, routes, parameters, auth, problem documents, the OpenAPI document.
 //! * [`dashboard`]: the operator page at `GET /` and `/v1/stats`, mounted into [`http`] by the sidecar.
 //! * [`run`]: `sidelock run`, a client that holds a lock while a command runs.
+//! * [`campaign`]: `sidelock campaign`, a client that runs a command while it leads an election.
 //! * [`sidecar`]: the process — open the backend, serve HTTP, shut down cleanly.
 //! * [`cli`]: the command line of the `sidelock` binary.
 //!
 //! Modules are private unless the binary needs them: the public API is
-//! [`alloc`], [`cli`], [`config`], [`run`] and [`sidecar`] (and, with the
+//! [`alloc`], [`cli`], [`config`], [`run`], [`campaign`] and [`sidecar`] (and, with the
 //! `fuzz` feature, the fuzz target's `check_fuzz_input`). The load generator
 //! is the `sidelock-bench` package, which talks to sidecars over HTTP only.
 
@@ -32,6 +33,7 @@
 
 pub mod alloc;
 mod backend;
+pub mod campaign;
 pub mod cli;
 mod clock;
 pub mod config;

@@ -53,12 +53,16 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// Runs the command line's command: `serve` (the default) or `run`.
+/// Runs the command line's command: `serve` (the default), `run` or `campaign`.
 async fn run_command() -> std::process::ExitCode {
     let cli = Cli::parse();
     let serve = match cli.command {
         Some(Command::Run(args)) => {
             let code = sidelock::run::run(args).await;
+            return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
+        Some(Command::Campaign(args)) => {
+            let code = sidelock::campaign::campaign(args).await;
             return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
         }
         Some(Command::Serve(args)) => args,

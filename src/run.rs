@@ -68,7 +68,7 @@ pub struct RunArgs {
 
 /// A duration for `sidelock run`, checked as the sidecar would check it and
 /// passed on as written.
-fn run_duration(s: &str) -> Result<String, String> {
+pub(crate) fn run_duration(s: &str) -> Result<String, String> {
     let d = parse_duration(s)?;
     if d > MAX_DURATION {
         return Err(format!(
@@ -80,7 +80,7 @@ fn run_duration(s: &str) -> Result<String, String> {
 }
 
 /// The sidecar's base URL for `sidelock run`: an absolute http(s) URL.
-fn run_url(s: &str) -> Result<String, String> {
+pub(crate) fn run_url(s: &str) -> Result<String, String> {
     match reqwest::Url::parse(s) {
         Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(s.to_owned()),
         Ok(u) => Err(format!(
@@ -103,37 +103,86 @@ pub const EXIT_UNAVAILABLE: i32 = 69;
 pub const EXIT_CANNOT_EXEC: i32 = 127;
 
 /// How long the command gets between SIGTERM and SIGKILL after a lost lease.
-const KILL_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const KILL_GRACE: Duration = Duration::from_secs(10);
 
 /// The next event of a hold stream; `None` when the stream ends or fails.
 /// Comments (the keep-alives) are not events.
-async fn next_event<S, E>(events: &mut S) -> Option<Event>
+pub(crate) async fn next_event<S, E>(events: &mut S) -> Option<Event>
 where
     S: Stream<Item = Result<Event, E>> + Unpin,
 {
     events.next().await?.ok()
 }
 
-fn field(data: &str, name: &str) -> Option<serde_json::Value> {
+pub(crate) fn field(data: &str, name: &str) -> Option<serde_json::Value> {
     serde_json::from_str::<serde_json::Value>(data)
         .ok()?
         .get(name)
         .cloned()
 }
 
-/// Runs `args.command` under the lock; returns the process exit code.
-pub async fn run(args: RunArgs) -> i32 {
-    let base = args.url.trim_end_matches('/');
-    let mut url = match reqwest::Url::parse(&format!("{base}/v1/locks/")) {
+/// The events of an SSE stream from the sidecar.
+pub(crate) type Events = std::pin::Pin<
+    Box<
+        dyn Stream<Item = Result<Event, eventsource_stream::EventStreamError<reqwest::Error>>>
+            + Send,
+    >,
+>;
+
+/// Opens `GET <base>/v1/<segments…>?<pairs>` as an SSE stream; `who` names
+/// the subcommand in messages. On failure, the message is printed and the
+/// exit code returned.
+pub(crate) async fn open_stream(
+    base: &str,
+    segments: &[&str],
+    pairs: &[(&str, &str)],
+    api_token: Option<&Secret>,
+    who: &str,
+) -> Result<Events, i32> {
+    let base = base.trim_end_matches('/');
+    let mut url = match reqwest::Url::parse(&format!("{base}/v1/")) {
         Ok(u) => u,
         Err(e) => {
-            eprintln!("sidelock run: bad --url {base:?}: {e}");
-            return EXIT_UNAVAILABLE;
+            eprintln!("sidelock {who}: bad --url {base:?}: {e}");
+            return Err(EXIT_UNAVAILABLE);
         }
     };
-    if let Ok(mut segments) = url.path_segments_mut() {
-        segments.pop_if_empty().push(&args.lock).push("hold");
+    if let Ok(mut path) = url.path_segments_mut() {
+        path.pop_if_empty().extend(segments);
     }
+    // Only when there is a query: an empty one would leave a stray `?`.
+    if !pairs.is_empty() {
+        url.query_pairs_mut().extend_pairs(pairs);
+    }
+    let client = reqwest::Client::new();
+    let mut request = client.get(url).header("accept", "text/event-stream");
+    if let Some(token) = api_token {
+        request = request.bearer_auth(token.expose());
+    }
+    let response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!(
+                "sidelock {who}: cannot reach the sidecar at {base}: {}",
+                send_failure(&e)
+            );
+            return Err(EXIT_UNAVAILABLE);
+        }
+    };
+    if !response.status().is_success() {
+        let status = response.status();
+        let body = response.text().await.unwrap_or_default();
+        let detail = field(&body, "detail")
+            .and_then(|d| d.as_str().map(str::to_owned))
+            .unwrap_or(body);
+        eprintln!("sidelock {who}: the sidecar answered {status}: {detail}");
+        return Err(EXIT_UNAVAILABLE);
+    }
+    Ok(Box::pin(response.bytes_stream().eventsource()))
+}
+
+/// Runs `args.command` under the lock; returns the process exit code.
+pub async fn run(args: RunArgs) -> i32 {
     let mut pairs: Vec<(&str, &str)> = [
         ("ttl", &args.ttl),
         ("wait", &args.wait),
@@ -145,35 +194,12 @@ pub async fn run(args: RunArgs) -> i32 {
     if args.shared {
         pairs.push(("mode", "shared"));
     }
-    // Only when there is a query: an empty one would leave a stray `?`.
-    if !pairs.is_empty() {
-        url.query_pairs_mut().extend_pairs(pairs);
-    }
-    let client = reqwest::Client::new();
-    let mut request = client.get(url).header("accept", "text/event-stream");
-    if let Some(token) = &args.api_token {
-        request = request.bearer_auth(token.expose());
-    }
-    let response = match request.send().await {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!(
-                "sidelock run: cannot reach the sidecar at {base}: {}",
-                send_failure(&e)
-            );
-            return EXIT_UNAVAILABLE;
-        }
-    };
-    if !response.status().is_success() {
-        let status = response.status();
-        let body = response.text().await.unwrap_or_default();
-        let detail = field(&body, "detail")
-            .and_then(|d| d.as_str().map(str::to_owned))
-            .unwrap_or(body);
-        eprintln!("sidelock run: the sidecar answered {status}: {detail}");
-        return EXIT_UNAVAILABLE;
-    }
-    let mut events = response.bytes_stream().eventsource();
+    let segments = ["locks", args.lock.as_str(), "hold"];
+    let mut events =
+        match open_stream(&args.url, &segments, &pairs, args.api_token.as_ref(), "run").await {
+            Ok(events) => events,
+            Err(code) => return code,
+        };
     // When this run joined the queue; later `queued` events move it forward.
     let mut queued_since = None;
     let acquired = loop {
@@ -225,12 +251,12 @@ pub async fn run(args: RunArgs) -> i32 {
             return EXIT_CANNOT_EXEC;
         }
     };
-    supervise(&mut child, &mut events).await
+    supervise(&mut child, &mut events, "run").await
 }
 
 /// Waits for the command while watching the hold stream and forwarding
 /// SIGTERM/SIGINT to the command.
-async fn supervise<S, E>(child: &mut Child, events: &mut S) -> i32
+pub(crate) async fn supervise<S, E>(child: &mut Child, events: &mut S, who: &str) -> i32
 where
     S: Stream<Item = Result<Event, E>> + Unpin,
 {
@@ -258,7 +284,7 @@ where
                 Some(m) if m.event == "renewed" => {}
                 other => {
                     let why = other.map_or_else(|| "the hold stream ended".to_owned(), |m| format!("{}: {}", m.event, m.data));
-                    eprintln!("sidelock run: lease lost ({why}); stopping the command");
+                    eprintln!("sidelock {who}: lease lost ({why}); stopping the command");
                     send(Signal::SIGTERM);
                     if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_err() {
                         send(Signal::SIGKILL);
@@ -296,7 +322,7 @@ fn send_failure(e: &reqwest::Error) -> String {
     }
 }
 
-fn exit_code(status: std::io::Result<ExitStatus>) -> i32 {
+pub(crate) fn exit_code(status: std::io::Result<ExitStatus>) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     match status {
         Ok(s) => s

@@ -357,3 +357,94 @@ async fn ready_is_open_like_readyz_and_the_rest_needs_the_token() {
         .expect("election by pod IP");
     assert_eq!(other.status(), StatusCode::MISDIRECTED_REQUEST);
 }
+
+/// `sidelock campaign -- CMD`: the command runs only while leading.
+mod campaign_command {
+    use super::*;
+    use common::cli::RunBuilder;
+
+    const RUN_TIMEOUT: Duration = Duration::from_secs(20);
+    /// Creates `started`, then waits (at most 20 s) for the test's `go`.
+    const WAIT_FOR_GO: &str = r#"echo "$SIDELOCK_ELECTION $SIDELOCK_FENCE" > started; i=0; while [ ! -e go ] && [ "$i" -lt 400 ]; do sleep 0.05; i=$((i + 1)); done"#;
+
+    /// Two `sidelock campaign`s on two sidecars: the second's command starts
+    /// only after the first's has exited, with a higher fence.
+    #[tokio::test]
+    async fn the_command_runs_only_while_leading() {
+        let backend = TestBackend::Redis.start().await;
+        let sidecars = backend.sidecars(2).await;
+        let name = unique_name("cli-election");
+        let mut first = RunBuilder::campaign(sidecars[0].base_url(), &name)
+            .flag("value", "first")
+            .sh(WAIT_FOR_GO)
+            .spawn();
+        first.wait_for_file("started").await;
+        let mut second = RunBuilder::campaign(sidecars[1].base_url(), &name)
+            .flag("value", "second")
+            .sh(WAIT_FOR_GO)
+            .spawn();
+        let api = sidecars[1].api();
+        eventually("two candidates", EVENT_TIMEOUT, async || {
+            (election(&api, &name).await["candidates"] == 2).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.file("started").exists(),
+            "the follower's command ran"
+        );
+        assert_eq!(election(&api, &name).await["leader"]["value"], "first");
+
+        std::fs::write(first.file("go"), "").expect("write go");
+        assert_eq!(first.exit_code(RUN_TIMEOUT).await, 0, "{}", first.log());
+        second.wait_for_file("started").await;
+        let fence = |run: &common::cli::RunGuard| -> u64 {
+            let text = std::fs::read_to_string(run.file("started")).expect("started");
+            let (election, fence) = text.trim().split_once(' ').expect("name and fence");
+            assert_eq!(election, name);
+            fence.parse().expect("a fence")
+        };
+        assert!(fence(&second) > fence(&first));
+        std::fs::write(second.file("go"), "").expect("write go");
+        assert_eq!(second.exit_code(RUN_TIMEOUT).await, 0, "{}", second.log());
+        assert!(second.log().contains("standing by"), "{}", second.log());
+    }
+
+    /// The leadership lost while the command runs (the sidecar stops): the
+    /// command gets SIGTERM and the exit code is 76.
+    #[tokio::test]
+    async fn a_lost_leadership_stops_the_command() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let mut run = RunBuilder::campaign(sidecar.base_url(), &unique_name("cli-lost"))
+            .sh(r#"trap 'touch terminated; exit 0' TERM; touch started; i=0; while [ "$i" -lt 400 ]; do sleep 0.05; i=$((i + 1)); done"#)
+            .spawn();
+        run.wait_for_file("started").await;
+        sidecar.terminate();
+        assert_eq!(run.exit_code(RUN_TIMEOUT).await, 76, "{}", run.log());
+        assert!(run.file("terminated").exists(), "CMD got no SIGTERM");
+        assert!(run.log().contains("lost"), "{}", run.log());
+    }
+
+    /// With `--again`, each term runs the command anew, each with a higher fence.
+    #[tokio::test]
+    async fn again_campaigns_after_each_term_with_a_higher_fence() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let run = RunBuilder::campaign(sidecar.base_url(), &unique_name("cli-again"))
+            .arg("--again")
+            .sh(r#"echo "$SIDELOCK_FENCE" >> terms"#)
+            .spawn();
+        let terms = run.file("terms");
+        let fences: Vec<u64> = eventually("three terms", EVENT_TIMEOUT, async || {
+            let text = std::fs::read_to_string(&terms).unwrap_or_default();
+            let fences: Vec<u64> = text.lines().filter_map(|l| l.parse().ok()).collect();
+            (fences.len() >= 3).then_some(fences)
+        })
+        .await;
+        for pair in fences.windows(2) {
+            assert!(pair[0] < pair[1], "fences {fences:?}");
+        }
+        drop(run);
+    }
+}

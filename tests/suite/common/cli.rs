@@ -1,4 +1,4 @@
-//! `sidelock run … -- CMD` as a child process.
+//! `sidelock run … -- CMD` and `sidelock campaign … -- CMD` as child processes.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -29,6 +29,21 @@ impl RunBuilder {
                 sidecar_url.into(),
                 "--lock".into(),
                 lock.into(),
+            ],
+            env: vec![("NO_COLOR".into(), "1".into())],
+            command: Vec::new(),
+        }
+    }
+
+    /// `sidelock campaign --url <sidecar_url> --name <election>`.
+    pub fn campaign(sidecar_url: &str, election: &str) -> Self {
+        Self {
+            args: vec![
+                "campaign".into(),
+                "--url".into(),
+                sidecar_url.into(),
+                "--name".into(),
+                election.into(),
             ],
             env: vec![("NO_COLOR".into(), "1".into())],
             command: Vec::new(),
