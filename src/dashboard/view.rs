@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 
 use crate::backend::{Safety, StaleKey};
+use crate::core::election::ElectionView;
 use crate::error::Error;
 use crate::http::App;
-use crate::lock::{LockKey, Name};
+use crate::lock::{Kind, LockKey, Name};
 
 use super::chart::{Charts, charts};
 use super::format::{fmt_duration_ms, fmt_latency_ms, fmt_rate, fmt_utc};
@@ -194,6 +195,21 @@ impl LockGroup {
     }
 }
 
+/// One election on the page.
+#[derive(Debug, Clone)]
+pub struct ElectionRow {
+    pub name: String,
+    /// The leader's owner, value and sidecar; `None` while nobody leads.
+    pub leader: Option<(String, Option<String>, String)>,
+    /// The leader's campaign runs through this sidecar.
+    pub here: bool,
+    pub since_ms: u64,
+    pub since_utc: String,
+    pub led_for: String,
+    pub fence: u64,
+    pub candidates: usize,
+}
+
 /// One stale key.
 #[derive(Debug, Clone)]
 pub struct StaleRow {
@@ -236,6 +252,8 @@ pub struct View {
     pub admin_enabled: bool,
     pub filter: Filter,
     pub locks: Vec<LockGroup>,
+    /// The elections on the page (their keys are listed with the locks).
+    pub elections: Vec<ElectionRow>,
     pub list_error: Option<String>,
     pub next_href: Option<String>,
     pub first_href: Option<String>,
@@ -468,8 +486,31 @@ pub fn build(
 ) -> View {
     let now = stats.now_ms.max(1);
     let stale_after_ms = id.stale_after.as_millis() as u64;
-    let locks: Vec<LockGroup> = listing
+    let (elections, locks): (Vec<_>, Vec<_>) = listing
         .locks
+        .into_iter()
+        .partition(|(key, _)| key.kind == Kind::Election);
+    let elections: Vec<ElectionRow> = elections
+        .into_iter()
+        .map(|(key, state)| {
+            let view = ElectionView::of(&state);
+            let since_ms = view.leader.as_ref().map_or(0, |l| l.since_ms);
+            ElectionRow {
+                name: key.name.to_string(),
+                here: view
+                    .leader
+                    .as_ref()
+                    .is_some_and(|l| l.sidecar == id.sidecar),
+                fence: view.leader.as_ref().map_or(state.fence, |l| l.fence),
+                leader: view.leader.map(|l| (l.owner, l.value, l.sidecar)),
+                since_ms,
+                since_utc: fmt_utc(since_ms),
+                led_for: fmt_duration_ms(now.saturating_sub(since_ms)),
+                candidates: view.candidates,
+            }
+        })
+        .collect();
+    let locks: Vec<LockGroup> = locks
         .into_iter()
         .map(|(key, state)| {
             let holders = state
@@ -593,6 +634,7 @@ pub fn build(
         admin_enabled: id.admin_enabled,
         filter,
         locks,
+        elections,
         list_error: listing.error,
         next_href,
         first_href,

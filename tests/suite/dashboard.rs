@@ -777,3 +777,51 @@ async fn queued_locks_show_without_scrolling_at_1280_by_1000() {
     drop(waiters);
     browser.close().await;
 }
+
+/// Elections have a section of their own — leader, value, sidecar, fence,
+/// candidates — escaped like every other string, and do not appear among
+/// the held locks (where a force-release button would point nowhere).
+#[tokio::test]
+async fn elections_show_their_leader_value_and_candidates() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .sidecar_id("elections-sidecar")
+        .start()
+        .await;
+    let api = sidecar.api();
+    let name = "scheduler";
+    let mut leader = api
+        .open_stream(
+            &["v1", "elections", name, "campaign"],
+            &[("owner", "pod-a"), ("value", HOSTILE_OWNER)],
+        )
+        .await;
+    leader
+        .wait_for("leader", EVENT_TIMEOUT, |e| e.event == "leader")
+        .await;
+    let mut follower = api
+        .open_stream(
+            &["v1", "elections", name, "campaign"],
+            &[("owner", "pod-b")],
+        )
+        .await;
+    follower
+        .wait_for("follower", EVENT_TIMEOUT, |e| e.event == "follower")
+        .await;
+
+    let (status, _, page) = get_text(&format!("{}/", sidecar.base_url()), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let elections = section(&page, "elections");
+    for text in ["scheduler", "pod-a", "elections-sidecar", "this one"] {
+        assert!(elections.contains(text), "{text} missing: {elections}");
+    }
+    assert!(
+        elections.contains("img src=x onerror=") && !elections.contains("<img src=x"),
+        "the value must be escaped: {elections}"
+    );
+    assert!(
+        elections.contains(r#"<td data-label="Candidates"><div class="cell">2</div></td>"#),
+        "{elections}"
+    );
+    assert!(!section(&page, "holders").contains("scheduler"));
+    assert!(!section(&page, "queues").contains("scheduler"));
+}

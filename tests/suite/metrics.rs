@@ -427,3 +427,50 @@ async fn every_help_text_names_every_label_value_its_family_exports() {
         );
     }
 }
+
+/// Each leadership won through a sidecar counts once there; the gauge
+/// follows the campaigns that lead; election names become labels only with
+/// `--metrics-lock-labels`.
+#[tokio::test]
+async fn leader_changes_and_leading_campaigns_are_counted() {
+    for labelled in [false, true] {
+        let mut builder = SidecarBuilder::new("memory://");
+        if labelled {
+            builder = builder.arg("--metrics-lock-labels");
+        }
+        let sidecar = builder.start().await;
+        let api = sidecar.api();
+        let labels: &[(&str, &str)] = if labelled {
+            &[("election", "counted")]
+        } else {
+            &[]
+        };
+        let m = Metrics::scrape(&api).await;
+        assert_eq!(m.value("sidelock_elections_leading", &[]) as u64, 0);
+        let segments = ["v1", "elections", "counted", "campaign"];
+        let mut first = api.open_stream(&segments, &[]).await;
+        first
+            .wait_for("leader", EVENT_TIMEOUT, |e| e.event == "leader")
+            .await;
+        let mut second = api.open_stream(&segments, &[]).await;
+        second
+            .wait_for("follower", EVENT_TIMEOUT, |e| e.event == "follower")
+            .await;
+        let m = Metrics::scrape(&api).await;
+        assert_eq!(m.counter("sidelock_leader_changes_total", labels), 1);
+        assert_eq!(m.value("sidelock_elections_leading", &[]) as u64, 1);
+        drop(first);
+        second
+            .wait_for("leader", EVENT_TIMEOUT, |e| e.event == "leader")
+            .await;
+        let m = Metrics::scrape(&api).await;
+        assert_eq!(m.counter("sidelock_leader_changes_total", labels), 2);
+        assert_eq!(m.value("sidelock_elections_leading", &[]) as u64, 1);
+        drop(second);
+        eventually("no campaign leads", EVENT_TIMEOUT, async || {
+            let m = Metrics::scrape(&api).await;
+            (m.value("sidelock_elections_leading", &[]) as u64 == 0).then_some(())
+        })
+        .await;
+    }
+}
