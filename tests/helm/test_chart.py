@@ -599,6 +599,9 @@ TEMPLATE_ERRORS = {
     "default ttl above max ttl in ms": (
         {"config": {"defaultTtl": 90000, "maxTtl": "1m"}},
         "config.defaultTtl (90000ms) must not be longer than config.maxTtl (1m)"),
+    "election example without the leader probe": (
+        {"example": {"enabled": True, "election": True}},
+        "example.election=true needs election.readinessProbe.enabled=true"),
     "service monitor without service": (
         {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
         "metrics.serviceMonitor.enabled needs metrics.service.enabled"),
@@ -617,6 +620,70 @@ def test_password_is_fine_when_the_url_comes_from_a_secret(chart: helm.Chart) ->
     objects = manifests(render_chart(chart, {"backend": {
         "url": "redis://redis:6379/0", "urlFromSecret": {"name": "redis-url", "key": "url"}}}))
     assert "backend" not in tomllib.loads(one(objects, "ConfigMap")["data"]["sidelock.toml"])
+
+
+# --------------------------------------------------------------------------
+# Leader election: the readiness probe that follows the leader
+# --------------------------------------------------------------------------
+
+LEADER_ON: dict[str, Any] = {
+    "election": {"readinessProbe": {"enabled": True, "name": "scheduler"}},
+    "example": {"enabled": True, "election": True, "replicas": 3},
+}
+
+
+def test_leader_probe_is_off_by_default(chart: helm.Chart) -> None:
+    spec = pod_spec(one(manifests(render_chart(chart, EXAMPLE_ON)), "Deployment"))
+    _, app = find_container(spec, "app")
+    assert "readinessProbe" not in app
+
+
+def test_a_service_routes_only_to_the_leader(chart: helm.Chart) -> None:
+    objects = manifests(render_chart(chart, LEADER_ON))
+    for obj in objects:
+        validate_k8s(obj)
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    spec = pod_spec(deployment)
+    _, app = find_container(spec, "app")
+    probe = app["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/v1/elections/scheduler/ready", "port": 7070, "scheme": "HTTP"}
+    assert probe["failureThreshold"] == 1 and probe["periodSeconds"] == 2
+    script = app["command"][-1]
+    assert "/v1/elections/${ELECTION}/campaign" in script and "curl -sSN" in script
+    env = {e["name"]: e for e in app["env"]}
+    assert env["ELECTION"]["value"] == "scheduler"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+    services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
+    leader = services[f"{FULLNAME}-example-leader"]
+    # Every example pod matches; readiness leaves only the leader as an endpoint.
+    assert leader["spec"]["selector"].items() <= pod_metadata(deployment)["labels"].items()
+    assert leader["spec"]["selector"]["app.kubernetes.io/component"] == "example"
+    (port,) = leader["spec"]["ports"]
+    assert port["targetPort"] == 7070
+
+
+def test_notes_show_the_leader_endpoint(chart: helm.Chart) -> None:
+    notes = render_chart(chart, LEADER_ON)["sidelock/templates/NOTES.txt"]
+    assert f"kubectl get endpoints --namespace {NAMESPACE} {FULLNAME}-example-leader" in notes
+
+
+def test_the_leader_probe_follows_the_sidecar_port(chart: helm.Chart) -> None:
+    values = deep_merge(LEADER_ON, {"sidecar": {"port": 8181}, "election": {"readinessProbe": {
+        "periodSeconds": 5, "failureThreshold": 2}}})
+    spec = pod_spec(one(manifests(render_chart(chart, values)), "Deployment"))
+    _, app = find_container(spec, "app")
+    assert app["readinessProbe"]["httpGet"]["port"] == 8181
+    assert app["readinessProbe"]["periodSeconds"] == 5
+    assert app["readinessProbe"]["failureThreshold"] == 2
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x" * 201, "with space"])
+def test_bad_election_names_fail_the_schema(chart: helm.Chart, name: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart(chart, {"election": {"readinessProbe": {"enabled": True, "name": name}}})
+    assert "election" in str(err.value)
 
 
 # --------------------------------------------------------------------------

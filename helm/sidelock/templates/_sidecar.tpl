@@ -43,6 +43,11 @@ Every template accepts either
   sidelock.clientEnv          SIDELOCK_URL and SIDELOCK_API_TOKEN for the
                               application container (what `sidelock run` and
                               curl scripts read)
+  sidelock.leaderReadinessProbe
+                              with election.readinessProbe.enabled, a
+                              `readinessProbe:` for the application container
+                              on /v1/elections/<name>/ready: only the leader's
+                              pod is Ready, so its Services route to it alone
 =============================================================================
 */}}
 
@@ -302,4 +307,22 @@ checksum/sidelock-config: {{ include "sidelock.configToml" $ctx | sha256sum }}
     secretKeyRef:
       name: {{ include "sidelock.secretName" $ctx }}
       key: {{ $ctx.values.auth.apiTokenKey }}
+{{- end -}}
+
+{{- define "sidelock.leaderReadinessProbe" -}}
+{{- $ctx := dict -}}
+{{- $_ := include "sidelock.context" (list . $ctx) -}}
+{{- $p := $ctx.values.election.readinessProbe -}}
+{{- if $p.enabled -}}
+readinessProbe:
+  httpGet:
+    {{- /* A probe may name only its own container's ports: the number. */}}
+    path: /v1/elections/{{ $p.name }}/ready
+    port: {{ int $ctx.values.sidecar.port }}
+    scheme: HTTP
+  periodSeconds: {{ int ($p.periodSeconds | default 2) }}
+  timeoutSeconds: {{ int ($p.timeoutSeconds | default 1) }}
+  failureThreshold: {{ int ($p.failureThreshold | default 1) }}
+  successThreshold: 1
+{{- end -}}
 {{- end -}}
