@@ -187,3 +187,98 @@ async fn a_holder_cut_off_from_its_backend_is_told_lost_before_the_other_side_is
     assert!(again.fence > plain.fence);
     b.lock(&name).release(&grant.token).await;
 }
+
+/// A leader cut off from its backend hears `lost` before the campaign on
+/// the other side of the cut leads, and the new leader's fence is higher:
+/// the partition rules of holds apply to campaigns.
+#[rstest]
+#[case::redis("redis")]
+#[case::postgres("postgres")]
+#[tokio::test]
+async fn a_leader_cut_off_from_its_backend_hears_lost_before_another_leads(#[case] kind: &str) {
+    let ns = Netns::create();
+    let clients = ns.link();
+    let backend = ns.link();
+    let server = Server::start(kind, &backend.host_ip).await;
+    let cut_side = SidecarBuilder::new(&server.url(&backend.host_ip))
+        .netns(&ns, &clients.peer_ip)
+        .sidecar_id("cut-leader")
+        .start()
+        .await;
+    let other_side = SidecarBuilder::new(&server.url("127.0.0.1"))
+        .sidecar_id("other-candidate")
+        .start()
+        .await;
+    let name = unique_name("partitioned-election");
+    let (a, b) = (cut_side.api(), other_side.api());
+    let campaign = |api: &common::Api, owner: &str| {
+        let api = api.clone();
+        let name = name.clone();
+        let owner = owner.to_owned();
+        async move {
+            api.open_stream(
+                &["v1", "elections", &name, "campaign"],
+                &[("owner", &owner), ("ttl", "3s")],
+            )
+            .await
+        }
+    };
+    let mut leader = campaign(&a, "cut-leader").await;
+    let won = leader
+        .wait_for("leader", Duration::from_secs(10), |e| e.event == "leader")
+        .await
+        .json();
+    let mut heir = campaign(&b, "heir").await;
+    heir.wait_for("follower", Duration::from_secs(10), |e| {
+        e.event == "follower"
+    })
+    .await;
+    // A renewal at least once, so the lease runs from a renewal (campaigns
+    // report none: wait a third of the ttl).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let cut_at = Instant::now();
+    ns.cut(&backend);
+    let told = tokio::spawn(async move {
+        let lost = leader
+            .wait_for("lost", Duration::from_secs(10), |e| e.event == "lost")
+            .await
+            .json();
+        (lost, Instant::now())
+    });
+    let led = tokio::spawn(async move {
+        let led = heir
+            .wait_for("leader", Duration::from_secs(20), |e| e.event == "leader")
+            .await
+            .json();
+        (led, Instant::now())
+    });
+    let (lost, lost_at) = within(
+        "the cut-off leader is told",
+        Duration::from_secs(15),
+        async { told.await.expect("leader task") },
+    )
+    .await;
+    assert_eq!(lost["reason"], "unreachable");
+    let (led, led_at) = within("the heir leads", Duration::from_secs(25), async {
+        led.await.expect("heir task")
+    })
+    .await;
+    assert!(
+        lost_at < led_at,
+        "the leader heard `lost` {:?} after the cut, the heir led {:?} after it",
+        lost_at - cut_at,
+        led_at - cut_at
+    );
+    assert!(
+        led["fence"].as_u64() > won["fence"].as_u64(),
+        "{led} after {won}"
+    );
+    eprintln!(
+        "election {kind}: cut → lost {:?}, cut → new leader {:?}, margin {:?}",
+        lost_at - cut_at,
+        led_at - cut_at,
+        led_at - lost_at
+    );
+    ns.heal(&backend);
+}

@@ -26,6 +26,7 @@ pub enum Workload {
     Idle,
     Crash,
     Startup,
+    Failover,
     All,
 }
 
@@ -437,6 +438,40 @@ async fn run_backend(
             Err(e) => run.errors.push(format!("crash: {e}")),
         }
         drop(spawned);
+    }
+    if has(args.workload, Workload::Failover) {
+        target!(pair, spawned, target);
+        eprintln!("[{label}] failover");
+        let mut spawned = spawned;
+        let respawn = match (&mut spawned, spawn) {
+            (Some(s), Some(b)) if shared => Some((&mut s.sidecars, b)),
+            _ => None,
+        };
+        match crate::failover::failover(&target, args.crash_rounds, run_id, respawn).await {
+            Ok(r) => run.failover = Some(r),
+            Err(e) => run.errors.push(format!("failover: {e}")),
+        }
+        drop(spawned);
+        // The partition needs a Redis of its own behind a link it can cut.
+        let redis = spawn.is_some_and(|b| b.starts_with("redis://"));
+        // SAFETY: geteuid only reads the process credentials.
+        if redis && unsafe { libc::geteuid() } == 0 {
+            eprintln!("[{label}] partition");
+            match crate::failover::partition(args.crash_rounds.clamp(1, 3), run_id).await {
+                Ok(p) => {
+                    if p.overlaps > 0 {
+                        run.errors.push(format!(
+                            "partition: a new leader led before the cut-off one heard lost in {} round(s)",
+                            p.overlaps
+                        ));
+                    }
+                    if let Some(f) = run.failover.as_mut() {
+                        f.partition = Some(p);
+                    }
+                }
+                Err(e) => run.errors.push(format!("partition: {e}")),
+            }
+        }
     }
     if has(args.workload, Workload::Startup)
         && let Some(b) = spawn

@@ -17,12 +17,14 @@
 //! * [`client`]: the lock clients (sidelock over HTTP, Redis direct/polling) and latency histograms.
 //! * [`counters`]: backend operation counters (Redis `INFO commandstats`, ZooKeeper `mntr`, PostgreSQL `pg_stat_database`).
 //! * [`workloads`]: the five workloads.
+//! * [`failover`]: leader elections failing over between two sidecars.
 //! * [`report`]: the JSON report, its headline and the printed tables.
 //! * [`bench`]: the run, from the command line to the report.
 
 mod bench;
 mod client;
 mod counters;
+mod failover;
 mod procs;
 mod report;
 mod urls;

@@ -149,18 +149,42 @@ impl Sidecar {
     /// # Errors
     /// When the process cannot start or is not ready in time.
     pub async fn start(backend: &str, id: &str) -> Result<Self, String> {
+        Self::start_in(backend, id, None).await
+    }
+
+    /// [`Sidecar::start`], inside the network namespace `netns` (its name,
+    /// and the address of the namespace to listen on) when given.
+    ///
+    /// # Errors
+    /// When the process cannot start or is not ready in time.
+    pub async fn start_in(
+        backend: &str,
+        id: &str,
+        netns: Option<(&str, &str)>,
+    ) -> Result<Self, String> {
         let port = free_port();
-        let url = format!("http://127.0.0.1:{port}");
-        let mut cmd = Command::new(sidelock());
+        let host = netns.map_or("127.0.0.1", |(_, ip)| ip);
+        let url = format!("http://{host}:{port}");
+        let mut cmd = match netns {
+            Some((ns, _)) => {
+                // `ip netns exec` execs the program: the child is the sidecar.
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]).arg(sidelock());
+                cmd
+            }
+            None => Command::new(sidelock()),
+        };
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("SIDELOCK_") {
                 cmd.env_remove(key);
             }
         }
-        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        cmd.args(["serve", "--listen", &format!("{host}:{port}")])
             .args(["--backend", backend, "--sidecar-id", id])
             .args(["--max-waiters", "100000"])
             .env("SIDELOCK_LOG", "warn")
+            // Called by its namespace address, which is then an allowed Host.
+            .env("SIDELOCK_ALLOWED_HOSTS", host)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file(id))
@@ -170,7 +194,10 @@ impl Sidecar {
             .spawn()
             .map_err(|e| format!("cannot start {} serve: {e}", sidelock().display()))?;
         let pid = child.id().unwrap_or(0);
-        let probe = reqwest::Client::new();
+        let probe = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| e.to_string())?;
         let ready = format!("{url}/readyz");
         loop {
             if let Ok(r) = probe.get(&ready).send().await

@@ -28,6 +28,7 @@ pub struct BackendRun {
     /// Workload 3 with hold streams (one lock each) instead of waiters.
     pub holds: Vec<Idle>,
     pub crash: Option<Crash>,
+    pub failover: Option<crate::failover::Failover>,
     pub startup: Option<Startup>,
     pub errors: Vec<String>,
 }
@@ -296,6 +297,45 @@ pub(crate) fn print_tables(r: &Report) {
             );
         }
     }
+    let failover: Vec<_> = r
+        .runs
+        .iter()
+        .filter_map(|run| run.failover.as_ref().map(|f| (&run.backend, f)))
+        .collect();
+    if !failover.is_empty() {
+        println!("\n## Failover (leader gone → the follower on the other sidecar leads)\n");
+        println!(
+            "| backend | campaign stream dropped p50/max ms | campaign process killed max ms | leader's sidecar killed ms (ttl) |"
+        );
+        println!("|---|---:|---:|---:|");
+        for (b, f) in failover {
+            println!(
+                "| {b} | {}/{} | {} | {} |",
+                opt(f.stream_dropped_p50_ms),
+                opt(f.stream_dropped_max_ms),
+                opt(f.process_killed_max_ms),
+                if f.sidecar_killed_ms.is_empty() {
+                    "-".into()
+                } else {
+                    format!(
+                        "{:?} ({} ms)",
+                        f.sidecar_killed_ms,
+                        f.sidecar_killed_ttl_ms.unwrap_or(0)
+                    )
+                }
+            );
+        }
+        for (b, f) in r
+            .runs
+            .iter()
+            .filter_map(|run| Some((&run.backend, run.failover.as_ref()?.partition.as_ref()?)))
+        {
+            println!(
+                "\nPartitioned leader ({b}, ttl {} ms): cut → lost {:?} ms; cut → the other side leads {:?} ms; new leader before lost: {} round(s)",
+                f.ttl_ms, f.lost_ms, f.led_ms, f.overlaps
+            );
+        }
+    }
     let start: Vec<_> = r
         .runs
         .iter()
@@ -326,6 +366,7 @@ pub(crate) fn print_tables(r: &Report) {
             .errors
             .iter()
             .chain(run.crash.iter().flat_map(|c| &c.errors))
+            .chain(run.failover.iter().flat_map(|f| &f.errors))
         {
             println!("error [{}]: {e}", run.backend);
         }

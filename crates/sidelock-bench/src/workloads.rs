@@ -111,7 +111,7 @@ pub struct Target {
 }
 
 impl Target {
-    fn url(&self, i: usize) -> &str {
+    pub(crate) fn url(&self, i: usize) -> &str {
         &self.urls[i % self.urls.len()]
     }
     fn locker(&self, i: usize) -> Locker {
@@ -119,7 +119,7 @@ impl Target {
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 

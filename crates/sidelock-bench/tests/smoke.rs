@@ -135,6 +135,9 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
         let crash = &run["crash"];
         assert!(num(crash, "hold_cut_ms.0") > 0.0, "{crash:#}");
         assert!(num(crash, "client_killed_ms.0") > 0.0);
+        let failover = &run["failover"];
+        assert!(num(failover, "stream_dropped_ms.0") > 0.0, "{failover:#}");
+        assert!(num(failover, "process_killed_ms.0") > 0.0, "{failover:#}");
         let startup = &run["startup"];
         assert!(num(startup, "ready_p50_ms") > 0.0);
         assert!(num(startup, "idle_rss_max_kib") > 1000.0);
@@ -152,6 +155,23 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
             .expect("sidecar_killed_ms")
             .is_empty()
     );
+    let failover = &redis_run["failover"];
+    assert!(
+        !failover["sidecar_killed_ms"]
+            .as_array()
+            .expect("sidecar_killed_ms")
+            .is_empty()
+    );
+    // Root (as the test command runs): a leader partitioned from Redis.
+    // SAFETY: geteuid only reads the process credentials.
+    if unsafe { libc::geteuid() } == 0 {
+        let partition = &failover["partition"];
+        assert_eq!(num(partition, "overlaps"), 0.0, "{partition:#}");
+        assert!(
+            num(partition, "lost_ms.0") < num(partition, "led_ms.0"),
+            "{partition:#}"
+        );
+    }
     // Baselines.
     let base = &report["baselines"];
     assert!(num(base, "direct_redis.0.pairs_per_s") > 0.0, "{base:#}");
