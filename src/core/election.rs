@@ -35,8 +35,12 @@ use super::Core;
 /// Longest accepted campaign value, in bytes of UTF-8.
 pub const MAX_VALUE_BYTES: usize = 1024;
 
-/// The longest an observer goes without reading its election.
-pub const REFRESH: Duration = Duration::from_secs(2);
+/// The longest an observer goes without reading its election: a safety net
+/// for a lost notification. Every backend reports changes (a release, an
+/// expiry noticed, an announced grant, a ZooKeeper watch), and a leader
+/// that dies without releasing is looked at when its lease expires, so an
+/// observer costs about one `inspect` per lease period of its leader.
+pub const REFRESH: Duration = Duration::from_secs(30);
 
 /// The first look again after a release while nobody leads.
 const SETTLE: Duration = Duration::from_millis(5);
@@ -220,14 +224,20 @@ impl Core {
         }
     }
 
-    /// Tells every sidecar that `name` has a new leader, where the backend
+    /// Tells every sidecar that `name` has a new leader (or lost its
+    /// leader: see [`Core::end`](super::Core)), where the backend
     /// can (observers elsewhere see it at once rather than at their next
     /// look). Runs in a task: the campaign does not wait for it.
     pub fn announce(&self, name: &Name) {
+        self.announce_key(&election_key(name));
+    }
+
+    /// [`Core::announce`] for an election's key: a new leader, or none.
+    pub(super) fn announce_key(&self, key: &LockKey) {
         let Some(me) = self.me.upgrade() else {
             return;
         };
-        let key = election_key(name);
+        let key = key.clone();
         self.tasks.spawn(async move {
             let _ = me.op("announce", me.backend.announce(&key)).await;
         });

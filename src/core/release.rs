@@ -24,6 +24,10 @@ impl Core {
         }
         local.ended.cancel();
         self.expiries.remove(local);
+        if local.key.kind == crate::lock::Kind::Election {
+            // Its observers everywhere: a release with nobody waiting wakes nobody.
+            self.announce_key(&local.key);
+        }
         if self.lock_leases().remove(&local.token).is_some() {
             self.held_slots.fetch_sub(1, Ordering::AcqRel);
         }

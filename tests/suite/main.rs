@@ -6,8 +6,7 @@
 //! * [`common`]: the harness — sidecar guards, typed API helpers, the SSE
 //!   reader, problem-document checks (the servers come from the
 //!   `sidelock-test-support` crate, shared with the bench).
-//! * [`conformance`]: the HTTP contract, once per backend.
-//! * [`elections`]: leader election, once per backend.
+//! * [`conformance`]: the HTTP contract, once per backend (leader election in `conformance::elections`).
 //! * [`safety`]: the safety checker — several sidecars, random clients, faults.
 //! * [`hostile`]: the hostile-client suite.
 //! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
@@ -21,7 +20,6 @@ mod common;
 mod cli_run;
 mod conformance;
 mod dashboard;
-mod elections;
 mod first_run;
 mod hostile;
 mod layers;

@@ -8,6 +8,8 @@
 
 use crate::common;
 
+mod elections;
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
