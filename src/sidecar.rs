@@ -64,6 +64,9 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         event_streams: Arc::new(tokio::sync::Semaphore::new(
             crate::http::locks::MAX_EVENT_STREAMS,
         )),
+        observe_streams: Arc::new(tokio::sync::Semaphore::new(
+            crate::http::elections::MAX_OBSERVE_STREAMS,
+        )),
         throttle: Default::default(),
     });
     let mut listeners = Vec::with_capacity(settings.listen.len());

@@ -27,6 +27,11 @@ use crate::http::params::{Given, LockName, Params, duration};
 use crate::http::problem::Problem;
 use crate::lock::{Name, check_plain_text};
 
+/// Open `…/observe` streams per sidecar at most: each observed election
+/// costs the backend a read per lease period of its leader, and streams
+/// never end by themselves.
+pub const MAX_OBSERVE_STREAMS: usize = 1024;
+
 /// Parameters of a campaign.
 #[derive(Debug, Deserialize, IntoParams, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -269,6 +274,7 @@ pub async fn election(
         (status = 200, content_type = "text/event-stream", description = "SSE: a leader event with the leader (or null) at once, then on every change"),
         (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
+        (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-event-streams: 1024 observe streams are already open; or too-many-failed-tokens (Retry-After)"),
         (status = 503, body = Problem, content_type = "application/problem+json", description = "Shutting down"),
     ))]
 /// Observe the election: its leader now and on every change.
@@ -281,7 +287,15 @@ pub async fn observe(
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
+    let permit = app
+        .observe_streams
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Error::TooManyEventStreams {
+            limit: MAX_OBSERVE_STREAMS,
+        })?;
     let stream = ObserveStream {
+        _permit: permit,
         following: app.core.follow(&name),
         shown: None,
         shutdown: Box::pin(app.core.shutdown.clone().cancelled_owned()),
@@ -293,6 +307,8 @@ pub async fn observe(
 
 /// An observer's event stream: `leader` on every change, until shutdown.
 struct ObserveStream {
+    /// Counts this stream against [`MAX_OBSERVE_STREAMS`] while it is open.
+    _permit: tokio::sync::OwnedSemaphorePermit,
     following: Following,
     /// The leader last reported.
     shown: Option<Option<Leader>>,

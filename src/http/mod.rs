@@ -46,6 +46,9 @@ pub struct App {
     pub started_at_ms: u64,
     /// Permits for open `/v1/events` streams, [`locks::MAX_EVENT_STREAMS`] in all.
     pub event_streams: Arc<tokio::sync::Semaphore>,
+    /// Permits for open election observe streams,
+    /// [`elections::MAX_OBSERVE_STREAMS`] in all.
+    pub observe_streams: Arc<tokio::sync::Semaphore>,
     /// Failed token checks per peer, shared by every place a token is checked.
     pub throttle: throttle::Throttle,
 }

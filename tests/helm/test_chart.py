@@ -697,6 +697,18 @@ def test_app_chart_dependency_resolves(app_chart_dir: Path) -> None:
                      "repository": "file://../../../helm/sidelock", "status": "ok"}]
 
 
+def test_app_chart_routes_to_the_leader_with_one_value(app_chart: helm.Chart) -> None:
+    off = manifests(render_chart(app_chart, {}, name="shop"))
+    _, app = find_container(pod_spec(by_kind(off, "Deployment")[0]), "app")
+    assert "readinessProbe" not in app
+    on = manifests(render_chart(app_chart, {"sidelock": {"election": {"readinessProbe": {
+        "enabled": True, "name": "orders-consumer"}}}}, name="shop"))
+    deployment = by_kind(on, "Deployment")[0]
+    validate_k8s(deployment)
+    _, app = find_container(pod_spec(deployment), "app")
+    assert app["readinessProbe"]["httpGet"]["path"] == "/v1/elections/orders-consumer/ready"
+
+
 def test_app_chart_lints_strict(app_chart_dir: Path) -> None:
     report = helm.lint(app_chart_dir, strict=True, with_subcharts=True, kube_version="v1.29.0")
     assert report["total_charts_linted"] >= 1

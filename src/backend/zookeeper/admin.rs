@@ -24,11 +24,12 @@ impl Inner {
         let (pdata, _) = self.parent_data(&zk, "inspect", &parent).await?;
         let holders: Vec<Holder> = nodes
             .iter()
-            .filter(|n| n.is_held())
+            .filter(|n| n.is_held() && !n.is_being_granted())
             .map(|n| n.holder(key.kind))
             .collect();
         let mut waiters = Vec::new();
         for c in children.iter() {
+            // A node being granted is neither: it holds a moment later.
             if nodes.iter().any(|n| n.child.name == c.name && n.is_held()) {
                 continue;
             }

@@ -94,4 +94,11 @@ impl Node {
     pub(super) fn is_held(&self) -> bool {
         self.data.as_ref().is_none_or(|d| d.held)
     }
+
+    /// Held, but its fence not written yet: a grant takes two writes (the
+    /// fence is the zxid of the first), and between them the node must not
+    /// be shown with a fence it will never have.
+    pub(super) fn is_being_granted(&self) -> bool {
+        self.data.as_ref().is_some_and(|d| d.held && d.fence == 0)
+    }
 }

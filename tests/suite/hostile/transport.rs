@@ -1115,3 +1115,82 @@ async fn probes_answer_with_every_waiter_and_event_stream_in_use() {
     assert!(answer.starts_with("HTTP/1.1 200"), "/healthz: {answer}");
     lock.release(&grant.token).await;
 }
+
+/// Election observe streams never end by themselves either: at 1,024 open
+/// the next gets 429 `too-many-event-streams`, probes still answer, and a
+/// closed stream makes room again.
+#[tokio::test]
+async fn observe_streams_are_capped() {
+    const CAP: usize = 1024;
+    // The test's own end of every stream is a file descriptor too.
+    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .expect("getrlimit");
+    assert!(
+        hard > 2 * CAP as u64,
+        "the hard open-file limit {hard} is too low for this test"
+    );
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard)
+        .expect("setrlimit");
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_MAX_CONNECTIONS", "1100")
+        .open_files(4096)
+        .start()
+        .await;
+    let port = sidecar.port();
+    let request = b"GET /v1/elections/watched/observe HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    let open = async || {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        stream.write_all(request).await.expect("write");
+        let mut head = Vec::new();
+        within(
+            "the head of an observe stream's answer",
+            RAW_TIMEOUT,
+            async {
+                let mut byte = [0_u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match stream.read(&mut byte).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => head.push(byte[0]),
+                    }
+                }
+            },
+        )
+        .await;
+        (stream, String::from_utf8_lossy(&head).into_owned())
+    };
+    let mut streams = Vec::with_capacity(CAP);
+    for i in 0..CAP {
+        let (stream, head) = open().await;
+        assert!(head.starts_with("HTTP/1.1 200"), "stream {i}: {head}");
+        streams.push(stream);
+    }
+    let over = raw_exchange(
+        port,
+        b"GET /v1/elections/other/observe HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        over.starts_with("HTTP/1.1 429")
+            && over.contains("urn:sidelock:problem:too-many-event-streams"),
+        "observe stream {}: {over}",
+        CAP + 1
+    );
+    let probe = raw_exchange(
+        port,
+        b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    drop(streams.pop());
+    eventually(
+        "a closed observe stream makes room for a new one",
+        CLOSE_WITHIN,
+        async || {
+            let (stream, head) = open().await;
+            head.starts_with("HTTP/1.1 200").then_some(stream)
+        },
+    )
+    .await;
+}
