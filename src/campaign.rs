@@ -9,9 +9,8 @@
 use clap::Args;
 use tokio::process::Command;
 
-use crate::config::Secret;
 use crate::run::{
-    EXIT_CANNOT_EXEC, EXIT_UNAVAILABLE, field, next_event, open_stream, run_duration, run_url,
+    EXIT_CANNOT_EXEC, EXIT_UNAVAILABLE, SidecarArgs, field, next_event, open_stream, run_duration,
     supervise,
 };
 
@@ -55,12 +54,8 @@ pub struct CampaignArgs {
     /// Print nothing while following (by default a line on stderr names the leader).
     #[arg(long, short)]
     pub quiet: bool,
-    /// The sidecar's base URL (http:// or https://).
-    #[arg(long, env = "SIDELOCK_URL", default_value = "http://127.0.0.1:7070", value_parser = run_url)]
-    pub url: String,
-    /// Bearer token for the sidecar's API.
-    #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<Secret>,
+    #[command(flatten)]
+    pub sidecar: SidecarArgs,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -87,15 +82,7 @@ async fn lead_once(args: &CampaignArgs) -> i32 {
     .filter_map(|(k, v)| Some((k, v.as_deref()?)))
     .collect();
     let segments = ["elections", args.name.as_str(), "campaign"];
-    let mut events = match open_stream(
-        &args.url,
-        &segments,
-        &pairs,
-        args.api_token.as_ref(),
-        "campaign",
-    )
-    .await
-    {
+    let mut events = match open_stream(&args.sidecar, &segments, &pairs, "campaign").await {
         Ok(events) => events,
         Err(code) => return code,
     };

@@ -55,15 +55,22 @@ pub struct RunArgs {
     /// Print nothing while queued (by default a line on stderr says so).
     #[arg(long, short)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub sidecar: SidecarArgs,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// Which sidecar a client subcommand (`run`, `campaign`) talks to, and how.
+#[derive(Debug, Args)]
+pub struct SidecarArgs {
     /// The sidecar's base URL (http:// or https://).
     #[arg(long, env = "SIDELOCK_URL", default_value = "http://127.0.0.1:7070", value_parser = run_url)]
     pub url: String,
     /// Bearer token for the sidecar's API.
     #[arg(long, env = "SIDELOCK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<Secret>,
-    /// The command and its arguments.
-    #[arg(last = true, required = true)]
-    pub command: Vec<String>,
 }
 
 /// A duration for `sidelock run`, checked as the sidecar would check it and
@@ -80,7 +87,7 @@ pub(crate) fn run_duration(s: &str) -> Result<String, String> {
 }
 
 /// The sidecar's base URL for `sidelock run`: an absolute http(s) URL.
-pub(crate) fn run_url(s: &str) -> Result<String, String> {
+fn run_url(s: &str) -> Result<String, String> {
     match reqwest::Url::parse(s) {
         Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(s.to_owned()),
         Ok(u) => Err(format!(
@@ -133,13 +140,12 @@ pub(crate) type Events = std::pin::Pin<
 /// the subcommand in messages. On failure, the message is printed and the
 /// exit code returned.
 pub(crate) async fn open_stream(
-    base: &str,
+    sidecar: &SidecarArgs,
     segments: &[&str],
     pairs: &[(&str, &str)],
-    api_token: Option<&Secret>,
     who: &str,
 ) -> Result<Events, i32> {
-    let base = base.trim_end_matches('/');
+    let base = sidecar.url.trim_end_matches('/');
     let mut url = match reqwest::Url::parse(&format!("{base}/v1/")) {
         Ok(u) => u,
         Err(e) => {
@@ -156,7 +162,7 @@ pub(crate) async fn open_stream(
     }
     let client = reqwest::Client::new();
     let mut request = client.get(url).header("accept", "text/event-stream");
-    if let Some(token) = api_token {
+    if let Some(token) = &sidecar.api_token {
         request = request.bearer_auth(token.expose());
     }
     let response = match request.send().await {
@@ -195,11 +201,10 @@ pub async fn run(args: RunArgs) -> i32 {
         pairs.push(("mode", "shared"));
     }
     let segments = ["locks", args.lock.as_str(), "hold"];
-    let mut events =
-        match open_stream(&args.url, &segments, &pairs, args.api_token.as_ref(), "run").await {
-            Ok(events) => events,
-            Err(code) => return code,
-        };
+    let mut events = match open_stream(&args.sidecar, &segments, &pairs, "run").await {
+        Ok(events) => events,
+        Err(code) => return code,
+    };
     // When this run joined the queue; later `queued` events move it forward.
     let mut queued_since = None;
     let acquired = loop {

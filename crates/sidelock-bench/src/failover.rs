@@ -143,20 +143,22 @@ pub async fn failover(
     let mut killed = Vec::new();
     for r in 0..rounds.min(5) {
         let name = format!("bench-e-{run}-kill-{r}");
-        let mut cmd = tokio::process::Command::new(crate::procs::sidelock());
-        cmd.args(["campaign", "--name", &name, "--ttl", "30s", "--quiet"])
-            .args(["--url", &leader_url])
-            .args(["--", "sleep", "600"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true);
-        if let Some(tok) = token {
-            cmd.env("SIDELOCK_API_TOKEN", tok);
-        }
-        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
-        let pgid = child.id().and_then(|p| i32::try_from(p).ok());
+        let mut child = crate::procs::spawn_client(
+            &[
+                "campaign",
+                "--name",
+                &name,
+                "--ttl",
+                "30s",
+                "--quiet",
+                "--url",
+                &leader_url,
+                "--",
+                "sleep",
+                "600",
+            ],
+            token,
+        )?;
         // Led once a campaign through the follower's sidecar follows.
         let deadline = Instant::now() + Duration::from_secs(20);
         let next = loop {
@@ -178,12 +180,7 @@ pub async fn failover(
             }
         };
         let t0 = Instant::now();
-        if let Some(pgid) = pgid {
-            let _ = nix::sys::signal::killpg(
-                nix::unistd::Pid::from_raw(pgid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
+        crate::procs::kill_group(&child);
         match next.until_leader(Duration::from_secs(40)).await {
             Ok(at) => killed.push(ms(at - t0)),
             Err(e) => errors.push(format!("process killed, round {r}: {e}")),

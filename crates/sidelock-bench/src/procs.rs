@@ -230,3 +230,33 @@ impl Sidecar {
         let _ = self.child.kill().await;
     }
 }
+
+/// Starts a `sidelock` client subcommand (`run`, `campaign`) in a process
+/// group of its own, so that [`kill_group`] kills it and its command.
+///
+/// # Errors
+/// When the process cannot start.
+pub fn spawn_client(args: &[&str], api_token: Option<&str>) -> Result<Child, String> {
+    let mut cmd = Command::new(sidelock());
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true);
+    if let Some(tok) = api_token {
+        cmd.env("SIDELOCK_API_TOKEN", tok);
+    }
+    cmd.spawn()
+        .map_err(|e| format!("cannot start {} {}: {e}", sidelock().display(), args[0]))
+}
+
+/// SIGKILL to the process group of `child` (started by [`spawn_client`]).
+pub fn kill_group(child: &Child) {
+    if let Some(pgid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pgid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}

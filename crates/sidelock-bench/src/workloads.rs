@@ -667,20 +667,23 @@ pub async fn crash(
     let mut errors = Vec::new();
     for r in 0..rounds.min(5) {
         let name = format!("bench-x-{run}-kill-{r}");
-        let mut cmd = tokio::process::Command::new(crate::procs::sidelock());
-        cmd.args(["run", "--lock", &name, "--ttl", "30s", "--wait", "30s"])
-            .args(["--url", t.url(1)])
-            .args(["--", "sleep", "600"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true);
-        if let Some(tok) = token {
-            cmd.env("SIDELOCK_API_TOKEN", tok);
-        }
-        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
-        let pgid = child.id().and_then(|p| i32::try_from(p).ok());
+        let mut child = crate::procs::spawn_client(
+            &[
+                "run",
+                "--lock",
+                &name,
+                "--ttl",
+                "30s",
+                "--wait",
+                "30s",
+                "--url",
+                t.url(1),
+                "--",
+                "sleep",
+                "600",
+            ],
+            token,
+        )?;
         // Held once a try-once acquire is refused.
         let mut probe = t.locker(0);
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -709,12 +712,7 @@ pub async fn crash(
         let w = waiter(t.locker(0), name.clone());
         until_queued(t.url(0), token, 1, Duration::from_secs(10)).await;
         let t0 = Instant::now();
-        if let Some(pgid) = pgid {
-            let _ = nix::sys::signal::killpg(
-                nix::unistd::Pid::from_raw(pgid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
+        crate::procs::kill_group(&child);
         let at = w.await.map_err(|e| e.to_string())??;
         killed.push(ms(at - t0));
         let _ = child.wait().await;

@@ -996,9 +996,15 @@ async fn oversized_request_heads_get_431() {
 /// Opens an event stream on a new connection and returns it with the head
 /// of its answer (up to the end of the response head).
 async fn open_event_stream(port: u16) -> (TcpStream, String) {
+    open_stream(port, "/v1/events").await
+}
+
+/// Opens `GET path` on a new connection and returns it with the head of
+/// its answer (up to the end of the response head).
+async fn open_stream(port: u16, path: &str) -> (TcpStream, String) {
     let mut stream = connect(port).await;
     stream
-        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut head = Vec::new();
@@ -1137,29 +1143,7 @@ async fn observe_streams_are_capped() {
         .start()
         .await;
     let port = sidecar.port();
-    let request = b"GET /v1/elections/watched/observe HTTP/1.1\r\nHost: localhost\r\n\r\n";
-    let open = async || {
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .expect("connect");
-        stream.write_all(request).await.expect("write");
-        let mut head = Vec::new();
-        within(
-            "the head of an observe stream's answer",
-            RAW_TIMEOUT,
-            async {
-                let mut byte = [0_u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match stream.read(&mut byte).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(_) => head.push(byte[0]),
-                    }
-                }
-            },
-        )
-        .await;
-        (stream, String::from_utf8_lossy(&head).into_owned())
-    };
+    let open = async || open_stream(port, "/v1/elections/watched/observe").await;
     let mut streams = Vec::with_capacity(CAP);
     for i in 0..CAP {
         let (stream, head) = open().await;
