@@ -205,6 +205,8 @@ pub struct ElectionRow {
     pub here: bool,
     pub since_ms: u64,
     pub since_utc: String,
+    /// `07:45:52 UTC`: when the leadership began.
+    pub since_clock: String,
     pub led_for: String,
     pub fence: u64,
     pub candidates: usize,
@@ -505,6 +507,7 @@ pub fn build(
                 leader: view.leader.map(|l| (l.owner, l.value, l.sidecar)),
                 since_ms,
                 since_utc: fmt_utc(since_ms),
+                since_clock: fmt_utc(since_ms)[11..].to_owned(),
                 led_for: fmt_duration_ms(now.saturating_sub(since_ms)),
                 candidates: view.candidates,
             }

@@ -811,7 +811,13 @@ async fn elections_show_their_leader_value_and_candidates() {
     let (status, _, page) = get_text(&format!("{}/", sidecar.base_url()), &[]).await;
     assert_eq!(status, StatusCode::OK);
     let elections = section(&page, "elections");
-    for text in ["scheduler", "pod-a", "elections-sidecar", "this one"] {
+    for text in [
+        "scheduler",
+        "pod-a",
+        "elections-sidecar",
+        "this one",
+        "since ",
+    ] {
         assert!(elections.contains(text), "{text} missing: {elections}");
     }
     assert!(
