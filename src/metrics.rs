@@ -103,6 +103,8 @@ pub struct Metrics {
     /// once, by the new leader's sidecar), by election with lock labels.
     pub leader_changes: IntCounterVec,
     pub elections_leading: IntGauge,
+    /// 1 while this sidecar is the monitor (does the backend-wide work).
+    pub monitor: IntGauge,
 }
 
 fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -272,8 +274,8 @@ impl Metrics {
             stale: gauge(
                 r,
                 "stale_locks",
-                "Entries of /v1/stale at the last scan (every 60 s, and whenever /v1/stale or the \
-                 dashboard reads it).",
+                "Entries of /v1/stale at this sidecar's last scan (the monitor scans every 60 s; \
+                 any sidecar whenever /v1/stale or the dashboard reads it); aggregate with max.",
             ),
             http_requests: counter(
                 r,
@@ -310,6 +312,16 @@ impl Metrics {
                 let g = IntGauge::new(
                     "elections_leading",
                     "Campaigns through this sidecar that currently lead their election.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            monitor: {
+                let g = IntGauge::new(
+                    "monitor",
+                    "1 while this sidecar is the monitor: the one sidecar of the backend that \
+                     scans for stale keys and announces itself to the others.",
                 )
                 .expect("valid metric");
                 r.register(Box::new(g.clone())).expect("unique metric");

@@ -1,7 +1,6 @@
 //! The sidecar process: open the backend, serve HTTP, shut down cleanly.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -14,11 +13,6 @@ use crate::http::{self, App};
 use crate::metrics::Metrics;
 use crate::shutdown;
 use crate::wakeups::Wakeups;
-
-/// How often the backend's health is checked for `sidelock_backend_up`, and
-/// stale keys counted for `sidelock_stale_locks`.
-const HEALTH_EVERY: Duration = Duration::from_secs(10);
-const STALE_EVERY: Duration = Duration::from_secs(60);
 
 /// Runs a sidecar until SIGTERM/SIGINT, then releases everything it holds.
 ///
@@ -82,7 +76,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             listener.shown
         );
     }
-    core.tasks.spawn(monitor(core.clone()));
+    core.monitor();
     core.tasks.spawn(dashboard::stats::sample(
         core.clone(),
         dashboard.stats.clone(),
@@ -127,19 +121,6 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     core.backend().close().await;
     tracing::info!(released, "stopped");
     served
-}
-
-/// Keeps `sidelock_backend_up` and `sidelock_stale_locks` current.
-async fn monitor(core: Arc<Core>) {
-    let mut health = tokio::time::interval(HEALTH_EVERY);
-    let mut stale = tokio::time::interval(STALE_EVERY);
-    loop {
-        tokio::select! {
-            () = core.shutdown.cancelled() => return,
-            _ = health.tick() => { let _ = core.ping().await; }
-            _ = stale.tick() => { let _ = core.stale().await; }
-        }
-    }
 }
 
 /// Raises this process's soft limit of open files to its hard limit and

@@ -448,7 +448,11 @@ impl Backend for Memory {
             .flat_map(|(key, e)| {
                 e.leases
                     .iter()
-                    .filter(move |l| l.expires_at_ms > now && now - l.since_ms > ms(stale_after))
+                    .filter(move |l| {
+                        key.kind != Kind::Election
+                            && l.expires_at_ms > now
+                            && now - l.since_ms > ms(stale_after)
+                    })
                     .map(move |l| StaleKey {
                         key: key.to_string(),
                         reason: super::StaleReason::HeldTooLong,

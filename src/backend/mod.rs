@@ -592,6 +592,16 @@ pub trait Backend: Send + Sync + 'static {
         self.watch(key).await
     }
 
+    /// Whether [`observe`](Backend::observe) reports by itself the end of a
+    /// lease whose holder's process dies, not only releases (ZooKeeper: the
+    /// session's ephemeral node is deleted). Where it does not (the
+    /// default), such a lease is noticed only by the next look at the key
+    /// after it runs out, and whoever needs to know sooner must hear its
+    /// holder announce that it is alive.
+    fn reports_lease_ends(&self) -> bool {
+        false
+    }
+
     /// Releases backend resources at shutdown.
     async fn close(&self) {}
 

@@ -16,6 +16,7 @@
 //! * [`expiry`]: the shared expiry timer.
 //! * [`admin`]: inspect, list, stale keys and force-release.
 //! * [`election`]: elections over holds — leaders, observers, who leads here.
+//! * [`monitor`]: the one sidecar per backend that does backend-wide work.
 //! * [`health`]: backend health as operators see it.
 
 mod acquire;
@@ -26,6 +27,7 @@ mod expiry;
 pub mod health;
 mod hold;
 mod lease;
+pub mod monitor;
 mod release;
 
 pub use acquire::{Granted, Outcome};

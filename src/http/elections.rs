@@ -117,6 +117,7 @@ pub async fn campaign(
     Params(p): Params<CampaignParams>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
+    check_not_reserved(&name)?;
     let value = check_value(p.value)?;
     let ask = Ask::campaign(p.ttl, p.lock_delay, p.owner);
     let (mut claim, _) =
@@ -284,6 +285,7 @@ pub async fn observe(
     Params(_none): Params<NoParams>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
+    check_not_reserved(&name)?;
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
@@ -355,4 +357,16 @@ pub async fn ready(
     } else {
         Err(Error::NotLeader(name.to_string()))
     }
+}
+
+/// Refuses the election the sidecars elect their monitor with: a client's
+/// campaign there would stand in for the monitor and do none of its work.
+fn check_not_reserved(name: &Name) -> Result<(), Error> {
+    if crate::core::monitor::is_reserved(name) {
+        return Err(Error::InvalidName(format!(
+            "election name {name} is reserved: the sidecars elect under it the one that scans \
+             for stale keys (GET /v1/elections/{name} shows which); choose another name"
+        )));
+    }
+    Ok(())
 }

@@ -12,6 +12,7 @@
 //! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
 //! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract.
 //! * [`dashboard`], [`metrics`]: the operator's views.
+//! * [`global_work`]: backend-wide work done once, by the elected monitor.
 //! * [`cli_run`], [`listen`], [`first_run`], [`readme`]: the command line, its settings and the README.
 //! * [`layers`]: the module layering.
 
@@ -21,6 +22,7 @@ mod cli_run;
 mod conformance;
 mod dashboard;
 mod first_run;
+mod global_work;
 mod hostile;
 mod layers;
 mod listen;

@@ -251,7 +251,14 @@ async fn metrics_count_exactly_the_scripted_operations() {
     assert_eq!(ops("force_release"), 1);
     assert_eq!(ops("status"), 1, "e's expiry timer asked once");
     assert_eq!(ops("watch"), 2, "the waits of b and c");
-    assert!(ops("ping") >= 1, "the health check pings at start");
+    // No periodic ping: a lone sidecar is the monitor, elected with an
+    // inspect and an attempt.
+    assert!(ops("try_acquire") >= 1);
+    assert_eq!(
+        m.gauge("sidelock_monitor", &[]),
+        1.0,
+        "a lone sidecar is the monitor"
+    );
     let errors: Vec<&Sample> = m.find("sidelock_backend_errors_total", &[backend]);
     assert!(!errors.is_empty());
     for sample in errors {

@@ -85,6 +85,7 @@ SELECT * FROM (
            {s}.ms(t.now) - {s}.ms(l.acquired_at) AS age_ms
       FROM {s}.leases l, t
      WHERE l.expires_at > t.now AND l.acquired_at < t.now - {s}.millis($1)
+       AND l.kind <> 'election'
     UNION ALL
     SELECT 'expired-not-cleaned', l.kind, l.name, l.owner, l.sidecar, l.fence,
            {s}.ms(t.now) - {s}.ms(l.expires_at)

@@ -8,7 +8,11 @@ use redis::Value;
 
 use crate::backend::{Error, StaleKey, Summary};
 use crate::clock::ms;
-use crate::lock::LockKey;
+use crate::lock::{Kind, LockKey};
+
+/// The age past which an election's leader would be "held too long":
+/// never (ten thousand years), as a leader leads for as long as it lives.
+const LEADS_FOREVER_MS: u64 = 10_000 * 365 * 24 * 3_600_000;
 
 use super::node::{Conn, Node, Target, config, scan, unavailable};
 use super::scripts::{glob_escape, int, reason_of, text};
@@ -157,7 +161,12 @@ impl Node {
                     continue;
                 };
                 let mut inv = self.invocation(&self.scripts.stale, &key);
-                inv.arg(ms(stale_after));
+                // A leader leads for as long as its campaign lives.
+                inv.arg(if key.kind == Kind::Election {
+                    LEADS_FOREVER_MS
+                } else {
+                    ms(stale_after)
+                });
                 let found: Vec<Vec<Value>> = self.run("stale", inv).await?;
                 for entry in found {
                     out.push(StaleKey {

@@ -213,7 +213,9 @@ impl Inner {
                                 now - d.expires_at_ms
                             ),
                         });
-                    } else if now.saturating_sub(d.since_ms) > ms(stale_after) {
+                    } else if kind != Kind::Election
+                        && now.saturating_sub(d.since_ms) > ms(stale_after)
+                    {
                         out.push(StaleKey {
                             key: shown.clone(),
                             reason: StaleReason::HeldTooLong,

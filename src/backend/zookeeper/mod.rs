@@ -344,6 +344,12 @@ impl Backend for ZooKeeper {
         Ok(Box::new(stop.drop_guard()))
     }
 
+    /// A lease is an ephemeral node: it goes when it is released or its
+    /// session dies, and the observer's persistent watch fires.
+    fn reports_lease_ends(&self) -> bool {
+        true
+    }
+
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
         // Every waiting node watches its blocker from the attempt that left it
         // waiting (before that attempt answered), so delivery is already in place.

@@ -211,6 +211,38 @@ async fn an_election_and_a_lock_of_one_name_are_independent(backend: TestBackend
     assert_eq!(election(&api, &name).await["leader"]["owner"], "leader");
 }
 
+/// A leader leads for as long as its campaign lives: past `stale_after` it
+/// is not a stuck lock, and `/v1/stale` does not list it (nor the monitor's
+/// own election), while a lock held as long is listed.
+#[apply(backends)]
+#[tokio::test]
+async fn a_long_leadership_is_not_stale(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.sidecar().stale_after("200ms").start().await;
+    let api = sidecar.api();
+    let name = unique_name("long-term");
+    let mut leader = campaign(&api, &name, &[("owner", "lasting")]).await;
+    expect_event(&mut leader, "leader").await;
+    let lock = api.lock(&name);
+    lock.acquire(&[("ttl", "30s")]).await;
+    let stale = eventually(
+        "the lock to be stale",
+        Duration::from_secs(10),
+        async || {
+            let stale = api.stale().await;
+            stale
+                .iter()
+                .any(|e| e.key.contains(&name) && !e.key.contains("elections"))
+                .then_some(stale)
+        },
+    )
+    .await;
+    assert!(
+        stale.iter().all(|e| !e.key.contains("elections")),
+        "an election's leader listed as stale: {stale:?}"
+    );
+}
+
 /// A leader whose sidecar stops gracefully hears `lost` `shutdown`, and
 /// the election is free at once.
 #[apply(backends)]

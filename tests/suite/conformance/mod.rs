@@ -601,10 +601,13 @@ mod hold {
         let grant = capped
             .acquire(&[("ttl", "300ms"), ("max_hold", "500ms")])
             .await;
+        // An estimate: a backend that counts the acquire's round trip
+        // against the grant (Redlock) reports an expiry a little earlier
+        // than acquisition + ttl, so allow that much against the 10 s asked.
         let acquired_at = grant.expires_at_ms - grant.ttl_ms;
         let renewed = capped.keepalive(&grant.token, &[("ttl", "10s")]).await;
         assert!(
-            renewed.expires_at_ms <= acquired_at + 500,
+            renewed.expires_at_ms <= acquired_at + 500 + 100,
             "keepalive extended past max_hold: {renewed:?}, acquired at {acquired_at}"
         );
         assert!(renewed.ttl_ms <= 500, "{renewed:?}");

@@ -1,0 +1,144 @@
+//! Work that reads or writes for the whole backend is done once, by the
+//! monitor the sidecars elect among themselves, not once per sidecar: an
+//! idle backend is as loaded with twenty sidecars as with one, a monitor
+//! that leaves is replaced, and nobody else can take its election.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::redis::{RedisServer, command_diff};
+use common::zookeeper::ZkServer;
+use common::{SidecarBuilder, SidecarGuard, eventually};
+use futures::future::join_all;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+const MONITOR: &str = "sidelock.monitor";
+
+async fn sidecars(url: &str, count: usize) -> Vec<SidecarGuard> {
+    join_all((0..count).map(|i| {
+        SidecarBuilder::new(url)
+            .sidecar_id(&format!("sidecar-{i}"))
+            .start()
+    }))
+    .await
+}
+
+/// The sidecar the monitor election names, if any.
+async fn monitor(sidecar: &SidecarGuard) -> Option<String> {
+    let election: Value = sidecar
+        .api()
+        .get_json(&["v1", "elections", MONITOR], &[])
+        .await;
+    election["leader"]["sidecar"].as_str().map(str::to_owned)
+}
+
+#[tokio::test]
+async fn an_idle_redis_is_as_loaded_by_twenty_sidecars_as_by_one() {
+    let (one, many) = tokio::join!(RedisServer::start(), RedisServer::start());
+    let (one_url, many_url) = (one.url(), many.url());
+    let (_one_sidecar, _many_sidecars) =
+        tokio::join!(sidecars(&one_url, 1), sidecars(&many_url, 20));
+    // Start-up (each sidecar looks for a monitor once) is over.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let (one_before, many_before) = tokio::join!(one.command_counts(), many.command_counts());
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    let (one_after, many_after) = tokio::join!(one.command_counts(), many.command_counts());
+    let spent = |before: &std::collections::BTreeMap<String, u64>,
+                 after: &std::collections::BTreeMap<String, u64>| {
+        after.values().sum::<u64>() - before.values().sum::<u64>()
+    };
+    let (by_one, by_many) = (
+        spent(&one_before, &one_after),
+        spent(&many_before, &many_after),
+    );
+    // The same work, give or take one of the monitor's 10 s rounds that
+    // falls inside one window and not the other.
+    assert!(
+        by_many as f64 <= by_one as f64 * 1.5 + 10.0,
+        "idle for 25 s, 20 sidecars ran {by_many} Redis commands and 1 sidecar ran {by_one}\n\
+         20 sidecars: {}\n1 sidecar: {}",
+        command_diff(&many_before, &many_after),
+        command_diff(&one_before, &one_after),
+    );
+}
+
+/// Two sidecars elect one monitor; when it shuts down the other takes over
+/// — at once on ZooKeeper, whose watch reports the end of the lease, and
+/// after the announcements stop on Redis.
+#[tokio::test]
+async fn a_monitor_that_shuts_down_is_replaced_on_redis() {
+    let server = RedisServer::start().await;
+    replaced(&server.url(), Duration::from_secs(45)).await;
+}
+
+#[tokio::test]
+async fn a_monitor_that_shuts_down_is_replaced_on_zookeeper() {
+    let server = ZkServer::start().await;
+    replaced(&server.url("/monitor"), Duration::from_secs(15)).await;
+}
+
+async fn replaced(url: &str, within: Duration) {
+    let mut pair = sidecars(url, 2).await;
+    let first = eventually("a monitor", Duration::from_secs(15), async || {
+        monitor(&pair[0]).await
+    })
+    .await;
+    assert_eq!(monitor(&pair[1]).await.as_deref(), Some(first.as_str()));
+    let gauge = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("sidelock_monitor "))
+            .map(|v| v.trim().to_owned())
+    };
+    let mut elected = Vec::new();
+    for sidecar in &pair {
+        elected.push(gauge(
+            &sidecar
+                .api()
+                .get(&["metrics"], &[])
+                .await
+                .text()
+                .await
+                .expect("metrics"),
+        ));
+    }
+    elected.sort();
+    assert_eq!(
+        elected,
+        [Some("0".to_owned()), Some("1".to_owned())],
+        "exactly one sidecar_monitor gauge is 1"
+    );
+
+    let at = if first == "sidecar-0" { 0 } else { 1 };
+    let mut gone = pair.remove(at);
+    gone.terminate();
+    gone.wait_exit(Duration::from_secs(10)).await;
+    let survivor = &pair[0];
+    let next = eventually("another monitor", within, async || {
+        monitor(survivor).await.filter(|s| *s != first)
+    })
+    .await;
+    assert_ne!(next, first);
+}
+
+#[tokio::test]
+async fn clients_cannot_campaign_for_or_observe_the_monitor_election() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url()).start().await;
+    let api = sidecar.api();
+    for route in ["campaign", "observe"] {
+        let r = api.get(&["v1", "elections", MONITOR, route], &[]).await;
+        let problem = common::assert_problem(r, StatusCode::BAD_REQUEST, "invalid-name").await;
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("reserved"), "{detail}");
+    }
+    // Reading it is allowed: it names the monitor.
+    eventually(
+        "the monitor is named",
+        Duration::from_secs(15),
+        async || monitor(&sidecar).await,
+    )
+    .await;
+}
