@@ -62,6 +62,7 @@ pub const BACKEND_OPS: &[&str] = &[
     "force_release",
     "announce",
     "observe",
+    "tidy",
 ];
 
 const KINDS: &[Kind] = &Kind::ALL;

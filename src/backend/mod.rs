@@ -592,6 +592,17 @@ pub trait Backend: Send + Sync + 'static {
         self.watch(key).await
     }
 
+    /// Backend-wide housekeeping, done by one sidecar at a time (the
+    /// monitor) every few seconds: what no request of a key would otherwise
+    /// do soon (PostgreSQL: remove expired leases, waking their waiters, and
+    /// the rows of dead sidecars). The default does nothing.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the backend cannot be reached.
+    async fn tidy(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Whether [`observe`](Backend::observe) reports by itself the end of a
     /// lease whose holder's process dies, not only releases (ZooKeeper: the
     /// session's ephemeral node is deleted). Where it does not (the

@@ -1,5 +1,5 @@
 //! The monitor: one sidecar per backend does the work that reads the whole
-//! keyspace (the stale scan), so that the backend's idle load is the same
+//! keyspace (the stale scan) or tidies it ([`Backend::tidy`]), so that the backend's idle load is the same
 //! for one sidecar as for a thousand.
 //!
 //! The sidecars elect it with their own locks: the monitor holds election
@@ -16,6 +16,7 @@
 //! releases the election and announces it.
 //!
 //! [`Backend::announce`]: crate::backend::Backend::announce
+//! [`Backend::tidy`]: crate::backend::Backend::tidy
 //! [`Backend::reports_lease_ends`]: crate::backend::Backend::reports_lease_ends
 
 use std::sync::Arc;
@@ -123,8 +124,9 @@ impl Core {
         }
     }
 
-    /// The monitor's work while its lease holds: renew and announce every
-    /// [`BEAT`], scan for stale keys every [`STALE_EVERY`]. Releases the
+    /// The monitor's work while its lease holds: renew, announce and tidy
+    /// ([`Backend::tidy`](crate::backend::Backend::tidy)) every [`BEAT`],
+    /// scan for stale keys every [`STALE_EVERY`]. Releases the
     /// lease at shutdown.
     async fn serve_as_monitor(&self, key: &LockKey, token: &Token) {
         tracing::info!(sidecar = %self.sidecar, "this sidecar is now the monitor");
@@ -150,6 +152,7 @@ impl Core {
                         Ok(Some(_)) => {
                             holds_until = asked + TTL;
                             let _ = self.op("announce", self.backend.announce(key)).await;
+                            let _ = self.op("tidy", self.backend.tidy()).await;
                         }
                         Ok(None) => break,
                         // Unreachable: go on trying while the lease may hold.

@@ -7,6 +7,7 @@ use crate::common;
 
 use std::time::Duration;
 
+use common::postgres::PgCluster;
 use common::redis::{RedisServer, command_diff};
 use common::zookeeper::ZkServer;
 use common::{SidecarBuilder, SidecarGuard, eventually};
@@ -54,6 +55,7 @@ async fn an_idle_redis_is_as_loaded_by_twenty_sidecars_as_by_one() {
         spent(&one_before, &one_after),
         spent(&many_before, &many_after),
     );
+    eprintln!("idle 25 s: 1 sidecar {by_one} Redis commands, 20 sidecars {by_many}");
     // The same work, give or take one of the monitor's 10 s rounds that
     // falls inside one window and not the other.
     assert!(
@@ -62,6 +64,56 @@ async fn an_idle_redis_is_as_loaded_by_twenty_sidecars_as_by_one() {
          20 sidecars: {}\n1 sidecar: {}",
         command_diff(&many_before, &many_after),
         command_diff(&one_before, &one_after),
+    );
+}
+
+/// The same on PostgreSQL, counted with `pg_stat_statements` per database
+/// of one cluster of its own: a sidecar with nobody waiting sends no
+/// heartbeat (it keeps waiters alive), so twenty idle sidecars cost what one
+/// does: the monitor's renewal and announcement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_postgres_is_as_loaded_by_twenty_sidecars_as_by_one() {
+    let cluster = PgCluster::start();
+    let admin = cluster.client("postgres").await;
+    for sql in [
+        "CREATE EXTENSION pg_stat_statements",
+        "CREATE DATABASE one",
+        "CREATE DATABASE many",
+    ] {
+        admin.batch_execute(sql).await.expect(sql);
+    }
+    let (one_url, many_url) = (cluster.url("one"), cluster.url("many"));
+    let (_one, _many) = tokio::join!(sidecars(&one_url, 1), sidecars(&many_url, 20));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    admin
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .expect("reset pg_stat_statements");
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    let calls = async |db: &str| -> (i64, String) {
+        let rows = admin
+            .query(
+                "SELECT s.calls, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 60) \
+                 FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+                 WHERE d.datname = $1 ORDER BY s.calls DESC",
+                &[&db],
+            )
+            .await
+            .expect("list statements");
+        let total = rows.iter().map(|r| r.get::<_, i64>(0)).sum();
+        let detail = rows
+            .iter()
+            .map(|r| format!("{:>4} {}", r.get::<_, i64>(0), r.get::<_, String>(1)))
+            .collect::<Vec<_>>()
+            .join("\n");
+        (total, detail)
+    };
+    let ((by_one, one_detail), (by_many, many_detail)) = (calls("one").await, calls("many").await);
+    eprintln!("idle 25 s: 1 sidecar {by_one} statements, 20 sidecars {by_many}");
+    assert!(
+        by_many as f64 <= by_one as f64 * 1.5 + 6.0,
+        "idle for 25 s, 20 sidecars ran {by_many} statements and 1 sidecar ran {by_one}\n\
+         20 sidecars:\n{many_detail}\n1 sidecar:\n{one_detail}"
     );
 }
 

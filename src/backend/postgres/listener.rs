@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -11,8 +12,8 @@ use tokio::sync::mpsc;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls};
 
-use crate::backend::chain;
-use crate::clock::now_ms;
+use crate::backend::{Error, chain};
+use crate::clock::{ms, now_ms};
 use crate::lock::LockKey;
 
 use super::errors::Failure;
@@ -28,13 +29,7 @@ impl Inner {
         client: &tokio_postgres::Client,
         statement: &tokio_postgres::Statement,
     ) -> Result<(), tokio_postgres::Error> {
-        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
-            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
-        };
-        let (live, gone) = {
-            let t = self.tickets();
-            (as_i64(&t.live), as_i64(&t.gone))
-        };
+        let (live, gone) = self.ticket_lists();
         let params: [&(dyn ToSql + Sync); 6] = [
             &self.instance,
             &self.sidecar,
@@ -44,11 +39,60 @@ impl Inner {
             &ms_i64(GHOST_AFTER),
         ];
         client.query_one(statement, &params).await?;
+        self.beaten(&gone);
+        Ok(())
+    }
+
+    /// Sends one heartbeat through the pool: before a join when the last one
+    /// is old (see [`Inner::heartbeat_is_old`]).
+    pub(super) async fn heartbeat_now(&self) -> Result<(), Error> {
+        let (live, gone) = self.ticket_lists();
+        self.rows(
+            "try_acquire",
+            &self.sql.heartbeat,
+            &[
+                &self.instance,
+                &self.sidecar,
+                &ms_i64(LAPSE_AFTER),
+                &live,
+                &gone,
+                &ms_i64(GHOST_AFTER),
+            ],
+        )
+        .await?;
+        self.beaten(&gone);
+        Ok(())
+    }
+
+    /// Whether the last heartbeat is older than the interval: this sidecar
+    /// had no tickets for a while, so it sent none.
+    pub(super) fn heartbeat_is_old(&self) -> bool {
+        let beat = self.beat_ms.load(Ordering::Relaxed);
+        now_ms().saturating_sub(beat) > ms(HEARTBEAT_EVERY)
+    }
+
+    /// Whether this sidecar has tickets to keep alive or to remove: only
+    /// then does the interval send a heartbeat.
+    fn has_tickets(&self) -> bool {
+        let t = self.tickets();
+        !t.live.is_empty() || !t.gone.is_empty()
+    }
+
+    fn ticket_lists(&self) -> (Vec<i64>, Vec<i64>) {
+        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
+            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
+        };
+        let t = self.tickets();
+        (as_i64(&t.live), as_i64(&t.gone))
+    }
+
+    /// A heartbeat sent `gone` with it: those rows are removed.
+    fn beaten(&self, gone: &[i64]) {
+        self.beat_ms.store(now_ms(), Ordering::Relaxed);
         let mut t = self.tickets();
         for seq in gone {
-            t.gone.remove(&u64::try_from(seq).unwrap_or(0));
+            t.gone.remove(&u64::try_from(*seq).unwrap_or(0));
         }
-        Ok(())
     }
 }
 
@@ -174,6 +218,9 @@ impl Inner {
                     }
                 },
                 _ = ticker.tick() => {
+                    if !self.has_tickets() {
+                        continue;
+                    }
                     match tokio::time::timeout(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => {

@@ -25,9 +25,14 @@
 //!   holders that die. When that connection comes back after a loss, every
 //!   key with local waiters is woken, so releases missed meanwhile are not.
 //! * The same connection sends the heartbeat, one statement every
-//!   [`HEARTBEAT_EVERY`] whatever the number of waiters. It also removes the
-//!   waiters of sidecars that stopped heartbeating, this sidecar's own
-//!   waiter rows that no request waits for any more, and expired leases.
+//!   [`HEARTBEAT_EVERY`] whatever the number of waiters, while this sidecar
+//!   has tickets (a sidecar with nobody waiting sends none, so idle sidecars
+//!   cost the database nothing; its first join after a pause sends one
+//!   first, so that its waiter is never taken for a dead sidecar's). It also
+//!   removes the waiters of sidecars that stopped heartbeating, this
+//!   sidecar's own waiter rows that no request waits for any more, and
+//!   expired leases (waking their waiters). TCP keepalives, not statements,
+//!   tell an idle LISTEN connection is dead.
 //!
 //! # Layout
 //!
@@ -163,6 +168,8 @@ struct Inner {
     /// This sidecar's tickets: the ones requests wait with, and the ones whose
     /// dequeue failed; the heartbeat removes every other row of this instance.
     tickets: Mutex<Tickets>,
+    /// When the last heartbeat succeeded (local ms; 0: none yet).
+    beat_ms: AtomicU64,
     stop: CancellationToken,
 }
 
@@ -201,6 +208,9 @@ impl Backend for Postgres {
             Turn::Queued(ticket) => ("queued", i64::try_from(ticket.seq).ok()),
         };
         let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
+        if matches!(turn, Turn::Join) && inner.heartbeat_is_old() {
+            inner.heartbeat_now().await?;
+        }
         let reply: Option<AcquireReply> = inner
             .json(
                 "try_acquire",
@@ -499,6 +509,12 @@ impl Backend for Postgres {
             )
             .await
             .map(|_| ())
+    }
+
+    /// The heartbeat statement, whose cleanup is everyone's: while no
+    /// sidecar has waiters, nobody else sends it.
+    async fn tidy(&self) -> Result<(), Error> {
+        self.inner.heartbeat_now().await
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {

@@ -131,6 +131,7 @@ impl Postgres {
             offset_ms: AtomicI64::new(0),
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
+            beat_ms: AtomicU64::new(0),
             stop: CancellationToken::new(),
         });
         match tokio::time::timeout(Duration::from_secs(15), inner.setup()).await {
