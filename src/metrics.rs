@@ -275,8 +275,8 @@ impl Metrics {
             stale: gauge(
                 r,
                 "stale_locks",
-                "Entries of /v1/stale at this sidecar's last scan (the monitor scans every 60 s; \
-                 any sidecar whenever /v1/stale or the dashboard reads it); aggregate with max.",
+                "Entries of /v1/stale at the monitor's last scan (every 60 s), on the monitor; \
+                 0 on every other sidecar, so max over sidecars is the count.",
             ),
             http_requests: counter(
                 r,

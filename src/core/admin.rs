@@ -36,11 +36,8 @@ impl Core {
     /// # Errors
     /// Backend outages.
     pub async fn stale(&self) -> Result<Vec<backend::StaleKey>, Error> {
-        let stale = self
-            .op("stale", self.backend.stale(self.limits.stale_after))
-            .await?;
-        self.metrics.stale.set(stale.len() as f64);
-        Ok(stale)
+        self.op("stale", self.backend.stale(self.limits.stale_after))
+            .await
     }
 
     /// Removes every holder of `key`; `who` describes the caller for the log.

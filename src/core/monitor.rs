@@ -145,7 +145,11 @@ impl Core {
                     let _ = self.op("announce", self.backend.announce(key)).await;
                     break;
                 }
-                _ = scan.tick() => { let _ = self.stale().await; }
+                _ = scan.tick() => {
+                    if let Ok(stale) = self.stale().await {
+                        self.metrics.stale.set(stale.len() as f64);
+                    }
+                }
                 _ = beat.tick() => {
                     let asked = Instant::now();
                     match self.op("renew", self.backend.renew(key, token, None)).await {
@@ -162,7 +166,9 @@ impl Core {
                 }
             }
         }
+        // Only the monitor's count is current: the others export 0.
         self.metrics.monitor.set(0);
+        self.metrics.stale.set(0.0);
         tracing::info!(sidecar = %self.sidecar, "this sidecar is no longer the monitor");
     }
 }
