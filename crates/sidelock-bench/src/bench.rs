@@ -265,6 +265,18 @@ async fn bench_inner(mut args: BenchArgs) -> Result<(), String> {
             .await,
         );
     }
+    if let (Some(postgres), false) = (&args.postgres, args.no_baselines) {
+        let out = report.baselines.get_or_insert_with(Baselines::default);
+        postgres_baselines(
+            &args,
+            postgres,
+            &uncontended_clients,
+            &contended_clients,
+            &run_id,
+            out,
+        )
+        .await;
+    }
     report.machine.loadavg_after = read_trim("/proc/loadavg");
     report.headline = headline(&report);
     print_tables(&report);
@@ -590,4 +602,69 @@ async fn baselines(
         out.polling.push(p);
     }
     out
+}
+
+/// The PostgreSQL plain recipe: a session advisory lock per client
+/// connection, waiting in the server (`pg_advisory_lock`).
+async fn postgres_baselines(
+    args: &BenchArgs,
+    url: &str,
+    uncontended_clients: &[usize],
+    contended_clients: &[usize],
+    run_id: &str,
+    out: &mut Baselines,
+) {
+    let mut counter = counter(Some(url)).await;
+    let rt = Arc::new(AtomicU64::new(0));
+    let lockers = async |c: usize, errors: &mut Vec<String>| {
+        let mut lockers = Vec::new();
+        for _ in 0..c {
+            match Locker::postgres(url, rt.clone()).await {
+                Ok(l) => lockers.push(l),
+                Err(e) => {
+                    errors.push(e);
+                    return None;
+                }
+            }
+        }
+        Some(lockers)
+    };
+    if has(args.workload, Workload::Uncontended) {
+        for &c in uncontended_clients {
+            eprintln!("[direct postgres] uncontended, {c} clients");
+            let Some(lockers) = lockers(c, &mut out.errors).await else {
+                return;
+            };
+            match workloads::uncontended(
+                lockers,
+                args.duration,
+                &format!("pg-{run_id}"),
+                &mut counter,
+                Some(&rt),
+                &[],
+            )
+            .await
+            {
+                Ok(r) => out.direct_postgres.push(r),
+                Err(e) => out.errors.push(format!("direct postgres {c}: {e}")),
+            }
+        }
+    }
+    if has(args.workload, Workload::Contended) {
+        for &c in contended_clients {
+            eprintln!("[direct postgres] contended, {c} clients");
+            let Some(lockers) = lockers(c, &mut out.errors).await else {
+                return;
+            };
+            let name = format!("bench-pgc-{run_id}-{c}");
+            match workloads::contended(lockers, 0, args.duration, &name, &mut counter, Some(&rt))
+                .await
+            {
+                Ok(r) => out.direct_postgres_contended.push(r),
+                Err(e) => out
+                    .errors
+                    .push(format!("direct postgres contended {c}: {e}")),
+            }
+        }
+    }
 }

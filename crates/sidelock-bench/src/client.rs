@@ -1,6 +1,8 @@
 //! The lock clients the workloads drive: sidelock over HTTP, or Redis
 //! directly (the baselines: one `SET NX PX` per try, owner-checked release in
-//! Lua, and, for the polling client, a fixed sleep between tries).
+//! Lua, and, for the polling client, a fixed sleep between tries), or
+//! PostgreSQL directly (the plain recipe: a session advisory lock on its own
+//! connection, `pg_advisory_lock` waiting in the server, `pg_advisory_unlock`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -163,7 +165,17 @@ pub enum Locker {
         script: Arc<redis::Script>,
         round_trips: Arc<AtomicU64>,
     },
+    Postgres {
+        /// Its own session: advisory locks belong to the session.
+        client: Arc<tokio_postgres::Client>,
+        /// `pg_try_advisory_lock`, `pg_advisory_lock`, `pg_advisory_unlock`.
+        statements: Arc<[tokio_postgres::Statement; 3]>,
+        round_trips: Arc<AtomicU64>,
+    },
 }
+
+/// The advisory-lock key of a lock name (64 bits of its hash).
+const PG_KEY: &str = "hashtextextended('bench:' || $1, 0)";
 
 impl Locker {
     /// A sidecar client with its own connection.
@@ -196,12 +208,42 @@ impl Locker {
         })
     }
 
+    /// A direct PostgreSQL client on a session of its own.
+    ///
+    /// # Errors
+    /// When PostgreSQL cannot be reached.
+    pub async fn postgres(url: &str, round_trips: Arc<AtomicU64>) -> Result<Self, String> {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("cannot connect to PostgreSQL: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut prepared = Vec::new();
+        for f in [
+            "pg_try_advisory_lock",
+            "pg_advisory_lock",
+            "pg_advisory_unlock",
+        ] {
+            let sql = format!("SELECT {f}({PG_KEY})::text");
+            prepared.push(client.prepare(&sql).await.map_err(|e| e.to_string())?);
+        }
+        let statements: [tokio_postgres::Statement; 3] = prepared
+            .try_into()
+            .map_err(|_| "three statements".to_owned())?;
+        Ok(Self::Postgres {
+            client: Arc::new(client),
+            statements: Arc::new(statements),
+            round_trips,
+        })
+    }
+
     /// The polling client's sleep between tries.
     #[must_use]
     pub fn poll_interval(&self) -> Option<Duration> {
         match self {
             Self::Redis { poll, .. } => *poll,
-            Self::Sidecar { .. } => None,
+            Self::Sidecar { .. } | Self::Postgres { .. } => None,
         }
     }
 
@@ -255,6 +297,28 @@ impl Locker {
                     }
                 }
             }
+            Self::Postgres {
+                client,
+                statements,
+                round_trips,
+            } => {
+                // Waiting: the server queues the session until the lock is free.
+                let statement = if wait.is_zero() {
+                    &statements[0]
+                } else {
+                    &statements[1]
+                };
+                let row = client
+                    .query_one(statement, &[&name])
+                    .await
+                    .map_err(|e| Refused::Failed(e.to_string()))?;
+                round_trips.fetch_add(1, Ordering::Relaxed);
+                match row.get::<_, Option<String>>(0).as_deref() {
+                    Some("false") => Err(Refused::Busy),
+                    // `true`, or the empty answer of the waiting form.
+                    _ => Ok(String::new()),
+                }
+            }
         }
     }
 
@@ -287,6 +351,22 @@ impl Locker {
                     Ok(())
                 } else {
                     Err("release found another token".into())
+                }
+            }
+            Self::Postgres {
+                client,
+                statements,
+                round_trips,
+            } => {
+                let row = client
+                    .query_one(&statements[2], &[&name])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                round_trips.fetch_add(1, Ordering::Relaxed);
+                if row.get::<_, Option<String>>(0).as_deref() == Some("true") {
+                    Ok(())
+                } else {
+                    Err("pg_advisory_unlock: this session did not hold it".into())
                 }
             }
         }

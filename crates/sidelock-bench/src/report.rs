@@ -41,11 +41,16 @@ pub struct Polling {
     pub idle: Vec<Idle>,
 }
 
-/// The Redis baselines.
+/// The plain recipes on the same backends: Redis (direct and polling) and
+/// PostgreSQL (session advisory locks).
 #[derive(Debug, Default, Serialize)]
 pub struct Baselines {
     pub direct_redis: Vec<Uncontended>,
     pub polling: Vec<Polling>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub direct_postgres: Vec<Uncontended>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub direct_postgres_contended: Vec<Contended>,
     pub errors: Vec<String>,
 }
 
@@ -201,6 +206,16 @@ pub(crate) fn print_tables(r: &Report) {
     }
     if let Some(b) = &r.baselines {
         unc.extend(b.direct_redis.iter().map(|u| ("direct redis".into(), u)));
+        unc.extend(
+            b.direct_postgres
+                .iter()
+                .map(|u| ("direct postgres (advisory lock)".into(), u)),
+        );
+        con.extend(
+            b.direct_postgres_contended
+                .iter()
+                .map(|c| ("direct postgres (advisory lock)".into(), c)),
+        );
         for p in &b.polling {
             let label = format!("polling {}ms", p.poll_ms);
             con.extend(p.contended.iter().map(|c| (label.clone(), c)));

@@ -1,5 +1,6 @@
 //! Smoke test of `sidelock-bench`: every workload runs for a fraction of a
-//! second against the memory backend and a real redis-server, and the JSON
+//! second against the memory backend and a real redis-server (PostgreSQL
+//! and its plain recipe, ZooKeeper and Redlock too), and the JSON
 //! it writes has every workload's fields with sane values. Not a timed test:
 //! no latency or throughput threshold is checked here (BENCHMARKS.md has the
 //! measured numbers).
@@ -8,6 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
+use sidelock_test_support::postgres::TestDatabase;
 use sidelock_test_support::redis::{RedisNodes, RedisServer};
 use sidelock_test_support::zookeeper::ZkServer;
 
@@ -218,4 +220,47 @@ async fn bench_counts_zookeeper_and_redlock_operations() {
     }
     // Redlock asks every node: more commands per grant than one node sees.
     assert!(num(&runs[1], "contended.0.commands_per_grant") >= 3.0);
+}
+
+/// PostgreSQL beside its plain recipe (session advisory locks, waiting in
+/// the server), both counted by the database's transactions in one run.
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_runs_the_postgres_plain_recipe_beside_sidelock() {
+    let db = TestDatabase::new().await;
+    let args = format!(
+        "--workload uncontended --backend postgres --postgres {} --duration 300ms \
+         --clients 1,2",
+        db.url()
+    );
+    let (stdout, report) = run_bench(&args).await;
+    assert!(
+        stdout.contains("direct postgres (advisory lock)"),
+        "{stdout}"
+    );
+    let base = &report["baselines"];
+    assert_eq!(base["errors"].as_array().map(Vec::len), Some(0), "{base:#}");
+    for i in 0..2 {
+        let run = &base["direct_postgres"][i];
+        assert!(num(run, "pairs") > 0.0, "{run:#}");
+        assert_eq!(num(run, "errors"), 0.0, "{run:#}");
+        // Two statements per pair: the lock and the unlock.
+        assert!(
+            (num(run, "round_trips_per_pair") - 2.0).abs() < 0.01,
+            "{run:#}"
+        );
+    }
+    // (The database's own counters flush about once a second: too coarse
+    // to check in 300 ms.)
+    let sidelock = &report["runs"][0];
+    assert!(num(sidelock, "uncontended.0.pairs") > 0.0, "{sidelock:#}");
+
+    let args = format!(
+        "--workload contended --backend postgres --postgres {} --duration 300ms \
+         --contended-clients 4",
+        db.url()
+    );
+    let (_, report) = run_bench(&args).await;
+    let run = &report["baselines"]["direct_postgres_contended"][0];
+    assert!(num(run, "handoffs") > 0.0, "{run:#}");
+    assert_eq!(num(run, "errors"), 0.0, "{run:#}");
 }
