@@ -372,11 +372,22 @@ async fn run_backend(
             .flatten()
             .map(|&pid| ("sidecar", pid))
             .collect();
-        if let Some(c) = counter.as_mut() {
+        if let Some(c) = counter.as_mut().filter(|c| !c.is_postgres()) {
             processes.extend(c.local_pids().await);
         }
         for &c in uncontended_clients {
             eprintln!("[{label}] uncontended, {c} clients");
+            let mut processes = processes.clone();
+            if counter.as_ref().is_some_and(Counter::is_postgres) {
+                // The sidecar opens its connections, and with them the
+                // server's processes, as the load asks: open them first.
+                let lockers = (0..c).map(|i| target.locker_for(0, i)).collect();
+                let warm = Duration::from_millis(500);
+                let _ = workloads::uncontended(lockers, warm, run_id, &mut None, None, &[]).await;
+                if let Some(counter) = counter.as_mut() {
+                    processes.extend(counter.local_pids().await);
+                }
+            }
             let lockers = (0..c).map(|i| target.locker_for(0, i)).collect();
             match workloads::uncontended(
                 lockers,
@@ -635,13 +646,17 @@ async fn postgres_baselines(
             let Some(lockers) = lockers(c, &mut out.errors).await else {
                 return;
             };
+            let processes = match counter.as_mut() {
+                Some(c) => c.local_pids().await,
+                None => Vec::new(),
+            };
             match workloads::uncontended(
                 lockers,
                 args.duration,
                 &format!("pg-{run_id}"),
                 &mut counter,
                 Some(&rt),
-                &[],
+                &processes,
             )
             .await
             {

@@ -46,6 +46,29 @@ pub enum Counter {
     ZooKeeper(Vec<String>),
 }
 
+/// The server processes of the connections to the counter's database
+/// other than its own, when the server runs on this machine.
+async fn postgres_pids(client: &tokio_postgres::Client) -> Vec<(&'static str, u32)> {
+    let Ok(rows) = client
+        .query(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+    else {
+        return Vec::new();
+    };
+    rows.iter()
+        .filter_map(|r| u32::try_from(r.get::<_, i32>(0)).ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.starts_with("postgres"))
+        })
+        .map(|pid| ("postgres", pid))
+        .collect()
+}
+
 /// Commands a client sends itself (never run inside a script).
 fn top_level(name: &str) -> bool {
     let base = name.split('|').next().unwrap_or(name);
@@ -223,6 +246,9 @@ impl Counter {
     /// readings: Redis nodes whose `INFO server` `process_id` is a local
     /// `redis-server`. Other backends: none.
     pub async fn local_pids(&mut self) -> Vec<(&'static str, u32)> {
+        if let Self::Postgres(client) = self {
+            return postgres_pids(client).await;
+        }
         let Self::Redis(conns) = self else {
             return Vec::new();
         };
@@ -248,6 +274,13 @@ impl Counter {
             }
         }
         pids
+    }
+
+    /// Whether this counts a PostgreSQL database (whose server processes
+    /// are one per connection, so they are known only once connected).
+    #[must_use]
+    pub fn is_postgres(&self) -> bool {
+        matches!(self, Self::Postgres(_))
     }
 
     /// What the backend did while `f` ran. With `client_round_trips` (the

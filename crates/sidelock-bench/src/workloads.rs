@@ -188,7 +188,9 @@ pub async fn uncontended(
                     record(&mut rel, t2 - t1);
                     pairs += 1;
                 }
-                Ok((acq, rel, pairs, errors, start.elapsed()))
+                // The client lives until the CPU is read: a direct
+                // PostgreSQL client's server process ends with it.
+                Ok((acq, rel, pairs, errors, start.elapsed(), locker))
             }));
         }
         futures::future::join_all(tasks).await
@@ -197,8 +199,10 @@ pub async fn uncontended(
     let (results, ops) = Counter::around(counter, client_round_trips, spawn_all).await;
     let (mut acq, mut rel) = (histogram(), histogram());
     let (mut pairs, mut errors, mut elapsed) = (0, 0, Duration::ZERO);
+    let mut clients_alive = Vec::with_capacity(clients);
     for t in results {
-        let (a, r, p, e, d) = t.map_err(|e| e.to_string())??;
+        let (a, r, p, e, d, locker) = t.map_err(|e| e.to_string())??;
+        clients_alive.push(locker);
         acq.add(&a).map_err(|e| e.to_string())?;
         rel.add(&r).map_err(|e| e.to_string())?;
         pairs += p;
@@ -216,7 +220,11 @@ pub async fn uncontended(
         // Warm-up pairs run inside the counted window too.
         round_trips_per_pair: ops.map(|o| per_op(o.round_trips, pairs + clients as u64)),
         commands_per_pair: ops.map(|o| per_op(o.commands, pairs + clients as u64)),
-        cpu_us_per_pair: cpu.per_op(pairs + clients as u64),
+        cpu_us_per_pair: {
+            let cpu = cpu.per_op(pairs + clients as u64);
+            drop(clients_alive);
+            cpu
+        },
     })
 }
 
