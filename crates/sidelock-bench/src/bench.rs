@@ -402,6 +402,30 @@ async fn run_backend(
                 Ok(r) => run.uncontended.push(r),
                 Err(e) => run.errors.push(format!("uncontended {c}: {e}")),
             }
+            // The same over the sidecar's Unix socket, when it has one.
+            if let Some(socket) = spawned
+                .as_ref()
+                .and_then(|s| s.sidecars.first())
+                .and_then(|s| s.socket_url.clone())
+            {
+                eprintln!("[{label}] uncontended over a Unix socket, {c} clients");
+                let lockers = (0..c)
+                    .map(|_| Locker::sidecar(&socket, args.api_token.as_deref()))
+                    .collect();
+                match workloads::uncontended(
+                    lockers,
+                    args.duration,
+                    &format!("{run_id}-unix"),
+                    &mut counter,
+                    None,
+                    &processes,
+                )
+                .await
+                {
+                    Ok(r) => run.uncontended_unix.push(r),
+                    Err(e) => run.errors.push(format!("uncontended unix {c}: {e}")),
+                }
+            }
         }
         drop(spawned);
     }

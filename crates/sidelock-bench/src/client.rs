@@ -36,6 +36,8 @@ pub fn http_client() -> reqwest::Client {
 pub struct Connection {
     /// `host:port` of the sidecar, or why its URL cannot be used.
     authority: Result<String, String>,
+    /// The Unix socket to connect to instead (a `unix:/path` base).
+    socket: Option<std::path::PathBuf>,
     /// The URL's path, put before every request's path.
     prefix: String,
     /// `Authorization` header value, when the API needs a token.
@@ -52,6 +54,7 @@ impl Clone for Connection {
     fn clone(&self) -> Self {
         Self {
             authority: self.authority.clone(),
+            socket: self.socket.clone(),
             prefix: self.prefix.clone(),
             auth: self.auth.clone(),
             sender: None,
@@ -66,10 +69,21 @@ pub struct Response {
 }
 
 impl Connection {
-    /// A connection to the sidecar at `base` (`http://host[:port][/path]`).
-    /// A URL it cannot use makes every request fail, saying why.
+    /// A connection to the sidecar at `base` (`http://host[:port][/path]`,
+    /// or `unix:/path/to.sock`). A URL it cannot use makes every request
+    /// fail, saying why.
     #[must_use]
     pub fn new(base: &str, api_token: Option<&str>) -> Self {
+        let auth = api_token.and_then(|t| http::HeaderValue::try_from(format!("Bearer {t}")).ok());
+        if let Some(path) = base.strip_prefix("unix:") {
+            return Self {
+                authority: Ok("localhost".into()),
+                socket: Some(path.into()),
+                prefix: String::new(),
+                auth,
+                sender: None,
+            };
+        }
         let uri = base.parse::<http::Uri>();
         let authority = match &uri {
             Ok(u) if u.scheme_str() == Some("http") => match u.authority() {
@@ -82,9 +96,9 @@ impl Connection {
         let prefix = uri
             .map(|u| u.path().trim_end_matches('/').to_owned())
             .unwrap_or_default();
-        let auth = api_token.and_then(|t| http::HeaderValue::try_from(format!("Bearer {t}")).ok());
         Self {
             authority,
+            socket: None,
             prefix,
             auth,
             sender: None,
@@ -92,6 +106,17 @@ impl Connection {
     }
 
     async fn open(&self) -> Result<Sender, String> {
+        if let Some(path) = &self.socket {
+            let stream = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(|e| format!("cannot connect to {}: {e}", path.display()))?;
+            let (sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            return Ok(sender);
+        }
         let authority = self.authority.as_deref().map_err(Clone::clone)?;
         let stream = tokio::net::TcpStream::connect(authority)
             .await
@@ -424,6 +449,12 @@ mod tests {
         let c = Connection::new("http://sidecar/base/", None);
         assert_eq!(c.authority.as_deref(), Ok("sidecar:80"));
         assert_eq!(c.prefix, "/base");
+        let c = Connection::new("unix:/run/sidelock/s.sock", None);
+        assert_eq!(
+            c.socket.as_deref(),
+            Some(std::path::Path::new("/run/sidelock/s.sock"))
+        );
+        assert_eq!(c.authority.as_deref(), Ok("localhost"));
         let e = Connection::new("https://sidecar:7070", None).authority;
         assert!(e.unwrap_err().contains("plain http://"));
         assert!(Connection::new("not a url", None).authority.is_err());

@@ -138,6 +138,8 @@ fn log_file(id: &str) -> Stdio {
 pub struct Sidecar {
     pub child: Child,
     pub url: String,
+    /// `unix:<path>` of the socket it also listens on (not in a netns).
+    pub socket_url: Option<String>,
     pub pid: u32,
     /// Time from spawn to the first `GET /readyz` 200.
     pub ready_after: Duration,
@@ -179,7 +181,17 @@ impl Sidecar {
                 cmd.env_remove(key);
             }
         }
-        cmd.args(["serve", "--listen", &format!("{host}:{port}")])
+        // Outside a namespace it also listens on a Unix socket (removed by
+        // the sidecar at exit), for the transport comparison.
+        let socket = netns.is_none().then(|| {
+            std::env::temp_dir().join(format!("sidelock-bench-{}-{port}.sock", std::process::id()))
+        });
+        let mut listen = format!("{host}:{port}");
+        if let Some(path) = &socket {
+            let _ = std::fs::remove_file(path);
+            listen.push_str(&format!(",unix:{}", path.display()));
+        }
+        cmd.args(["serve", "--listen", &listen])
             .args(["--backend", backend, "--sidecar-id", id])
             .args(["--max-waiters", "100000"])
             .env("SIDELOCK_LOG", "warn")
@@ -220,6 +232,7 @@ impl Sidecar {
         Ok(Self {
             child,
             url,
+            socket_url: socket.map(|p| format!("unix:{}", p.display())),
             pid,
             ready_after: started.elapsed(),
         })

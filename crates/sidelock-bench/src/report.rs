@@ -23,6 +23,9 @@ pub struct BackendRun {
     /// Sidecars started by the bench (false: --url).
     pub spawned: bool,
     pub uncontended: Vec<Uncontended>,
+    /// The uncontended workload again over each sidecar's Unix socket.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub uncontended_unix: Vec<Uncontended>,
     pub contended: Vec<Contended>,
     pub idle: Vec<Idle>,
     /// Workload 3 with hold streams (one lock each) instead of waiters.
@@ -201,6 +204,11 @@ pub(crate) fn print_tables(r: &Report) {
     let mut idle: Vec<(String, &Idle)> = Vec::new();
     for run in &r.runs {
         unc.extend(run.uncontended.iter().map(|u| (run.backend.clone(), u)));
+        unc.extend(
+            run.uncontended_unix
+                .iter()
+                .map(|u| (format!("{} over a Unix socket", run.backend), u)),
+        );
         con.extend(run.contended.iter().map(|c| (run.backend.clone(), c)));
         idle.extend(run.idle.iter().map(|i| (run.backend.clone(), i)));
     }

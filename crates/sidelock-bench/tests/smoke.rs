@@ -101,6 +101,15 @@ async fn bench_runs_every_workload_and_writes_well_formed_json() {
     assert!(runs[1]["backend"].as_str().unwrap().starts_with("redis://"));
     for run in runs {
         assert_eq!(run["errors"].as_array().map(Vec::len), Some(0), "{run:#}");
+        // The same clients over the sidecar's Unix socket.
+        let unix = run["uncontended_unix"]
+            .as_array()
+            .expect("uncontended_unix");
+        assert_eq!(unix.len(), 2, "{run:#}");
+        for u in unix {
+            assert!(num(u, "pairs") > 0.0, "{u:#}");
+            assert_eq!(num(u, "errors"), 0.0, "{u:#}");
+        }
         let unc = run["uncontended"].as_array().expect("uncontended");
         assert_eq!(unc.len(), 2);
         for u in unc {
