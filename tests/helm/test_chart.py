@@ -812,3 +812,55 @@ def test_dockerfile_matches_chart_defaults(chart_values: dict[str, Any]) -> None
     ignored = (REPO / ".dockerignore").read_text().split()
     for pattern in ("target/", ".git", ".venv/", "helm/", "tests/helm/"):
         assert pattern in ignored, pattern
+
+
+# --------------------------------------------------------------------------
+# The Unix socket shared through an emptyDir
+# --------------------------------------------------------------------------
+
+SOCKET_ON = {"socket": {"enabled": True}, "example": {"enabled": True}}
+
+
+def test_socket_is_off_by_default(chart: helm.Chart) -> None:
+    objects = manifests(render_chart(chart, {"example": {"enabled": True}}))
+    spec = pod_spec(one(objects, "Deployment"))
+    assert all("emptyDir" not in v for v in spec["volumes"])
+    _, app = find_container(spec, "app")
+    assert "volumeMounts" not in app
+    assert "SIDELOCK_SOCKET" not in {e["name"] for e in app["env"]}
+    config = tomllib.loads(one(objects, "ConfigMap")["data"]["sidelock.toml"])
+    assert isinstance(config["listen"], str)
+
+
+def test_the_socket_is_shared_with_the_application_through_an_empty_dir(chart: helm.Chart) -> None:
+    objects = manifests(render_chart(chart, SOCKET_ON))
+    for obj in objects:
+        validate_k8s(obj)
+    config = tomllib.loads(one(objects, "ConfigMap")["data"]["sidelock.toml"])
+    assert config["listen"] == ["0.0.0.0:7070", "unix:/run/sidelock/sidelock.sock"]
+    spec = pod_spec(one(objects, "Deployment"))
+    (volume,) = [v for v in spec["volumes"] if "emptyDir" in v]
+    containers = spec.get("initContainers", []) + spec["containers"]
+    sidecar = next(c for c in containers if c["name"] == "sidelock")
+    _, app = find_container(spec, "app")
+    for container in (sidecar, app):
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts[volume["name"]]["mountPath"] == "/run/sidelock", container["name"]
+    env = {e["name"]: e for e in app["env"]}
+    assert env["SIDELOCK_SOCKET"]["value"] == "/run/sidelock/sidelock.sock"
+
+
+def test_app_chart_mounts_the_socket_with_one_value(app_chart: helm.Chart) -> None:
+    objects = manifests(render_chart(app_chart, {"sidelock": {"socket": {"enabled": True, "dir": "/sock"}}}))
+    spec = pod_spec(one(objects, "Deployment"))
+    _, app = find_container(spec, "app")
+    (mount,) = app["volumeMounts"]
+    assert mount["mountPath"] == "/sock"
+    assert {e["name"]: e for e in app["env"]}["SIDELOCK_SOCKET"]["value"] == "/sock/sidelock.sock"
+
+
+@pytest.mark.parametrize("socket", [{"dir": "relative"}, {"dir": "/run/"}, {"name": "a/b"}, {"name": ""}])
+def test_bad_socket_paths_fail_the_schema(chart: helm.Chart, socket: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart(chart, {"socket": {"enabled": True, **socket}})
+    assert "socket" in str(err.value)

@@ -36,13 +36,18 @@ Every template accepts either
                               and belongs in initContainers
   sidelock.initContainers     the container when sidecar.native, else nothing
   sidelock.containers         the container when not sidecar.native, else nothing
-  sidelock.volumes            the config volume, as list items
+  sidelock.volumes            the config volume (and, with socket.enabled,
+                              the socket's emptyDir), as list items
+  sidelock.socketVolumeMount  with socket.enabled, the application
+                              container's volumeMount of the socket's
+                              directory (list item); else nothing
   sidelock.podLabels          pod labels (the metrics Service selects on them)
   sidelock.podAnnotations     checksum of the config (rolls pods on changes)
   sidelock.terminationGracePeriodSeconds
   sidelock.clientEnv          SIDELOCK_URL and SIDELOCK_API_TOKEN for the
                               application container (what `sidelock run` and
-                              curl scripts read)
+                              curl scripts read); SIDELOCK_SOCKET with
+                              socket.enabled (curl --unix-socket)
   sidelock.leaderReadinessProbe
                               with election.readinessProbe.enabled, a
                               `readinessProbe:` for the application container
@@ -106,7 +111,11 @@ and a backend URL with credentials come from a Secret through the environment.
 {{- $c := $v.config -}}
 # sidelock configuration rendered by the sidelock Helm chart.
 # Precedence: command-line flags > SIDELOCK_* environment > this file.
+{{- if $v.socket.enabled }}
+listen = {{ list (include "sidelock.listenAddress" .) (printf "unix:%s" (include "sidelock.socketPath" .)) | toJson }}
+{{- else }}
 listen = {{ include "sidelock.listenAddress" . | toJson }}
+{{- end }}
 {{- with $v.sidecar.allowedHosts }}
 allowed_hosts = {{ toJson . }}
 {{- end }}
@@ -151,6 +160,14 @@ host:port sidelock binds to, and the URL the application uses to reach it.
 {{- else -}}
 {{- printf "http://127.0.0.1:%d" (int .values.sidecar.port) -}}
 {{- end -}}
+{{- end -}}
+
+{{- define "sidelock.socketPath" -}}
+{{- printf "%s/%s" .values.socket.dir .values.socket.name -}}
+{{- end -}}
+
+{{- define "sidelock.socketVolumeName" -}}
+{{- printf "%s-socket" .values.sidecar.containerName | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "sidelock.configVolumeName" -}}
@@ -250,6 +267,10 @@ The sidecar container, as a single list item.
     - name: {{ include "sidelock.configVolumeName" $ctx }}
       mountPath: /etc/sidelock
       readOnly: true
+    {{- if $v.socket.enabled }}
+    - name: {{ include "sidelock.socketVolumeName" $ctx }}
+      mountPath: {{ $v.socket.dir }}
+    {{- end }}
     {{- with $v.sidecar.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -277,6 +298,19 @@ The sidecar container, as a single list item.
 - name: {{ include "sidelock.configVolumeName" $ctx }}
   configMap:
     name: {{ include "sidelock.configMapName" $ctx }}
+{{- if $ctx.values.socket.enabled }}
+- name: {{ include "sidelock.socketVolumeName" $ctx }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "sidelock.socketVolumeMount" -}}
+{{- $ctx := dict -}}
+{{- $_ := include "sidelock.context" (list . $ctx) -}}
+{{- if $ctx.values.socket.enabled -}}
+- name: {{ include "sidelock.socketVolumeName" $ctx }}
+  mountPath: {{ $ctx.values.socket.dir }}
+{{- end -}}
 {{- end -}}
 
 {{- define "sidelock.podLabels" -}}
@@ -307,6 +341,10 @@ checksum/sidelock-config: {{ include "sidelock.configToml" $ctx | sha256sum }}
     secretKeyRef:
       name: {{ include "sidelock.secretName" $ctx }}
       key: {{ $ctx.values.auth.apiTokenKey }}
+{{- if $ctx.values.socket.enabled }}
+- name: SIDELOCK_SOCKET
+  value: {{ include "sidelock.socketPath" $ctx | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "sidelock.leaderReadinessProbe" -}}
