@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Node, NodeData};
+use super::data::{Node, NodeData, fence_of};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
-use super::request::{Message, OP_TIMEOUT, call, must, unavailable};
+use super::request::{Message, OP_TIMEOUT, call, unavailable};
 use super::tree::admitted;
 use super::{Inner, Queued, ZooKeeper, lock};
 use crate::backend::{Attempt, Backend, Busy, Error, Grant, Holder, Ticket, Turn};
@@ -83,16 +83,16 @@ impl Inner {
         if let Some(cap) = data.cap_ms {
             data.expires_at_ms = data.expires_at_ms.min(cap);
         }
+        // One write grants: the fence is its zxid, above every earlier
+        // grant's, ever (the node's mzxid until a later write stores it).
+        data.fence = 0;
         let bytes = serde_json::to_vec(&data).unwrap_or_default();
         let stat = match call("try_acquire", zk.set_data(path, &bytes, Some(version))).await? {
             Ok(stat) => stat,
             Err(zk::Error::NoNode | zk::Error::BadVersion) => return Ok(None),
             Err(e) => return Err(unavailable("try_acquire", e)),
         };
-        // The zxid of the granting write: above every earlier grant, ever.
-        data.fence = u64::try_from(stat.mzxid).unwrap_or(0);
-        let bytes = serde_json::to_vec(&data).unwrap_or_default();
-        must("try_acquire", zk.set_data(path, &bytes, Some(stat.version))).await?;
+        data.fence = fence_of(&data, &stat);
         let fence = data.fence;
         self.update_parent(zk, "try_acquire", parent, |p| p.fence = p.fence.max(fence))
             .await?;
@@ -181,6 +181,7 @@ impl ZooKeeper {
                     continue;
                 }
                 let mut d = d.clone();
+                d.fence = fence_of(&d, &node.stat);
                 let now = now_ms();
                 d.count += 1;
                 d.expires_at_ms = d.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
@@ -309,7 +310,11 @@ impl ZooKeeper {
             }
             return Err(Error::LimitMismatch { active: limit });
         }
-        let own = me.read(&zk, op, &parent, &children[at]).await?;
+        // Read by the snapshot when admitted by place; else read it now.
+        let own = match nodes.iter().find(|n| n.child.name == name) {
+            Some(node) => Some(node.clone()),
+            None => me.read(&zk, op, &parent, &children[at]).await?,
+        };
         let Some(own) = own else {
             return Err(unavailable(
                 op,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::NodeData;
+use super::data::{NodeData, fence_of};
 use super::names::{DELAY_NODE, decode_name};
 use super::request::{call, unavailable};
 use super::{Inner, lock};
@@ -24,7 +24,7 @@ impl Inner {
         let (pdata, _) = self.parent_data(&zk, "inspect", &parent).await?;
         let holders: Vec<Holder> = nodes
             .iter()
-            .filter(|n| n.is_held() && !n.is_being_granted())
+            .filter(|n| n.is_held())
             .map(|n| n.holder(key.kind))
             .collect();
         let mut waiters = Vec::new();
@@ -224,7 +224,7 @@ impl Inner {
                                 "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",
                                 d.owner,
                                 d.sidecar,
-                                d.fence,
+                                fence_of(&d, &stat),
                                 humantime::format_duration(stale_after)
                             ),
                         });

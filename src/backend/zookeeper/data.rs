@@ -33,7 +33,10 @@ pub(super) struct NodeData {
     pub(super) lock_delay_ms: u64,
     /// The hold count (re-entries by the same owner).
     pub(super) count: u32,
-    /// The zxid of the write that granted the lease (0 while waiting).
+    /// The zxid of the write that granted the lease; 0 while waiting, and
+    /// in the granting write itself, whose zxid is the node's `mzxid` until
+    /// a later write (renewal, re-entry, release of one hold) stores it here
+    /// — see [`fence_of`]. One write grants.
     pub(super) fence: u64,
     /// A semaphore's limit, as the claim asked for it.
     #[serde(default)]
@@ -75,7 +78,7 @@ impl Node {
                 mode: Held::of(kind, self.child.mode),
                 since_ms: d.since_ms,
                 expires_at_ms: d.expires_at_ms,
-                fence: d.fence.max(1),
+                fence: fence_of(d, &self.stat).max(1),
                 count: d.count,
             },
             None => Holder {
@@ -94,11 +97,19 @@ impl Node {
     pub(super) fn is_held(&self) -> bool {
         self.data.as_ref().is_none_or(|d| d.held)
     }
+}
 
-    /// Held, but its fence not written yet: a grant takes two writes (the
-    /// fence is the zxid of the first), and between them the node must not
-    /// be shown with a fence it will never have.
-    pub(super) fn is_being_granted(&self) -> bool {
-        self.data.as_ref().is_some_and(|d| d.held && d.fence == 0)
+/// The fence of a claim node's lease: the one stored, else, for a held node
+/// whose fence was never stored, the zxid of its last write — the granting
+/// write, since every later write stores the fence. (A sidecar of an
+/// earlier version wrote the fence in a second write; between its two
+/// writes this gives the same value.)
+pub(super) fn fence_of(d: &NodeData, stat: &zk::Stat) -> u64 {
+    if d.fence > 0 {
+        d.fence
+    } else if d.held {
+        u64::try_from(stat.mzxid).unwrap_or(0)
+    } else {
+        0
     }
 }

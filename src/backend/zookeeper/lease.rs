@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
+use super::data::fence_of;
 use super::request::{CLAIM_ROUNDS, Message, Round, call, retry_on_conflict, unavailable};
 use super::{Inner, lock};
 use crate::backend::{Error, Loss, Status};
@@ -34,6 +35,8 @@ impl Inner {
             let Some(mut d) = node.data.clone() else {
                 return Ok(Round::Done(None));
             };
+            // This write moves the node's mzxid: store the fence first.
+            d.fence = fence_of(&d, &node.stat);
             let now = now_ms();
             if d.expires_at_ms <= now {
                 self.expire(zk, "renew", parent, &node).await?;
@@ -79,6 +82,7 @@ impl Inner {
             let Some(mut d) = node.data.clone() else {
                 return Ok(Round::Done(None));
             };
+            d.fence = fence_of(&d, &node.stat);
             if d.expires_at_ms <= now_ms() {
                 self.expire(zk, "release", parent, &node).await?;
                 self.wakeups.wake(key);
