@@ -29,39 +29,35 @@ impl Inner {
         client: &tokio_postgres::Client,
         statement: &tokio_postgres::Statement,
     ) -> Result<(), tokio_postgres::Error> {
-        let (live, gone) = self.ticket_lists();
-        let params: [&(dyn ToSql + Sync); 6] = [
-            &self.instance,
-            &self.sidecar,
-            &ms_i64(LAPSE_AFTER),
-            &live,
-            &gone,
-            &ms_i64(GHOST_AFTER),
-        ];
-        client.query_one(statement, &params).await?;
-        self.beaten(&gone);
+        let beat = self.beat();
+        client.query_one(statement, &beat.params(self)).await?;
+        self.beaten(&beat.gone);
         Ok(())
     }
 
-    /// Sends one heartbeat through the pool: before a join when the last one
-    /// is old (see [`Inner::heartbeat_is_old`]).
-    pub(super) async fn heartbeat_now(&self) -> Result<(), Error> {
-        let (live, gone) = self.ticket_lists();
-        self.rows(
-            "try_acquire",
-            &self.sql.heartbeat,
-            &[
-                &self.instance,
-                &self.sidecar,
-                &ms_i64(LAPSE_AFTER),
-                &live,
-                &gone,
-                &ms_i64(GHOST_AFTER),
-            ],
-        )
-        .await?;
-        self.beaten(&gone);
+    /// Sends one heartbeat through the pool, as `op`: before a join when the
+    /// last one is old (see [`Inner::heartbeat_is_old`]), and as the
+    /// monitor's housekeeping.
+    pub(super) async fn heartbeat_now(&self, op: &'static str) -> Result<(), Error> {
+        let beat = self.beat();
+        self.rows(op, &self.sql.heartbeat, &beat.params(self))
+            .await?;
+        self.beaten(&beat.gone);
         Ok(())
+    }
+
+    /// The arguments of one heartbeat, from this sidecar's tickets now.
+    fn beat(&self) -> Beat {
+        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
+            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
+        };
+        let t = self.tickets();
+        Beat {
+            live: as_i64(&t.live),
+            gone: as_i64(&t.gone),
+            lapse_ms: ms_i64(LAPSE_AFTER),
+            ghost_ms: ms_i64(GHOST_AFTER),
+        }
     }
 
     /// Whether the last heartbeat is older than the interval: this sidecar
@@ -78,14 +74,6 @@ impl Inner {
         !t.live.is_empty() || !t.gone.is_empty()
     }
 
-    fn ticket_lists(&self) -> (Vec<i64>, Vec<i64>) {
-        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
-            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
-        };
-        let t = self.tickets();
-        (as_i64(&t.live), as_i64(&t.gone))
-    }
-
     /// A heartbeat sent `gone` with it: those rows are removed.
     fn beaten(&self, gone: &[i64]) {
         self.beat_ms.store(now_ms(), Ordering::Relaxed);
@@ -93,6 +81,27 @@ impl Inner {
         for seq in gone {
             t.gone.remove(&u64::try_from(*seq).unwrap_or(0));
         }
+    }
+}
+
+/// The arguments of `heartbeat` in the SQL.
+struct Beat {
+    live: Vec<i64>,
+    gone: Vec<i64>,
+    lapse_ms: i64,
+    ghost_ms: i64,
+}
+
+impl Beat {
+    fn params<'a>(&'a self, inner: &'a Inner) -> [&'a (dyn ToSql + Sync); 6] {
+        [
+            &inner.instance,
+            &inner.sidecar,
+            &self.lapse_ms,
+            &self.live,
+            &self.gone,
+            &self.ghost_ms,
+        ]
     }
 }
 

@@ -209,7 +209,7 @@ impl Backend for Postgres {
         };
         let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
         if matches!(turn, Turn::Join) && inner.heartbeat_is_old() {
-            inner.heartbeat_now().await?;
+            inner.heartbeat_now("try_acquire").await?;
         }
         let reply: Option<AcquireReply> = inner
             .json(
@@ -514,7 +514,7 @@ impl Backend for Postgres {
     /// The heartbeat statement, whose cleanup is everyone's: while no
     /// sidecar has waiters, nobody else sends it.
     async fn tidy(&self) -> Result<(), Error> {
-        self.inner.heartbeat_now().await
+        self.inner.heartbeat_now("tidy").await
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
