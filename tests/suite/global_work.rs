@@ -26,12 +26,14 @@ async fn sidecars(url: &str, count: usize) -> Vec<SidecarGuard> {
     .await
 }
 
-/// The sidecar the monitor election names, if any.
+/// The sidecar the monitor election names, if any (none while the backend
+/// cannot be read).
 async fn monitor(sidecar: &SidecarGuard) -> Option<String> {
-    let election: Value = sidecar
-        .api()
-        .get_json(&["v1", "elections", MONITOR], &[])
-        .await;
+    let response = sidecar.api().get(&["v1", "elections", MONITOR], &[]).await;
+    if response.status() != StatusCode::OK {
+        return None;
+    }
+    let election: Value = response.json().await.expect("election JSON");
     election["leader"]["sidecar"].as_str().map(str::to_owned)
 }
 
@@ -216,10 +218,60 @@ async fn clients_cannot_campaign_for_or_observe_the_monitor_election() {
         assert!(detail.contains("reserved"), "{detail}");
     }
     // Reading it is allowed: it names the monitor.
-    eventually(
+    let elected = eventually(
         "the monitor is named",
         Duration::from_secs(15),
         async || monitor(&sidecar).await,
+    )
+    .await;
+    // Only the election is reserved: a lock, a shared lock and a semaphore
+    // of the same name are ordinary, and do not disturb the monitor.
+    let lock = api.lock(MONITOR);
+    let held = lock.acquire(&[("owner", "a")]).await;
+    lock.release(&held.token).await;
+    lock.acquire(&[("mode", "shared"), ("owner", "r1")]).await;
+    lock.acquire(&[("mode", "shared"), ("owner", "r2")]).await;
+    let permits = api.semaphore(MONITOR);
+    permits.acquire(&[("limit", "2")]).await;
+    permits.acquire(&[("limit", "2")]).await;
+    permits.acquire_busy(&[("limit", "2")]).await;
+    assert_eq!(monitor(&sidecar).await, Some(elected));
+}
+
+/// Redis restarted empty takes the monitor's lease with it: the monitor
+/// hears its renewal fail, and one of the sidecars is elected again.
+#[tokio::test]
+async fn a_monitor_whose_lease_the_backend_lost_is_elected_again() {
+    let mut server = RedisServer::start().await;
+    let pair = sidecars(&server.url(), 2).await;
+    eventually("a monitor", Duration::from_secs(15), async || {
+        monitor(&pair[0]).await
+    })
+    .await;
+    server.restart().await;
+    eventually("a monitor again", Duration::from_secs(60), async || {
+        monitor(&pair[1]).await
+    })
+    .await;
+    // The old monitor has stepped down (its renewal found nothing) or is
+    // the one elected again: one gauge is 1 once its 10 s round has run.
+    eventually(
+        "exactly one monitor gauge",
+        Duration::from_secs(15),
+        async || {
+            let gauges = join_all(pair.iter().map(async |s| {
+                let text = s
+                    .api()
+                    .get(&["metrics"], &[])
+                    .await
+                    .text()
+                    .await
+                    .expect("metrics");
+                text.lines().any(|l| l == "sidelock_monitor 1")
+            }))
+            .await;
+            (gauges.iter().filter(|g| **g).count() == 1).then_some(())
+        },
     )
     .await;
 }
