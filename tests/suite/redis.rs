@@ -206,6 +206,189 @@ async fn idle_waiters_cost_redis_almost_nothing_and_handoffs_stay_flat() {
     );
 }
 
+/// The keys of one lock besides its main key, sorted.
+async fn side_keys(server: &RedisServer, name: &str) -> Vec<String> {
+    let mut keys: Vec<String> = server
+        .cmd(&["KEYS", &format!("{{sidelock:{name}}}:*")])
+        .await;
+    keys.sort();
+    keys
+}
+
+/// Commands Redis ran between two readings, less the `INFO` of the second.
+fn ran(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> u64 {
+    after.values().sum::<u64>() - before.values().sum::<u64>() - 1
+}
+
+/// An exclusive lock nobody else holds or waits for is granted, kept alive
+/// and released in short form (the main key and one lease string: no holder
+/// hash, no expiry set, no JSON encoded): Redis runs at most 13 commands per
+/// acquire and release, the scripts' own included (the plain recipe runs 4;
+/// the full bookkeeping 17), and at most 6 per keepalive; when it is
+/// released only the fence counter is left.
+#[tokio::test]
+async fn an_uncontended_lock_costs_redis_few_commands_and_leaves_only_its_fence() {
+    const ROUNDS: u64 = 100;
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("short");
+    let lock = sidecar.api().lock(&name);
+    // Loads the scripts.
+    let grant = lock.acquire(&[]).await;
+    lock.keepalive(&grant.token, &[]).await;
+    lock.release(&grant.token).await;
+
+    let before = server.command_counts().await;
+    for _ in 0..ROUNDS {
+        let grant = lock.acquire(&[("ttl", "30s")]).await;
+        lock.release(&grant.token).await;
+    }
+    let after = server.command_counts().await;
+    let per_pair = ran(&before, &after) as f64 / ROUNDS as f64;
+    assert!(
+        per_pair <= 13.5,
+        "{per_pair:.2} commands per uncontended acquire and release: {}",
+        command_diff(&before, &after)
+    );
+
+    let grant = lock.acquire(&[("ttl", "30s"), ("owner", "kept")]).await;
+    let before = server.command_counts().await;
+    for _ in 0..ROUNDS {
+        lock.keepalive(&grant.token, &[]).await;
+    }
+    let after = server.command_counts().await;
+    let per_keepalive = ran(&before, &after) as f64 / ROUNDS as f64;
+    assert!(
+        per_keepalive <= 6.5,
+        "{per_keepalive:.2} commands per keepalive of an uncontended lock: {}",
+        command_diff(&before, &after)
+    );
+    let tag = format!("{{sidelock:{name}}}");
+    assert_eq!(
+        side_keys(&server, &name).await,
+        [format!("{tag}:fence"), format!("{tag}:lease")],
+        "kept alive in short form"
+    );
+    let pttl: i64 = server.cmd(&["PTTL", &format!("sidelock:{name}")]).await;
+    assert!(
+        pttl > 25_000,
+        "the keepalive moved the main key's expiry: {pttl}"
+    );
+
+    lock.release(&grant.token).await;
+    assert_eq!(side_keys(&server, &name).await, [format!("{tag}:fence")]);
+    let main: i64 = server.cmd(&["EXISTS", &format!("sidelock:{name}")]).await;
+    assert_eq!(main, 0);
+    let indexed: Option<String> = server
+        .cmd(&["ZSCORE", "sidelock:/index", &format!("locks/{name}")])
+        .await;
+    assert_eq!(indexed, None, "released: out of the index");
+}
+
+/// A lease in short form is a lease like any other: a read-only stale scan
+/// reports it held too long and leaves it as it is, another sidecar lists
+/// it with its owner, sidecar and fence, its owner re-enters it, and it is
+/// handed to a waiter on another sidecar with a higher fence.
+#[tokio::test]
+async fn a_lease_in_short_form_is_listed_reported_reentered_and_handed_over() {
+    let server = RedisServer::start().await;
+    let a = SidecarBuilder::new(&server.url())
+        .sidecar_id("short-a")
+        .stale_after("200ms")
+        .start()
+        .await;
+    let b = SidecarBuilder::new(&server.url())
+        .sidecar_id("short-b")
+        .start()
+        .await;
+    let name = unique_name("short-life");
+    let tag = format!("{{sidelock:{name}}}");
+    let first = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "first"), ("ttl", "60s")])
+        .await;
+    assert_eq!(
+        side_keys(&server, &name).await,
+        [format!("{tag}:fence"), format!("{tag}:lease")]
+    );
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stale = a.api().stale().await;
+    assert!(
+        stale
+            .iter()
+            .any(|s| s.reason == "held-too-long" && s.key.contains(&name) && s.age_ms >= 200),
+        "{stale:#?}"
+    );
+    assert_eq!(
+        side_keys(&server, &name).await,
+        [format!("{tag}:fence"), format!("{tag}:lease")],
+        "the stale scan wrote nothing"
+    );
+
+    let state = b.api().lock(&name).inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    let holder = &state.holders[0];
+    assert_eq!(
+        (
+            holder.owner.as_str(),
+            holder.sidecar.as_str(),
+            holder.fence,
+            holder.count
+        ),
+        ("first", "short-a", first.fence, 1)
+    );
+    assert!(holder.since_ms > 0 && holder.expires_at_ms > holder.since_ms + 50_000);
+
+    let again = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "first"), ("ttl", "60s")])
+        .await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (first.token.as_str(), 2)
+    );
+
+    let waiter = {
+        let lock = b.api().lock(&name);
+        tokio::spawn(async move { lock.acquire(&[("owner", "second"), ("wait", "10s")]).await })
+    };
+    within("the waiter queued", Duration::from_secs(5), async {
+        while b.api().lock(&name).inspect().await.waiters.is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let lock = a.api().lock(&name);
+    lock.release(&first.token).await;
+    assert_eq!(
+        b.api().lock(&name).inspect().await.holder_owners(),
+        ["first"],
+        "one of two holds released"
+    );
+    lock.release(&first.token).await;
+    let second = within("the waiter granted", Duration::from_secs(5), waiter)
+        .await
+        .expect("waiter task");
+    assert!(
+        second.fence > first.fence,
+        "{} after {}",
+        second.fence,
+        first.fence
+    );
+    b.api().lock(&name).release(&second.token).await;
+    assert_eq!(
+        side_keys(&server, &name).await,
+        [format!("{tag}:fence"), format!("{tag}:seq")],
+        "only the counters are left"
+    );
+}
+
 #[tokio::test]
 async fn a_lease_deleted_behind_sidelocks_back_is_reported_lost() {
     let server = RedisServer::start().await;
@@ -603,7 +786,7 @@ async fn a_locks_keys_share_one_cluster_slot() {
         slot
     };
     let main = slot(format!("sidelock:{name}")).await;
-    for suffix in ["holders", "expiry", "fence", "queue", "waiters"] {
+    for suffix in ["holders", "expiry", "fence", "queue", "waiters", "lease"] {
         assert_eq!(slot(format!("{{sidelock:{name}}}:{suffix}")).await, main);
     }
     // Whichever node owns the slot, the main key holds the token.

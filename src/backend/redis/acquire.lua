@@ -4,7 +4,8 @@
 -- 14 heartbeat ms, 15 fifo ("1": grants follow the queue; "0": newcomers
 -- still wait behind the queue, but queued claims are not ordered among
 -- themselves, as in Redlock, where each node may see joins in another order),
--- 16 most permits a semaphore may have (0: any; Redlock: 1).
+-- 16 most permits a semaphore may have (0: any; Redlock: 1), 17 [owner,
+-- sidecar] as JSON, for the short form (acquire_fast.lua).
 -- Returns {1, now, token, fence, count, since, expires} when granted,
 -- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
 -- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required,
@@ -17,6 +18,7 @@ local ttl, max_hold, lock_delay, asked, beat =
 local fifo = ARGV[15] == "1"
 local most = tonumber(ARGV[16] or "0")
 clock()
+inflate()
 
 local bad, found = misfit()
 if bad then return {5, NOW, bad, found} end

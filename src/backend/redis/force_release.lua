@@ -1,6 +1,7 @@
 -- ARGV: 1 kind, 2 channel, 3 index member.
 -- Removes every lease (lock-delay from now) and returns their tokens.
 clock()
+inflate()
 prune()
 local h, keys = holders()
 local tokens = {}

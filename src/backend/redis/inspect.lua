@@ -3,6 +3,7 @@
 -- {now, 0, 0, "[]", "[]", key, found} when a key holds something sidelock did
 -- not write there (see misfit()).
 clock()
+inflate()
 local bad, found = misfit()
 if bad then return {NOW, 0, 0, "[]", "[]", bad, found} end
 prune()

@@ -45,7 +45,10 @@ impl Node {
             .arg(claim.limit.unwrap_or(0))
             .arg(ms(HEARTBEAT_TTL))
             .arg(if fifo { "1" } else { "0" })
-            .arg(max_permits);
+            .arg(max_permits)
+            // The short form's owner and sidecar (acquire_fast.lua), encoded
+            // here: JSON costs a script more than its commands.
+            .arg(serde_json::to_string(&(&claim.owner, &claim.sidecar)).unwrap_or_default());
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
         let clock = self.clock(&reply, 1);
         let attempt = match int(&reply, 0) {

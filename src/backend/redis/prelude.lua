@@ -8,14 +8,16 @@
 -- 5 queue (zset seq -> seq), 6 waiters (hash seq -> JSON meta), 7 heartbeat
 -- (hash sidecar -> deadline ms: one entry per sidecar with waiters, so
 -- keeping waiters alive costs the same for one waiter as for thousands), 8 delay (lock-delay end, with PX), 9 limit
--- (semaphore permits while in use), 10 seq (ticket counter), 11 index (zset
--- of keys in use; absent in a Cluster, where it lives in another slot).
+-- (semaphore permits while in use), 10 seq (ticket counter), 11 lease (an
+-- exclusive lease in short form, see short_lease()), 12 index (zset of keys
+-- in use; absent in a Cluster, where it lives in another slot).
 -- ARGV[1] is the kind: "l" (lock) or "s" (semaphore); ARGV[2] the wake channel.
 
 local SHARED = "sidelock:shared"
 local MAIN, HOLDERS, EXPIRY, FENCE, QUEUE, WAITERS, BEAT, DELAY, LIMIT, SEQ =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local INDEX = KEYS[11] or ""
+local LEASE = KEYS[11]
+local INDEX = KEYS[12] or ""
 local IS_LOCK = ARGV[1] == "l"
 local CHANNEL = ARGV[2]
 
@@ -62,7 +64,7 @@ end
 local function misfit()
   local want = {{HOLDERS, "hash"}, {EXPIRY, "zset"}, {FENCE, "number"}, {QUEUE, "zset"},
                 {WAITERS, "hash"}, {BEAT, "hash"}, {DELAY, "number"}, {LIMIT, "number"},
-                {SEQ, "number"}}
+                {SEQ, "number"}, {LEASE, "string"}}
   if INDEX ~= "" then want[#want + 1] = {INDEX, "zset"} end
   for _, w in ipairs(want) do
     local found = redis.call("TYPE", w[1]).ok
@@ -300,4 +302,56 @@ local function holders_json()
   end
   if #list == 0 then return "[]" end
   return cjson.encode(list)
+end
+
+-- A lease granted by the short path (acquire_fast.lua) is kept in two
+-- strings: the main key, and the lease key "<token> <fence> <TIME s> <TIME
+-- µs> <ttl> <max_hold> <lock_delay> <[owner, sidecar] as JSON>", expiring
+-- with the lease plus its lock-delay and a second, as holder entries do.
+-- The holders hash and the expiry set do not exist then, and nobody queues.
+-- Its fields, or nil when the key is absent or not of that form; e is the
+-- lease's expiry while the main key still holds it, else nil.
+local function short_lease()
+  local raw = redis.pcall("GET", LEASE)
+  if type(raw) ~= "string" then return nil end
+  local token, f, sec, usec, ttl, mh, dl, who =
+    string.match(raw, "^(%x+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (.*)$")
+  if not token then return nil end
+  local ok, names = pcall(cjson.decode, who)
+  if not ok or type(names) ~= "table" then return nil end
+  local t0 = tonumber(sec) * 1000 + math.floor(tonumber(usec) / 1000)
+  local m = {o = tostring(names[1]), s = tostring(names[2]), m = "x", f = tonumber(f), c = 1,
+             t0 = t0, ttl = tonumber(ttl), cap = 0, dl = tonumber(dl)}
+  if tonumber(mh) > 0 then m.cap = t0 + tonumber(mh) end
+  if main_get() == token then
+    local pttl = redis.call("PTTL", MAIN)
+    if pttl > 0 then m.e = clock() + pttl else m.e = clock() + m.ttl end
+  end
+  return token, m
+end
+
+-- Gives a short-form lease the full form (holder entry, expiry member) so
+-- that the rest of the script sees every holder in HOLDERS and EXPIRY; a
+-- short lease that ended (expired, or its main key deleted or overwritten)
+-- only starts its lock-delay, from its expiry or from now, as prune() does.
+-- Every script that reads or changes holders calls it first; nothing is
+-- written when a key it would write holds something else (misfit()).
+local function inflate()
+  if not IS_LOCK or not LEASE then return end
+  local token, m = short_lease()
+  if not token or misfit() then return end
+  clock()
+  if m.e then
+    put_holder(token, m)
+    redis.call("ZADD", EXPIRY, m.e, token)
+    redis.call("DEL", LEASE)
+    set_expiries()
+  else
+    local left = redis.call("PTTL", LEASE)
+    redis.call("DEL", LEASE)
+    local ended = NOW
+    if left > 0 then ended = math.min(NOW, NOW + left - m.dl - 1000) end
+    delay_until(ended + m.dl)
+    redis.call("PUBLISH", CHANNEL, "p")
+  end
 end

@@ -3,6 +3,7 @@
 -- (now is 0 when the fast path did not need the clock).
 -- The common cases run first, in release_fast.lua.
 local token = ARGV[4]
+inflate()
 
 -- Wakes whoever may be admitted now. When the queue's head is an exclusive
 -- claim on a lock, nobody behind it can be: the message names its ticket

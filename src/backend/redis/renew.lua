@@ -1,6 +1,7 @@
 -- ARGV: 1 kind, 2 channel, 3 index member, 4 token, 5 ttl ms (0: the lease's own).
 -- Returns {now, expires} or {now, -1} when the token holds nothing.
 clock()
+inflate()
 local token, ttl = ARGV[4], tonumber(ARGV[5])
 prune()
 local m = meta_of(token)

@@ -25,7 +25,7 @@ pub(super) fn fast_script(fast: &str, body: &str) -> Script {
 
 /// The suffixes of a lock's side keys `{<base>}:<suffix>`, in the order the
 /// scripts' `KEYS` hold them (after the base key, before the index).
-pub(super) const SIDE_KEYS: [&str; 9] = [
+pub(super) const SIDE_KEYS: [&str; 10] = [
     "holders",
     "expiry",
     "fence",
@@ -35,6 +35,7 @@ pub(super) const SIDE_KEYS: [&str; 9] = [
     "delay",
     "limit",
     "seq",
+    "lease",
 ];
 
 /// The compiled scripts.
@@ -63,7 +64,7 @@ impl Scripts {
                 include_str!("release_fast.lua"),
                 include_str!("release.lua"),
             ),
-            renew: script(include_str!("renew.lua")),
+            renew: fast_script(include_str!("renew_fast.lua"), include_str!("renew.lua")),
             status: script(include_str!("status.lua")),
             inspect: script(include_str!("inspect.lua")),
             force_release: script(include_str!("force_release.lua")),

@@ -19,6 +19,17 @@ for i = 1, #all, 2 do
       "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. m.f}
   end
 end
+local token, short = short_lease()
+if token and not short.e then
+  local left = redis.call("PTTL", LEASE)
+  local ended = NOW
+  if left > 0 then ended = math.min(NOW, NOW + left - short.dl - 1000) end
+  out[#out + 1] = {MAIN, "expired-not-cleaned", NOW - ended,
+    "holder " .. short.o .. " on sidecar " .. short.s .. " expired but its entry is still stored"}
+elseif token and NOW - short.t0 > after then
+  out[#out + 1] = {MAIN, "held-too-long", NOW - short.t0,
+    "held by " .. short.o .. " on sidecar " .. short.s .. " with fence " .. short.f}
+end
 local lapsed = {}
 local beats = redis.call("HGETALL", BEAT)
 for i = 1, #beats, 2 do
