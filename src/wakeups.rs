@@ -11,7 +11,18 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{Notify, watch};
 
-use crate::lock::LockKey;
+use crate::lock::{LockKey, Token};
+
+/// A lease a backend granted to a queued claim by itself (the lock handed
+/// over by its release), delivered to the claim's waiter with times in this
+/// sidecar's clock.
+#[derive(Debug, Clone)]
+pub struct Handoff {
+    pub token: Token,
+    pub fence: u64,
+    pub since_ms: u64,
+    pub expires_at_ms: u64,
+}
 
 /// The handle backends use to wake this sidecar's waiters. Cheap to clone.
 #[derive(Clone, Default)]
@@ -26,11 +37,17 @@ struct LocalQueue {
     slots: Vec<Slot>,
     /// Bumped whenever a waiter leaves, so the rest can report new positions.
     moved: watch::Sender<u64>,
+    /// When the lease of the key's latest holder ends, as a lease handed to
+    /// one of these waiters told (local ms; 0: none told): the others' timer
+    /// for a holder that dies.
+    until: watch::Sender<u64>,
 }
 
 struct Slot {
     seq: u64,
     notify: Arc<Notify>,
+    /// A lease handed to this waiter, until it takes it.
+    handed: Arc<Mutex<Option<Handoff>>>,
 }
 
 impl Wakeups {
@@ -54,6 +71,25 @@ impl Wakeups {
         {
             head.notify.notify_one();
         }
+    }
+
+    /// The backend handed `key` to the waiter holding ticket `seq`: deliver
+    /// the lease to it and wake it. False when no local waiter holds that
+    /// ticket (it left, or has not taken its place yet); the lease is then
+    /// still the backend's to give back.
+    pub fn granted(&self, key: &LockKey, seq: u64, lease: Handoff) -> bool {
+        self.changed(key);
+        let queues = self.lock();
+        let Some(q) = queues.get(key) else {
+            return false;
+        };
+        q.until.send_replace(lease.expires_at_ms);
+        let Some(slot) = q.slots.iter().find(|s| s.seq == seq) else {
+            return false;
+        };
+        *lock(&slot.handed) = Some(lease);
+        slot.notify.notify_one();
+        true
     }
 
     /// Something changed on `key` that lets no waiter in (a new holder was
@@ -96,10 +132,12 @@ impl Wakeups {
     /// Adds a waiter holding ticket `seq` in its global order.
     pub(crate) fn join(&self, key: &LockKey, seq: u64) -> Place {
         let notify = Arc::new(Notify::new());
+        let handed = Arc::new(Mutex::new(None));
         let mut queues = self.lock();
         let q = queues.entry(key.clone()).or_insert_with(|| LocalQueue {
             slots: Vec::new(),
             moved: watch::channel(0).0,
+            until: watch::channel(0).0,
         });
         let at = q.slots.partition_point(|s| s.seq < seq);
         q.slots.insert(
@@ -107,14 +145,19 @@ impl Wakeups {
             Slot {
                 seq,
                 notify: notify.clone(),
+                handed: handed.clone(),
             },
         );
+        let mut until = q.until.subscribe();
+        until.mark_unchanged();
         Place {
             wakeups: self.clone(),
             key: key.clone(),
             seq,
             notify,
             moved: q.moved.subscribe(),
+            until,
+            handed,
             pass_on: true,
         }
     }
@@ -162,6 +205,9 @@ pub(crate) struct Place {
     seq: u64,
     notify: Arc<Notify>,
     moved: watch::Receiver<u64>,
+    until: watch::Receiver<u64>,
+    /// A lease the backend handed to this waiter ([`Wakeups::granted`]).
+    handed: Arc<Mutex<Option<Handoff>>>,
     /// Whether leaving wakes the next waiter (false after an exclusive grant,
     /// which the next waiter cannot follow).
     pass_on: bool,
@@ -195,6 +241,17 @@ impl Place {
     /// positions moved.
     pub fn moves(&self) -> watch::Receiver<u64> {
         self.moved.clone()
+    }
+
+    /// A receiver of when the key's latest holder's lease ends, as a lease
+    /// handed to a local waiter told ([`Wakeups::granted`]).
+    pub fn holder_until(&self) -> watch::Receiver<u64> {
+        self.until.clone()
+    }
+
+    /// The lease the backend handed to this waiter, once.
+    pub fn take_handoff(&self) -> Option<Handoff> {
+        lock(&self.handed).take()
     }
 
     /// Leaves after a grant; `pass_on` says whether the next waiter might be

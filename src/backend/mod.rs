@@ -502,6 +502,14 @@ pub enum Status {
 ///   polls: between wake-ups a waiter sleeps until [`Busy::retry_at_ms`].
 ///   A grant wakes nobody; [`announce`](Backend::announce) tells observers of
 ///   an election of its new leader where the backend can.
+/// * **Handoffs.** A backend may grant a queued claim by itself when the
+///   lock frees — Redis's release passes an exclusive lock to the next
+///   ticket in line in the same step — and deliver the lease to its waiter
+///   with [`Wakeups::granted`] instead of waking it. The claim's token is
+///   then the one its ticket was queued with; a [`Turn::Queued`] attempt of a
+///   ticket that was handed the lock answers that grant, and
+///   [`dequeue`](Backend::dequeue) of such a ticket releases it (its waiter
+///   left before it heard).
 ///
 /// # Errors
 ///

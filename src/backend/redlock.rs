@@ -152,10 +152,11 @@ impl Redlock {
                 let node = Node::open(
                     &format!("{base}://{h}/{path}{query}"),
                     &options.redis_prefix,
+                    &options.sidecar,
+                    false,
                 )?;
                 Ok(Member::start(
                     node,
-                    &options.sidecar,
                     &watchers,
                     &wakeups,
                     &stop,

@@ -238,14 +238,49 @@ impl Core {
         self.publish(queued);
 
         let mut retry_at = busy.retry_at_ms;
+        let mut holder_until = place.holder_until();
         let mut last = busy;
+        // Whether the head tries now: at first (a release may have come
+        // before the watch), when woken, or when its timer fires — not when
+        // positions or the holder's expiry were merely told.
+        let mut try_now = true;
         let outcome = loop {
             // A wake-up and a cancellation can arrive together (shutdown
             // releases locks, which wakes waiters): cancellation wins.
             if cancel.is_cancelled() || self.shutdown.is_cancelled() {
                 break Outcome::Cancelled;
             }
-            if place.is_head() {
+            // The backend handed the lock over by itself (its release passed
+            // it to this ticket).
+            if let Some(h) = place.take_handoff() {
+                let slot = match self.held_slot(key) {
+                    Ok(slot) => slot,
+                    Err(e) => {
+                        drop(place);
+                        let _ = self
+                            .op("release", self.backend.release(key, &h.token))
+                            .await;
+                        return Err(e);
+                    }
+                };
+                place.leave_granted(false);
+                drop(watch);
+                let g = Grant {
+                    token: h.token,
+                    fence: h.fence,
+                    count: 1,
+                    since_ms: h.since_ms,
+                    expires_at_ms: h.expires_at_ms,
+                };
+                return Ok(Outcome::Granted(self.granted(
+                    claim,
+                    g,
+                    started,
+                    progress.is_some(),
+                    slot,
+                )));
+            }
+            if std::mem::take(&mut try_now) && place.is_head() {
                 let slot = match self.held_slot(key) {
                     Ok(slot) => slot,
                     Err(e) => {
@@ -293,17 +328,38 @@ impl Core {
                 biased;
                 () = cancel.cancelled() => break Outcome::Cancelled,
                 () = self.shutdown.cancelled() => break Outcome::Cancelled,
-                () = place.notified() => {}
-                () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => retry_at = None,
+                () = place.notified() => try_now = true,
+                () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => {
+                    retry_at = None;
+                    try_now = true;
+                }
                 () = sleep_until(deadline) => break Outcome::Busy { busy: last, waited: started.elapsed() },
                 Ok(()) = moves.changed(), if progress.is_some() => {
                     self.report_position(&place, offset, &mut reported, 0, progress);
                 }
+                // A new holder: its lease's end is when it may have died.
+                Ok(()) = holder_until.changed() => {
+                    let until = *holder_until.borrow_and_update();
+                    if until > 0 {
+                        retry_at = Some(until);
+                    }
+                }
             }
         };
+        // A lease handed over just as this waiter gave up is nobody's: give it back.
+        let handed = place.take_handoff();
         drop(place);
         drop(watch);
-        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+        match handed {
+            Some(h) => {
+                let _ = self
+                    .op("release", self.backend.release(key, &h.token))
+                    .await;
+            }
+            None => {
+                let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+            }
+        }
         let result = match &outcome {
             Outcome::Busy { .. } => "timeout",
             _ => "cancelled",

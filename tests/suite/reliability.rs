@@ -177,7 +177,7 @@ async fn sigterm_with_a_thousand_holds_and_waiters_releases_everything_and_tells
         let held: i64 = server.cmd(&["EXISTS", &format!("sidelock:{name}")]).await;
         assert_eq!(held, 0, "{name} still held after shutdown");
         let waiting: i64 = server
-            .cmd(&["ZCARD", &format!("{{sidelock:{name}}}:queue")])
+            .cmd(&["LLEN", &format!("{{sidelock:{name}}}:q")])
             .await;
         assert_eq!(waiting, 0, "{name} still has waiters after shutdown");
     }

@@ -1,24 +1,29 @@
--- ARGV: 1 kind, 2 channel, 3 index member, 4 turn ("once"|"join"|"queued"),
--- 5 ticket seq, 6 new token, 7 owner, 8 sidecar, 9 mode ("x"|"s"),
--- 10 ttl ms, 11 max_hold ms (0: none), 12 lock_delay ms, 13 limit (0: none),
--- 14 heartbeat ms, 15 fifo ("1": grants follow the queue; "0": newcomers
+-- ARGV: 1 kind, 2 turn ("o" once, "j" join, "q" queued), 3 mode ("x"|"s"),
+-- 4 token (the new lease's; a queued claim's was given when it joined),
+-- 5 SPEC "<ttl> <max_hold> <lock_delay> <[owner, sidecar] as JSON>" (see
+-- lean.lua), 6 the lease's span ms (ttl, or max_hold when shorter), 7
+-- lock_delay ms, 8 the owner as the JSON array starts ('["<owner>",'), 9
+-- the sidecar as JSON writes it (no quotes), 10 a queued claim's entry (as
+-- its join wrote it), 11 since ms of a joining claim's entry (the sidecar's
+-- reading of the server clock: it keeps the entry to find it later), 12 heartbeat ms when this join must
+-- write the sidecar's heartbeat ("0": its heartbeat is kept already), 13
+-- limit (0: none), 14 fifo ("1": grants follow the queue; "0": newcomers
 -- still wait behind the queue, but queued claims are not ordered among
--- themselves, as in Redlock, where each node may see joins in another order),
--- 16 most permits a semaphore may have (0: any; Redlock: 1), 17 [owner,
--- sidecar] as JSON, for the short form (acquire_fast.lua).
+-- themselves, as in Redlock, where each node may see joins in another
+-- order), 15 most permits a semaphore may have (0: any; Redlock: 1).
 -- Returns {1, now, token, fence, count, since, expires} when granted,
--- {0, now, holders_json, queue_length, position, retry_at, seq} when busy,
--- {2, now, active_limit} on a limit mismatch, {3, now} when limit is required,
--- {4, now, limit} when the limit is above the most permits allowed,
--- {5, now, key, found} when a key it would write holds something else (see
--- misfit()); nothing is written then.
-local turn, seq, token, owner, sidecar, mode = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local ttl, max_hold, lock_delay, asked, beat =
-  tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
-local fifo = ARGV[15] == "1"
-local most = tonumber(ARGV[16] or "0")
+-- {0, now, holders, queue_length, position, retry_at, seq} when busy
+-- (holders as holder_rows() writes them; now is 0 when the fast path did
+-- not read the clock), {2, now, active_limit} on a limit mismatch, {3, now}
+-- when limit is required, {4, now, limit} when the limit is above the most
+-- permits allowed, {5, now, key, found} when a key it would write holds
+-- something else (see misfit()); nothing is written then.
+local turn, mode, token, spec = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local len, lock_delay, owner_prefix, sidecar = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[9]
+local entry, since, beat, asked = ARGV[10], ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
+local fifo = ARGV[14] == "1"
+local most = tonumber(ARGV[15] or "0")
 clock()
-inflate()
 
 local bad, found = misfit()
 if bad then return {5, NOW, bad, found} end
@@ -42,10 +47,7 @@ if not IS_LOCK then
 end
 
 local function leave_queue()
-  if turn == "queued" then
-    redis.call("ZREM", QUEUE, seq)
-    redis.call("HDEL", WAITERS, seq)
-  end
+  if turn == "q" then redis.call("LREM", QUEUE, 1, entry) end
 end
 
 local function cap(e, m)
@@ -53,50 +55,79 @@ local function cap(e, m)
   return e
 end
 
+local x = IS_LOCK and xlease()
+
+-- Handed over while its sidecar did not hear of it: that grant.
+if x and turn == "q" and x.token == token then
+  return {1, NOW, token, x.f, x.c, x.t0, x.e}
+end
+
 -- Re-entry: the same owner asking again in the mode it holds.
 if IS_LOCK then
-  local h, keys = holders()
-  for _, held in ipairs(keys) do
-    local m = h[held]
-    if m.o == owner and m.m == mode then
-      m.c = m.c + 1
-      m.e = cap(math.max(m.e, NOW + ttl), m)
-      put_holder(held, m)
-      redis.call("ZADD", EXPIRY, m.e, held)
-      if mode == "x" then
-        redis.call("PEXPIRE", MAIN, m.e - NOW)
-      else
+  local function mine(who) return string.sub(who, 1, #owner_prefix) == owner_prefix end
+  if mode == "x" and x and mine(x.who) then
+    x.c = x.c + 1
+    x.e = cap(math.max(x.e, NOW + tonumber(string.match(spec, "^%d+"))), x)
+    xlease_put(x)
+    leave_queue()
+    return {1, NOW, x.token, x.f, x.c, x.t0, x.e}
+  end
+  if mode == "s" then
+    local h, keys = holders()
+    for _, held in ipairs(keys) do
+      local m = h[held]
+      if m.m == "s" and mine(cjson.encode({m.o, m.s})) then
+        m.c = m.c + 1
+        m.e = cap(math.max(m.e, NOW + m.ttl), m)
+        put_holder(held, m)
+        redis.call("ZADD", EXPIRY, m.e, held)
         sync_shared()
+        leave_queue()
+        set_expiries()
+        return {1, NOW, held, m.f, m.c, m.t0, m.e}
       end
-      leave_queue()
-      set_expiries()
-      return {1, NOW, held, m.f, m.c, m.t0, m.e}
     end
   end
 end
 
-local delayed = redis.call("PTTL", DELAY)
+-- Room: nothing in the way but the queue.
 local room
+local delayed = 0
 if not IS_LOCK then
-  room = redis.call("ZCARD", EXPIRY) < limit
-elseif mode == "x" then
-  room = not main_get()
+  delayed = delay_end()
+  room = delayed == 0 and redis.call("ZCARD", EXPIRY) < limit
 else
   local main = main_get()
-  room = (not main) or main == SHARED
+  if mode == "x" then
+    room = not main
+  else
+    room = (not main) or main == SHARED
+    if main == SHARED then delayed = delay_end() end
+    if delayed > 0 then room = false end
+  end
+  if main == DELAYED then delayed = NOW + redis.call("PTTL", MAIN) end
+  local _, x_delay = xlease()
+  if x_delay > 0 then delayed = x_delay end
 end
 
 local position = 0
 local turn_ok
-if turn == "queued" then
-  local rank = redis.call("ZRANK", QUEUE, seq)
+if turn == "q" then
+  local rank = redis.call("LPOS", QUEUE, entry)
   if not rank then
-    -- Pruned while this sidecar could not heartbeat: rejoin at the same place.
-    local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
-    redis.call("ZADD", QUEUE, tonumber(seq), seq)
-    redis.call("HSET", WAITERS, seq, cjson.encode(w))
+    -- Pruned while this sidecar could not heartbeat: rejoin at its place.
+    local seq = tonumber(string.match(entry, "^%d+"))
+    local before = nil
+    for _, e in ipairs(queue()) do
+      if tonumber(e.seq) > seq then before = e.raw break end
+    end
+    if before then
+      redis.call("LINSERT", QUEUE, "BEFORE", before, entry)
+    else
+      redis.call("RPUSH", QUEUE, entry)
+    end
     put_beat(sidecar, NOW + beat)
-    rank = redis.call("ZRANK", QUEUE, seq)
+    rank = redis.call("LPOS", QUEUE, entry)
   end
   position = rank + 1
   if not IS_LOCK then
@@ -106,48 +137,50 @@ if turn == "queued" then
   else
     turn_ok = true
     if rank > 0 then
-      for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, rank - 1)) do
-        local w = cjson.decode(redis.call("HGET", WAITERS, s) or '{"m":"x"}')
-        if w.m ~= "s" then turn_ok = false break end
+      for _, s in ipairs(redis.call("LRANGE", QUEUE, 0, rank - 1)) do
+        local e = entry_of(s)
+        if not e or e.m ~= "s" then turn_ok = false break end
       end
     end
   end
 else
-  turn_ok = redis.call("ZCARD", QUEUE) == 0
+  turn_ok = redis.call("LLEN", QUEUE) == 0
 end
-if not fifo and turn == "queued" then turn_ok = true end
+if not fifo and turn == "q" then turn_ok = true end
 
-if delayed <= 0 and room and turn_ok then
+if room and turn_ok then
   local fence = redis.call("INCR", FENCE)
-  local m = {o = owner, s = sidecar, m = mode, f = fence, c = 1, t0 = NOW,
-             ttl = ttl, cap = 0, dl = lock_delay}
-  if max_hold > 0 then m.cap = NOW + max_hold end
-  m.e = cap(NOW + ttl, m)
-  put_holder(token, m)
-  redis.call("ZADD", EXPIRY, m.e, token)
-  if IS_LOCK then
-    if mode == "x" then
-      main_set(token, m.e - NOW)
-    else
-      sync_shared()
-    end
+  if IS_LOCK and mode == "x" then
+    xlease_put({token = token, f = fence, t0 = NOW, c = 1, spec = spec, e = NOW + len,
+                dl = lock_delay, who = string.match(spec, "^%d+ %d+ %d+ (.*)$")})
+  else
+    local o, s = unpack(cjson.decode(string.match(spec, "^%d+ %d+ %d+ (.*)$")))
+    local ttl, mh = string.match(spec, "^(%d+) (%d+) ")
+    local m = {o = o, s = s, m = mode, f = fence, c = 1, t0 = NOW, ttl = tonumber(ttl), cap = 0,
+               dl = lock_delay, e = NOW + len}
+    if tonumber(mh) > 0 then m.cap = NOW + tonumber(mh) end
+    put_holder(token, m)
+    redis.call("ZADD", EXPIRY, m.e, token)
+    sync_shared()
   end
   leave_queue()
   set_expiries()
-  if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
-  return {1, NOW, token, fence, 1, NOW, m.e}
+  return {1, NOW, token, fence, 1, NOW, NOW + len}
 end
 
 -- Busy: when can the blocking state lapse by itself?
 local retry = 0
 if delayed > 0 then
-  retry = NOW + delayed
+  retry = delayed
 elseif not room then
   local first = redis.call("ZRANGE", EXPIRY, 0, 0, "WITHSCORES")
   if #first > 0 then retry = tonumber(first[2]) end
   if IS_LOCK then
+    local held = xlease()
     local main = main_get()
-    if main and main ~= SHARED and not holders()[main] then
+    if held then
+      retry = held.e
+    elseif main and main ~= SHARED then
       local pttl = redis.call("PTTL", MAIN)
       if pttl > 0 then retry = NOW + pttl else retry = 0 end
     end
@@ -165,14 +198,10 @@ if not turn_ok then
 end
 
 local ticket = 0
-if turn == "join" then
+if turn == "j" then
   ticket = redis.call("INCR", SEQ)
-  local w = {o = owner, s = sidecar, m = mode, t0 = NOW}
-  redis.call("ZADD", QUEUE, ticket, ticket)
-  redis.call("HSET", WAITERS, ticket, cjson.encode(w))
-  put_beat(sidecar, NOW + beat)
-  position = redis.call("ZCARD", QUEUE)
+  position = redis.call("RPUSH", QUEUE, ticket .. " " .. mode .. " " .. token .. " " .. since .. " " .. spec)
+  if beat > 0 then put_beat(sidecar, NOW + beat) end
   set_expiries()
-  if was_idle and INDEX ~= "" then redis.call("ZADD", INDEX, 0, ARGV[3]) end
 end
-return {0, NOW, holders_json(), redis.call("ZCARD", QUEUE), position, retry, ticket}
+return {0, NOW, holder_rows(), redis.call("LLEN", QUEUE), position, retry, ticket}

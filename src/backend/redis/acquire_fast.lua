@@ -1,38 +1,75 @@
--- Runs before the prelude (whose set-up is a good part of a short
--- script's time): the uncontended case, an exclusive lock with no lease,
--- no queue and no lock-delay. Nothing needs pruning and nobody queues, so
--- only the grant itself is written, in short form: the main key and the
--- lease key (see short_lease() in the prelude; no JSON is encoded, which
--- costs more than all the commands here). SET NX fails on a foreign holder
--- of the main key; nothing has been written then, and the full script
--- answers busy. (The holders hash exists only with the expiry set; a stray
--- one, written by hand, goes to the full script too, which checks every
--- key's type.)
--- KEYS and ARGV as in acquire.lua.
+-- The common cases of an exclusive lock, before the prelude: a free lock
+-- nobody waits for is granted (the main key takes the lease, the fence
+-- counter moves: 4 commands inside the script); a claim on a lock another
+-- owner holds joins the queue's tail (3) or, trying once, is told who holds
+-- it (2); a queued claim whose turn came (the lock free, it first in line,
+-- or anywhere in line without FIFO) is granted, and one the lock was handed
+-- to already (its message missed) gets that grant. Everything else — shared
+-- and semaphore claims, re-entry, foreign holders and markers, lock-delay,
+-- the first join of a sidecar (its heartbeat), keys written by hand — goes
+-- on to the full script, with nothing written here.
+-- ARGV as in acquire.lua.
 do
-  local MAIN, HOLDERS, EXPIRY, FENCE, QUEUE, DELAY, LEASE =
-    KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8], KEYS[11]
-  if ARGV[1] == "l" and ARGV[9] == "x" and ARGV[4] ~= "queued"
-      and redis.call("EXISTS", EXPIRY, QUEUE, DELAY, HOLDERS, LEASE) == 0 then
-    local t = redis.call("TIME")
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    local token = ARGV[6]
-    local ttl, max_hold, lock_delay = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-    local e = now + ttl
-    if max_hold > 0 and max_hold < ttl then e = now + max_hold end
-    -- A write below that fails on a key of another type (written by hand)
-    -- is undone with what came before it, and the full script, which checks
-    -- every key first, answers: Redis would keep the earlier writes.
-    if redis.call("SET", MAIN, token, "NX", "PX", e - now) then
-      local fence = redis.pcall("INCR", FENCE)
-      if type(fence) == "number"
-          and (not KEYS[12] or type(redis.pcall("ZADD", KEYS[12], 0, ARGV[3])) == "number") then
-        redis.call("SET", LEASE, token .. " " .. fence .. " " .. t[1] .. " " .. t[2] .. " " ..
-          ARGV[10] .. " " .. ARGV[11] .. " " .. ARGV[12] .. " " .. ARGV[17],
-          "PX", e + lock_delay + 1000 - now)
-        return {1, now, token, fence, 1, now, e}
+  if IS_LOCK and ARGV[3] == "x" then
+    local turn, token, spec = ARGV[2], ARGV[4], ARGV[5]
+    -- The main key takes the new lease.
+    local function grant(fence)
+      clock()
+      local len = tonumber(ARGV[6])
+      redis.call("SET", MAIN, lease_value(token, fence, NOW, NOW + len, 1, spec),
+        "PX", len + tonumber(ARGV[7]))
+      return {1, NOW, token, fence, 1, NOW, NOW + len}
+    end
+    local v = redis.pcall("GET", MAIN)
+    if turn ~= "q" then
+      if v == false then
+        if redis.call("EXISTS", TAG .. "q") == 0 then
+          local fence = redis.pcall("INCR", TAG .. "fence")
+          if type(fence) == "number" then return grant(fence) end
+        end
+      else
+        local l = lease_of(v)
+        if l and string.sub(l.who, 1, #ARGV[8]) ~= ARGV[8] then
+          -- Without the clock: the lease's expiry, and its lock-delay for
+          -- when it has passed (the caller's clock tells).
+          local holder = {l.who, "x", l.f, l.c, l.t0, l.e}
+          if turn == "o" then
+            local n = redis.pcall("LLEN", TAG .. "q")
+            if type(n) == "number" then return {0, 0, {holder}, n, 0, l.e, 0, l.dl} end
+          elseif ARGV[12] == "0" then
+            local seq = redis.pcall("INCR", TAG .. "seq")
+            if type(seq) == "number" then
+              local n = redis.pcall("RPUSH", TAG .. "q",
+                seq .. " x " .. token .. " " .. ARGV[11] .. " " .. spec)
+              if type(n) == "number" then return {0, 0, {holder}, n, n, l.e, seq, l.dl} end
+            end
+          end
+        end
       end
-      redis.call("DEL", MAIN)
+    else
+      local l = lease_of(v)
+      if l and l.token == token then
+        -- Handed over while its sidecar did not hear of it.
+        return {1, 0, token, l.f, l.c, l.t0, l.e}
+      elseif l and string.sub(l.who, 1, #ARGV[8]) ~= ARGV[8] then
+        -- Another owner holds it: still queued (else passed by, and the
+        -- full script queues it again at its place).
+        local at = redis.pcall("LPOS", TAG .. "q", ARGV[10])
+        if type(at) == "number" then
+          return {0, 0, {{l.who, "x", l.f, l.c, l.t0, l.e}}, redis.call("LLEN", TAG .. "q"),
+                  at + 1, l.e, 0, l.dl}
+        end
+      elseif v == false then
+        local Q = TAG .. "q"
+        local entry = ARGV[10]
+        local first = ARGV[14] ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
+        if first then
+          local fence = redis.pcall("INCR", TAG .. "fence")
+          if type(fence) == "number" and redis.pcall("LREM", Q, 1, entry) == 1 then
+            return grant(fence)
+          end
+        end
+      end
     end
   end
 end

@@ -7,12 +7,66 @@ use std::time::Duration;
 use redis::Value;
 
 use crate::backend::{Attempt, Busy, Error, Grant, Loss, State, Status, Ticket};
-use crate::clock::ms;
+use crate::clock::{ms, now_ms};
 use crate::lock::{Claim, LockKey, Token};
 
 use super::HEARTBEAT_TTL;
-use super::node::{Node, Step};
+use super::node::Node;
 use super::scripts::{holders, int, mode_arg, text, waiters};
+
+/// How one attempt takes part in a node's queue.
+#[derive(Debug, Clone, Copy)]
+pub enum NodeTurn<'a> {
+    /// Try once; never queue.
+    Once,
+    /// Try once, else queue with an entry whose since is `since` (the
+    /// node's clock as this sidecar reads it), writing this sidecar's
+    /// heartbeat when `beat` (its first waiter on the key).
+    Join { since: i64, beat: bool },
+    /// Try as the queued claim whose entry (as its join wrote it) is `entry`.
+    Queued { entry: &'a str },
+}
+
+/// What the scripts keep of a claim: its SPEC (`<ttl> <max_hold>
+/// <lock_delay> <[owner, sidecar] as JSON>`, see `lean.lua`) and the start
+/// of that JSON up to the owner, by which re-entry is recognised.
+pub(super) struct Spec {
+    pub(super) spec: String,
+    pub(super) owner: String,
+}
+
+impl Spec {
+    pub(super) fn of(claim: &Claim) -> Self {
+        let owner = serde_json::to_string(&claim.owner).unwrap_or_default();
+        let sidecar = serde_json::to_string(&claim.sidecar).unwrap_or_default();
+        Self {
+            spec: format!(
+                "{} {} {} [{owner},{sidecar}]",
+                ms(claim.ttl),
+                claim.max_hold.map_or(0, ms),
+                ms(claim.lock_delay)
+            ),
+            owner: format!("[{owner},"),
+        }
+    }
+}
+
+/// The queue entry a join wrote (see `lean.lua`).
+pub(super) fn entry(seq: u64, claim: &Claim, token: &Token, since: i64) -> String {
+    format!(
+        "{seq} {} {} {since} {}",
+        mode_arg(claim.mode),
+        token.expose(),
+        Spec::of(claim).spec
+    )
+}
+
+/// A sidecar id as the scripts key heartbeats by it: as JSON writes it,
+/// without the quotes.
+pub(super) fn sidecar_field(sidecar: &str) -> String {
+    let json = serde_json::to_string(sidecar).unwrap_or_default();
+    json[1..json.len().saturating_sub(1).max(1)].to_owned()
+}
 
 impl Node {
     /// One acquire attempt with `token` as the new lease's token; see the
@@ -22,49 +76,59 @@ impl Node {
     pub async fn try_acquire(
         &self,
         claim: &Claim,
-        step: Step,
+        turn: NodeTurn<'_>,
         token: &Token,
         fifo: bool,
         max_permits: u32,
     ) -> Result<Attempt, Error> {
         let mut inv = self.invocation(&self.scripts.acquire, &claim.key);
-        let (turn_arg, seq) = match step {
-            Step::Once => ("once", String::new()),
-            Step::Join => ("join", String::new()),
-            Step::Queued(seq) => ("queued", seq.to_string()),
+        let spec = Spec::of(claim);
+        let span = match claim.max_hold {
+            Some(m) if m < claim.ttl => m,
+            _ => claim.ttl,
+        };
+        let (turn_arg, entry, since, beat) = match turn {
+            NodeTurn::Once => ("o", "", 0, false),
+            NodeTurn::Join { since, beat } => ("j", "", since, beat),
+            NodeTurn::Queued { entry } => ("q", entry, 0, true),
         };
         inv.arg(turn_arg)
-            .arg(seq)
-            .arg(token.expose())
-            .arg(&claim.owner)
-            .arg(&claim.sidecar)
             .arg(mode_arg(claim.mode))
-            .arg(ms(claim.ttl))
-            .arg(claim.max_hold.map_or(0, ms))
+            .arg(token.expose())
+            .arg(&spec.spec)
+            .arg(ms(span))
             .arg(ms(claim.lock_delay))
+            .arg(&spec.owner)
+            .arg(&self.sidecar)
+            .arg(entry)
+            .arg(since)
+            .arg(if beat { ms(HEARTBEAT_TTL) } else { 0 })
             .arg(claim.limit.unwrap_or(0))
-            .arg(ms(HEARTBEAT_TTL))
             .arg(if fifo { "1" } else { "0" })
-            .arg(max_permits)
-            // The short form's owner and sidecar (acquire_fast.lua), encoded
-            // here: JSON costs a script more than its commands.
-            .arg(serde_json::to_string(&(&claim.owner, &claim.sidecar)).unwrap_or_default());
+            .arg(max_permits);
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
         let clock = self.clock(&reply, 1);
-        let attempt = match int(&reply, 0) {
-            1 => Attempt::Granted(Grant {
+        match int(&reply, 0) {
+            1 => Ok(Attempt::Granted(Grant {
                 token: Token::from_client(text(&reply, 2)),
                 fence: int(&reply, 3) as u64,
                 count: int(&reply, 4) as u32,
                 since_ms: clock.local(int(&reply, 5)),
                 expires_at_ms: clock.local(int(&reply, 6)),
-            }),
+            })),
             0 => {
                 let seq = int(&reply, 6);
                 let position = int(&reply, 4);
-                let retry = int(&reply, 5);
-                Attempt::Busy(Busy {
-                    holders: holders(&text(&reply, 2), claim.key.kind, &clock),
+                let mut retry = int(&reply, 5);
+                let mut holders = holders(reply.get(2), claim.key.kind, &clock);
+                // A short path's answer, which did not read the clock: the
+                // blocking lease, and its lock-delay for when it has expired.
+                if reply.len() > 7 && clock.local(retry) <= now_ms() {
+                    holders.clear();
+                    retry += int(&reply, 7);
+                }
+                Ok(Attempt::Busy(Busy {
+                    holders,
                     queue_length: int(&reply, 3) as usize,
                     position: (position > 0).then_some(position as usize),
                     retry_at_ms: (retry > 0).then(|| clock.local(retry)),
@@ -72,40 +136,33 @@ impl Node {
                         key: claim.key.clone(),
                         seq: seq as u64,
                     }),
-                })
+                }))
             }
-            2 => {
-                return Err(Error::LimitMismatch {
-                    active: int(&reply, 2) as u32,
-                });
-            }
-            5 => {
-                return Err(Error::KeyConflict {
-                    key: text(&reply, 2),
-                    found: text(&reply, 3),
-                });
-            }
-            4 => {
-                return Err(Error::Unsupported(format!(
-                    "this semaphore is in use with limit {}, above the {max_permits} this backend allows",
-                    int(&reply, 2)
-                )));
-            }
-            _ => return Err(Error::LimitRequired),
-        };
-        let fresh = matches!(&attempt, Attempt::Granted(g) if g.count == 1)
-            || matches!(&attempt, Attempt::Busy(b) if b.ticket.is_some());
-        if fresh {
-            self.index(&claim.key).await;
+            2 => Err(Error::LimitMismatch {
+                active: int(&reply, 2) as u32,
+            }),
+            5 => Err(Error::KeyConflict {
+                key: text(&reply, 2),
+                found: text(&reply, 3),
+            }),
+            4 => Err(Error::Unsupported(format!(
+                "this semaphore is in use with limit {}, above the {max_permits} this backend allows",
+                int(&reply, 2)
+            ))),
+            _ => Err(Error::LimitRequired),
         }
-        Ok(attempt)
     }
 
-    /// Leaves the queue.
-    pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
+    /// Leaves the queue: removes `entry`, or releases `token`'s lease when
+    /// the lock was handed to it meanwhile. Whether the lease was released.
+    pub async fn dequeue(&self, key: &LockKey, entry: &str, token: &Token) -> Result<bool, Error> {
         let mut inv = self.invocation(&self.scripts.dequeue, key);
-        inv.arg(seq);
-        self.run::<i64>("dequeue", inv).await.map(|_| ())
+        inv.arg(entry)
+            .arg(token.expose())
+            .arg(self.handoff_arg())
+            .arg(&self.sidecar)
+            .arg(&self.stem);
+        self.run::<i64>("dequeue", inv).await.map(|n| n == 2)
     }
 
     /// Renews; `Some(local expiry)` or `None` when the token holds nothing.
@@ -126,7 +183,10 @@ impl Node {
     /// Releases one hold.
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
         let mut inv = self.invocation(&self.scripts.release, key);
-        inv.arg(token.expose());
+        inv.arg(token.expose())
+            .arg(self.handoff_arg())
+            .arg(&self.sidecar)
+            .arg(&self.stem);
         let reply: Vec<Value> = self.run("release", inv).await?;
         let n = int(&reply, 1);
         Ok((n >= 0).then_some(n as u32))
@@ -163,8 +223,8 @@ impl Node {
         Ok(State {
             fence: int(&reply, 1) as u64,
             limit: (limit > 0).then_some(limit as u32),
-            holders: holders(&text(&reply, 3), key.kind, &clock),
-            waiters: waiters(&text(&reply, 4), key.kind, &clock),
+            holders: holders(reply.get(3), key.kind, &clock),
+            waiters: waiters(reply.get(4), key.kind, &clock),
         })
     }
 
@@ -175,22 +235,21 @@ impl Node {
         Ok(tokens.into_iter().map(Token::from_client).collect())
     }
 
-    /// Keeps this sidecar's waiters on one key alive.
-    pub(super) async fn heartbeat(&self, key: &LockKey, sidecar: &str) -> Result<(), Error> {
+    /// Keeps this sidecar's waiters on one key alive (and passes a lock
+    /// found free while claims wait on to the first of them).
+    pub(super) async fn heartbeat(&self, key: &LockKey) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.heartbeat, key);
-        inv.arg(ms(HEARTBEAT_TTL)).arg(sidecar);
+        inv.arg(ms(HEARTBEAT_TTL))
+            .arg(&self.sidecar)
+            .arg(self.handoff_arg())
+            .arg(&self.stem);
         self.run::<i64>("heartbeat", inv).await.map(|_| ())
     }
 
-    /// Drops `sidecar`'s queued tickets on `key` other than `live`.
-    pub(super) async fn reconcile(
-        &self,
-        key: &LockKey,
-        sidecar: &str,
-        live: &[u64],
-    ) -> Result<(), Error> {
+    /// Drops this sidecar's queued tickets on `key` other than `live`.
+    pub(super) async fn reconcile(&self, key: &LockKey, live: &[u64]) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.reconcile, key);
-        inv.arg(sidecar);
+        inv.arg(&self.sidecar);
         for seq in live {
             inv.arg(*seq);
         }
@@ -225,5 +284,17 @@ impl Node {
         })
         .await
         .map(|_| ())
+    }
+
+    /// How a release passes the lock on (`hand_over()` in `lean.lua`): it
+    /// hands it over, counting the new holder's sidecar's listeners to see
+    /// that it lives, except in a Cluster, whose PUBLISH counts only the
+    /// node's own; or it wakes the next claim (Redlock).
+    fn handoff_arg(&self) -> &'static str {
+        match (self.handoff, &self.target) {
+            (false, _) => "0",
+            (true, super::node::Target::Cluster { .. }) => "2",
+            (true, _) => "1",
+        }
     }
 }

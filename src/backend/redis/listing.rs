@@ -1,8 +1,8 @@
-//! Listing a node's keys: the index of held and contended keys (and the
-//! index older versions kept), `/v1/stale` from the scripts and from SCAN
-//! for keys without expiry on every Cluster master.
+//! Listing a node's keys in use — found by SCAN on every server (every
+//! Cluster master), kept a moment for the listings that follow — and
+//! `/v1/stale` from the scripts and from SCAN for keys without expiry.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::Value;
 
@@ -14,128 +14,149 @@ use crate::lock::{Kind, LockKey};
 /// never (ten thousand years), as a leader leads for as long as it lives.
 const LEADS_FOREVER_MS: u64 = 10_000 * 365 * 24 * 3_600_000;
 
+/// How long one scan's keys serve the pages after a listing's first: a
+/// listing paged through reads the keyspace once, not once a page. A first
+/// page always scans, so it shows every key in use at the time.
+const LISTED_FOR: Duration = Duration::from_secs(2);
+
 use super::node::{Conn, Node, Target, config, scan, unavailable};
 use super::scripts::{glob_escape, int, reason_of, text};
 
+/// The keys in use as one scan found them, sorted as listings page them.
+pub(super) struct Listed {
+    at: Instant,
+    keys: Vec<LockKey>,
+}
+
 impl Node {
-    /// Keys in the index after `after`, in order, `chunk` at a time.
-    pub(super) async fn indexed(
-        &self,
-        after: Option<&str>,
-        chunk: usize,
-    ) -> Result<Vec<String>, Error> {
-        let index = &self.index;
-        let min = after.map_or_else(|| "-".to_owned(), |a| format!("({a}"));
-        self.with_conn("list", async |c| {
-            redis::cmd("ZRANGEBYLEX")
-                .arg(index)
-                .arg(&min)
-                .arg("+")
-                .arg("LIMIT")
-                .arg(0)
-                .arg(chunk)
-                .query_async::<Vec<String>>(c)
-                .await
-        })
-        .await
-    }
-
-    pub(super) async fn unindex(&self, member: &str) {
-        let index = &self.index;
-        let _ = self
-            .with_conn("list", async |c| {
-                redis::cmd("ZREM")
-                    .arg(index)
-                    .arg(member)
-                    .query_async::<i64>(c)
-                    .await
-            })
-            .await;
-    }
-
-    /// Moves the entries of the index that earlier versions kept at
-    /// `<prefix>index` into the index, so a rolling upgrade loses no
-    /// listing: entries older sidecars add there are taken over by the next
-    /// listing, and the key goes once they stop (then the lock named `index`
-    /// can be used; until then it is a foreign holder). Entries that are no
-    /// key are dropped, as the listing drops them from the index.
-    pub(super) async fn adopt_legacy_index(&self) -> Result<(), Error> {
-        let (old, new) = (&self.legacy_index, &self.index);
-        self.with_conn("list", async |c| {
-            let found: String = redis::cmd("TYPE").arg(old).query_async(c).await?;
-            if found != "zset" {
-                return Ok(());
-            }
-            let members: Vec<String> = redis::cmd("ZRANGE")
-                .arg(old)
-                .arg(0)
-                .arg(-1)
-                .query_async(c)
-                .await?;
-            let keys: Vec<&String> = members
-                .iter()
-                .filter(|m| LockKey::parse(m).is_some())
-                .collect();
-            if !keys.is_empty() {
-                let mut add = redis::cmd("ZADD");
-                add.arg(new).arg("NX");
-                for k in &keys {
-                    add.arg(0).arg(k.as_str());
+    /// The lock a key of this prefix belongs to: a main key
+    /// `<prefix>[semaphores/|elections/]<name>`, or a side key that only a
+    /// lock in use has (`{<main key>}:q`, `:holders`, `:expiry`).
+    pub(super) fn lock_of(&self, key: &str) -> Option<LockKey> {
+        let main = match key.strip_prefix('{') {
+            Some(side) => {
+                let (main, suffix) = side.rsplit_once("}:")?;
+                if !matches!(suffix, "q" | "holders" | "expiry") {
+                    return None;
                 }
-                add.query_async::<i64>(c).await?;
+                main
             }
-            if !members.is_empty() {
-                redis::cmd("ZREM")
-                    .arg(old)
-                    .arg(&members)
-                    .query_async::<i64>(c)
-                    .await?;
-            }
-            Ok(())
-        })
-        .await
+            None => key,
+        };
+        let path = main.strip_prefix(self.prefix.as_str())?;
+        if path.starts_with("semaphores/") || path.starts_with("elections/") {
+            LockKey::parse(path)
+        } else {
+            LockKey::parse(&format!("locks/{path}"))
+        }
     }
 
-    /// Held or contended keys, from the index.
+    /// Every lock, semaphore and election with a key in use, sorted by
+    /// their `Display` form (listings' cursors): from a scan now when
+    /// `fresh`, else from one at most [`LISTED_FOR`] old.
+    pub(super) async fn keys_in_use(&self, fresh: bool) -> Result<Vec<LockKey>, Error> {
+        if !fresh
+            && let Some(listed) = super::members::lock(&self.listed).as_ref()
+            && listed.at.elapsed() < LISTED_FOR
+        {
+            return Ok(listed.keys.clone());
+        }
+        self.drop_old_indexes().await?;
+        let prefix = glob_escape(&self.prefix);
+        let mut keys = Vec::new();
+        for mut c in self.scan_connections("list").await? {
+            for pattern in [format!("{prefix}*"), format!("{{{prefix}*}}:*")] {
+                let mut cursor: u64 = 0;
+                loop {
+                    let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut c)
+                        .await
+                        .map_err(|e| unavailable("list", e))?;
+                    keys.extend(found.iter().filter_map(|k| self.lock_of(k)));
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+            }
+        }
+        keys.sort_by_cached_key(ToString::to_string);
+        keys.dedup();
+        *super::members::lock(&self.listed) = Some(Listed {
+            at: Instant::now(),
+            keys: keys.clone(),
+        });
+        Ok(keys)
+    }
+
+    /// Deletes the indexes of keys in use that older versions kept: at
+    /// `<prefix>index` (the main key of the lock named `index`, which they
+    /// made a foreign holder of it) and at `<prefix>/index`. Listings scan
+    /// for the keys now; a sorted set there whose members are lock keys is
+    /// such an index.
+    async fn drop_old_indexes(&self) -> Result<(), Error> {
+        for index in [
+            format!("{}index", self.prefix),
+            format!("{}/index", self.prefix),
+        ] {
+            self.with_conn("list", async |c| {
+                let found: String = redis::cmd("TYPE").arg(&index).query_async(c).await?;
+                if found != "zset" {
+                    return Ok(());
+                }
+                let members: Vec<String> = redis::cmd("ZRANGE")
+                    .arg(&index)
+                    .arg(0)
+                    .arg(9)
+                    .query_async(c)
+                    .await?;
+                if members.iter().all(|m| LockKey::parse(m).is_some()) {
+                    redis::cmd("DEL").arg(&index).query_async::<i64>(c).await?;
+                }
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Held or contended keys whose name starts with `prefix`, after `after`.
     pub async fn list(
         &self,
         prefix: &str,
         after: Option<&LockKey>,
         limit: usize,
     ) -> Result<Vec<Summary>, Error> {
-        self.adopt_legacy_index().await?;
+        let keys = self.keys_in_use(after.is_none()).await?;
+        let after = after.map(ToString::to_string);
         let mut rows = Vec::new();
-        let mut cursor = after.map(ToString::to_string);
-        loop {
-            let chunk = self.indexed(cursor.as_deref(), 200).await?;
-            let Some(last) = chunk.last() else { break };
-            cursor = Some(last.clone());
-            for member in &chunk {
-                let Some(key) = LockKey::parse(member) else {
-                    self.unindex(member).await;
-                    continue;
-                };
-                if !key.name.as_str().starts_with(prefix) {
-                    continue;
-                }
-                let state = match self.inspect(&key).await {
-                    // Unreadable until an operator removes the key; `/v1/stale` names it.
-                    Err(Error::KeyConflict { .. }) => continue,
-                    other => other?,
-                };
-                if state.holders.is_empty() && state.waiters.is_empty() {
-                    self.unindex(member).await;
-                    continue;
-                }
-                rows.push(Summary {
-                    key,
-                    holders: state.holders.len(),
-                    waiters: state.waiters.len(),
-                    fence: state.fence,
-                });
-                if rows.len() >= limit {
-                    return Ok(rows);
-                }
+        for key in keys {
+            if !key.name.as_str().starts_with(prefix)
+                || after.as_ref().is_some_and(|a| key.to_string() <= *a)
+            {
+                continue;
+            }
+            let state = match self.inspect(&key).await {
+                // Unreadable until an operator removes the key; `/v1/stale` names it.
+                Err(Error::KeyConflict { .. }) => continue,
+                other => other?,
+            };
+            if state.holders.is_empty() && state.waiters.is_empty() {
+                continue;
+            }
+            rows.push(Summary {
+                key,
+                holders: state.holders.len(),
+                waiters: state.waiters.len(),
+                fence: state.fence,
+            });
+            if rows.len() >= limit {
+                break;
             }
         }
         Ok(rows)
@@ -149,33 +170,24 @@ impl Node {
         stale_after: Duration,
         legacy: Option<&str>,
     ) -> Result<Vec<StaleKey>, Error> {
-        self.adopt_legacy_index().await?;
         let mut out = Vec::new();
-        let mut cursor: Option<String> = None;
-        loop {
-            let chunk = self.indexed(cursor.as_deref(), 200).await?;
-            let Some(last) = chunk.last() else { break };
-            cursor = Some(last.clone());
-            for member in &chunk {
-                let Some(key) = LockKey::parse(member) else {
-                    continue;
-                };
-                let mut inv = self.invocation(&self.scripts.stale, &key);
-                // A leader leads for as long as its campaign lives.
-                inv.arg(if key.kind == Kind::Election {
-                    LEADS_FOREVER_MS
-                } else {
-                    ms(stale_after)
+        for key in self.keys_in_use(true).await? {
+            let mut inv = self.invocation(&self.scripts.stale, &key);
+            // A leader leads for as long as its campaign lives.
+            inv.arg(if key.kind == Kind::Election {
+                LEADS_FOREVER_MS
+            } else {
+                ms(stale_after)
+            })
+            .arg(key.to_string());
+            let found: Vec<Vec<Value>> = self.run("stale", inv).await?;
+            for entry in found {
+                out.push(StaleKey {
+                    key: text(&entry, 0),
+                    reason: reason_of(&text(&entry, 1)),
+                    age_ms: int(&entry, 2).max(0) as u64,
+                    detail: text(&entry, 3),
                 });
-                let found: Vec<Vec<Value>> = self.run("stale", inv).await?;
-                for entry in found {
-                    out.push(StaleKey {
-                        key: text(&entry, 0),
-                        reason: reason_of(&text(&entry, 1)),
-                        age_ms: int(&entry, 2).max(0) as u64,
-                        detail: text(&entry, 3),
-                    });
-                }
             }
         }
         {
@@ -202,12 +214,12 @@ impl Node {
 
     /// Connections that together see every key: the server, or each Cluster
     /// master (from `CLUSTER NODES`), for SCAN.
-    pub(super) async fn scan_connections(&self) -> Result<Vec<Conn>, Error> {
+    pub(super) async fn scan_connections(&self, op: &'static str) -> Result<Vec<Conn>, Error> {
         let Target::Cluster { seeds, .. } = &self.target else {
-            return self.with_conn("stale", async |c| Ok(vec![c.clone()])).await;
+            return self.with_conn(op, async |c| Ok(vec![c.clone()])).await;
         };
         let nodes: String = self
-            .with_conn("stale", async |c| {
+            .with_conn(op, async |c| {
                 redis::cmd("CLUSTER").arg("NODES").query_async(c).await
             })
             .await?;
@@ -234,7 +246,7 @@ impl Node {
                     .await
             }
             .await
-            .map_err(|e| unavailable("stale", e))?;
+            .map_err(|e| unavailable(op, e))?;
             conns.push(Conn::Plain(conn));
         }
         Ok(conns)
@@ -242,7 +254,7 @@ impl Node {
 
     pub(super) async fn scan_without_expiry(&self, pattern: &str) -> Result<Vec<String>, Error> {
         let mut found = Vec::new();
-        for mut c in self.scan_connections().await? {
+        for mut c in self.scan_connections("stale").await? {
             found.extend(
                 scan(&mut c, pattern)
                     .await

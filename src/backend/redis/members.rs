@@ -2,7 +2,7 @@
 //! it, kept alive by one heartbeat task, and the keys to reconcile after
 //! failed calls.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
@@ -13,11 +13,21 @@ use crate::lock::{Claim, LockKey, Token};
 use crate::wakeups::Wakeups;
 
 use super::HEARTBEAT_EVERY;
+use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
 use super::pubsub::{Sub, Watchers, pubsub};
 
+/// One of this sidecar's queue entries on a node: the token it queued with
+/// (the lease's, when the lock is handed to it) and the entry as its join
+/// wrote it, by which the scripts find it.
+#[derive(Clone)]
+pub(super) struct Queued {
+    pub(super) token: Token,
+    pub(super) entry: String,
+}
+
 /// This sidecar's queued tickets per key, by the node's ticket numbers.
-pub(super) type Tickets = HashMap<LockKey, BTreeSet<u64>>;
+pub(super) type Tickets = HashMap<LockKey, BTreeMap<u64, Queued>>;
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -28,12 +38,11 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// and its pub/sub task.
 pub struct Member {
     pub node: Arc<Node>,
-    pub(super) tickets: Mutex<Tickets>,
+    pub(super) tickets: Arc<Mutex<Tickets>>,
     /// Keys where a call failed, so the node may hold tickets of this
     /// sidecar that it no longer waits on; reconciled on the next heartbeat
     /// tick or acquire of the key.
     pub(super) suspect: Mutex<HashSet<LockKey>>,
-    pub(super) sidecar: String,
     pub(super) subs: mpsc::UnboundedSender<Sub>,
 }
 
@@ -53,7 +62,6 @@ impl Member {
     /// Starts the member's heartbeat and pub/sub tasks.
     pub fn start(
         node: Node,
-        sidecar: &str,
         watchers: &Watchers,
         wakeups: &Wakeups,
         stop: &CancellationToken,
@@ -62,13 +70,13 @@ impl Member {
         let (subs, rx) = mpsc::unbounded_channel();
         let member = Arc::new(Self {
             node: Arc::new(node),
-            tickets: Mutex::new(HashMap::new()),
+            tickets: Arc::new(Mutex::new(HashMap::new())),
             suspect: Mutex::new(HashSet::new()),
-            sidecar: sidecar.to_owned(),
             subs,
         });
         tokio::spawn(pubsub(
             member.node.clone(),
+            member.tickets.clone(),
             rx,
             watchers.clone(),
             wakeups.clone(),
@@ -87,16 +95,12 @@ impl Member {
         result
     }
 
-    pub(super) fn track(&self, key: &LockKey, seq: u64, queued: bool) {
-        let mut tickets = lock(&self.tickets);
-        if queued {
-            tickets.entry(key.clone()).or_default().insert(seq);
-        } else if let Some(set) = tickets.get_mut(key) {
-            set.remove(&seq);
-            if set.is_empty() {
-                tickets.remove(key);
-            }
-        }
+    pub(super) fn track(&self, key: &LockKey, seq: u64, queued: Option<Queued>) {
+        track(&self.tickets, key, seq, queued);
+    }
+
+    fn queued(&self, key: &LockKey, seq: u64) -> Option<Queued> {
+        lock(&self.tickets).get(key)?.get(&seq).cloned()
     }
 
     /// Reconciles one suspect key; it stays suspect if the node is still away.
@@ -106,19 +110,16 @@ impl Member {
         }
         let live: Vec<u64> = lock(&self.tickets)
             .get(key)
-            .map(|seqs| seqs.iter().copied().collect())
+            .map(|seqs| seqs.keys().copied().collect())
             .unwrap_or_default();
-        if self
-            .node
-            .reconcile(key, &self.sidecar, &live)
-            .await
-            .is_err()
-        {
+        if self.node.reconcile(key, &live).await.is_err() {
             lock(&self.suspect).insert(key.clone());
         }
     }
 
-    /// An acquire attempt that keeps the ticket bookkeeping.
+    /// An acquire attempt that keeps the ticket bookkeeping. A queued
+    /// attempt on a node that hands locks over asks for the lease its entry
+    /// was queued with (`token` is the new lease's otherwise).
     pub async fn try_acquire(
         &self,
         claim: &Claim,
@@ -130,9 +131,37 @@ impl Member {
         if lock(&self.suspect).contains(&claim.key) {
             self.reconcile(&claim.key).await;
         }
+        let since = self.node.server_now();
+        let queued = match step {
+            // A node that wakes the next claim instead of handing it the lock
+            // (Redlock's) may have granted this ticket in an attempt that did
+            // not win: queued again at its place, as a new entry.
+            Step::Queued(seq) if !self.node.handoff => {
+                Some(self.queued(&claim.key, seq).unwrap_or_else(|| Queued {
+                    token: token.clone(),
+                    entry: entry(seq, claim, token, since),
+                }))
+            }
+            Step::Queued(seq) => self.queued(&claim.key, seq),
+            _ => None,
+        };
+        let (turn, token) = match (step, &queued) {
+            (Step::Once, _) => (NodeTurn::Once, token),
+            (Step::Join, _) => {
+                let beat = !lock(&self.tickets).contains_key(&claim.key);
+                (NodeTurn::Join { since, beat }, token)
+            }
+            (Step::Queued(_), Some(q)) if self.node.handoff => {
+                (NodeTurn::Queued { entry: &q.entry }, &q.token)
+            }
+            (Step::Queued(_), Some(q)) => (NodeTurn::Queued { entry: &q.entry }, token),
+            // Handed over just now: the lease waits in the waiter's place,
+            // which its wake-up makes it look at next.
+            (Step::Queued(_), None) => return Ok(Attempt::Busy(Busy::default())),
+        };
         let result = self
             .node
-            .try_acquire(claim, step, token, fifo, max_permits)
+            .try_acquire(claim, turn, token, fifo, max_permits)
             .await;
         let attempt = self.check(&claim.key, result)?;
         match (&attempt, step) {
@@ -141,18 +170,48 @@ impl Member {
                     ticket: Some(t), ..
                 }),
                 _,
-            ) => self.track(&claim.key, t.seq, true),
-            (Attempt::Granted(_), Step::Queued(seq)) => self.track(&claim.key, seq, false),
+            ) => self.track(
+                &claim.key,
+                t.seq,
+                Some(Queued {
+                    token: token.clone(),
+                    entry: entry(t.seq, claim, token, since),
+                }),
+            ),
+            (Attempt::Granted(_), Step::Queued(seq)) => self.track(&claim.key, seq, None),
+            (Attempt::Busy(_), Step::Queued(seq)) => self.track(&claim.key, seq, queued),
             _ => {}
         }
         Ok(attempt)
     }
 
-    /// Leaves the queue; a failure is reconciled later.
+    /// Leaves the queue (releasing the lease the lock was handed to meanwhile,
+    /// if it was); a failure is reconciled later.
     pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
-        self.track(key, seq, false);
-        let result = self.node.dequeue(key, seq).await;
-        self.check(key, result)
+        let Some(q) = self.queued(key, seq) else {
+            return Ok(());
+        };
+        self.track(key, seq, None);
+        let result = self.node.dequeue(key, &q.entry, &q.token).await;
+        self.check(key, result).map(|_| ())
+    }
+}
+
+/// Adds (`Some`) or removes this sidecar's ticket `seq` on `key`.
+pub(super) fn track(tickets: &Mutex<Tickets>, key: &LockKey, seq: u64, queued: Option<Queued>) {
+    let mut tickets = lock(tickets);
+    match queued {
+        Some(q) => {
+            tickets.entry(key.clone()).or_default().insert(seq, q);
+        }
+        None => {
+            if let Some(seqs) = tickets.get_mut(key) {
+                seqs.remove(&seq);
+                if seqs.is_empty() {
+                    tickets.remove(key);
+                }
+            }
+        }
     }
 }
 
@@ -176,7 +235,7 @@ pub(super) async fn heartbeats(member: std::sync::Weak<Member>, stop: Cancellati
         }
         let keys: Vec<LockKey> = lock(&member.tickets).keys().cloned().collect();
         for key in keys {
-            if let Err(e) = member.node.heartbeat(&key, &member.sidecar).await {
+            if let Err(e) = member.node.heartbeat(&key).await {
                 tracing::debug!(lock = %key, error = %e, "heartbeat failed");
             }
         }

@@ -1,33 +1,48 @@
 //! `redis://`, `rediss://`, `redis+sentinel://`, `redis+cluster://`: leases in Redis.
 //!
-//! Every operation is one Lua script (`redis/*.lua`, sharing `prelude.lua`;
-//! the uncontended acquire and release return before it, from `*_fast.lua`),
-//! atomic on the node that owns the lock's slot. An exclusive lock is the
-//! plain string key `<prefix><name>` holding the token with a PX expiry —
-//! the classic `SET key token NX PX ttl` protocol — so hand-written clients
-//! using that protocol and sidelock exclude each other. Holder metadata,
-//! expiries, the fence counter and the queue live in side keys tagged
-//! `{<prefix><name>}` so a Cluster keeps them in the main key's slot. No
-//! name reaches a key sidelock keeps for itself (see [`Node::base`]); a main
-//! key of another type than a string, written by hand, is a foreign holder,
-//! and the acquire script checks every other key's type before its first
-//! write, so a key written by hand never leaves half a grant behind.
+//! Every operation is one Lua script (`redis/*.lua`), atomic on the node that
+//! owns the lock's slot, given one key: the lock's main key. Each script runs
+//! `lean.lua` and its fast path first, which serve the common cases with a
+//! few commands, and only then the prelude's full bookkeeping. An exclusive
+//! lease lives in the main key alone, `<prefix><name>`: its token first, then
+//! its fence, since, hold count, ttl, max_hold, lock_delay, owner and sidecar,
+//! with a PX expiry running to the lease's end plus its lock-delay — so
+//! hand-written clients of the classic `SET key token NX PX ttl` protocol
+//! and sidelock exclude each other. The fence and ticket counters, the queue
+//! (a list of entries in queue order), the waiters' heartbeats and the
+//! holders of shared locks and semaphores live in side keys tagged
+//! `{<prefix><name>}`, which the scripts derive from the main key and a
+//! Cluster keeps in its slot. No name reaches another name's keys (see
+//! [`Node::base`]); a main key of another type or content, written by hand,
+//! is a foreign holder, and the scripts check every side key's type before
+//! the full path's first write, so a key written by hand never leaves half a
+//! grant behind.
 //!
-//! Waiting never polls: scripts `PUBLISH` on the lock's channel whenever a
-//! waiter may get in, each sidecar subscribes once per contended lock on one
-//! pub/sub connection and wakes its local queue head (only the named one,
-//! when a release names the next ticket: `h<seq>`), and waiters keep a
-//! timer at the blocking lease's expiry for holders that die. Queued tickets
-//! carry a heartbeat, refreshed for all of a sidecar's tickets on a lock by
-//! one script call every [`HEARTBEAT_EVERY`]; tickets of a dead sidecar lapse
-//! and are pruned by the next script that touches the lock.
+//! Waiting never polls. A release hands an exclusive lock straight to the
+//! next claim in line — the main key takes its lease in the release's own
+//! step — and tells that claim's sidecar on its own channel
+//! (`<prefix>/sidecars/<sidecar>`), which every sidecar subscribes to at
+//! start; claims of sidecars that stopped heartbeating, or that nobody
+//! listens for any more (a killed sidecar), are passed by. Anything else
+//! that may let a waiter in (a shared or semaphore release, an expiry
+//! noticed, a force-release, a ticket leaving the head) is `PUBLISH`ed on
+//! the lock's channel, `{<prefix><name>}:wake`, which each sidecar subscribes
+//! once per contended lock, waking its local queue head (only the named one,
+//! when the message names the next ticket: `h<seq>`). Waiters keep a timer
+//! at the blocking lease's expiry for holders that die. Queued tickets carry
+//! a heartbeat, refreshed for all of a sidecar's tickets on a lock by one
+//! script call every [`HEARTBEAT_EVERY`], which also passes on a lock found
+//! free while claims wait; tickets of a dead sidecar lapse and are pruned by
+//! the next script that touches the lock. Redlock's nodes run the same
+//! scripts, but their releases wake the next claim instead of handing it the
+//! lock, as each node orders its queue its own way.
 //!
 //! # Layout
 //!
 //! * [`node`]: one logical Redis with sidelock's key layout (shared with Redlock).
 //! * [`scripts`]: the Lua scripts, their calls and reply decoding.
 //! * [`leases`]: a node's lease operations.
-//! * [`listing`]: the key index and `/v1/stale`.
+//! * [`listing`]: the keys in use (by SCAN) and `/v1/stale`.
 //! * [`members`]: a node as a backend uses it, with its heartbeats.
 //! * [`pubsub`]: wake-ups over pub/sub.
 
@@ -77,17 +92,10 @@ impl Redis {
     /// # Errors
     /// A sentence naming what is wrong with the URL or options.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let node = Node::open(url, &options.redis_prefix)?;
+        let node = Node::open(url, &options.redis_prefix, &options.sidecar, true)?;
         let watchers = Watchers::default();
         let stop = CancellationToken::new();
-        let member = Member::start(
-            node,
-            &options.sidecar,
-            &watchers,
-            &wakeups,
-            &stop,
-            Numbering::Shared,
-        );
+        let member = Member::start(node, &watchers, &wakeups, &stop, Numbering::Shared);
         Ok(Self {
             member,
             legacy_pattern: options.legacy_pattern.clone(),
@@ -200,11 +208,11 @@ mod tests {
     }
 
     #[test]
-    fn no_name_reaches_another_names_key_or_an_internal_key() {
+    fn no_name_reaches_another_names_key_or_channel() {
         for prefix in ["sidelock:", "", "lock:"] {
-            let node = Node::open("redis://127.0.0.1:1", prefix).expect("node");
-            let internal = [node.index.clone()];
+            let node = Node::open("redis://127.0.0.1:1", prefix, "s", true).expect("node");
             let mut owner: HashMap<String, LockKey> = HashMap::new();
+            let mut channels: HashMap<String, LockKey> = HashMap::new();
             let names = [
                 "index",
                 "INDEX",
@@ -230,12 +238,14 @@ mod tests {
                         name: Name::parse(name).expect("valid name"),
                     };
                     for k in keys_of(&node, &key) {
-                        assert!(!internal.contains(&k), "{key} uses {k}");
                         if let Some(other) = owner.insert(k.clone(), key.clone()) {
                             panic!("{key} and {other} share {k}");
                         }
                     }
-                    assert_ne!(node.channel(&key), node.index);
+                    let channel = node.channel(&key);
+                    if let Some(other) = channels.insert(channel.clone(), key.clone()) {
+                        panic!("{key} and {other} share the channel {channel}");
+                    }
                 }
             }
         }

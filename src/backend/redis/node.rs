@@ -18,7 +18,7 @@ use crate::lock::{Kind, LockKey};
 
 use super::CALL_TIMEOUT;
 use super::members::lock;
-use super::scripts::{Call, SIDE_KEYS, Scripts};
+use super::scripts::{Call, Scripts};
 
 /// How to reach the Redis deployment.
 pub(super) enum Target {
@@ -89,22 +89,27 @@ pub struct Node {
     pub(super) skew: std::sync::atomic::AtomicI64,
     /// Where this node's URL is shown (without password).
     pub url: String,
-    /// The index key, `<prefix>/index`: no lock or semaphore key has a `/`
-    /// right after the prefix.
-    pub(super) index: String,
-    /// Where earlier versions kept the index: `<prefix>index`, the key
-    /// of the lock named `index` now. Its entries are moved to [`Node::index`]
-    /// by the next listing (see [`Node::adopt_legacy_index`]).
-    pub(super) legacy_index: String,
+    /// The keys in use, as the last listing found them (see [`super::listing`]).
+    pub(super) listed: Mutex<Option<super::listing::Listed>>,
+    /// This sidecar as the scripts key its heartbeats (JSON without quotes).
+    pub(super) sidecar: String,
+    /// The stem of sidecars' own channels, `<prefix>/sidecars/`: a release
+    /// that hands a lock over tells the new holder's sidecar there.
+    pub(super) stem: String,
+    /// Whether a release passes the lock straight to the next claim in line
+    /// (one Redis), or wakes it to try (Redlock's nodes, each of which may
+    /// order its queue its own way).
+    pub(super) handoff: bool,
 }
 
 impl Node {
     /// A node for `url`: `redis://host:port/db`, `rediss://…`,
-    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`.
+    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`,
+    /// used by this sidecar (`sidecar`); see [`Node::handoff`].
     ///
     /// # Errors
     /// A sentence naming what is wrong with the URL.
-    pub fn open(url: &str, prefix: &str) -> Result<Self, String> {
+    pub fn open(url: &str, prefix: &str, sidecar: &str, handoff: bool) -> Result<Self, String> {
         let parts = Parts::parse(url)?;
         let (scheme, hosts, path) = (parts.scheme, parts.hosts_with_userinfo(), parts.path);
         let base = if scheme.starts_with("rediss") {
@@ -171,13 +176,11 @@ impl Node {
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: crate::backend::redact(url),
-            index: format!("{prefix}/index"),
-            legacy_index: format!("{prefix}index"),
+            listed: Mutex::new(None),
+            sidecar: super::leases::sidecar_field(sidecar),
+            stem: format!("{prefix}/sidecars/"),
+            handoff,
         })
-    }
-
-    pub(super) fn is_cluster(&self) -> bool {
-        matches!(self.target, Target::Cluster { .. })
     }
 
     pub(super) async fn connect(&self) -> Result<Conn, RedisError> {
@@ -265,15 +268,13 @@ impl Node {
 
     /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
     ///
-    /// The mapping from (kind, name) to keys is injective, and no name
-    /// reaches a key sidelock keeps for itself: a lock is `<prefix><name>`
-    /// (the classic `SET NX` key), a semaphore `<prefix>semaphores/<name>`,
-    /// an election `<prefix>elections/<name>` (an exclusive lock to the
-    /// scripts); names have no
-    /// `/`, so none of these can equal another kind's key or the index
-    /// `<prefix>/index`, and no `{` or `}` (nor has the prefix), so none can
-    /// equal a side key. Channels (`<prefix>wake:<kind>/<name>`) live in
-    /// pub/sub's own namespace and carry the kind.
+    /// The mapping from (kind, name) to keys is injective: a lock is
+    /// `<prefix><name>` (the classic `SET NX` key), a semaphore
+    /// `<prefix>semaphores/<name>`, an election `<prefix>elections/<name>`
+    /// (an exclusive lock to the scripts); names have no `/`, so none of
+    /// these can equal another kind's key, and no `{` or `}` (nor has the
+    /// prefix), so none can equal a side key. The wake channel,
+    /// `{<base>}:wake`, lives in pub/sub's own namespace.
     pub(super) fn base(&self, key: &LockKey) -> String {
         // Built by hand: this runs for every script call, and `format!` costs
         // several times more than the copies.
@@ -290,46 +291,25 @@ impl Node {
         base
     }
 
-    pub(super) fn channel(&self, key: &LockKey) -> String {
-        format!("{}wake:{key}", self.prefix)
+    /// This sidecar's own channel, where it hears of locks handed to it.
+    pub(super) fn own_channel(&self) -> String {
+        format!("{}{}", self.stem, self.sidecar)
     }
 
-    /// Prepares a script call with the lock's keys and the common arguments.
+    /// The wake channel of `key`, on which the scripts publish.
+    pub(super) fn channel(&self, key: &LockKey) -> String {
+        format!("{{{}}}:wake", self.base(key))
+    }
+
+    /// Prepares a script call on the lock's main key (the scripts derive its
+    /// side keys) with its kind as the first argument.
     pub(super) fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> Call<'a> {
-        let base = self.base(key);
-        // A Cluster cannot touch a global index from a lock's slot.
-        let index = !self.is_cluster();
-        let mut inv = Call::new(script, 1 + SIDE_KEYS.len() + usize::from(index));
-        inv.arg(&base);
-        // One buffer for every side key `{base}:<suffix>`.
-        let mut side = String::with_capacity(base.len() + 12);
-        side.push('{');
-        side.push_str(&base);
-        side.push_str("}:");
-        let stem = side.len();
-        for suffix in SIDE_KEYS {
-            side.truncate(stem);
-            side.push_str(suffix);
-            inv.arg(side.as_str());
-        }
-        if index {
-            inv.arg(self.index.as_str());
-        }
+        let mut inv = Call::new(script, &self.base(key));
         inv.arg(match key.kind {
             // An election is an exclusive lock to the scripts.
             Kind::Lock | Kind::Election => "l",
             Kind::Semaphore => "s",
         });
-        // The channel is `<prefix>wake:<kind>/<name>`, the index member `<kind>/<name>`.
-        let member_at = self.prefix.len() + "wake:".len();
-        let mut channel = String::with_capacity(member_at + 11 + key.name.as_str().len());
-        channel.push_str(&self.prefix);
-        channel.push_str("wake:");
-        channel.push_str(key.kind.plural());
-        channel.push('/');
-        channel.push_str(key.name.as_str());
-        inv.arg(channel.as_str());
-        inv.arg(&channel[member_at..]);
         inv
     }
 
@@ -339,25 +319,6 @@ impl Node {
         inv: Call<'_>,
     ) -> Result<T, Error> {
         self.with_conn(op, async |c| inv.invoke(c).await).await
-    }
-
-    /// Records a key in use in the Cluster index (single nodes do it in the scripts).
-    pub(super) async fn index(&self, key: &LockKey) {
-        if self.is_cluster() {
-            let index = &self.index;
-            let member = key.to_string();
-            let _ = self
-                .with_conn("index", async |c| {
-                    redis::cmd("ZADD")
-                        .arg(index)
-                        .arg("NX")
-                        .arg(0)
-                        .arg(&member)
-                        .query_async::<i64>(c)
-                        .await
-                })
-                .await;
-        }
     }
 }
 
@@ -410,6 +371,21 @@ impl Clock {
     }
 }
 
+impl Node {
+    /// The server's clock now, as this sidecar reads it (its own clock until
+    /// a reply settled the offset).
+    pub(super) fn server_now(&self) -> i64 {
+        let skew = self.skew.load(std::sync::atomic::Ordering::Relaxed);
+        let now = i64::try_from(now_ms()).unwrap_or(i64::MAX);
+        if skew == i64::MIN { now } else { now + skew }
+    }
+
+    /// The clock as settled, for server times that came without one.
+    pub(super) fn settled_clock(&self) -> Clock {
+        self.clock(&[], 0)
+    }
+}
+
 /// Offsets closer than this to the settled one are measurement noise.
 pub(super) const SKEW_NOISE_MS: i64 = 5;
 
@@ -419,11 +395,18 @@ impl Node {
     /// than [`SKEW_NOISE_MS`], so one expiry reads the same in every reply.
     pub(super) fn clock(&self, reply: &[Value], at: usize) -> Clock {
         use std::sync::atomic::Ordering::Relaxed;
-        let Some(Value::Int(server)) = reply.get(at) else {
-            return Clock { skew: 0 };
+        let settled = self.skew.load(Relaxed);
+        let server = match reply.get(at) {
+            Some(Value::Int(server)) if *server > 0 => server,
+            // A reply that did not need the server's clock (a queued join):
+            // the offset as settled.
+            _ => {
+                return Clock {
+                    skew: if settled == i64::MIN { 0 } else { settled },
+                };
+            }
         };
         let measured = server.saturating_sub(i64::try_from(now_ms()).unwrap_or(i64::MAX));
-        let settled = self.skew.load(Relaxed);
         if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
             self.skew.store(measured, Relaxed);
             return Clock { skew: measured };

@@ -1,36 +1,26 @@
--- Shared by every sidelock script. One lock's keys all carry the hash tag
--- {<prefix><name>} (the main key is the tag's content), so they share a
--- Cluster slot and each script is atomic on one node.
+-- The full bookkeeping, shared by every script's slow path (after lean.lua
+-- and the script's fast path). A lock's keys all carry the hash tag
+-- {<main>}, so they share a Cluster slot and each script is atomic on one node:
 --
--- KEYS: 1 main (token of the exclusive holder, or SHARED while shared holders
--- exist; the classic SET NX PX key), 2 holders (hash token -> JSON meta),
--- 3 expiry (zset token -> expires ms), 4 fence (counter, never expires),
--- 5 queue (zset seq -> seq), 6 waiters (hash seq -> JSON meta), 7 heartbeat
--- (hash sidecar -> deadline ms: one entry per sidecar with waiters, so
--- keeping waiters alive costs the same for one waiter as for thousands), 8 delay (lock-delay end, with PX), 9 limit
--- (semaphore permits while in use), 10 seq (ticket counter), 11 lease (an
--- exclusive lease in short form, see short_lease()), 12 index (zset of keys
--- in use; absent in a Cluster, where it lives in another slot).
--- ARGV[1] is the kind: "l" (lock) or "s" (semaphore); ARGV[2] the wake channel.
+--   <main>            string: an exclusive lease (lean.lua), SHARED while
+--                     shared holders exist, DELAYED during a lock-delay no
+--                     lease covers, or anything a foreign client wrote
+--   {<main>}:fence    counter of fences, never expires
+--   {<main>}:seq      counter of queue tickets, never expires
+--   {<main>}:q        list of queued claims (lean.lua), in queue order
+--   {<main>}:heartbeat hash: sidecar (as JSON writes it) -> deadline ms of its
+--                     waiters here, so that keeping waiters alive costs the
+--                     same for one waiter as for thousands
+--   {<main>}:holders  hash: token -> JSON meta of a shared or semaphore lease
+--   {<main>}:expiry   sorted set: token -> expiry ms of those leases
+--   {<main>}:delay    a semaphore's (or a shared lock's) lock-delay end, PX
+--   {<main>}:limit    a semaphore's permits while in use
 
 local SHARED = "sidelock:shared"
-local MAIN, HOLDERS, EXPIRY, FENCE, QUEUE, WAITERS, BEAT, DELAY, LIMIT, SEQ =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local LEASE = KEYS[11]
-local INDEX = KEYS[12] or ""
-local IS_LOCK = ARGV[1] == "l"
-local CHANNEL = ARGV[2]
-
--- The server clock in ms, read by clock() at most once: scripts and paths
--- that never look at the time do not pay for TIME.
-local NOW = 0
-local function clock()
-  if NOW == 0 then
-    local t = redis.call("TIME")
-    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return NOW
-end
+local DELAYED = "sidelock:delayed"
+local FENCE, SEQ, QUEUE, BEAT, HOLDERS, EXPIRY, DELAY, LIMIT =
+  TAG .. "fence", TAG .. "seq", TAG .. "q", TAG .. "heartbeat", TAG .. "holders",
+  TAG .. "expiry", TAG .. "delay", TAG .. "limit"
 
 -- The main key, the holders hash and the heartbeat hash are read at most
 -- once per script run and then kept here (a script is atomic and key expiry
@@ -43,7 +33,7 @@ local B -- sidecar -> heartbeat deadline
 local holders_put, beats_put = false, false
 
 -- A main key that is not a string (a hash, list, … written by hand): it
--- equals no token and not SHARED, so it is a foreign holder like a legacy
+-- equals no lease and no marker, so it is a foreign holder like a legacy
 -- SET NX key, and nothing of sidelock's ever overwrites it.
 local FOREIGN = {}
 
@@ -56,16 +46,24 @@ local function main_get()
   return MAIN_V
 end
 
+local function main_set(v, px)
+  redis.call("SET", MAIN, v, "PX", math.max(px, 1))
+  MAIN_V = v
+end
+
+local function main_del()
+  redis.call("DEL", MAIN)
+  MAIN_V = false
+end
+
 -- Redis does not undo a script's writes when a later command fails, so a
--- script that grants checks first that every key it may write is absent or
+-- script that writes checks first that every key it may write is absent or
 -- of the type sidelock writes there (and that counters are numbers): the
 -- first key that is not, and what it is; nil when all fit. The main key is
 -- not checked: any type there is a foreign holder (main_get).
 local function misfit()
-  local want = {{HOLDERS, "hash"}, {EXPIRY, "zset"}, {FENCE, "number"}, {QUEUE, "zset"},
-                {WAITERS, "hash"}, {BEAT, "hash"}, {DELAY, "number"}, {LIMIT, "number"},
-                {SEQ, "number"}, {LEASE, "string"}}
-  if INDEX ~= "" then want[#want + 1] = {INDEX, "zset"} end
+  local want = {{FENCE, "number"}, {SEQ, "number"}, {QUEUE, "list"}, {BEAT, "hash"},
+                {HOLDERS, "hash"}, {EXPIRY, "zset"}, {DELAY, "number"}, {LIMIT, "number"}}
   for _, w in ipairs(want) do
     local found = redis.call("TYPE", w[1]).ok
     if found ~= "none" then
@@ -80,16 +78,37 @@ local function misfit()
   return nil
 end
 
-local function main_set(v, px)
-  redis.call("SET", MAIN, v, "PX", px)
-  MAIN_V = v
+-- The exclusive lease in the main key as holder meta (see holders()), with
+-- its expiry e; nil when the main key holds none. A lease past its expiry
+-- (in its lock-delay) holds nothing: `delayed` is then when the key frees.
+local X, X_DELAY
+local function xlease()
+  if X == nil then
+    X, X_DELAY = false, 0
+    local l = lease_of(main_get())
+    if l then
+      clock()
+      if l.e > NOW then
+        local o, s = unpack(cjson.decode(l.who))
+        X = {token = l.token, o = o, s = s, m = "x", f = l.f, c = l.c, t0 = l.t0, ttl = l.ttl,
+             cap = 0, dl = l.dl, spec = l.spec, who = l.who, e = l.e}
+        if l.mh > 0 then X.cap = l.t0 + l.mh end
+      else
+        X_DELAY = l.e + l.dl
+      end
+    end
+  end
+  return X, X_DELAY
 end
 
-local function main_del()
-  redis.call("DEL", MAIN)
-  MAIN_V = false
+-- Writes the exclusive lease m to the main key, expiring at m.e plus its
+-- lock-delay.
+local function xlease_put(m)
+  main_set(lease_value(m.token, m.f, m.t0, m.e, m.c, m.spec), m.e - NOW + m.dl)
+  X = m
 end
 
+-- Shared and semaphore leases: the holders hash, decoded once.
 local function holders()
   if not H then
     H, HKEYS = {}, {}
@@ -143,36 +162,57 @@ local function put_beat(sidecar, deadline)
   if B then B[sidecar] = deadline end
 end
 
+-- Nothing is granted before `ms`. A lock's delay lives in its main key (so
+-- that the short paths, which look at nothing else, see it): the lease in
+-- it keeps it, or the DELAYED marker does; while shared holders keep the
+-- key SHARED, the delay key holds it until sync_shared() moves it there.
 local function delay_until(ms)
-  if ms > NOW then
-    local cur = tonumber(redis.call("GET", DELAY) or "0")
-    if ms > cur then redis.call("SET", DELAY, ms, "PX", ms - NOW) end
+  if ms <= NOW then return end
+  if IS_LOCK then
+    local main = main_get()
+    if main == false then
+      main_set(DELAYED, ms - NOW)
+      return
+    elseif main == DELAYED or lease_of(main) then
+      if redis.call("PTTL", MAIN) < ms - NOW then redis.call("PEXPIRE", MAIN, ms - NOW) end
+      return
+    elseif main ~= SHARED then
+      return
+    end
   end
+  local cur = tonumber(redis.call("GET", DELAY) or "0")
+  if ms > cur then redis.call("SET", DELAY, ms, "PX", ms - NOW) end
 end
 
-local function drop_lease(token)
+-- When the delay key's delay ends (0: none).
+local function delay_end()
+  local left = redis.call("PTTL", DELAY)
+  if left > 0 then return NOW + left end
+  return 0
+end
+
+local function drop_shared(token)
   del_holder(token)
   redis.call("ZREM", EXPIRY, token)
-  if IS_LOCK and main_get() == token then main_del() end
 end
 
--- The main key mirrors shared holders: SHARED, expiring with the last of them.
+-- The main key mirrors shared holders: SHARED, expiring with the last of
+-- them; when the last goes, a lock-delay still running takes the key over.
 local function sync_shared()
   if not IS_LOCK then return end
   local main = main_get()
   if main and main ~= SHARED then return end
   local last = redis.call("ZRANGE", EXPIRY, -1, -1, "WITHSCORES")
-  if #last == 0 then
-    if main then main_del() end
+  if #last > 0 and tonumber(last[2]) > NOW then
+    main_set(SHARED, tonumber(last[2]) - NOW)
     return
   end
-  local until_ms = tonumber(last[2])
-  if until_ms > NOW then main_set(SHARED, until_ms - NOW) end
-end
-
--- Empty sets and hashes do not exist in Redis.
-local function idle()
-  return redis.call("EXISTS", EXPIRY, QUEUE) == 0
+  local until_ms = delay_end()
+  if until_ms > NOW then
+    main_set(DELAYED, until_ms - NOW)
+  elseif main then
+    main_del()
+  end
 end
 
 -- The earliest heartbeat deadline of a sidecar with waiters here.
@@ -184,46 +224,47 @@ local function first_lapse()
   return first
 end
 
--- What an idle key no longer needs: its limit, heartbeats and index entry.
-local function tidy()
-  redis.call("DEL", LIMIT, BEAT)
-  if B then B = {} end
-  -- The index is a hint for listings: a broken one must not fail the script.
-  if INDEX ~= "" then redis.pcall("ZREM", INDEX, ARGV[3] or "") end
+-- Queued claims, decoded (entry_of), in queue order.
+local function queue()
+  local out = {}
+  for _, s in ipairs(redis.call("LRANGE", QUEUE, 0, -1)) do
+    local e = entry_of(s)
+    if e then out[#out + 1] = e end
+  end
+  return out
 end
 
+-- Empty lists, sets and hashes do not exist in Redis.
+local function idle()
+  if redis.call("EXISTS", EXPIRY, QUEUE) > 0 then return false end
+  return not (IS_LOCK and xlease())
+end
+
+-- What an idle key no longer needs: its limit and heartbeats.
 local function tidy_if_idle()
-  if idle() then tidy() end
+  if idle() then
+    redis.call("DEL", LIMIT, BEAT)
+    if B then B = {} end
+  end
 end
 
--- Drops leases past their expiry (starting their lock-delay), exclusive
--- leases whose main key was deleted or overwritten behind our back, and
--- waiters whose sidecar stopped heartbeating. Publishes if anything went.
+-- Drops shared and semaphore leases past their expiry (starting their
+-- lock-delay), waiters whose sidecar stopped heartbeating, and what heads the
+-- queue without being a queue entry (written by hand). Publishes if anything
+-- went. (An exclusive lease goes by itself: its main key expires.)
 local function prune()
   local changed = false
-  if IS_LOCK then holders() end
+  while true do
+    local head = redis.call("LINDEX", QUEUE, 0)
+    if not head or entry_of(head) then break end
+    redis.call("LPOP", QUEUE)
+    changed = true
+  end
   for _, token in ipairs(redis.call("ZRANGEBYSCORE", EXPIRY, "-inf", NOW)) do
     local m = meta_of(token)
     if m then delay_until(m.e + m.dl) end
-    drop_lease(token)
+    drop_shared(token)
     changed = true
-  end
-  if IS_LOCK then
-    local main = main_get()
-    local h, keys = holders()
-    local gone = {}
-    for _, token in ipairs(keys) do
-      local m = h[token]
-      if m.m == "x" and main ~= token then
-        delay_until(NOW + m.dl)
-        gone[#gone + 1] = token
-      end
-    end
-    for _, token in ipairs(gone) do
-      del_holder(token)
-      redis.call("ZREM", EXPIRY, token)
-      changed = true
-    end
   end
   local lapsed = {}
   local any_lapsed = false
@@ -239,27 +280,26 @@ local function prune()
     b[sidecar] = nil
   end
   if any_lapsed then
-    for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do
-      local raw = redis.call("HGET", WAITERS, s)
-      if (not raw) or lapsed[cjson.decode(raw).s] then
-        redis.call("ZREM", QUEUE, s)
-        redis.call("HDEL", WAITERS, s)
+    for _, s in ipairs(redis.call("LRANGE", QUEUE, 0, -1)) do
+      local e = entry_of(s)
+      if (not e) or lapsed[sidecar_of(e.who)] then
+        redis.call("LREM", QUEUE, 1, s)
         changed = true
       end
     end
   end
   if changed then
     sync_shared()
-    redis.call("PUBLISH", CHANNEL, "p")
+    redis.call("PUBLISH", TAG .. "wake", "p")
   end
   return changed
 end
 
 -- Side keys expire with what they describe, so a lock every sidecar
--- abandoned disappears by itself: holder keys with the last lease, queue
--- keys with the last heartbeat. The fence and ticket counters never expire.
--- Only what this run wrote moves a deadline (removals leave the keys'
--- expiry at most later than needed), so only that is reset.
+-- abandoned disappears by itself: holder keys with the last shared lease,
+-- queue keys with the last heartbeat. The fence and ticket counters never
+-- expire. Only what this run wrote moves a deadline (removals leave the
+-- keys' expiry at most later than needed), so only that is reset.
 local function set_expiries()
   if holders_put then
     -- Holder entries outlive their lease by its lock-delay (and a second), so
@@ -277,81 +317,39 @@ local function set_expiries()
     local latest = 0
     for _, d in pairs(beats()) do latest = math.max(latest, d) end
     if latest > NOW then
-      for _, k in ipairs({QUEUE, WAITERS, BEAT}) do redis.call("PEXPIRE", k, latest - NOW) end
+      for _, k in ipairs({QUEUE, BEAT}) do redis.call("PEXPIRE", k, latest - NOW) end
     end
   end
 end
 
--- Holders as a JSON array (no tokens), including a foreign holder of the
--- main key (a legacy SET NX PX client).
-local function holders_json()
+-- One holder as replies carry it: {[owner, sidecar] as JSON, mode, fence,
+-- hold count, since, expires}.
+local function holder_row(who, m)
+  return {who, m.m, m.f, m.c, m.t0, m.e}
+end
+
+-- Every holder: the exclusive lease, shared or semaphore leases, and a
+-- foreign holder of the main key (a legacy SET NX PX client; its own
+-- expiry, 0 when it has none).
+local function holder_rows()
   local list = {}
+  if IS_LOCK then
+    local x = xlease()
+    if x then list[#list + 1] = holder_row(x.who, x) end
+  end
   local h, keys = holders()
   for _, token in ipairs(keys) do
     local m = h[token]
-    list[#list + 1] = {o = m.o, s = m.s, m = m.m, f = m.f, c = m.c, t0 = m.t0, e = m.e}
+    if not IS_LOCK or m.m == "s" then list[#list + 1] = holder_row(cjson.encode({m.o, m.s}), m) end
   end
   if IS_LOCK then
     local main = main_get()
-    if main and main ~= SHARED and not h[main] then
+    if main and main ~= SHARED and main ~= DELAYED and not lease_of(main) then
       local pttl = redis.call("PTTL", MAIN)
       local e = 0
       if pttl > 0 then e = NOW + pttl end
-      list[#list + 1] = {o = "(foreign)", s = "", m = "x", f = 0, c = 1, t0 = 0, e = e}
+      list[#list + 1] = {'["(foreign)",""]', "x", 0, 1, 0, e}
     end
   end
-  if #list == 0 then return "[]" end
-  return cjson.encode(list)
-end
-
--- A lease granted by the short path (acquire_fast.lua) is kept in two
--- strings: the main key, and the lease key "<token> <fence> <TIME s> <TIME
--- µs> <ttl> <max_hold> <lock_delay> <[owner, sidecar] as JSON>", expiring
--- with the lease plus its lock-delay and a second, as holder entries do.
--- The holders hash and the expiry set do not exist then, and nobody queues.
--- Its fields, or nil when the key is absent or not of that form; e is the
--- lease's expiry while the main key still holds it, else nil.
-local function short_lease()
-  local raw = redis.pcall("GET", LEASE)
-  if type(raw) ~= "string" then return nil end
-  local token, f, sec, usec, ttl, mh, dl, who =
-    string.match(raw, "^(%x+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (.*)$")
-  if not token then return nil end
-  local ok, names = pcall(cjson.decode, who)
-  if not ok or type(names) ~= "table" then return nil end
-  local t0 = tonumber(sec) * 1000 + math.floor(tonumber(usec) / 1000)
-  local m = {o = tostring(names[1]), s = tostring(names[2]), m = "x", f = tonumber(f), c = 1,
-             t0 = t0, ttl = tonumber(ttl), cap = 0, dl = tonumber(dl)}
-  if tonumber(mh) > 0 then m.cap = t0 + tonumber(mh) end
-  if main_get() == token then
-    local pttl = redis.call("PTTL", MAIN)
-    if pttl > 0 then m.e = clock() + pttl else m.e = clock() + m.ttl end
-  end
-  return token, m
-end
-
--- Gives a short-form lease the full form (holder entry, expiry member) so
--- that the rest of the script sees every holder in HOLDERS and EXPIRY; a
--- short lease that ended (expired, or its main key deleted or overwritten)
--- only starts its lock-delay, from its expiry or from now, as prune() does.
--- Every script that reads or changes holders calls it first; nothing is
--- written when a key it would write holds something else (misfit()).
-local function inflate()
-  if not IS_LOCK or not LEASE then return end
-  local token, m = short_lease()
-  if not token or misfit() then return end
-  clock()
-  if m.e then
-    put_holder(token, m)
-    redis.call("ZADD", EXPIRY, m.e, token)
-    redis.call("DEL", LEASE)
-    set_expiries()
-  else
-    local left = redis.call("PTTL", LEASE)
-    redis.call("DEL", LEASE)
-    local ended = NOW
-    if left > 0 then ended = math.min(NOW, NOW + left - m.dl - 1000) end
-    delay_until(ended + m.dl)
-    redis.call("PUBLISH", CHANNEL, "p")
-  end
+  return list
 end

@@ -13,10 +13,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Error, Watch};
 use crate::lock::LockKey;
-use crate::wakeups::Wakeups;
+use crate::wakeups::{Handoff, Wakeups};
 
 use super::CALL_TIMEOUT;
-use super::members::{Member, Numbering, lock};
+use super::members::{Member, Numbering, Tickets, lock, track};
 use super::node::{Node, unavailable};
 
 /// Requests to a pub/sub task.
@@ -78,11 +78,14 @@ pub async fn watch(
 }
 
 /// Keeps one subscription per watched channel on one pub/sub connection;
-/// a message wakes the local queue head of its lock. After a reconnect it
-/// resubscribes and wakes every watched lock, catching up releases missed
-/// while disconnected.
+/// a message wakes the local queue head of its lock, or delivers the lease
+/// a release handed to one of this sidecar's queued claims. After a
+/// reconnect it resubscribes and wakes every watched lock, catching up
+/// releases missed while disconnected.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn pubsub(
     node: Arc<Node>,
+    tickets: Arc<std::sync::Mutex<Tickets>>,
     mut rx: mpsc::UnboundedReceiver<Sub>,
     watchers: Watchers,
     wakeups: Wakeups,
@@ -120,7 +123,12 @@ pub(super) async fn pubsub(
             .iter()
             .map(|(c, (k, _))| (c.clone(), k.clone()))
             .collect();
-        let mut healthy = true;
+        // Its own channel first: where releases hand locks to this sidecar.
+        let own = node.handoff.then(|| node.own_channel());
+        let mut healthy = match &own {
+            Some(channel) => sink.subscribe(channel).await.is_ok(),
+            None => true,
+        };
         for (channel, _) in &current {
             if sink.subscribe(channel).await.is_err() {
                 healthy = false;
@@ -149,11 +157,20 @@ pub(super) async fn pubsub(
                 },
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
+                    if own.as_deref() == Some(msg.get_channel_name()) {
+                        if let Some(h) = handed(msg.get_payload_bytes())
+                            && let Some(key) = node.lock_of(&h.main)
+                        {
+                            deliver(&node, &tickets, &wakeups, &key, h);
+                        }
+                        continue;
+                    }
                     let key = lock(&watchers)
                         .get(msg.get_channel_name())
                         .map(|(k, _)| k.clone());
                     if let Some(key) = key {
-                        if msg.get_payload_bytes() == b"g" {
+                        let payload = msg.get_payload_bytes();
+                        if payload == b"g" {
                             // A new holder: nobody waiting can get in.
                             wakeups.changed(&key);
                             continue;
@@ -167,6 +184,62 @@ pub(super) async fn pubsub(
             }
         }
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
+    }
+}
+
+/// A lease a release handed to a queued claim, as its message on the
+/// claim's sidecar's own channel says: `t<seq> <fence> <since> <expires>
+/// <main key>` (server times).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Handed {
+    seq: u64,
+    fence: u64,
+    since: i64,
+    expires: i64,
+    main: String,
+}
+
+pub(super) fn handed(payload: &[u8]) -> Option<Handed> {
+    let text = std::str::from_utf8(payload.strip_prefix(b"t")?).ok()?;
+    let mut fields = text.splitn(5, ' ');
+    let mut next = || fields.next()?.parse::<i64>().ok();
+    let (seq, fence, since, expires) = (next()?, next()?, next()?, next()?);
+    Some(Handed {
+        seq: u64::try_from(seq).ok()?,
+        fence: u64::try_from(fence).ok()?,
+        since,
+        expires,
+        main: fields.next()?.to_owned(),
+    })
+}
+
+/// Gives a handed lease to the local waiter whose ticket it names (the
+/// ticket is done with once it took it). A ticket this sidecar no longer
+/// tracks left the queue: its dequeue releases the lease.
+fn deliver(
+    node: &Node,
+    tickets: &std::sync::Mutex<Tickets>,
+    wakeups: &Wakeups,
+    key: &LockKey,
+    h: Handed,
+) {
+    let clock = node.settled_clock();
+    let expires_at_ms = clock.local(h.expires);
+    let mine = lock(tickets)
+        .get(key)
+        .and_then(|seqs| seqs.get(&h.seq))
+        .map(|q| q.token.clone());
+    let Some(token) = mine else {
+        return;
+    };
+    let lease = Handoff {
+        token,
+        fence: h.fence,
+        since_ms: clock.local(h.since),
+        expires_at_ms,
+    };
+    if wakeups.granted(key, h.seq, lease) {
+        track(tickets, key, h.seq, None);
     }
 }
 

@@ -1,54 +1,39 @@
--- ARGV: 1 kind, 2 channel, 3 index member, 4 token.
+-- ARGV: 1 kind, 2 token, 3 how the lock passes to the next claim in line
+-- (hand_over()'s mode), 4 this sidecar as JSON
+-- writes it (no quotes): its own waiters need no heartbeat check, 5 the
+-- stem of sidecars' own channels (see hand_over()).
 -- Returns {now, remaining count} or {now, -1} when the token holds nothing
 -- (now is 0 when the fast path did not need the clock).
--- The common cases run first, in release_fast.lua.
-local token = ARGV[4]
-inflate()
-
--- Wakes whoever may be admitted now. When the queue's head is an exclusive
--- claim on a lock, nobody behind it can be: the message names its ticket
--- ("h<seq>"), and only the sidecar whose local head holds that ticket wakes
--- it, where "r" wakes every sidecar's head (all but one to find it busy).
-local function publish_release()
-  if IS_LOCK then
-    local head = redis.call("ZRANGE", QUEUE, 0, 0)[1]
-    if head then
-      local raw = redis.call("HGET", WAITERS, head)
-      if raw and cjson.decode(raw).m == "x" then
-        redis.call("PUBLISH", CHANNEL, "h" .. head)
-        return
-      end
-    end
+-- The common case runs first, in release_fast.lua.
+local token = ARGV[2]
+clock()
+local x = IS_LOCK and xlease()
+if x and x.token == token then
+  x.c = x.c - 1
+  if x.c > 0 then
+    xlease_put(x)
+    return {NOW, x.c}
   end
-  redis.call("PUBLISH", CHANNEL, "r")
-end
-
--- The exclusive holder releasing its last hold while others hold or wait.
--- Its lease is live (the main key expires with it), so prune() can only
--- matter for what is left after it goes. A re-entered hold (count above 1)
--- only counts down, below.
-local exclusive = IS_LOCK and main_get() == token and meta_of(token)
-if exclusive and exclusive.c <= 1 then
-  drop_lease(token)
-  clock()
-  prune()
-  sync_shared()
-  tidy_if_idle()
-  publish_release()
+  if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then main_del() end
   return {NOW, 0}
 end
 
-clock()
 prune()
 local m = meta_of(token)
-if not m then return {NOW, -1} end
+if not m or (IS_LOCK and m.m ~= "s") then return {NOW, -1} end
 m.c = m.c - 1
 if m.c > 0 then
   put_holder(token, m)
   return {NOW, m.c}
 end
-drop_lease(token)
+drop_shared(token)
 sync_shared()
 tidy_if_idle()
-publish_release()
+if not IS_LOCK then
+  hand_over("0", ARGV[4], ARGV[5])
+elseif not main_get() then
+  if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then main_del() end
+else
+  redis.call("PUBLISH", TAG .. "wake", "r")
+end
 return {NOW, 0}

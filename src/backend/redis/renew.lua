@@ -1,23 +1,17 @@
--- ARGV: 1 kind, 2 channel, 3 index member, 4 token, 5 ttl ms (0: the lease's own).
+-- ARGV: 1 kind, 2 token, 3 ttl ms (0: the lease's own).
 -- Returns {now, expires} or {now, -1} when the token holds nothing.
+-- An exclusive lease is renewed in renew_fast.lua.
+local token, ttl = ARGV[2], tonumber(ARGV[3])
 clock()
-inflate()
-local token, ttl = ARGV[4], tonumber(ARGV[5])
 prune()
 local m = meta_of(token)
-if not m then return {NOW, -1} end
+if not m or (IS_LOCK and m.m ~= "s") then return {NOW, -1} end
 if ttl == 0 then ttl = m.ttl end
 local e = NOW + ttl
 if m.cap > 0 and e > m.cap then e = m.cap end
 m.e = e
 put_holder(token, m)
 redis.call("ZADD", EXPIRY, e, token)
-if IS_LOCK then
-  if m.m == "x" then
-    redis.call("PEXPIRE", MAIN, math.max(e - NOW, 1))
-  else
-    sync_shared()
-  end
-end
+sync_shared()
 set_expiries()
 return {NOW, e}

@@ -4,38 +4,38 @@
 //! the replies.
 
 use redis::{Cmd, ErrorKind, RedisError, Script, Value};
-use serde::Deserialize;
 
 use crate::backend::{Holder, Waiter};
 use crate::lock::{Held, Kind, Mode};
 
 use super::node::{Clock, Conn};
 
+pub(super) const LEAN: &str = include_str!("lean.lua");
 pub(super) const PRELUDE: &str = include_str!("prelude.lua");
 
 pub(super) fn script(body: &str) -> Script {
     fast_script("", body)
 }
 
-/// A script whose `fast` head runs before the prelude and returns when it
-/// can: the prelude's set-up is a good part of a short script's time.
+/// A script whose `fast` head runs after `lean.lua` and before the
+/// prelude, and returns when it can: the prelude's set-up is a good part of
+/// a short script's time.
 pub(super) fn fast_script(fast: &str, body: &str) -> Script {
-    Script::new(&format!("{fast}\n{PRELUDE}\n{body}"))
+    Script::new(&format!("{LEAN}\n{fast}\n{PRELUDE}\n{body}"))
 }
 
-/// The suffixes of a lock's side keys `{<base>}:<suffix>`, in the order the
-/// scripts' `KEYS` hold them (after the base key, before the index).
-pub(super) const SIDE_KEYS: [&str; 10] = [
+/// The suffixes of a lock's side keys `{<base>}:<suffix>` (the scripts
+/// derive them from the main key, their only key).
+#[cfg(test)]
+pub(super) const SIDE_KEYS: [&str; 8] = [
+    "fence",
+    "seq",
+    "q",
+    "heartbeat",
     "holders",
     "expiry",
-    "fence",
-    "queue",
-    "waiters",
-    "heartbeat",
     "delay",
     "limit",
-    "seq",
-    "lease",
 ];
 
 /// The compiled scripts.
@@ -77,25 +77,24 @@ impl Scripts {
     }
 }
 
-/// One script call, `EVALSHA <sha> <keys> <key>… <arg>…`, written straight
+/// One script call, `EVALSHA <sha> 1 <main key> <arg>…`, written straight
 /// into one command buffer: redis-rs's `ScriptInvocation` keeps every key
 /// and argument in an allocation of its own and copies them into the
-/// command at the call, some 40 allocations per uncontended acquire and
-/// release.
+/// command at the call.
 pub(super) struct Call<'a> {
     pub(super) script: &'a Script,
     pub(super) cmd: Cmd,
 }
 
 impl<'a> Call<'a> {
-    /// A call whose first `keys` arguments are its keys.
-    pub(super) fn new(script: &'a Script, keys: usize) -> Self {
-        let mut cmd = Cmd::with_capacity(32, 512);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+    /// A call on the lock whose main key is `main`.
+    pub(super) fn new(script: &'a Script, main: &str) -> Self {
+        let mut cmd = Cmd::with_capacity(16, 256);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(main);
         Self { script, cmd }
     }
 
-    /// Appends a key or an argument, in order.
+    /// Appends an argument, in order.
     pub(super) fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
         self.cmd.arg(arg);
         self
@@ -140,63 +139,66 @@ pub(super) fn mode_arg(mode: Mode) -> &'static str {
     }
 }
 
-/// Holder metadata as the scripts return it.
-#[derive(Deserialize)]
-pub(super) struct RawHolder {
-    pub(super) o: String,
-    pub(super) s: String,
-    pub(super) m: String,
-    pub(super) f: u64,
-    pub(super) c: u32,
-    pub(super) t0: i64,
-    pub(super) e: i64,
-}
-
-/// Waiter metadata as the scripts return it.
-#[derive(Deserialize)]
-pub(super) struct RawWaiter {
-    pub(super) o: String,
-    pub(super) s: String,
-    pub(super) m: String,
-    pub(super) t0: i64,
-}
-
-pub(super) fn mode_of(m: &str) -> Mode {
-    if m == "s" {
+pub(super) fn mode_of(m: &[u8]) -> Mode {
+    if m == b"s" {
         Mode::Shared
     } else {
         Mode::Exclusive
     }
 }
 
-pub(super) fn holders(json: &str, kind: Kind, clock: &Clock) -> Vec<Holder> {
-    // cjson encodes an empty table as {}; both mean no holders.
-    serde_json::from_str::<Vec<RawHolder>>(json)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|h| Holder {
-            owner: h.o,
-            sidecar: h.s,
-            mode: Held::of(kind, mode_of(&h.m)),
-            since_ms: if h.t0 > 0 { clock.local(h.t0) } else { 0 },
-            expires_at_ms: if h.e > 0 { clock.local(h.e) } else { 0 },
-            fence: h.f,
-            count: h.c,
+/// An owner and sidecar as the scripts keep them: `["<owner>","<sidecar>"]`.
+pub(super) fn who(v: Option<&Value>) -> (String, String) {
+    match v {
+        Some(Value::BulkString(b)) => serde_json::from_slice(b).unwrap_or_default(),
+        _ => Default::default(),
+    }
+}
+
+/// The elements of an array reply (an empty one for anything else).
+pub(super) fn rows(v: Option<&Value>) -> &[Value] {
+    match v {
+        Some(Value::Array(items)) => items,
+        _ => &[],
+    }
+}
+
+/// Holders as the scripts return them: `{who, mode, fence, count, since, expires}` each.
+pub(super) fn holders(v: Option<&Value>, kind: Kind, clock: &Clock) -> Vec<Holder> {
+    rows(v)
+        .iter()
+        .map(|row| {
+            let row = rows(Some(row));
+            let (owner, sidecar) = who(row.first());
+            let (t0, e) = (int(row, 4), int(row, 5));
+            Holder {
+                owner,
+                sidecar,
+                mode: Held::of(kind, mode_of(text(row, 1).as_bytes())),
+                since_ms: if t0 > 0 { clock.local(t0) } else { 0 },
+                expires_at_ms: if e > 0 { clock.local(e) } else { 0 },
+                fence: int(row, 2) as u64,
+                count: int(row, 3) as u32,
+            }
         })
         .collect()
 }
 
-pub(super) fn waiters(json: &str, kind: Kind, clock: &Clock) -> Vec<Waiter> {
-    serde_json::from_str::<Vec<RawWaiter>>(json)
-        .unwrap_or_default()
-        .into_iter()
+/// Waiters as the scripts return them: `{who, mode, since}` each, in queue order.
+pub(super) fn waiters(v: Option<&Value>, kind: Kind, clock: &Clock) -> Vec<Waiter> {
+    rows(v)
+        .iter()
         .enumerate()
-        .map(|(i, w)| Waiter {
-            owner: w.o,
-            sidecar: w.s,
-            mode: Held::of(kind, mode_of(&w.m)),
-            position: i + 1,
-            since_ms: clock.local(w.t0),
+        .map(|(i, row)| {
+            let row = rows(Some(row));
+            let (owner, sidecar) = who(row.first());
+            Waiter {
+                owner,
+                sidecar,
+                mode: Held::of(kind, mode_of(text(row, 1).as_bytes())),
+                position: i + 1,
+                since_ms: clock.local(int(row, 2)),
+            }
         })
         .collect()
 }

@@ -1,4 +1,4 @@
--- ARGV: 1 kind, 2 channel, 3 index member, 4 stale_after ms.
+-- ARGV: 1 kind, 2 stale_after ms, 3 the key as messages name it ("locks/<name>").
 -- Read-only. Returns {key, reason, age ms, detail} entries.
 clock()
 local bad, found = misfit()
@@ -6,12 +6,26 @@ if bad then
   return {{bad, "wrong-type", 0, "key " .. bad .. " of " .. ARGV[3] .. " holds a " .. found ..
     ", which sidelock did not write there; the lock cannot be used until it is removed"}}
 end
-local after = tonumber(ARGV[4])
+local after = tonumber(ARGV[2])
 local out = {}
+local function name(who)
+  local ok, os = pcall(cjson.decode, who)
+  if ok and type(os) == "table" then return tostring(os[1]), tostring(os[2]) end
+  return "?", "?"
+end
+if IS_LOCK then
+  local x = xlease()
+  if x and NOW - x.t0 > after then
+    out[#out + 1] = {MAIN, "held-too-long", NOW - x.t0,
+      "held by " .. x.o .. " on sidecar " .. x.s .. " with fence " .. x.f}
+  end
+end
 local all = redis.call("HGETALL", HOLDERS)
 for i = 1, #all, 2 do
   local m = cjson.decode(all[i + 1])
-  if m.e <= NOW then
+  if IS_LOCK and m.m ~= "s" then
+    -- An exclusive holder of an older sidelock: its main key says more.
+  elseif m.e <= NOW then
     out[#out + 1] = {MAIN, "expired-not-cleaned", NOW - m.e,
       "holder " .. m.o .. " on sidecar " .. m.s .. " expired but its entry is still stored"}
   elseif NOW - m.t0 > after then
@@ -19,30 +33,17 @@ for i = 1, #all, 2 do
       "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. m.f}
   end
 end
-local token, short = short_lease()
-if token and not short.e then
-  local left = redis.call("PTTL", LEASE)
-  local ended = NOW
-  if left > 0 then ended = math.min(NOW, NOW + left - short.dl - 1000) end
-  out[#out + 1] = {MAIN, "expired-not-cleaned", NOW - ended,
-    "holder " .. short.o .. " on sidecar " .. short.s .. " expired but its entry is still stored"}
-elseif token and NOW - short.t0 > after then
-  out[#out + 1] = {MAIN, "held-too-long", NOW - short.t0,
-    "held by " .. short.o .. " on sidecar " .. short.s .. " with fence " .. short.f}
-end
 local lapsed = {}
 local beats = redis.call("HGETALL", BEAT)
 for i = 1, #beats, 2 do
   if tonumber(beats[i + 1]) <= NOW then lapsed[beats[i]] = tonumber(beats[i + 1]) end
 end
-for _, s in ipairs(redis.call("ZRANGE", QUEUE, 0, -1)) do
-  local raw = redis.call("HGET", WAITERS, s)
-  if raw then
-    local w = cjson.decode(raw)
-    if lapsed[w.s] then
-      out[#out + 1] = {MAIN, "orphaned-waiter", NOW - w.t0,
-        "waiter " .. w.o .. " of sidecar " .. w.s .. " stopped heartbeating " .. (NOW - lapsed[w.s]) .. " ms ago"}
-    end
+for _, e in ipairs(queue()) do
+  local sc = sidecar_of(e.who)
+  if lapsed[sc] then
+    local o, s = name(e.who)
+    out[#out + 1] = {MAIN, "orphaned-waiter", NOW - e.t0,
+      "waiter " .. o .. " of sidecar " .. s .. " stopped heartbeating " .. (NOW - lapsed[sc]) .. " ms ago"}
   end
 end
 return out

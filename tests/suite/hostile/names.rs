@@ -10,13 +10,12 @@
 //!
 //! What each backend keeps for itself, and why no name reaches it:
 //!
-//! * Redis (single, Sentinel, Cluster) and each Redlock node: the index
-//!   `<prefix>/index`, side keys `{<base>}:<suffix>` (holders, expiry, fence,
-//!   queue, waiters, heartbeat, delay, limit, seq), channels
-//!   `<prefix>wake:<kind>/<name>`; names have no `/`, `{`, `}`, and
-//!   semaphores (`<prefix>semaphores/<name>`) and elections
-//!   (`<prefix>elections/<name>`) have their own prefix. Keys matched by
-//!   `--legacy-pattern` are only read.
+//! * Redis (single, Sentinel, Cluster) and each Redlock node: side keys
+//!   `{<base>}:<suffix>` (fence, seq, q, heartbeat, holders, expiry, delay,
+//!   limit), channels `{<base>}:wake` and `<prefix>/sidecars/<sidecar>`;
+//!   names have no `/`, `{`, `}`, and semaphores
+//!   (`<prefix>semaphores/<name>`) and elections (`<prefix>elections/<name>`)
+//!   have their own prefix. Keys matched by `--legacy-pattern` are only read.
 //! * ZooKeeper: `<root>/{locks,semaphores,elections}/<name>`, with claim
 //!   nodes and `_sidelock_delay` one level below a name; `.` and `..` are
 //!   stored as `%2e` and `%2e%2e`.
@@ -399,10 +398,11 @@ async fn a_hand_written_key_of_any_type_at_a_lock_is_a_foreign_holder() {
 /// or a counter that is not a number, fails no acquire midway: a claim that
 /// would write it is refused with 409 `key-conflict` naming the key, and
 /// nothing is granted (no main key, no holder entry). An uncontended
-/// exclusive claim, which writes only the main key, the fence, the holder
-/// and the index, may instead be granted whole when the broken key is not
-/// one of those; then it releases cleanly. A string at the short-form lease
-/// key that is no such lease is ignored. Other locks keep working.
+/// exclusive claim, which writes only the main key and the fence, is instead
+/// granted whole when the broken key is not the fence; then it releases
+/// cleanly. An entry in the queue that is no queue entry is dropped, and keys
+/// older versions kept (`queue`, `waiters`, `lease`) are not read at all.
+/// Other locks keep working.
 #[tokio::test]
 async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
     let redis = RedisServer::start().await;
@@ -413,15 +413,17 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
         ("expiry", &["HSET", "KEY", "f", "v"]),
         ("fence", &["SET", "KEY", "not a number"]),
         ("fence", &["HSET", "KEY", "f", "v"]),
-        ("queue", &["SET", "KEY", "1"]),
-        ("waiters", &["RPUSH", "KEY", "x"]),
+        ("q", &["SET", "KEY", "1"]),
         ("heartbeat", &["SADD", "KEY", "x"]),
         ("delay", &["HSET", "KEY", "f", "v"]),
         ("limit", &["RPUSH", "KEY", "x"]),
         ("seq", &["SET", "KEY", "x"]),
+        // Not a queue entry: dropped.
+        ("q", &["RPUSH", "KEY", "not an entry"]),
+        // Keys of older versions: not read.
+        ("queue", &["SET", "KEY", "1"]),
+        ("waiters", &["RPUSH", "KEY", "x"]),
         ("lease", &["HSET", "KEY", "f", "v"]),
-        // Not a short-form lease: ignored, and the short form is not used.
-        ("lease", &["SET", "KEY", "not a lease"]),
     ];
     for (i, (suffix, write)) in corruptions.iter().enumerate() {
         let name = format!("corrupt-{i}-{suffix}");
@@ -433,6 +435,8 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
         let _: redis::Value = redis.cmd(&write).await;
         let main = format!("sidelock:{name}");
         let lock = a.api().lock(&name);
+        let ignored = ["queue", "waiters", "lease"].contains(suffix)
+            || (*suffix == "q" && write[0] == "RPUSH");
         for params in [
             vec![("owner", "r"), ("mode", "shared")],
             vec![("owner", "w"), ("wait", "200ms")],
@@ -440,10 +444,9 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
         ] {
             let response = lock.acquire_raw(&params).await;
             let shared = params.contains(&("mode", "shared"));
-            let core = ["holders", "expiry", "fence"].contains(suffix);
-            // A string that is no short-form lease is no conflict either.
-            let ignored = *suffix == "lease" && write[0] == "SET";
+            let core = *suffix == "fence";
             if ignored || (response.status() == StatusCode::OK && !shared && !core) {
+                assert_eq!(response.status(), StatusCode::OK, "{key}: {params:?}");
                 let grant: crate::common::Grant = response.json().await.expect("grant");
                 assert!(lock.release(&grant.token).await.released);
                 continue;
@@ -455,7 +458,7 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
             assert_eq!(exists, 0, "{key}: no main key was written");
         }
         let mut left = side_keys(&redis, &name).await;
-        left.retain(|k| k != &key && !k.ends_with(":fence"));
+        left.retain(|k| k != &key && !k.ends_with(":fence") && !k.ends_with(":seq"));
         assert!(left.is_empty(), "{key}: nothing else was left: {left:?}");
         everything_else_works(&a, &b).await;
     }
@@ -473,7 +476,7 @@ async fn a_corrupted_key_of_a_lock_in_use_leaves_the_listing_working() {
     let lock = a.api().lock("in-use");
     let grant = lock.acquire(&[("owner", "holder")]).await;
     let other = a.api().lock("other").acquire(&[("owner", "other")]).await;
-    let broken = "{sidelock:in-use}:queue";
+    let broken = "{sidelock:in-use}:q";
     let _: String = redis.cmd(&["SET", broken, "1"]).await;
 
     for sidecar in [&a, &b] {
@@ -505,10 +508,12 @@ async fn a_corrupted_key_of_a_lock_in_use_leaves_the_listing_working() {
     assert!(listed(&b).await.is_empty());
 }
 
-/// The index an older version kept at `sidelock:index` is taken over by the
-/// listing, after which the lock named `index` is an ordinary lock.
+/// The indexes older versions kept — at `sidelock:index`, the main key of
+/// the lock named `index`, and later at `sidelock:/index` — are dropped by
+/// the next listing (which finds the keys in use by scanning), after which
+/// the lock named `index` is an ordinary lock.
 #[tokio::test]
-async fn an_index_left_by_an_older_version_is_adopted() {
+async fn an_index_left_by_an_older_version_is_dropped() {
     let redis = RedisServer::start().await;
     let a = SidecarBuilder::new(&redis.url()).start().await;
     let b = SidecarBuilder::new(&redis.url()).start().await;
@@ -517,14 +522,16 @@ async fn an_index_left_by_an_older_version_is_adopted() {
         .lock("held-before")
         .acquire(&[("owner", "old")])
         .await;
-    let _: i64 = redis
-        .cmd(&["ZADD", "sidelock:index", "0", "locks/held-before"])
-        .await;
+    for index in ["sidelock:index", "sidelock:/index"] {
+        let _: i64 = redis.cmd(&["ZADD", index, "0", "locks/held-before"]).await;
+    }
 
     let before = listed(&b).await;
     assert_eq!(before, [("lock".to_owned(), "held-before".to_owned())]);
-    let gone: i64 = redis.cmd(&["EXISTS", "sidelock:index"]).await;
-    assert_eq!(gone, 0, "the old index was taken over");
+    let gone: i64 = redis
+        .cmd(&["EXISTS", "sidelock:index", "sidelock:/index"])
+        .await;
+    assert_eq!(gone, 0, "the old indexes were dropped");
 
     let lock = a.api().lock("index");
     let grant = lock.acquire(&[("owner", "new")]).await;
