@@ -105,7 +105,7 @@ try:
 except ImportError as missing:
     sys.exit(
         f"client_procs: Python package {missing.name!r} is missing: "
-        "pip install -r scripts/requirements-bench.txt (CI: scripts/setup.sh)"
+        "pip install -r scripts/requirements-bench.txt"
     )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1203,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(render(report))
     if report["errors"]:
-        print(f"client_procs: {len(report['errors'])} point(s) failed; logs in {workdir}", file=sys.stderr)
+        print(f"client_procs: {len(report['errors'])} error(s); logs in {workdir}", file=sys.stderr)
         return 1
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
