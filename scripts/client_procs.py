@@ -119,12 +119,12 @@ BACKEND_OF = {
 }
 WORKLOADS = ("uncontended", "contended", "contended_greedy")
 
-TTL_S = 60
-WAIT_S = 60
-POLL_S = 0.001
-READY_TIMEOUT_S = 60
-STOP_TIMEOUT_S = 15
-START_MARGIN_NS = 50_000_000
+TTL_S = 60  # every lease
+WAIT_S = 60  # the longest an acquire waits (python-redis-lock allows at most its ttl)
+POLL_S = 0.001  # redis-plain's sleep between tries while the lock is busy
+READY_TIMEOUT_S = 60  # for servers, sidecars and client processes to come up
+STOP_TIMEOUT_S = 15  # for a process to end before it is killed
+START_MARGIN_NS = 50_000_000  # counters read -> measured window, so every client starts on time
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 ZK_JARS = (
