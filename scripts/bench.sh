@@ -3,12 +3,15 @@
 # loopback port (Debian's package, as scripts/setup.sh installs it), then
 # `sidelock-bench` on every backend — memory, Redis and Redlock on servers the
 # bench starts itself, ZooKeeper, PostgreSQL (the database in $BENCH_POSTGRES)
-# — with the Redis baselines, and draws the chart.
+# — with the Redis baselines, draws the chart, then runs the client-process
+# benchmark (scripts/client_procs.py: sidelock beside python-redis-lock, the
+# plain Redis recipe and kazoo, on a Redis of its own and the same ZooKeeper).
 #
 #   scripts/bench.sh [out-dir] [extra sidelock-bench args…]
 #
-# Writes <out-dir>/results.json, results.txt and bench-handoff.png
-# (default out-dir: docs/bench). Raises the open-file limit to its hard limit; 10,000 waiters need 20,000.
+# Writes <out-dir>/results.json, results.txt, bench-handoff.png,
+# client-procs.json and client-procs.txt (default out-dir: docs/bench).
+# Raises the open-file limit to its hard limit; 10,000 waiters need 20,000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/bench}
@@ -48,11 +51,22 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 
+# The Python tools' venv, rebuilt whenever their requirements change.
+if ! cmp -s scripts/requirements-bench.txt .venv-bench/requirements.txt 2>/dev/null; then
+  rm -rf .venv-bench
+  python3 -m venv .venv-bench
+  .venv-bench/bin/pip install -q -r scripts/requirements-bench.txt
+  cp scripts/requirements-bench.txt .venv-bench/requirements.txt
+fi
+
 cargo build --release --locked --workspace --bins
 target/release/sidelock-bench --workload all \
   --backend memory --backend redis --backend redlock --backend zookeeper --backend postgres \
   --spawn-redis --spawn-redlock --zookeeper "zk://127.0.0.1:$zkport" --postgres "$pg" \
   --json "$out/results.json" "$@" | tee "$out/results.txt"
 
-[[ -x .venv-bench/bin/python ]] || { python3 -m venv .venv-bench && .venv-bench/bin/pip install -q -r scripts/requirements-bench.txt; }
 .venv-bench/bin/python scripts/bench_chart.py "$out/results.json" "$out/bench-handoff.png"
+
+.venv-bench/bin/python scripts/client_procs.py --sidelock target/release/sidelock \
+  --zookeeper "127.0.0.1:$zkport" --zookeeper-pid "$zkpid" \
+  --json "$out/client-procs.json" | tee "$out/client-procs.txt"

@@ -41,9 +41,9 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install --locked cargo-nextest
 fi
 
-# The venv (Helm chart tests, API fuzzing) is rebuilt whenever the pinned
-# requirements change.
-requirements=(tests/helm/requirements.txt tests/fuzz/requirements.txt)
+# The venv (Helm chart tests, API fuzzing, the client-process benchmark's
+# smoke test) is rebuilt whenever the pinned requirements change.
+requirements=(tests/helm/requirements.txt tests/fuzz/requirements.txt tests/bench/requirements.txt)
 if ! cat "${requirements[@]}" | cmp -s - .venv/requirements.txt 2>/dev/null; then
   echo "setup: creating .venv"
   rm -rf .venv

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, checks formatting and
 # lints, runs the Rust tests (real sidecar processes over real HTTP), a short
-# schemathesis run against the API, and the Helm chart tests.
+# schemathesis run against the API, the Helm chart tests, and a smoke run of
+# the client-process benchmark (scripts/client_procs.py, debug sidecar).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -10,4 +11,4 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --workspace --locked --bins
 cargo nextest run --workspace --locked --profile ci
 scripts/fuzz-api.sh 100
-.venv/bin/pytest tests/helm -q
+.venv/bin/pytest tests/helm tests/bench -q
