@@ -20,33 +20,32 @@ import uuid
 import redis
 
 LUA = pathlib.Path(__file__).resolve().parent.parent / "src/backend/redis"
-SIDE_KEYS = ["holders", "expiry", "fence", "queue", "waiters", "heartbeat", "delay", "limit", "seq"]
 RELEASE_LUA = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end"
 )
 PAIRS, BATCH = 40_000, 64
+OWNER, SIDECAR = "anonymous-e1bd4f8395a6", "vm-67353f"
 
 
 def full_script(fast, body):
-    """As `fast_script` in src/backend/redis.rs: fast head, prelude, body."""
+    """As `fast_script` in src/backend/redis/scripts.rs: lean part, fast head, prelude, body."""
     read = lambda name: (LUA / name).read_text()
-    return f"{read(fast)}\n{read('prelude.lua')}\n{read(body)}"
+    return f"{read('lean.lua')}\n{read(fast)}\n{read('prelude.lua')}\n{read(body)}"
 
 
-def keys(n):
-    base = f"sidelock:bench-{n:04d}"
-    return [base] + ["{%s}:%s" % (base, s) for s in SIDE_KEYS] + ["sidelock:/index"]
+def key(n):
+    return f"sidelock:bench-{n:04d}"
 
 
 def acquire_args(n, token):
-    name = f"locks/bench-{n:04d}"
-    return [11, *keys(n), "l", f"sidelock:wake:{name}", name, "once", "", token,
-            "anonymous-e1bd4f8395a6", "vm-67353f", "x", "30000", "0", "0", "0", "15000", "1", "0"]
+    """An uncontended try-once exclusive acquire with a 30 s ttl, as the sidecar sends it."""
+    spec = f'30000 0 0 ["{OWNER}","{SIDECAR}"]'
+    return [1, key(n), "l", "o", "x", token, spec, "30000", "0", f'["{OWNER}",', SIDECAR,
+            "", "0", "0", "0", "1", "0"]
 
 
 def release_args(n, token):
-    name = f"locks/bench-{n:04d}"
-    return [11, *keys(n), "l", f"sidelock:wake:{name}", name, token]
+    return [1, key(n), "l", token, "1", SIDECAR, "sidelock:/sidecars/"]
 
 
 def measure(r, pid, label, acquire, release):
@@ -94,8 +93,8 @@ def main():
             lambda p, n, t: p.evalsha(noop_acquire, *acquire_args(n, t)),
             lambda p, n, t: p.evalsha(noop_release, *release_args(n, t)))
     measure(r, pid, "direct: SET NX PX + release script",
-            lambda p, n, t: p.set(keys(n)[0], t, nx=True, px=30_000),
-            lambda p, n, t: p.evalsha(direct_release, 1, keys(n)[0], t))
+            lambda p, n, t: p.set(key(n), t, nx=True, px=30_000),
+            lambda p, n, t: p.evalsha(direct_release, 1, key(n), t))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-//! The Lua scripts and their protocol: each script is `prelude.lua` plus its
-//! body (the fast paths run before the prelude), one [`Call`] writes an
-//! `EVALSHA` straight into one command buffer, and the readers below decode
+//! The Lua scripts and their protocol: each script is `lean.lua`, its fast
+//! path, `prelude.lua` and its body, in that order (the common cases return
+//! before the prelude); one [`Call`] writes an `EVALSHA` with the lock's
+//! main key straight into one command buffer, and the readers below decode
 //! the replies.
 
 use redis::{Cmd, ErrorKind, RedisError, Script, Value};
