@@ -2,7 +2,6 @@
 //! connection, reconnects with backoff (waking every key with local
 //! waiters), and the clock offset measured on connecting.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -15,6 +14,7 @@ use tokio_postgres::{AsyncMessage, NoTls};
 use crate::backend::{Error, chain};
 use crate::clock::{ms, now_ms};
 use crate::lock::LockKey;
+use crate::wakeups::Handoff;
 
 use super::errors::Failure;
 use super::sql::{NOW_SQL, ms_i64, quote_ident};
@@ -48,13 +48,13 @@ impl Inner {
 
     /// The arguments of one heartbeat, from this sidecar's tickets now.
     fn beat(&self) -> Beat {
-        let as_i64 = |set: &HashSet<u64>| -> Vec<i64> {
-            set.iter().filter_map(|&s| i64::try_from(s).ok()).collect()
+        let as_i64 = |seqs: &mut dyn Iterator<Item = &u64>| -> Vec<i64> {
+            seqs.filter_map(|&s| i64::try_from(s).ok()).collect()
         };
         let t = self.tickets();
         Beat {
-            live: as_i64(&t.live),
-            gone: as_i64(&t.gone),
+            live: as_i64(&mut t.live.keys()),
+            gone: as_i64(&mut t.gone.iter()),
             lapse_ms: ms_i64(LAPSE_AFTER),
             ghost_ms: ms_i64(GHOST_AFTER),
         }
@@ -154,8 +154,9 @@ impl Inner {
         *backoff = (*backoff * 2).min(MAX_BACKOFF);
     }
 
-    /// Opens the dedicated LISTEN connection; its notifications arrive on the channel,
-    /// which closes when the connection ends.
+    /// Opens the dedicated LISTEN connection, which holds this instance's
+    /// advisory lock; its notifications arrive on the channel, which closes
+    /// when the connection ends.
     pub(super) async fn connect_listener(
         &self,
     ) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<String>), Failure> {
@@ -180,6 +181,14 @@ impl Inner {
         });
         client
             .batch_execute(&format!("LISTEN {}", quote_ident(&self.channel)))
+            .await?;
+        // Held while this connection lives: a release hands a lock only to
+        // the waiter of a sidecar that holds it (see `pass_on()`).
+        client
+            .execute(
+                "SELECT pg_advisory_lock(hashtextextended('sidelock instance ' || $1, 0))",
+                &[&self.instance],
+            )
             .await?;
         Ok((client, rx))
     }
@@ -217,9 +226,10 @@ impl Inner {
             tokio::select! {
                 () = self.stop.cancelled() => break,
                 payload = notifications.recv() => match payload {
-                    Some(payload) => match LockKey::parse(&payload) {
-                        Some(key) => self.wakeups.wake(&key),
-                        None => tracing::debug!(payload, "ignoring a foreign notification"),
+                    Some(payload) => match (LockKey::parse(&payload), Handed::parse(&payload)) {
+                        (Some(key), _) => self.wakeups.wake(&key),
+                        (None, Some(handed)) => self.deliver(handed),
+                        (None, None) => tracing::debug!(payload, "ignoring a foreign notification"),
                     },
                     None => {
                         tracing::warn!("lost the LISTEN connection to PostgreSQL; reconnecting");
@@ -245,6 +255,58 @@ impl Inner {
             }
         }
         self.listening.send_replace(false);
+    }
+}
+
+/// A lease a release handed to a queued claim, as its notification
+/// `g <instance> <seq> <fence> <since ms> <expires ms> <key>` says.
+pub(super) struct Handed {
+    instance: String,
+    seq: u64,
+    fence: u64,
+    since_ms: i64,
+    expires_ms: i64,
+    key: LockKey,
+}
+
+impl Handed {
+    pub(super) fn parse(payload: &str) -> Option<Self> {
+        let mut fields = payload.strip_prefix("g ")?.split(' ');
+        let instance = fields.next()?.to_owned();
+        let mut number = || fields.next()?.parse::<i64>().ok();
+        let (seq, fence, since_ms, expires_ms) = (number()?, number()?, number()?, number()?);
+        Some(Self {
+            instance,
+            seq: u64::try_from(seq).ok()?,
+            fence: u64::try_from(fence).ok()?,
+            since_ms,
+            expires_ms,
+            key: LockKey::parse(fields.next()?)?,
+        })
+    }
+}
+
+impl Inner {
+    /// Gives a lease handed to one of this sidecar's tickets to its waiter
+    /// (the ticket is done with once it took it; one nobody waits on any
+    /// more is released by its dequeue). Anyone else's tells observers.
+    fn deliver(&self, h: Handed) {
+        let token = (h.instance == self.instance)
+            .then(|| self.tickets().live.get(&h.seq).cloned())
+            .flatten();
+        let Some(token) = token else {
+            self.wakeups.changed(&h.key);
+            return;
+        };
+        let lease = Handoff {
+            token,
+            fence: h.fence,
+            since_ms: self.local(h.since_ms),
+            expires_at_ms: self.local(h.expires_ms),
+        };
+        if self.wakeups.granted(&h.key, h.seq, lease) {
+            self.tickets().live.remove(&h.seq);
+        }
     }
 }
 

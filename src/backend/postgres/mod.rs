@@ -5,8 +5,8 @@
 //! migrated here at start-up under an advisory lock, so sidecars that start
 //! together on an empty database do not race. The SQL is in
 //! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
-//! replaces functions of 0001, `0003_*.sql` admits elections); the README
-//! documents every table and index.
+//! replaces functions of 0001, `0003_*.sql` admits elections, `0004_*.sql`
+//! hands locks over); the README documents every table and index.
 //!
 //! * Names are data: every row is keyed by (kind, name), kind `lock`,
 //!   `semaphore` or `election`, and names reach SQL only
@@ -19,7 +19,13 @@
 //!   expiry. It is mapped onto this process's clock with an offset measured
 //!   on connecting, chosen so that expiries look slightly early here, never
 //!   late.
-//! * Waiting never polls: every change that may let a waiter in sends
+//! * A release hands an exclusive lock to the first waiter in line in its
+//!   own transaction (`pass_on()` in `0004_handoff.sql`: the waiter's row
+//!   carries the lease it asks for) and tells that waiter's sidecar with
+//!   `NOTIFY <schema>_wake, 'g <instance> <seq> <fence> <since> <expires>
+//!   <kind>/<name>'`; waiters of sidecars whose listening connection is gone
+//!   (it holds an advisory lock on its instance) are passed by.
+//! * Waiting never polls: every other change that may let a waiter in sends
 //!   `NOTIFY <schema>_wake, '<kind>/<name>'`; one `LISTEN` connection per
 //!   sidecar wakes its local queue heads, and a waiter's own timer covers
 //!   holders that die. When that connection comes back after a loss, every
@@ -53,7 +59,7 @@ mod open;
 mod schema;
 mod sql;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -127,6 +133,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "elections: the key kind 'election' and one leader per name",
         sql: include_str!("0003_elections.sql"),
     },
+    Migration {
+        version: 4,
+        description: "a release hands an exclusive lock to the first waiter in line",
+        sql: include_str!("0004_handoff.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.
@@ -175,7 +186,9 @@ struct Inner {
 
 #[derive(Default)]
 struct Tickets {
-    live: HashSet<u64>,
+    /// Queued tickets, with the token each waiter row carries: the lease's,
+    /// when a release hands the lock to it.
+    live: HashMap<u64, Token>,
     gone: HashSet<u64>,
 }
 
@@ -201,11 +214,20 @@ impl Backend for Postgres {
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
         let inner = &self.inner;
-        let token = Token::generate();
         let (turn_name, seq) = match turn {
             Turn::Once => ("once", None),
             Turn::Join => ("join", None),
             Turn::Queued(ticket) => ("queued", i64::try_from(ticket.seq).ok()),
+        };
+        // A queued claim asks for the lease its row carries. A ticket this
+        // sidecar no longer holds was handed a lease just now: it waits in the
+        // waiter's place, which its wake-up makes it look at next.
+        let token = match turn {
+            Turn::Queued(ticket) => match inner.tickets().live.get(&ticket.seq) {
+                Some(token) => token.clone(),
+                None => return Ok(Attempt::Busy(Busy::default())),
+            },
+            _ => Token::generate(),
         };
         let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
         if matches!(turn, Turn::Join) && inner.heartbeat_is_old() {
@@ -230,6 +252,7 @@ impl Backend for Postgres {
                     &turn_name,
                     &seq,
                     &ms_i64(LAPSE_AFTER),
+                    &true,
                 ],
             )
             .await?;
@@ -240,7 +263,7 @@ impl Backend for Postgres {
         match (&reply, turn) {
             (AcquireReply::Busy(b), _) => {
                 if let Some(seq) = b.seq {
-                    inner.tickets().live.insert(seq);
+                    inner.tickets().live.insert(seq, token.clone());
                 }
             }
             // The grant removed the ticket.
@@ -278,9 +301,21 @@ impl Backend for Postgres {
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
         let inner = &self.inner;
-        inner.tickets().live.remove(&ticket.seq);
+        // Without its token (handed a lease the waiter took), nothing matches.
+        let token = inner
+            .tickets()
+            .live
+            .remove(&ticket.seq)
+            .map(|t| t.expose().to_owned())
+            .unwrap_or_default();
         let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
-        let result: Result<bool, Error> = inner.value("dequeue", &inner.sql.dequeue, &[&seq]).await;
+        let result: Result<bool, Error> = inner
+            .value(
+                "dequeue",
+                &inner.sql.dequeue,
+                &[&seq, &token, &ms_i64(LAPSE_AFTER)],
+            )
+            .await;
         if result.is_err() {
             // The row must not stay at the head of the queue: the heartbeat
             // removes it once the database is back.
@@ -317,7 +352,12 @@ impl Backend for Postgres {
             .value(
                 "release",
                 &self.inner.sql.release,
-                &[&key.kind.as_str(), &key.name.as_str(), &token.expose()],
+                &[
+                    &key.kind.as_str(),
+                    &key.name.as_str(),
+                    &token.expose(),
+                    &ms_i64(LAPSE_AFTER),
+                ],
             )
             .await?;
         Ok(remaining.map(|n| u32::try_from(n).unwrap_or(0)))

@@ -30,11 +30,11 @@ impl Sql {
         let fill = |template: &str| template.replace("{s}", &s);
         Self {
             acquire: fill(
-                "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)::text",
+                "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)::text",
             ),
-            dequeue: fill("SELECT {s}.dequeue($1)"),
+            dequeue: fill("SELECT {s}.dequeue($1, $2, $3)"),
             renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
-            release: fill("SELECT {s}.release($1, $2, $3)"),
+            release: fill("SELECT {s}.release($1, $2, $3, $4)"),
             status: fill(
                 "SELECT {s}.ms(expires_at), {s}.ms(clock_timestamp()) FROM {s}.leases \
                  WHERE token = $1 AND kind = $2 AND name = $3 AND expires_at > clock_timestamp()",
