@@ -148,6 +148,70 @@ async fn an_idle_postgres_is_as_loaded_by_twenty_sidecars_as_by_one() {
     );
 }
 
+/// An uncontended acquire and release through one sidecar costs PostgreSQL
+/// the same with ten sidecars listening as with one: a release with nobody
+/// waiting notifies nobody. (It used to NOTIFY the shared channel, and
+/// reading a notification costs every listening sidecar's connection a
+/// transaction: ten per release with ten sidecars.) Counted with
+/// `pg_stat_database`, which counts those reads too, once every sidecar has
+/// gone (a backend reports its counts when it ends): the pairs' cost is a
+/// database with pairs less one without, with the same sidecars.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_costs_postgres_the_same_whatever_the_number_of_sidecars() {
+    const PAIRS: usize = 50;
+    let cluster = PgCluster::start();
+    let admin = cluster.client("postgres").await;
+    let mut cost = Vec::new();
+    for count in [1, 10] {
+        let mut totals = Vec::new();
+        for pairs in [0, PAIRS] {
+            let db = format!("s{count}p{pairs}");
+            admin
+                .batch_execute(&format!("CREATE DATABASE {db}"))
+                .await
+                .expect("create database");
+            let running = sidecars(&cluster.url(&db), count).await;
+            let lock = running[0].api().lock("pairs");
+            // The monitor's first rounds, then the pairs.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            for _ in 0..pairs {
+                let grant = lock.acquire(&[]).await;
+                lock.release(&grant.token).await;
+            }
+            drop(running);
+            let total = common::eventually(
+                "the sidecars' connections closed",
+                Duration::from_secs(30),
+                async || {
+                    let row = admin
+                        .query_one(
+                            "SELECT (SELECT count(*) FROM pg_stat_activity WHERE datname = $1), \
+                                (SELECT xact_commit + xact_rollback FROM pg_stat_database \
+                                  WHERE datname = $1)",
+                            &[&db],
+                        )
+                        .await
+                        .expect("read pg_stat_database");
+                    (row.get::<_, i64>(0) == 0).then(|| row.get::<_, i64>(1))
+                },
+            )
+            .await;
+            totals.push(total);
+        }
+        cost.push(totals[1] - totals[0]);
+    }
+    eprintln!(
+        "{PAIRS} pairs: 1 sidecar {} transactions, 10 sidecars {}",
+        cost[0], cost[1]
+    );
+    assert!(
+        cost[1] as f64 <= cost[0] as f64 * 1.2 + 20.0,
+        "{PAIRS} uncontended pairs cost {} transactions with 10 sidecars, {} with 1",
+        cost[1],
+        cost[0]
+    );
+}
+
 /// Two sidecars elect one monitor; when it shuts down the other takes over
 /// — at once on ZooKeeper, whose watch reports the end of the lease, and
 /// after the announcements stop on Redis.

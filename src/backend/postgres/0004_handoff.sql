@@ -7,8 +7,11 @@
 -- max_hold and lock_delay), and the release of an exclusive lock grants it
 -- to the first waiter in line in its own transaction — the lease row, the
 -- next fence — telling that waiter's sidecar with
--- `NOTIFY <channel>, 'g <instance> <seq> <fence> <since ms> <expires ms> <key>'`:
--- a handoff is the release and the next join, 2 transactions. Waiters of
+-- `NOTIFY <channel>_<instance>, 'g <instance> <seq> <fence> <since ms> <expires ms> <key>'`
+-- on that sidecar's own channel: a handoff is the release and the next
+-- join, 2 transactions (and the listening sidecar's, 1, to read the
+-- notification). A release with nobody waiting notifies nobody, unless the
+-- key is an election's (its observers hear). Waiters of
 -- sidecars that stopped heartbeating, or whose LISTEN connection is gone
 -- (it holds an advisory lock on the instance), are passed by; a live one
 -- passed by while reconnecting queues again at its place when it looks.
@@ -23,6 +26,14 @@ ALTER TABLE {s}.waiters
     ADD COLUMN ttl_ms bigint,
     ADD COLUMN max_hold_ms bigint,
     ADD COLUMN lock_delay_ms bigint;
+
+-- A sidecar process's own channel, which its listening connection LISTENs
+-- on beside the shared one: `<schema>_wake_<first 8 characters of its
+-- instance>` (at most 62 bytes; two instances that share the 8 characters
+-- hear each other's handoffs and ignore them).
+CREATE FUNCTION {s}.own_channel(p_instance text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT {channel} || '_' || left(p_instance, 8) $$;
 
 -- With the key's row lock held and its leases gone: grants an exclusive
 -- lock to the first waiter in line whose sidecar lives and that carries its
@@ -40,9 +51,13 @@ BEGIN
     LOOP
         SELECT * INTO w FROM {s}.waiters
          WHERE kind = p_kind AND name = p_name ORDER BY seq LIMIT 1;
-        -- Nobody waits: the NOTIFY still tells an election's observers.
+        -- Nobody waits: only an election's observers need to hear (a
+        -- NOTIFY on the shared channel costs every listening sidecar a
+        -- transaction).
         IF NOT FOUND THEN
-            PERFORM {s}.wake(p_kind, p_name);
+            IF p_kind = 'election' THEN
+                PERFORM {s}.wake(p_kind, p_name);
+            END IF;
             RETURN;
         END IF;
         IF w.token IS NULL OR w.mode <> 'exclusive' OR p_kind = 'semaphore'
@@ -70,7 +85,8 @@ BEGIN
     VALUES (w.token, p_kind, p_name, w.owner, w.sidecar, 'exclusive', v_fence, 1,
             p_now, v_expires, v_cap, w.ttl_ms, w.lock_delay_ms);
     DELETE FROM {s}.waiters WHERE seq = w.seq;
-    PERFORM pg_notify({channel}, 'g ' || w.instance || ' ' || w.seq || ' ' || v_fence || ' '
+    PERFORM pg_notify({s}.own_channel(w.instance),
+                      'g ' || w.instance || ' ' || w.seq || ' ' || v_fence || ' '
                       || {s}.ms(p_now) || ' ' || {s}.ms(v_expires) || ' '
                       || {s}.key_text(p_kind, p_name));
 END

@@ -154,9 +154,10 @@ impl Inner {
         *backoff = (*backoff * 2).min(MAX_BACKOFF);
     }
 
-    /// Opens the dedicated LISTEN connection, which holds this instance's
-    /// advisory lock; its notifications arrive on the channel, which closes
-    /// when the connection ends.
+    /// Opens the dedicated LISTEN connection — on the shared channel and on
+    /// this process's own (`own_channel()` in `0004_handoff.sql`), holding
+    /// this instance's advisory lock; its notifications arrive on the
+    /// returned channel, which closes when the connection ends.
     pub(super) async fn connect_listener(
         &self,
     ) -> Result<(tokio_postgres::Client, mpsc::UnboundedReceiver<String>), Failure> {
@@ -180,7 +181,11 @@ impl Inner {
             }
         });
         client
-            .batch_execute(&format!("LISTEN {}", quote_ident(&self.channel)))
+            .batch_execute(&format!(
+                "LISTEN {}; LISTEN {}",
+                quote_ident(&self.channel),
+                quote_ident(&self.own_channel())
+            ))
             .await?;
         // Held while this connection lives: a release hands a lock only to
         // the waiter of a sidecar that holds it (see `pass_on()`).
@@ -287,6 +292,12 @@ impl Handed {
 }
 
 impl Inner {
+    /// This process's own channel, as `own_channel()` in `0004_handoff.sql` names it.
+    fn own_channel(&self) -> String {
+        let short: String = self.instance.chars().take(8).collect();
+        format!("{}_{short}", self.channel)
+    }
+
     /// Gives a lease handed to one of this sidecar's tickets to its waiter
     /// (the ticket is done with once it took it; one nobody waits on any
     /// more is released by its dequeue). Anyone else's tells observers.
