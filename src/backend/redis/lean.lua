@@ -82,11 +82,12 @@ end
 -- sidecar whose pub/sub connection was down finds its entry gone and queues
 -- again at its place. `mode` is "1" to hand over, "2" to hand over in a
 -- Cluster, "0" to wake the head instead (Redlock, where each node orders its
--- queue its own way), as for a shared or semaphore head: "h<seq>" names an
--- exclusive head, "r" lets every sidecar's head try. Returns true when it
+-- queue its own way), as for a shared or semaphore head: "h<seq> <main key>"
+-- on its sidecar's own channel names an exclusive head, "r" on the lock's
+-- channel lets every sidecar's head try. Returns true when it
 -- granted; the caller frees the main key otherwise.
 local function hand_over(mode, alive, stem)
-  local direct, counted = mode ~= "0", mode == "1"
+  local direct, counted = mode ~= "0", mode ~= "2"
   local Q = TAG .. "q"
   while true do
     local head = redis.pcall("LPOP", Q)
@@ -95,7 +96,12 @@ local function hand_over(mode, alive, stem)
     if e and not (direct and IS_LOCK and e.m == "x") then
       redis.call("LPUSH", Q, head)
       if IS_LOCK and e.m == "x" then
-        redis.call("PUBLISH", TAG .. "wake", "h" .. e.seq)
+        -- Only its sidecar can let it in: that sidecar alone wakes (on the
+        -- lock's channel when nobody listens on its own, e.g. an older one).
+        if redis.call("PUBLISH", stem .. sidecar_of(e.who), "h" .. e.seq .. " " .. MAIN) == 0
+            or not counted then
+          redis.call("PUBLISH", TAG .. "wake", "h" .. e.seq)
+        end
       else
         redis.call("PUBLISH", TAG .. "wake", "r")
       end

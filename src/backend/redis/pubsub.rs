@@ -123,12 +123,10 @@ pub(super) async fn pubsub(
             .iter()
             .map(|(c, (k, _))| (c.clone(), k.clone()))
             .collect();
-        // Its own channel first: where releases hand locks to this sidecar.
-        let own = node.handoff.then(|| node.own_channel());
-        let mut healthy = match &own {
-            Some(channel) => sink.subscribe(channel).await.is_ok(),
-            None => true,
-        };
+        // Its own channel first: where releases hand locks to this sidecar,
+        // or wake its waiter that heads a node's queue.
+        let own = node.own_channel();
+        let mut healthy = sink.subscribe(&own).await.is_ok();
         for (channel, _) in &current {
             if sink.subscribe(channel).await.is_err() {
                 healthy = false;
@@ -157,11 +155,19 @@ pub(super) async fn pubsub(
                 },
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
-                    if own.as_deref() == Some(msg.get_channel_name()) {
-                        if let Some(h) = handed(msg.get_payload_bytes())
+                    if own == msg.get_channel_name() {
+                        let payload = msg.get_payload_bytes();
+                        if let Some(h) = handed(payload)
                             && let Some(key) = node.lock_of(&h.main)
                         {
                             deliver(&node, &tickets, &wakeups, &key, h);
+                        } else if let Some((seq, key)) = head_named(payload)
+                            .and_then(|(seq, main)| Some((seq, node.lock_of(main)?)))
+                        {
+                            match numbering {
+                                Numbering::Shared => wakeups.wake_ticket(&key, seq),
+                                Numbering::PerNode => wakeups.wake(&key),
+                            }
                         }
                         continue;
                     }
@@ -241,6 +247,15 @@ fn deliver(
     if wakeups.granted(key, h.seq, lease) {
         track(tickets, key, h.seq, None);
     }
+}
+
+/// The ticket and main key a wake-up on this sidecar's own channel names
+/// (`h<seq> <main key>`: its waiter heads a node's queue).
+pub(super) fn head_named(payload: &[u8]) -> Option<(u64, &str)> {
+    let (seq, main) = std::str::from_utf8(payload.strip_prefix(b"h")?)
+        .ok()?
+        .split_once(' ')?;
+    Some((seq.parse().ok()?, main))
 }
 
 /// The ticket a release message names (`h<seq>`: only its holder can be
