@@ -431,10 +431,28 @@ async fn run_backend(
     }
     if has(args.workload, Workload::Contended) {
         target!(pair, spawned, target);
+        let sidecars: Vec<(&'static str, u32)> = target
+            .pids
+            .iter()
+            .flatten()
+            .map(|&pid| ("sidecar", pid))
+            .collect();
         for &c in contended_clients {
             eprintln!("[{label}] contended, {c} clients");
-            let lockers = (0..c).map(|i| target.locker_for(i, i)).collect();
             let name = format!("bench-c-{run_id}-{c}");
+            let mut processes = sidecars.clone();
+            if let Some(counter) = counter.as_mut() {
+                if counter.is_postgres() {
+                    // The sidecars open their connections, and with them
+                    // the server's processes, as the load asks: open them first.
+                    let lockers = (0..c).map(|i| target.locker_for(i, i)).collect();
+                    let warm = Duration::from_millis(500);
+                    let _ =
+                        workloads::contended(lockers, 0, warm, &name, &mut None, None, &[]).await;
+                }
+                processes.extend(counter.local_pids().await);
+            }
+            let lockers = (0..c).map(|i| target.locker_for(i, i)).collect();
             match workloads::contended(
                 lockers,
                 target.urls.len(),
@@ -442,6 +460,7 @@ async fn run_backend(
                 &name,
                 &mut counter,
                 None,
+                &processes,
             )
             .await
             {
@@ -600,6 +619,10 @@ async fn baselines(
                     }
                 }
                 let name = format!("bench-pc-{run_id}-{}-{c}", poll.as_millis());
+                let processes = match counter.as_mut() {
+                    Some(c) => c.local_pids().await,
+                    None => Vec::new(),
+                };
                 match workloads::contended(
                     lockers,
                     0,
@@ -607,6 +630,7 @@ async fn baselines(
                     &name,
                     &mut counter,
                     Some(&rt),
+                    &processes,
                 )
                 .await
                 {
@@ -696,8 +720,21 @@ async fn postgres_baselines(
                 return;
             };
             let name = format!("bench-pgc-{run_id}-{c}");
-            match workloads::contended(lockers, 0, args.duration, &name, &mut counter, Some(&rt))
-                .await
+            // The recipe's sessions are open: their server processes run.
+            let processes = match counter.as_mut() {
+                Some(counter) => counter.local_pids().await,
+                None => Vec::new(),
+            };
+            match workloads::contended(
+                lockers,
+                0,
+                args.duration,
+                &name,
+                &mut counter,
+                Some(&rt),
+                &processes,
+            )
+            .await
             {
                 Ok(r) => out.direct_postgres_contended.push(r),
                 Err(e) => out

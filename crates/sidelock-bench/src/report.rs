@@ -257,12 +257,12 @@ pub(crate) fn print_tables(r: &Report) {
     if !con.is_empty() {
         println!("\n## Contended (one lock, hold ~0)\n");
         println!(
-            "| system | clients | sidecars | grants/s | handoffs/s | handoff p50/p99 µs | max wait ms | round trips/grant | commands/grant | errors |"
+            "| system | clients | sidecars | grants/s | handoffs/s | handoff p50/p99 µs | max wait ms | round trips/grant | commands/grant | CPU µs/grant | errors |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|");
         for (label, c) in con {
             println!(
-                "| {label} | {} | {} | {:.0} | {:.0} | {}/{} | {:.1} | {} | {} | {} |",
+                "| {label} | {} | {} | {:.0} | {:.0} | {}/{} | {:.1} | {} | {} | {} | {} |",
                 c.clients,
                 c.sidecars,
                 c.grants_per_s,
@@ -272,6 +272,7 @@ pub(crate) fn print_tables(r: &Report) {
                 c.max_wait_ms,
                 opt(c.round_trips_per_grant),
                 opt(c.commands_per_grant),
+                cpu_shares(&c.cpu_us_per_grant),
                 c.errors
             );
         }

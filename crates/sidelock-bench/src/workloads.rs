@@ -54,6 +54,9 @@ pub struct Contended {
     /// after the measured time, is one acquire + one release).
     pub round_trips_per_grant: Option<f64>,
     pub commands_per_grant: Option<f64>,
+    /// CPU time per acquisition (µs) of the bench, the sidecars and the
+    /// backend's servers (when they run on this machine).
+    pub cpu_us_per_grant: BTreeMap<&'static str, f64>,
     pub errors: u64,
 }
 
@@ -240,6 +243,7 @@ pub async fn contended(
     name: &str,
     counter: &mut Option<Counter>,
     client_round_trips: Option<&AtomicU64>,
+    processes: &[(&'static str, u32)],
 ) -> Result<Contended, String> {
     let clients = lockers.len();
     let epoch = Instant::now();
@@ -330,6 +334,7 @@ pub async fn contended(
         }
         out
     };
+    let cpu = CpuMeter::start(processes);
     let (results, ops) = Counter::around(counter, client_round_trips, work).await;
     let (mut hand, mut wait) = (histogram(), histogram());
     let (mut grants, mut handoffs, mut all, mut errors) = (0, 0, 0, 0);
@@ -357,6 +362,7 @@ pub async fn contended(
         backend_ops: ops,
         round_trips_per_grant: ops.and_then(|o| per_grant(o.round_trips)),
         commands_per_grant: ops.and_then(|o| per_grant(o.commands)),
+        cpu_us_per_grant: cpu.per_op(all),
         errors,
     })
 }
