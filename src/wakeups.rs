@@ -28,6 +28,8 @@ pub struct Handoff {
 #[derive(Clone, Default)]
 pub struct Wakeups {
     queues: Arc<Mutex<HashMap<LockKey, LocalQueue>>>,
+    /// When the backend last sent this sidecar anything (Unix ms; 0: never).
+    heard_ms: Arc<std::sync::atomic::AtomicU64>,
     /// Observers of keys (elections): told of every change the backend reports.
     observers: Arc<Mutex<HashMap<LockKey, Arc<Notify>>>>,
 }
@@ -51,6 +53,18 @@ struct Slot {
 }
 
 impl Wakeups {
+    /// The backend sent this sidecar something (a message on a channel it
+    /// listens on): evidence, with its connection up, that it is reachable.
+    pub fn heard(&self) {
+        self.heard_ms
+            .store(crate::clock::now_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When the backend last sent this sidecar anything (Unix ms; 0: never).
+    pub fn heard_at(&self) -> u64 {
+        self.heard_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Something changed on `key` that may let a waiter in: wake the local head.
     pub fn wake(&self, key: &LockKey) {
         self.changed(key);

@@ -621,6 +621,15 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// Whether the connection on which the backend sends this sidecar
+    /// messages is up now (Redis's pub/sub, PostgreSQL's `LISTEN`), for
+    /// `/readyz`: with it up and a message or a reply heard lately, the
+    /// sidecar is ready without asking. `None` (the default): no such
+    /// connection; readiness asks the backend ([`ping`](Backend::ping)).
+    fn connected(&self) -> Option<bool> {
+        None
+    }
+
     /// Releases backend resources at shutdown.
     async fn close(&self) {}
 

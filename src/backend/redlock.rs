@@ -627,6 +627,16 @@ impl Backend for Redlock {
         watch(&self.members, &self.watchers, key, self.quorum).await
     }
 
+    /// Up while a majority of the nodes' pub/sub connections are.
+    fn connected(&self) -> Option<bool> {
+        let up = self
+            .members
+            .iter()
+            .filter(|m| m.connected.load(std::sync::atomic::Ordering::Relaxed))
+            .count();
+        Some(up >= self.quorum)
+    }
+
     async fn close(&self) {
         self.stop.cancel();
     }

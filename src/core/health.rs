@@ -43,6 +43,8 @@ struct State {
     seen: Seen,
     /// When the outage was last logged.
     logged: Instant,
+    /// When an operation last reached the backend.
+    reached: Option<Instant>,
 }
 
 impl Health {
@@ -54,6 +56,7 @@ impl Health {
             state: Mutex::new(State {
                 seen: Seen::Unknown,
                 logged: Instant::now(),
+                reached: None,
             }),
         }
     }
@@ -71,7 +74,19 @@ impl Health {
             );
         }
         state.seen = Seen::Up;
+        state.reached = Some(Instant::now());
         self.gauge.set(1.0);
+    }
+
+    /// Whether the last operation reached the backend, within `within`.
+    pub fn reached_within(&self, within: Duration) -> bool {
+        let state = self.lock();
+        state.seen == Seen::Up && state.reached.is_some_and(|at| at.elapsed() < within)
+    }
+
+    /// Whether the last operation could not reach the backend.
+    pub fn is_down(&self) -> bool {
+        matches!(self.lock().seen, Seen::Down { .. })
     }
 
     /// An operation could not reach the backend.

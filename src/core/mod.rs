@@ -44,10 +44,15 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::clock::{ms, now_ms};
 use crate::wakeups::Wakeups;
 pub use event::Event;
 
 use crate::backend::{self, Backend};
+
+/// How recent a reply or message from the backend must be for `/readyz` to
+/// answer without asking it ([`Core::ready`]).
+const READY_EVIDENCE: Duration = Duration::from_secs(15);
 use crate::error::Error;
 use crate::lock::{LockKey, Token};
 use crate::metrics::Metrics;
@@ -206,6 +211,22 @@ impl Core {
     /// Checks the backend answers (for `/readyz` and the health check).
     pub async fn ping(&self) -> Result<(), Error> {
         self.op("ping", self.backend.ping()).await
+    }
+
+    /// Whether the backend answers, for `/readyz`: without asking it when
+    /// the connection it sends this sidecar messages on is up and it replied
+    /// or sent something within [`READY_EVIDENCE`] (every sidecar hears the
+    /// monitor's announcement every 10 s), so that kubelets probing every pod
+    /// cost the backend nothing; else by asking ([`Core::ping`]).
+    pub async fn ready(&self) -> Result<(), Error> {
+        let heard = now_ms().saturating_sub(self.wakeups.heard_at()) < ms(READY_EVIDENCE);
+        if self.backend.connected() == Some(true)
+            && (heard || self.health.reached_within(READY_EVIDENCE))
+            && !self.health.is_down()
+        {
+            return Ok(());
+        }
+        self.ping().await
     }
 
     fn local(&self, token: &Token) -> Option<Arc<Local>> {

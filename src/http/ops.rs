@@ -74,7 +74,7 @@ pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Health>, Error> 
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    app.core.ping().await?;
+    app.core.ready().await?;
     Ok(Json(Health { status: "ready" }))
 }
 

@@ -212,6 +212,64 @@ async fn a_release_costs_postgres_the_same_whatever_the_number_of_sidecars() {
     );
 }
 
+/// The pings a sidecar sent its backend, by its own count.
+async fn pings(sidecar: &SidecarGuard) -> u64 {
+    let text = sidecar
+        .api()
+        .get(&["metrics"], &[])
+        .await
+        .text()
+        .await
+        .expect("metrics");
+    text.lines()
+        .filter(|l| l.starts_with("sidelock_backend_operations_total{"))
+        .filter(|l| l.contains("op=\"ping\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// A kubelet probing `/readyz` every few seconds on every pod costs an idle
+/// backend nothing: with the connection the backend sends the sidecar
+/// messages on up, and a message (the monitor's announcement every 10 s) or a
+/// reply heard lately, the sidecar answers without asking. It asked (a
+/// `PING`, a `SELECT 1`) at every probe before.
+#[rstest::rstest]
+#[case::redis("redis")]
+#[case::postgres("postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probes_cost_an_idle_backend_nothing(#[case] backend: &str) {
+    let (_redis, _pg, url) = match backend {
+        "redis" => {
+            let server = RedisServer::start().await;
+            let url = server.url();
+            (Some(server), None, url)
+        }
+        _ => {
+            let cluster = PgCluster::start();
+            let url = cluster.url("postgres");
+            (None, Some(cluster), url)
+        }
+    };
+    let running = sidecars(&url, 2).await;
+    // Both sidecars have heard the monitor, or elected it, by now.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = pings(&running[0]).await + pings(&running[1]).await;
+    // Longer than what they did at start-up counts as evidence (15 s).
+    for _ in 0..24 {
+        for sidecar in &running {
+            let ready = sidecar.api().get(&["readyz"], &[]).await;
+            assert_eq!(ready.status(), StatusCode::OK);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let after = pings(&running[0]).await + pings(&running[1]).await;
+    assert_eq!(
+        after - before,
+        0,
+        "48 probes of idle sidecars pinged {backend}"
+    );
+}
+
 /// Two sidecars elect one monitor; when it shuts down the other takes over
 /// — at once on ZooKeeper, whose watch reports the end of the lease, and
 /// after the announcements stop on Redis.

@@ -230,7 +230,7 @@ impl Inner {
         loop {
             tokio::select! {
                 () = self.stop.cancelled() => break,
-                payload = notifications.recv() => match payload {
+                payload = notifications.recv() => match payload.inspect(|_| self.wakeups.heard()) {
                     Some(payload) => match (LockKey::parse(&payload), Handed::parse(&payload)) {
                         (Some(key), _) => self.wakeups.wake(&key),
                         (None, Some(handed)) => self.deliver(handed),
@@ -246,7 +246,7 @@ impl Inner {
                         continue;
                     }
                     match tokio::time::timeout(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
-                        Ok(Ok(_)) => {}
+                        Ok(Ok(_)) => self.wakeups.heard(),
                         Ok(Err(e)) => {
                             tracing::warn!(error = %chain(&e), "heartbeat failed; reconnecting");
                             break;

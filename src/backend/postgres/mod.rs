@@ -565,6 +565,11 @@ impl Backend for Postgres {
         Ok(Box::new(()))
     }
 
+    /// The `LISTEN` connection.
+    fn connected(&self) -> Option<bool> {
+        Some(*self.inner.listening.borrow() && *self.inner.ready.borrow())
+    }
+
     async fn close(&self) {
         let inner = &self.inner;
         inner.stop.cancel();

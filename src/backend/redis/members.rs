@@ -44,6 +44,8 @@ pub struct Member {
     /// tick or acquire of the key.
     pub(super) suspect: Mutex<HashSet<LockKey>>,
     pub(super) subs: mpsc::UnboundedSender<Sub>,
+    /// Whether the pub/sub connection is up (connected and subscribed).
+    pub connected: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Whose numbering a node's queue tickets follow, which decides how a
@@ -68,15 +70,18 @@ impl Member {
         numbering: Numbering,
     ) -> Arc<Self> {
         let (subs, rx) = mpsc::unbounded_channel();
+        let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let member = Arc::new(Self {
             node: Arc::new(node),
             tickets: Arc::new(Mutex::new(HashMap::new())),
             suspect: Mutex::new(HashSet::new()),
             subs,
+            connected: connected.clone(),
         });
         tokio::spawn(pubsub(
             member.node.clone(),
             member.tickets.clone(),
+            connected,
             rx,
             watchers.clone(),
             wakeups.clone(),

@@ -186,6 +186,14 @@ impl Backend for Redis {
         watch(std::slice::from_ref(&self.member), &self.watchers, key, 1).await
     }
 
+    fn connected(&self) -> Option<bool> {
+        Some(
+            self.member
+                .connected
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
     async fn close(&self) {
         self.stop.cancel();
     }

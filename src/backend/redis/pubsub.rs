@@ -86,6 +86,7 @@ pub async fn watch(
 pub(super) async fn pubsub(
     node: Arc<Node>,
     tickets: Arc<std::sync::Mutex<Tickets>>,
+    up: Arc<std::sync::atomic::AtomicBool>,
     mut rx: mpsc::UnboundedReceiver<Sub>,
     watchers: Watchers,
     wakeups: Wakeups,
@@ -135,6 +136,7 @@ pub(super) async fn pubsub(
         if !healthy {
             continue;
         }
+        up.store(true, std::sync::atomic::Ordering::Relaxed);
         for (_, key) in &current {
             wakeups.wake(key);
         }
@@ -155,6 +157,7 @@ pub(super) async fn pubsub(
                 },
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
+                    wakeups.heard();
                     if own == msg.get_channel_name() {
                         let payload = msg.get_payload_bytes();
                         if let Some(h) = handed(payload)
@@ -189,6 +192,7 @@ pub(super) async fn pubsub(
                 }
             }
         }
+        up.store(false, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
     }
 }
