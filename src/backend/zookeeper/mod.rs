@@ -61,14 +61,49 @@
 //! # Data
 //!
 //! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
-//! expiry and fence. The fence is the zxid of the write that granted the lease,
-//! strictly increasing across the ensemble's life, also after the parent is
-//! removed and created again. The parent's data keeps the highest fence
-//! granted; a lock-delay is the data of a persistent child `_sidelock_delay`,
-//! which keeps the container parent from being reaped while the delay runs
-//! and is deleted once it is over. The per-lock ttl is enforced here: a node whose
-//! expiry passed is deleted by whichever sidecar notices (its status check, a
+//! expiry and fence. The fence is the zxid of the write that granted the
+//! lease — the create of a try-once claim admitted at once, else the
+//! `setData` that marked a waiting node held — and the node's `mzxid` until
+//! a later write stores it in the data; strictly increasing across the
+//! ensemble's life, also after the parent is removed and created again. The
+//! parent's data records the highest fence of the leases that ended on the
+//! lock, written by the request that deletes a lease's node (release,
+//! expiry, force-release; the fences of leases lost with the session are
+//! recorded through the next session): `inspect` shows it for a lock nobody
+//! holds. A lock-delay is the data of a persistent child `_sidelock_delay`,
+//! written by the request that deletes the expired or force-released lease,
+//! so that whoever sees the lease gone also sees the delay; it keeps the
+//! container parent from being reaped while the delay runs and is deleted
+//! once it is over. The per-lock ttl is enforced here: a node whose expiry
+//! passed is deleted by whichever sidecar notices (its status check, a
 //! waiter's expiry timer).
+//!
+//! # Requests
+//!
+//! A listing of a lock is one multi-read request: its children, then the
+//! parent's data and stat, then the delay node (three requests on
+//! ZooKeeper before 3.6, which has no multi-read). Concurrent callers in one
+//! sidecar share listings. With nobody else on the lock:
+//!
+//! * try-once acquire: create + listing = 2. The node is created as a
+//!   granted lease. With nothing ahead, no lock-delay and no child created or
+//!   deleted after the create (the parent's `pzxid` is at most the create's
+//!   zxid), it held from its creation: every earlier grant's node was gone
+//!   before it, so every earlier fence is below its `czxid`. If a child came
+//!   or went, a claim ahead may have been granted after the create: one
+//!   `setData` grants it again, with a newer zxid. Not admitted, the node is
+//!   deleted (busy, 3).
+//! * acquire that may wait: create (a waiting node) + listing + the `setData`
+//!   that grants it = 3; busy: + the holders' data and the watch on the
+//!   blocker.
+//! * release: one multi-request that deletes the node at the version this
+//!   sidecar last wrote and records its fence in the parent at the version
+//!   the grant's listing saw = 1. Renewal: one `setData` = 1. A write
+//!   through another sidecar (a re-entry, another release) moves a version:
+//!   the write fails and the node or the parent is read again.
+//! * a waiter's turn: listing + the `setData` that grants it = 2.
+//! * re-entry: create + listing + the holder's data + one multi-request that
+//!   raises the holder's count and deletes the new node = 4.
 //!
 //! # Sessions
 //!
@@ -109,6 +144,8 @@ use async_trait::async_trait;
 use tokio::sync::broadcast;
 use zookeeper_client as zk;
 
+use self::acquire::Own;
+use self::data::{Lease, Parent};
 use self::request::must;
 use self::tree::Lister;
 use super::url::Parts;
@@ -141,8 +178,8 @@ struct Inner {
     client: tokio::sync::Mutex<Option<zk::Client>>,
     /// Waiting nodes of this sidecar by (key, sequence): the tickets.
     tickets: Mutex<HashMap<(LockKey, u64), Queued>>,
-    /// Leases granted through this sidecar: token → node path.
-    leases: Mutex<HashMap<Token, String>>,
+    /// Leases granted through this sidecar, as it last wrote or read them.
+    leases: Mutex<HashMap<Token, Record>>,
     /// Shared children listings by (session, parent path), while in use. A
     /// listing is O(queue length): a burst of n waiters joining one lock,
     /// each listing on its own, would cost O(n²) bytes on the wire and in
@@ -151,6 +188,9 @@ struct Inner {
     listers: Mutex<HashMap<(i64, String), Arc<Lister>>>,
     /// Whether the parent-create call may use container nodes.
     containers: std::sync::atomic::AtomicBool,
+    /// Whether the server answers multi-reads (ZooKeeper 3.6 and later);
+    /// cleared at the first that it refuses.
+    multi_read: std::sync::atomic::AtomicBool,
     /// The session whose nodes count as this sidecar's; `None` between sessions.
     /// Locked before `leases`.
     session: Mutex<Option<zk::SessionId>>,
@@ -168,10 +208,23 @@ struct Inner {
 
 /// A waiting node of this sidecar.
 struct Queued {
-    /// The node's name under its lock's parent.
-    name: String,
+    /// The node as this sidecar wrote it (nobody else writes a waiting node).
+    own: Own,
     /// Whether a task watches what blocks it ([`Inner::follow`]).
     following: bool,
+}
+
+/// A lease granted through this sidecar: its node, which a release or
+/// renewal writes at the version it knows without reading it first (a
+/// write through another sidecar, a re-entry, makes it read again), and
+/// the lock node as the grant listed it, whose record the release updates
+/// in the same request.
+#[derive(Clone)]
+struct Record {
+    /// The lease's node.
+    lease: Lease,
+    /// The lock node.
+    parent: Parent,
 }
 
 impl ZooKeeper {
@@ -244,6 +297,7 @@ impl ZooKeeper {
                 leases: Mutex::new(HashMap::new()),
                 listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
+                multi_read: std::sync::atomic::AtomicBool::new(true),
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
                 losses: broadcast::channel(4096).0,

@@ -35,7 +35,7 @@ impl Inner {
         key: LockKey,
         parent: String,
         name: String,
-        listing: Listing,
+        listing: Arc<Listing>,
     ) {
         let Some(seq) = parse_child(&name).map(|c| c.seq) else {
             return;
@@ -62,7 +62,7 @@ impl Inner {
         key: &LockKey,
         parent: &str,
         name: &str,
-        listing: Listing,
+        listing: Arc<Listing>,
     ) -> Result<(), Error> {
         let Some(seq) = parse_child(name).map(|c| c.seq) else {
             return Ok(());
@@ -72,17 +72,19 @@ impl Inner {
             if !lock(&self.tickets).contains_key(&(key.clone(), seq)) {
                 return Ok(());
             }
-            let children = match listing.take() {
-                Some(children) => children,
+            let listing = match listing.take() {
+                Some(listing) => listing,
                 None => Box::pin(self.children(zk, "watch", parent)).await?,
             };
+            let children = &listing.children;
             let Some(at) = children.iter().position(|c| c.name == name) else {
                 return Ok(());
             };
             let (blocker, limit) = match (key.kind, children[at].mode) {
                 (Kind::Semaphore, _) => {
                     let limit =
-                        Box::pin(self.active_limit(zk, "watch", parent, &children)).await? as usize;
+                        Box::pin(self.active_limit(zk, "watch", parent, children, &mut Vec::new()))
+                            .await? as usize;
                     match at.cmp(&limit) {
                         std::cmp::Ordering::Less => (Blocker::Nothing, limit),
                         // The head of the queue: any deletion before it admits it.
@@ -109,7 +111,7 @@ impl Inner {
                     0,
                 ),
             };
-            drop(children);
+            drop(listing);
             let blocker = match blocker {
                 Blocker::Node(blocker) => blocker,
                 Blocker::Nothing => {
@@ -147,7 +149,7 @@ impl Inner {
                 // A deletion between the listing and the watch may have made
                 // the predecessor head, or admitted it: look again.
                 let again = Box::pin(self.children(zk, "watch", parent)).await?;
-                let moved = again.iter().position(|c| c.name == name) != Some(at);
+                let moved = again.children.iter().position(|c| c.name == name) != Some(at);
                 drop(again);
                 if moved {
                     continue;
