@@ -27,6 +27,17 @@ pub(super) struct Own {
     pub(super) stat: zk::Stat,
 }
 
+/// `data`, written as granted, as a waiting node's again: `max_hold` is
+/// the hold it asks for.
+fn waiting(mut data: NodeData, max_hold: Option<u64>) -> NodeData {
+    data.held = false;
+    data.since_ms = 0;
+    data.expires_at_ms = 0;
+    data.cap_ms = max_hold;
+    data.fence = 0;
+    data
+}
+
 /// `data` as a grant at `now` writes it: held, expiring a ttl from now,
 /// and, for a claim with a `max_hold`, capped at `now` plus that.
 fn granted(mut data: NodeData, max_hold: Option<u64>, now: u64) -> NodeData {
@@ -267,13 +278,12 @@ impl ZooKeeper {
         let max_hold = claim.max_hold.map(ms);
 
         // Our node: the ticket's, or a new one (then untracked until it is
-        // a lease or a ticket).
-        let (own, mut unclaimed) = match turn {
+        // a lease or a ticket); and whether the ticket's follower saw what
+        // blocked it go.
+        let (mut own, mut unclaimed, hinted) = match turn {
             Turn::Queued(t) => {
-                let known = lock(&me.tickets)
-                    .get(&(key.clone(), t.seq))
-                    .map(|q| q.own.clone());
-                let Some(own) = known else {
+                let mut tickets = lock(&me.tickets);
+                let Some(queued) = tickets.get_mut(&(key.clone(), t.seq)) else {
                     return Err(unavailable(
                         op,
                         Message(
@@ -282,7 +292,17 @@ impl ZooKeeper {
                         ),
                     ));
                 };
-                (own, None)
+                // Nothing that blocks it changed since it was queued (its
+                // follower would have dropped the answer): the answer then
+                // still holds, unless a timer woke it.
+                if let Some(busy) = queued.answer.take()
+                    && busy.retry_at_ms.is_none_or(|at| at > now_ms())
+                {
+                    return Ok(Attempt::Busy(busy));
+                }
+                let (own, hinted) = (queued.own.clone(), std::mem::take(&mut queued.hint));
+                drop(tickets);
+                (own, None, hinted)
             }
             Turn::Once | Turn::Join => {
                 if key.kind == Kind::Semaphore
@@ -350,7 +370,7 @@ impl ZooKeeper {
                     data,
                     stat,
                 };
-                (own, Some(unclaimed))
+                (own, Some(unclaimed), false)
             }
         };
         let path = format!("{parent}/{}", own.name);
@@ -361,8 +381,41 @@ impl ZooKeeper {
             parent: &parent,
         };
 
-        for _ in 0..CLAIM_ROUNDS {
-            let listing = me.children(&zk, op, &parent).await?;
+        for round in 0..CLAIM_ROUNDS {
+            // A lock waiter whose blocker went is first now, most likely:
+            // the write that grants it goes out before the listing that
+            // confirms it, both in one round trip (see below for when the
+            // write counts as the grant, and for its undoing).
+            let listing = if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
+                let data = granted(own.data.clone(), max_hold, now_ms());
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                // Sent as the request's future is made, before the listing's.
+                let write = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
+                let (written, listing) = tokio::join!(write, me.children(&zk, op, &parent));
+                match written? {
+                    Ok(stat) => {
+                        own = Own { data, stat, ..own };
+                        if let Turn::Queued(t) = turn
+                            && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
+                        {
+                            queued.own = own.clone();
+                        }
+                    }
+                    Err(zk::Error::NoNode) => {
+                        if let Turn::Queued(t) = turn {
+                            me.forget_ticket(key, t.seq);
+                        }
+                        return Err(unavailable(
+                            op,
+                            Message("this claim's node is gone (ZooKeeper session ended)".into()),
+                        ));
+                    }
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+                listing?
+            } else {
+                me.children(&zk, op, &parent).await?
+            };
             let children = &listing.children;
             let Some(index) = children.iter().position(|c| c.name == own.name) else {
                 if let Turn::Queued(t) = turn {
@@ -399,10 +452,13 @@ impl ZooKeeper {
             }
             let by_place = admitted(children, index, key.kind, limit);
             // The admitted nodes ahead of ours (expired leases deleted).
+            // One found gone changes nothing for a claim that waits anyway
+            // (its follower sees what blocks it); for one admitted by
+            // place, the holders and the fairness it saw are out of date.
             let (ahead, found) = me
                 .admitted_nodes(at, &listing, limit, Some(index), &known)
                 .await?;
-            if found != Found::Current {
+            if found == Found::Expired || (found == Found::Gone && by_place) {
                 continue;
             }
 
@@ -441,12 +497,13 @@ impl ZooKeeper {
                 me.clear_delay(&zk, op, &parent, version).await;
             }
             if by_place && fair && !delayed {
-                // Created as granted and no claim joined or left since:
-                // it held from its creation, whose zxid is its fence, above
-                // every earlier grant's (the claims ahead were gone before
-                // it). Else a claim ahead may have been granted after the
-                // create, and only a new write's zxid is sure to be above
-                // that.
+                // Written as granted (created so, or by the write sent
+                // with the listing) and no claim joined or left since that
+                // write: it held from that write, whose zxid is its fence,
+                // above every earlier grant's (the claims ahead were gone
+                // before it). Else a claim ahead may have been granted
+                // after that write, and only a new write's zxid is sure to
+                // be above that.
                 let grant = if own.data.held && listing.untouched_since(own.stat.mzxid) {
                     let lease = Lease {
                         path: path.clone(),
@@ -493,6 +550,18 @@ impl ZooKeeper {
                 .filter(|c| !ahead.iter().any(|n| n.child.name == c.name && n.is_held()))
                 .count()
                 + 1;
+            // A waiter written as granted with its listing waits again.
+            if own.data.held && matches!(turn, Turn::Queued(_)) {
+                let data = waiting(own.data.clone(), max_hold);
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                match call(op, zk.set_data(&path, &bytes, Some(own.stat.version))).await? {
+                    Ok(stat) => own = Own { data, stat, ..own },
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+                if let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), seq)) {
+                    queued.own = own.clone();
+                }
+            }
             match turn {
                 Turn::Once => {
                     if let Ok(()) | Err(zk::Error::NoNode) =
@@ -505,13 +574,24 @@ impl ZooKeeper {
                 }
                 Turn::Join => {
                     busy.position = Some(position);
-                    lock(&me.tickets).insert(
+                    let mut tickets = lock(&me.tickets);
+                    // Only this sidecar's first waiter on the key attempts
+                    // at once; the others keep no answer (it would stay in
+                    // memory for as long as they wait).
+                    let first = tickets
+                        .range((key.clone(), 0)..(key.clone(), seq))
+                        .next()
+                        .is_none();
+                    tickets.insert(
                         (key.clone(), seq),
                         Queued {
                             own: own.clone(),
                             following: false,
+                            answer: first.then(|| busy.clone()),
+                            hint: false,
                         },
                     );
+                    drop(tickets);
                     Unclaimed::settle(&mut unclaimed);
                     busy.ticket = Some(Ticket {
                         key: key.clone(),
@@ -520,11 +600,15 @@ impl ZooKeeper {
                 }
                 Turn::Queued(_) => busy.position = Some(position),
             }
-            // Watch what blocks this node before answering, so no release is missed.
+            // Admitted by place and fair, it waits for the lock-delay to
+            // end: its timer (`retry_at_ms`) wakes it, no node blocks it.
+            // Else watch what blocks it before answering, so no release
+            // is missed.
+            let waits_for_delay = by_place && fair && delayed;
             let following = lock(&me.tickets)
                 .get(&(key.clone(), seq))
                 .is_some_and(|q| q.following);
-            if !following {
+            if !waits_for_delay && !following {
                 let follower = me.clone();
                 let (zk, key, parent) = (zk.clone(), key.clone(), parent.clone());
                 tokio::spawn(follower.follow(zk, key, parent, own.name.clone(), listing));

@@ -255,10 +255,10 @@ impl Inner {
                 parent: record.parent.clone(),
                 ..Listing::default()
             };
+            // No wake-up here: the next waiter's watch on this node fires.
             match self.end_lease(zk, op, parent, lease, 0, &listing).await? {
                 Ok(()) => {
                     lock(&self.leases).remove(token);
-                    self.wakeups.wake(key);
                     Ok(Round::Done(Some(0)))
                 }
                 Err(Failed {

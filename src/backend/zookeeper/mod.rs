@@ -32,8 +32,16 @@
 //! # Watches
 //!
 //! A lock waiter watches only the node that blocks it (its predecessor for an
-//! exclusive claim, the nearest earlier exclusive node for a shared one), so a
-//! release fires one watch.
+//! exclusive claim, the nearest earlier exclusive node for a shared one),
+//! with a children watch on that node: it fires when the node is deleted and
+//! for nothing else (an ephemeral node has no children), so neither the grant
+//! nor the renewals that rewrite the blocker's data wake anyone, and a release
+//! fires one watch. Nodes ahead of a waiter only ever leave: when its blocker
+//! was the last thing ahead that could block it, the deletion admits it.
+//! Otherwise, if the waiter is its sidecar's first on the lock, the deletion
+//! wakes it, and its attempt lists the lock anyway, grants it or sets up the
+//! next watch; any other waiter lists the lock itself and watches its new
+//! blocker.
 //!
 //! A semaphore waiter at index `i` (children sorted by sequence, `L` the
 //! limit, `i >= L`) watches:
@@ -101,9 +109,20 @@
 //!   the grant's listing saw = 1. Renewal: one `setData` = 1. A write
 //!   through another sidecar (a re-entry, another release) moves a version:
 //!   the write fails and the node or the parent is read again.
-//! * a waiter's turn: listing + the `setData` that grants it = 2.
+//! * handoff to a waiter: the release (1); the waiter's watch fires, and its
+//!   attempt sends the `setData` that grants it together with its listing
+//!   (2, one round trip). The write is the grant when the listing shows the
+//!   node admitted, no lock-delay and no child created or deleted after the
+//!   write (as for a try-once create); else it is undone (waiting again) or
+//!   made again. The client that released and asks again queues: create +
+//!   listing + the holder's data (its busy answer, its expiry timer) + the
+//!   watch on its blocker (4). About 7 per handoff.
 //! * re-entry: create + listing + the holder's data + one multi-request that
 //!   raises the holder's count and deletes the new node = 4.
+//!
+//! When a claim queues as its sidecar's first waiter on the key, the
+//! core's attempt that follows at once gets the queueing attempt's answer
+//! again, without a request, while its follower has seen nothing change.
 //!
 //! # Sessions
 //!
@@ -136,7 +155,7 @@ mod session;
 mod tree;
 mod watch;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -176,8 +195,9 @@ struct Inner {
     wakeups: Wakeups,
     /// The current session; replaced when it expires.
     client: tokio::sync::Mutex<Option<zk::Client>>,
-    /// Waiting nodes of this sidecar by (key, sequence): the tickets.
-    tickets: Mutex<HashMap<(LockKey, u64), Queued>>,
+    /// Waiting nodes of this sidecar by (key, sequence): the tickets,
+    /// each key's in queue order.
+    tickets: Mutex<BTreeMap<(LockKey, u64), Queued>>,
     /// Leases granted through this sidecar, as it last wrote or read them.
     leases: Mutex<HashMap<Token, Record>>,
     /// Shared children listings by (session, parent path), while in use. A
@@ -212,6 +232,13 @@ struct Queued {
     own: Own,
     /// Whether a task watches what blocks it ([`Inner::follow`]).
     following: bool,
+    /// The answer of the attempt that queued it as this sidecar's first
+    /// waiter on the key, for its next attempt (the core's, at once):
+    /// dropped as soon as what blocks it changes, which its follower sees.
+    answer: Option<Busy>,
+    /// Set when its follower saw what blocked it go: its next attempt
+    /// probably grants it, and sends the granting write with its listing.
+    hint: bool,
 }
 
 /// A lease granted through this sidecar: its node, which a release or
@@ -293,7 +320,7 @@ impl ZooKeeper {
                 url: super::redact(url),
                 wakeups,
                 client: tokio::sync::Mutex::new(None),
-                tickets: Mutex::new(HashMap::new()),
+                tickets: Mutex::new(BTreeMap::new()),
                 leases: Mutex::new(HashMap::new()),
                 listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),

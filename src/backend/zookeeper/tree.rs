@@ -569,16 +569,16 @@ impl Inner {
             }
             nodes.push(node);
         }
+        // A node that went fired the watches on it; one this request
+        // deleted fires them too, and the local head is woken at once.
         let found = if expired {
+            self.wakeups.wake(key);
             Found::Expired
         } else if gone {
             Found::Gone
         } else {
             Found::Current
         };
-        if found != Found::Current {
-            self.wakeups.wake(key);
-        }
         Ok((nodes, found))
     }
 
