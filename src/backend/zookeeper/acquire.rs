@@ -280,6 +280,8 @@ impl ZooKeeper {
         // Our node: the ticket's, or a new one (then untracked until it is
         // a lease or a ticket); and whether the ticket's follower saw what
         // blocked it go.
+        // The lock as listed right after our node was created.
+        let mut listed = None;
         let (mut own, mut unclaimed, hinted) = match turn {
             Turn::Queued(t) => {
                 let mut tickets = lock(&me.tickets);
@@ -356,8 +358,15 @@ impl ZooKeeper {
                 let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
                 let mut tries = 0;
                 let (stat, seq) = loop {
-                    match call(op, zk.create(&prefix, &bytes, &opts)).await? {
-                        Ok(created) => break created,
+                    // The listing goes out right behind the create, which
+                    // the server answers first: one round trip for both.
+                    let create = call(op, zk.create(&prefix, &bytes, &opts));
+                    let (created, listing) = tokio::join!(create, me.children(&zk, op, &parent));
+                    match created? {
+                        Ok(created) => {
+                            listed = listing.ok();
+                            break created;
+                        }
                         Err(zk::Error::NoNode) if tries < 5 => {
                             tries += 1;
                             me.ensure_parent(&zk, &parent).await?;
@@ -386,7 +395,9 @@ impl ZooKeeper {
             // the write that grants it goes out before the listing that
             // confirms it, both in one round trip (see below for when the
             // write counts as the grant, and for its undoing).
-            let listing = if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
+            let listing = if let Some(listing) = listed.take() {
+                listing
+            } else if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
                 let data = granted(own.data.clone(), max_hold, now_ms());
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 // Sent as the request's future is made, before the listing's.

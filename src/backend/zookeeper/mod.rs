@@ -93,8 +93,9 @@
 //! ZooKeeper before 3.6, which has no multi-read). Concurrent callers in one
 //! sidecar share listings. With nobody else on the lock:
 //!
-//! * try-once acquire: create + listing = 2. The node is created as a
-//!   granted lease. With nothing ahead, no lock-delay and no child created or
+//! * try-once acquire: create + listing = 2, in one round trip (the listing
+//!   is sent right behind the create, which the server answers first). The
+//!   node is created as a granted lease. With nothing ahead, no lock-delay and no child created or
 //!   deleted after the create (the parent's `pzxid` is at most the create's
 //!   zxid), it held from its creation: every earlier grant's node was gone
 //!   before it, so every earlier fence is below its `czxid`. If a child came
