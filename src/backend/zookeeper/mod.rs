@@ -48,8 +48,8 @@
 //!
 //! * `i == L` (the head): the parent's children;
 //! * `i > L`: its predecessor (index `i - 1`, itself a waiter) for deletion
-//!   or a data change — a waiter's data changes exactly once, when it is
-//!   granted.
+//!   or a data change — a semaphore waiter's data changes exactly once, when
+//!   it is granted (its grant is never written ahead of its listing).
 //!
 //! Each registration is checked against a listing taken after it (the
 //! children watch returns one; a predecessor watch is followed by a second
@@ -76,10 +76,11 @@
 //! ensemble's life, also after the parent is removed and created again. The
 //! parent's data records the highest fence of the leases that ended on the
 //! lock, written by the request that deletes a lease's node (release,
-//! expiry, force-release; the fences of leases lost with the session are
-//! recorded through the next session): `inspect` shows it for a lock nobody
-//! holds. A lock-delay is the data of a persistent child `_sidelock_delay`,
-//! written by the request that deletes the expired or force-released lease,
+//! expiry; a force-release writes it right after its deletes, and the
+//! fences of leases lost with the session are recorded through the next
+//! session): `inspect` shows it for a lock nobody holds. A lock-delay is the
+//! data of a persistent child `_sidelock_delay`, written by the request that
+//! deletes the expired lease (by a force-release right after its deletes),
 //! so that whoever sees the lease gone also sees the delay; it keeps the
 //! container parent from being reaped while the delay runs and is deleted
 //! once it is over. The per-lock ttl is enforced here: a node whose expiry
@@ -95,13 +96,13 @@
 //!
 //! * try-once acquire: create + listing = 2, in one round trip (the listing
 //!   is sent right behind the create, which the server answers first). The
-//!   node is created as a granted lease. With nothing ahead, no lock-delay and no child created or
-//!   deleted after the create (the parent's `pzxid` is at most the create's
-//!   zxid), it held from its creation: every earlier grant's node was gone
-//!   before it, so every earlier fence is below its `czxid`. If a child came
-//!   or went, a claim ahead may have been granted after the create: one
-//!   `setData` grants it again, with a newer zxid. Not admitted, the node is
-//!   deleted (busy, 3).
+//!   node is created as a granted lease. With nothing ahead, no lock-delay
+//!   and no child created or deleted after the create (the parent's `pzxid`
+//!   is at most the create's zxid), it held from its creation: every earlier
+//!   grant's node was gone before it, so every earlier fence is below its
+//!   `czxid`. If a child came or went, a claim ahead may have been granted
+//!   after the create: one `setData` grants it again, with a newer zxid. Not
+//!   admitted, the node is deleted (busy: + the holders' data + the delete).
 //! * acquire that may wait: create (a waiting node) + listing + the `setData`
 //!   that grants it = 3; busy: + the holders' data and the watch on the
 //!   blocker.
