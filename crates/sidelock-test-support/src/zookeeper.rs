@@ -248,4 +248,22 @@ impl ZkServer {
     pub fn word(&self, i: usize, word: &str) -> String {
         four_letter_at(&self.ip, self.members[i].client_port, word).unwrap_or_default()
     }
+
+    /// Requests the running members have received from clients so far
+    /// (`zk_packets_received` of `mntr`, summed; session pings included).
+    /// Each call is one more: the `mntr` itself counts.
+    pub fn packets_received(&self) -> u64 {
+        (0..self.members.len())
+            .filter(|&i| self.members[i].child.is_some())
+            .map(|i| {
+                let out = self.word(i, "mntr");
+                out.lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once('\t')?;
+                        (k.trim() == "zk_packets_received").then(|| v.trim().parse::<u64>().ok())?
+                    })
+                    .unwrap_or_else(|| panic!("zk_packets_received not in mntr output:\n{out}"))
+            })
+            .sum()
+    }
 }

@@ -7,14 +7,52 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Node, NodeData, fence_of};
+use super::data::{Lease, Node, NodeData, Parent};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
-use super::request::{Message, OP_TIMEOUT, call, unavailable};
-use super::tree::admitted;
-use super::{Inner, Queued, ZooKeeper, lock};
-use crate::backend::{Attempt, Backend, Busy, Error, Grant, Holder, Ticket, Turn};
+use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
+use super::tree::{At, Found, admitted};
+use super::{Inner, Queued, Record, ZooKeeper, lock};
+use crate::backend::{Attempt, Busy, Error, Grant, Holder, Ticket, Turn};
 use crate::clock::{ms, now_ms};
 use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+
+/// A claim node of this sidecar as it last wrote it.
+#[derive(Debug, Clone)]
+pub(super) struct Own {
+    /// The node's name under its lock's parent.
+    pub(super) name: String,
+    /// Its data.
+    pub(super) data: NodeData,
+    /// Its stat after that write.
+    pub(super) stat: zk::Stat,
+}
+
+/// `data`, written as granted, as a waiting node's again: `max_hold` is
+/// the hold it asks for.
+fn waiting(mut data: NodeData, max_hold: Option<u64>) -> NodeData {
+    data.held = false;
+    data.since_ms = 0;
+    data.expires_at_ms = 0;
+    data.cap_ms = max_hold;
+    data.fence = 0;
+    data
+}
+
+/// `data` as a grant at `now` writes it: held, expiring a ttl from now,
+/// and, for a claim with a `max_hold`, capped at `now` plus that.
+fn granted(mut data: NodeData, max_hold: Option<u64>, now: u64) -> NodeData {
+    data.held = true;
+    data.since_ms = now;
+    data.cap_ms = max_hold.map(|hold| now.saturating_add(hold));
+    data.expires_at_ms = now.saturating_add(data.ttl_ms);
+    if let Some(cap) = data.cap_ms {
+        data.expires_at_ms = data.expires_at_ms.min(cap);
+    }
+    // The fence is the granting write's zxid, the node's mzxid until a
+    // later write stores it.
+    data.fence = 0;
+    data
+}
 
 /// A claim node this sidecar is creating, or created, that nothing tracks
 /// yet: not a lease, not a ticket. If the create's answer is lost
@@ -66,59 +104,120 @@ impl Inner {
         lock(&self.tickets).remove(&(key.clone(), seq));
     }
 
-    /// Grants the waiting node `node` (ours): marks it held and takes its fence.
+    /// Grants our node `own` with one write, marking it held; its fence is
+    /// that write's zxid. `None` when the node changed or went meanwhile.
     async fn grant(
         &self,
         zk: &zk::Client,
-        parent: &str,
         path: &str,
-        mut data: NodeData,
-        version: i32,
+        own: &Own,
+        max_hold: Option<u64>,
+        parent: &Parent,
     ) -> Result<Option<Grant>, Error> {
-        let now = now_ms();
-        data.held = true;
-        data.since_ms = now;
-        data.cap_ms = data.cap_ms.map(|hold| now.saturating_add(hold));
-        data.expires_at_ms = now.saturating_add(data.ttl_ms);
-        if let Some(cap) = data.cap_ms {
-            data.expires_at_ms = data.expires_at_ms.min(cap);
-        }
-        // One write grants: the fence is its zxid, above every earlier
-        // grant's, ever (the node's mzxid until a later write stores it).
-        data.fence = 0;
+        let data = granted(own.data.clone(), max_hold, now_ms());
         let bytes = serde_json::to_vec(&data).unwrap_or_default();
-        let stat = match call("try_acquire", zk.set_data(path, &bytes, Some(version))).await? {
+        let stat = match call(
+            "try_acquire",
+            zk.set_data(path, &bytes, Some(own.stat.version)),
+        )
+        .await?
+        {
             Ok(stat) => stat,
             Err(zk::Error::NoNode | zk::Error::BadVersion) => return Ok(None),
             Err(e) => return Err(unavailable("try_acquire", e)),
         };
-        data.fence = fence_of(&data, &stat);
-        let fence = data.fence;
-        self.update_parent(zk, "try_acquire", parent, |p| p.fence = p.fence.max(fence))
-            .await?;
-        let token = Token::from_client(data.token.clone());
+        let lease = Lease {
+            path: path.to_owned(),
+            data,
+            version: stat.version,
+            fence: u64::try_from(stat.mzxid).unwrap_or(0),
+        };
+        self.hold(zk, lease, parent.clone()).await.map(Some)
+    }
+
+    /// Records `lease`, just granted, as this sidecar's, and answers its
+    /// grant; if the session was given up meanwhile, deletes its node
+    /// instead: this sidecar never vouched for it.
+    async fn hold(&self, zk: &zk::Client, lease: Lease, parent: Parent) -> Result<Grant, Error> {
+        let token = Token::from_client(lease.data.token.clone());
+        let grant = Grant {
+            token: token.clone(),
+            fence: lease.fence,
+            count: lease.data.count,
+            since_ms: lease.data.since_ms,
+            expires_at_ms: lease.data.expires_at_ms,
+        };
+        let path = lease.path.clone();
         let current = {
             let session = lock(&self.session);
             let current = *session == Some(zk.session_id());
             if current {
-                lock(&self.leases).insert(token.clone(), path.to_owned());
+                lock(&self.leases).insert(token, Record { lease, parent });
             }
             current
         };
         if !current {
-            // The session was given up while granting: this lease was never vouched for.
-            let _ = call("try_acquire", zk.delete(path, None)).await;
+            let _ = call("try_acquire", zk.delete(&path, None)).await;
             return Err(unavailable(
                 "try_acquire",
                 Message("the ZooKeeper session was given up while granting".into()),
             ));
         }
+        Ok(grant)
+    }
+
+    /// Re-enters the lease of `node` (held by `claim`'s owner) for `claim`
+    /// and deletes our own node `own_path` in the same request. `None`
+    /// when either changed meanwhile.
+    async fn reenter(
+        &self,
+        zk: &zk::Client,
+        parent: &str,
+        node: &Node,
+        claim: &Claim,
+        own: (&str, i32),
+    ) -> Result<Option<Grant>, Error> {
+        let op = "try_acquire";
+        let Some(d) = node.data.as_ref().filter(|d| d.held) else {
+            return Ok(None);
+        };
+        let lease = Lease::of(parent, node, d);
+        let mut next = lease.next();
+        let now = now_ms();
+        next.count += 1;
+        next.expires_at_ms = next.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
+        if let Some(cap) = next.cap_ms {
+            next.expires_at_ms = next.expires_at_ms.min(cap);
+        }
+        let bytes = serde_json::to_vec(&next).unwrap_or_default();
+        let mut writer = zk.new_multi_writer();
+        for added in [
+            writer.add_set_data(&lease.path, &bytes, Some(lease.version)),
+            writer.add_delete(own.0, Some(own.1)),
+        ] {
+            added.map_err(|e| unavailable(op, e))?;
+        }
+        let results = match commit(op, writer.commit()).await? {
+            Ok(results) => results,
+            Err(Failed {
+                error: zk::Error::NoNode | zk::Error::BadVersion,
+                ..
+            }) => return Ok(None),
+            Err(Failed { error, .. }) => return Err(unavailable(op, error)),
+        };
+        let token = Token::from_client(next.token.clone());
+        if let Some(zk::MultiWriteResult::SetData { stat }) = results.first()
+            && let Some(record) = lock(&self.leases).get_mut(&token)
+        {
+            record.lease.data = next.clone();
+            record.lease.version = stat.version;
+        }
         Ok(Some(Grant {
             token,
-            fence: data.fence,
-            count: 1,
-            since_ms: data.since_ms,
-            expires_at_ms: data.expires_at_ms,
+            fence: lease.fence,
+            count: next.count,
+            since_ms: next.since_ms,
+            expires_at_ms: next.expires_at_ms,
         }))
     }
 
@@ -165,59 +264,28 @@ impl Inner {
 impl ZooKeeper {
     /// One claim attempt ([`Backend::try_acquire`] without its retry of a
     /// waiter cut off for a moment).
+    ///
+    /// A new claim creates its node first, then lists the lock (children,
+    /// the lock node's record and the delay node in one request): with
+    /// nobody ahead, a try-once claim, written as granted, holds from its
+    /// creation (2 requests); a waiting claim is granted by one more write.
     pub(super) async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
         let me = &self.inner;
         let zk = me.client().await?;
         let key = &claim.key;
         let parent = me.key_path(key);
         let op = "try_acquire";
-
-        // Re-entry: the same owner holding the lock in the same mode.
-        if key.kind.is_lock() {
-            let (_, nodes, _) = me.snapshot(&zk, op, key, &parent).await?;
-            for node in &nodes {
-                let Some(d) = &node.data else { continue };
-                if !(d.held && d.owner == claim.owner && node.child.mode == claim.mode) {
-                    continue;
-                }
-                let mut d = d.clone();
-                d.fence = fence_of(&d, &node.stat);
-                let now = now_ms();
-                d.count += 1;
-                d.expires_at_ms = d.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
-                if let Some(cap) = d.cap_ms {
-                    d.expires_at_ms = d.expires_at_ms.min(cap);
-                }
-                let path = format!("{parent}/{}", node.child.name);
-                let bytes = serde_json::to_vec(&d).unwrap_or_default();
-                match call(op, zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
-                    Ok(_) => {}
-                    Err(zk::Error::NoNode | zk::Error::BadVersion) => {
-                        return Box::pin(self.try_acquire(claim, turn)).await;
-                    }
-                    Err(e) => return Err(unavailable(op, e)),
-                }
-                if let Turn::Queued(t) = turn {
-                    self.dequeue(t).await?;
-                }
-                return Ok(Attempt::Granted(Grant {
-                    token: Token::from_client(d.token.clone()),
-                    fence: d.fence,
-                    count: d.count,
-                    since_ms: d.since_ms,
-                    expires_at_ms: d.expires_at_ms,
-                }));
-            }
-        }
+        let max_hold = claim.max_hold.map(ms);
 
         // Our node: the ticket's, or a new one (then untracked until it is
-        // a lease or a ticket).
-        let (name, mut unclaimed) = match turn {
+        // a lease or a ticket); and whether the ticket's follower saw what
+        // blocked it go.
+        // The lock as listed right after our node was created.
+        let mut listed = None;
+        let (mut own, mut unclaimed, hinted) = match turn {
             Turn::Queued(t) => {
-                let known = lock(&me.tickets)
-                    .get(&(key.clone(), t.seq))
-                    .map(|q| q.name.clone());
-                let Some(name) = known else {
+                let mut tickets = lock(&me.tickets);
+                let Some(queued) = tickets.get_mut(&(key.clone(), t.seq)) else {
                     return Err(unavailable(
                         op,
                         Message(
@@ -226,16 +294,27 @@ impl ZooKeeper {
                         ),
                     ));
                 };
-                (name, None)
+                // Nothing that blocks it changed since it was queued (its
+                // follower would have dropped the answer): the answer then
+                // still holds, unless a timer woke it.
+                if let Some(busy) = queued.answer.take()
+                    && busy.retry_at_ms.is_none_or(|at| at > now_ms())
+                {
+                    return Ok(Attempt::Busy(busy));
+                }
+                let (own, hinted) = (queued.own.clone(), std::mem::take(&mut queued.hint));
+                drop(tickets);
+                (own, None, hinted)
             }
             Turn::Once | Turn::Join => {
-                if key.kind == Kind::Semaphore && claim.limit.is_none() {
-                    let children = me.children(&zk, op, &parent).await?;
-                    if children.is_empty() {
-                        return Err(Error::LimitRequired);
-                    }
+                if key.kind == Kind::Semaphore
+                    && claim.limit.is_none()
+                    && me.children(&zk, op, &parent).await?.children.is_empty()
+                {
+                    return Err(Error::LimitRequired);
                 }
-                let data = NodeData {
+                let now = now_ms();
+                let mut data = NodeData {
                     token: Token::generate().expose().to_owned(),
                     owner: claim.owner.clone(),
                     sidecar: claim.sidecar.clone(),
@@ -243,13 +322,19 @@ impl ZooKeeper {
                     since_ms: 0,
                     expires_at_ms: 0,
                     ttl_ms: ms(claim.ttl),
-                    cap_ms: claim.max_hold.map(ms),
+                    cap_ms: max_hold,
                     lock_delay_ms: ms(claim.lock_delay),
                     count: 1,
                     fence: 0,
                     limit: claim.limit,
-                    queued_ms: now_ms(),
+                    queued_ms: now,
                 };
+                // A try-once claim never waits: written as granted, it
+                // holds from its creation if it is admitted then, and is
+                // deleted again if not.
+                if matches!(turn, Turn::Once) {
+                    data = granted(data, max_hold, now);
+                }
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 let infix = match (key.kind, claim.mode) {
                     (Kind::Semaphore, _) => EXCLUSIVE,
@@ -272,9 +357,16 @@ impl ZooKeeper {
                 let prefix = format!("{parent}/{}", unclaimed.prefix);
                 let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
                 let mut tries = 0;
-                let seq = loop {
-                    match call(op, zk.create(&prefix, &bytes, &opts)).await? {
-                        Ok((_, seq)) => break seq,
+                let (stat, seq) = loop {
+                    // The listing goes out right behind the create, which
+                    // the server answers first: one round trip for both.
+                    let create = call(op, zk.create(&prefix, &bytes, &opts));
+                    let (created, listing) = tokio::join!(create, me.children(&zk, op, &parent));
+                    match created? {
+                        Ok(created) => {
+                            listed = listing.ok();
+                            break created;
+                        }
                         Err(zk::Error::NoNode) if tries < 5 => {
                             tries += 1;
                             me.ensure_parent(&zk, &parent).await?;
@@ -282,137 +374,262 @@ impl ZooKeeper {
                         Err(e) => return Err(unavailable(op, e)),
                     }
                 };
-                (format!("{}{seq}", unclaimed.prefix), Some(unclaimed))
+                let own = Own {
+                    name: format!("{}{seq}", unclaimed.prefix),
+                    data,
+                    stat,
+                };
+                (own, Some(unclaimed), false)
             }
         };
-        let path = format!("{parent}/{name}");
+        let path = format!("{parent}/{}", own.name);
+        let at = At {
+            zk: &zk,
+            op,
+            key,
+            parent: &parent,
+        };
 
-        let (children, nodes, limit) = me.snapshot(&zk, op, key, &parent).await?;
-        let Some(at) = children.iter().position(|c| c.name == name) else {
-            if let Turn::Queued(t) = turn {
-                me.forget_ticket(key, t.seq);
-            }
-            return Err(unavailable(
-                op,
-                Message("this waiter's node is gone (ZooKeeper session ended)".into()),
-            ));
-        };
-        let seq = children[at].seq;
-        // Semaphore limit: the first node's limit is the active one.
-        if key.kind == Kind::Semaphore
-            && let Some(asked) = claim.limit
-            && asked != limit
-        {
-            if unclaimed.is_some()
-                && let Ok(()) | Err(zk::Error::NoNode) = call(op, zk.delete(&path, None)).await?
-            {
-                Unclaimed::settle(&mut unclaimed);
-            }
-            return Err(Error::LimitMismatch { active: limit });
-        }
-        // Read by the snapshot when admitted by place; else read it now.
-        let own = match nodes.iter().find(|n| n.child.name == name) {
-            Some(node) => Some(node.clone()),
-            None => me.read(&zk, op, &parent, &children[at]).await?,
-        };
-        let Some(own) = own else {
-            return Err(unavailable(
-                op,
-                Message("this claim's node vanished".into()),
-            ));
-        };
-        let now = now_ms();
-        let (pdata, _) = me.parent_data(&zk, op, &parent).await?;
-        let ahead: Vec<&Node> = nodes.iter().filter(|n| n.child.seq < seq).collect();
-        let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
-        let by_place = admitted(&children, at, key.kind, limit);
-        // Once/Join: busy while anyone waits ahead (fairness).
-        let fair = !matches!(turn, Turn::Once | Turn::Join)
-            || (queue_ahead == 0
-                && children[..at]
-                    .iter()
-                    .all(|c| nodes.iter().any(|n| n.child.name == c.name)));
-        // Parents written before delay nodes existed may carry a delay too.
-        let (marked, marker) = me.delay(&zk, op, &parent).await?;
-        let delay_until = marked.max(pdata.delay_until_ms);
-        let delayed = delay_until > now;
-        if !delayed && let Some(version) = marker {
-            me.clear_delay(&zk, op, &parent, version).await;
-        }
-        if by_place
-            && fair
-            && !delayed
-            && let Some(d) = own.data.clone()
-            && let Some(grant) = me.grant(&zk, &parent, &path, d, own.stat.version).await?
-        {
-            if let Turn::Queued(t) = turn {
-                me.forget_ticket(key, t.seq);
-            }
-            Unclaimed::settle(&mut unclaimed);
-            return Ok(Attempt::Granted(grant));
-        }
-
-        // Busy.
-        let holders: Vec<Holder> = nodes
-            .iter()
-            .filter(|n| n.is_held())
-            .map(|n| n.holder(claim.key.kind))
-            .collect();
-        let blocking = nodes
-            .iter()
-            .filter(|n| n.child.seq < seq && n.is_held())
-            .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
-            .map(|n| n.holder(claim.key.kind).expires_at_ms)
-            .min();
-        let retry_at_ms = if delayed { Some(delay_until) } else { blocking };
-        let waiting_total = children.len() - holders.len().min(children.len());
-        let mut busy = Busy {
-            holders,
-            queue_length: waiting_total,
-            position: None,
-            retry_at_ms,
-            ticket: None,
-        };
-        let position = children[..at]
-            .iter()
-            .filter(|c| !nodes.iter().any(|n| n.child.name == c.name && n.is_held()))
-            .count()
-            + 1;
-        match turn {
-            Turn::Once => {
-                if let Ok(()) | Err(zk::Error::NoNode) = call(op, zk.delete(&path, None)).await? {
-                    Unclaimed::settle(&mut unclaimed);
+        for round in 0..CLAIM_ROUNDS {
+            // A lock waiter whose blocker went is first now, most likely:
+            // the write that grants it goes out before the listing that
+            // confirms it, both in one round trip (see below for when the
+            // write counts as the grant, and for its undoing).
+            let listing = if let Some(listing) = listed.take() {
+                listing
+            } else if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
+                let data = granted(own.data.clone(), max_hold, now_ms());
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                // Sent as the request's future is made, before the listing's.
+                let write = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
+                let (written, listing) = tokio::join!(write, me.children(&zk, op, &parent));
+                match written? {
+                    Ok(stat) => {
+                        own = Own { data, stat, ..own };
+                        if let Turn::Queued(t) = turn
+                            && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
+                        {
+                            queued.own = own.clone();
+                        }
+                    }
+                    Err(zk::Error::NoNode) => {
+                        if let Turn::Queued(t) = turn {
+                            me.forget_ticket(key, t.seq);
+                        }
+                        return Err(unavailable(
+                            op,
+                            Message("this claim's node is gone (ZooKeeper session ended)".into()),
+                        ));
+                    }
+                    Err(e) => return Err(unavailable(op, e)),
                 }
-                busy.queue_length = waiting_total.saturating_sub(1);
-                return Ok(Attempt::Busy(busy));
+                listing?
+            } else {
+                me.children(&zk, op, &parent).await?
+            };
+            let children = &listing.children;
+            let Some(index) = children.iter().position(|c| c.name == own.name) else {
+                if let Turn::Queued(t) = turn {
+                    me.forget_ticket(key, t.seq);
+                }
+                return Err(unavailable(
+                    op,
+                    Message("this claim's node is gone (ZooKeeper session ended)".into()),
+                ));
+            };
+            let seq = children[index].seq;
+            let mut known = vec![Node {
+                child: children[index].clone(),
+                data: Some(own.data.clone()),
+                stat: own.stat,
+            }];
+            // Semaphore limit: the first node's limit is the active one.
+            let mut limit = 0;
+            if key.kind == Kind::Semaphore {
+                limit = me
+                    .active_limit(&zk, op, &parent, children, &mut known)
+                    .await?;
+                if let Some(asked) = claim.limit
+                    && asked != limit
+                {
+                    if unclaimed.is_some()
+                        && let Ok(()) | Err(zk::Error::NoNode) =
+                            call(op, zk.delete(&path, None)).await?
+                    {
+                        Unclaimed::settle(&mut unclaimed);
+                    }
+                    return Err(Error::LimitMismatch { active: limit });
+                }
             }
-            Turn::Join => {
-                lock(&me.tickets).insert(
-                    (key.clone(), seq),
-                    Queued {
-                        name: name.clone(),
-                        following: false,
-                    },
-                );
-                Unclaimed::settle(&mut unclaimed);
-                busy.ticket = Some(Ticket {
-                    key: key.clone(),
-                    seq,
-                });
-                busy.position = Some(position);
+            let by_place = admitted(children, index, key.kind, limit);
+            // The admitted nodes ahead of ours (expired leases deleted).
+            // One found gone changes nothing for a claim that waits anyway
+            // (its follower sees what blocks it); for one admitted by
+            // place, the holders and the fairness it saw are out of date.
+            let (ahead, found) = me
+                .admitted_nodes(at, &listing, limit, Some(index), &known)
+                .await?;
+            if found == Found::Expired || (found == Found::Gone && by_place) {
+                continue;
             }
-            Turn::Queued(_) => busy.position = Some(position),
+
+            // Re-entry: the same owner holding the lock in the same mode.
+            if key.kind.is_lock()
+                && let Some(node) = ahead.iter().find(|n| {
+                    n.data
+                        .as_ref()
+                        .is_some_and(|d| d.held && d.owner == claim.owner)
+                        && n.child.mode == claim.mode
+                })
+            {
+                match me
+                    .reenter(&zk, &parent, node, claim, (&path, own.stat.version))
+                    .await?
+                {
+                    Some(grant) => {
+                        if let Turn::Queued(t) = turn {
+                            me.forget_ticket(key, t.seq);
+                        }
+                        Unclaimed::settle(&mut unclaimed);
+                        return Ok(Attempt::Granted(grant));
+                    }
+                    None => continue,
+                }
+            }
+
+            let now = now_ms();
+            let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
+            // Once/Join: busy while anyone waits ahead (fairness).
+            let fair = !matches!(turn, Turn::Once | Turn::Join)
+                || (queue_ahead == 0 && ahead.len() == index);
+            let delay_until = listing.delay_until_ms();
+            let delayed = delay_until > now;
+            if !delayed && let Some((_, version)) = listing.delay {
+                me.clear_delay(&zk, op, &parent, version).await;
+            }
+            if by_place && fair && !delayed {
+                // Written as granted (created so, or by the write sent
+                // with the listing) and no claim joined or left since that
+                // write: it held from that write, whose zxid is its fence,
+                // above every earlier grant's (the claims ahead were gone
+                // before it). Else a claim ahead may have been granted
+                // after that write, and only a new write's zxid is sure to
+                // be above that.
+                let grant = if own.data.held && listing.untouched_since(own.stat.mzxid) {
+                    let lease = Lease {
+                        path: path.clone(),
+                        data: own.data.clone(),
+                        version: own.stat.version,
+                        fence: u64::try_from(own.stat.mzxid).unwrap_or(0),
+                    };
+                    Some(me.hold(&zk, lease, listing.parent.clone()).await?)
+                } else {
+                    me.grant(&zk, &path, &own, max_hold, &listing.parent)
+                        .await?
+                };
+                if let Some(grant) = grant {
+                    if let Turn::Queued(t) = turn {
+                        me.forget_ticket(key, t.seq);
+                    }
+                    Unclaimed::settle(&mut unclaimed);
+                    return Ok(Attempt::Granted(grant));
+                }
+            }
+            // Busy.
+            let holders: Vec<Holder> = ahead
+                .iter()
+                .filter(|n| n.is_held())
+                .map(|n| n.holder(claim.key.kind))
+                .collect();
+            let blocking = ahead
+                .iter()
+                .filter(|n| n.is_held())
+                .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
+                .map(|n| n.holder(claim.key.kind).expires_at_ms)
+                .min();
+            let retry_at_ms = if delayed { Some(delay_until) } else { blocking };
+            let waiting_total = children.len() - holders.len().min(children.len());
+            let mut busy = Busy {
+                holders,
+                queue_length: waiting_total,
+                position: None,
+                retry_at_ms,
+                ticket: None,
+            };
+            let position = children[..index]
+                .iter()
+                .filter(|c| !ahead.iter().any(|n| n.child.name == c.name && n.is_held()))
+                .count()
+                + 1;
+            // A waiter written as granted with its listing waits again.
+            if own.data.held && matches!(turn, Turn::Queued(_)) {
+                let data = waiting(own.data.clone(), max_hold);
+                let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                match call(op, zk.set_data(&path, &bytes, Some(own.stat.version))).await? {
+                    Ok(stat) => own = Own { data, stat, ..own },
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+                if let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), seq)) {
+                    queued.own = own.clone();
+                }
+            }
+            match turn {
+                Turn::Once => {
+                    if let Ok(()) | Err(zk::Error::NoNode) =
+                        call(op, zk.delete(&path, None)).await?
+                    {
+                        Unclaimed::settle(&mut unclaimed);
+                    }
+                    busy.queue_length = waiting_total.saturating_sub(1);
+                    return Ok(Attempt::Busy(busy));
+                }
+                Turn::Join => {
+                    busy.position = Some(position);
+                    let mut tickets = lock(&me.tickets);
+                    // Only this sidecar's first waiter on the key attempts
+                    // at once; the others keep no answer (it would stay in
+                    // memory for as long as they wait).
+                    let first = tickets
+                        .range((key.clone(), 0)..(key.clone(), seq))
+                        .next()
+                        .is_none();
+                    tickets.insert(
+                        (key.clone(), seq),
+                        Queued {
+                            own: own.clone(),
+                            following: false,
+                            answer: first.then(|| busy.clone()),
+                            hint: false,
+                        },
+                    );
+                    drop(tickets);
+                    Unclaimed::settle(&mut unclaimed);
+                    busy.ticket = Some(Ticket {
+                        key: key.clone(),
+                        seq,
+                    });
+                }
+                Turn::Queued(_) => busy.position = Some(position),
+            }
+            // Admitted by place and fair, it waits for the lock-delay to
+            // end: its timer (`retry_at_ms`) wakes it, no node blocks it.
+            // Else watch what blocks it before answering, so no release
+            // is missed.
+            let waits_for_delay = by_place && fair && delayed;
+            let following = lock(&me.tickets)
+                .get(&(key.clone(), seq))
+                .is_some_and(|q| q.following);
+            if !waits_for_delay && !following {
+                let follower = me.clone();
+                let (zk, key, parent) = (zk.clone(), key.clone(), parent.clone());
+                tokio::spawn(follower.follow(zk, key, parent, own.name.clone(), listing));
+            }
+            return Ok(Attempt::Busy(busy));
         }
-        // Watch what blocks this node before answering, so no release is missed.
-        let follower = me.clone();
-        let (zk2, key2, parent2) = (zk.clone(), key.clone(), parent.clone());
-        let following = lock(&me.tickets)
-            .get(&(key.clone(), seq))
-            .is_some_and(|q| q.following);
-        if !following {
-            tokio::spawn(follower.follow(zk2, key2, parent2, name, children));
-        }
-        Ok(Attempt::Busy(busy))
+        Err(unavailable(
+            op,
+            Message("the lock's children kept changing".into()),
+        ))
     }
 
     /// [`Backend::dequeue`]: deletes the ticket's node, in the background
@@ -421,7 +638,7 @@ impl ZooKeeper {
         let me = &self.inner;
         let name = lock(&me.tickets)
             .remove(&(ticket.key.clone(), ticket.seq))
-            .map(|q| q.name);
+            .map(|q| q.own.name);
         let Some(name) = name else { return Ok(()) };
         let zk = me.client().await?;
         let parent = me.key_path(&ticket.key);

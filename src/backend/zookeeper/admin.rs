@@ -20,8 +20,8 @@ impl Inner {
     pub(super) async fn inspect(self: &Arc<Self>, key: &LockKey) -> Result<State, Error> {
         let zk = self.client().await?;
         let parent = self.key_path(key);
-        let (children, nodes, limit) = self.snapshot(&zk, "inspect", key, &parent).await?;
-        let (pdata, _) = self.parent_data(&zk, "inspect", &parent).await?;
+        let (listing, nodes, limit) = self.snapshot(&zk, "inspect", key, &parent).await?;
+        let (children, pdata) = (&listing.children, &listing.parent.data);
         let holders: Vec<Holder> = nodes
             .iter()
             .filter(|n| n.is_held())
@@ -100,12 +100,12 @@ impl Inner {
                 continue;
             }
             let parent = self.key_path(&key);
-            let (children, nodes, _) = self.snapshot(&zk, "list", &key, &parent).await?;
+            let (listing, nodes, _) = self.snapshot(&zk, "list", &key, &parent).await?;
+            let (children, pdata) = (&listing.children, &listing.parent.data);
             if children.is_empty() {
                 continue;
             }
             let held = nodes.iter().filter(|n| n.is_held()).count();
-            let (pdata, _) = self.parent_data(&zk, "list", &parent).await?;
             let fence = nodes
                 .iter()
                 .filter(|n| n.is_held())
@@ -151,10 +151,9 @@ impl Inner {
                 raw.retain(|n| n != DELAY_NODE);
                 if raw.is_empty() {
                     let age = now.saturating_sub(u64::try_from(pstat.mtime).unwrap_or(0));
-                    let (pdata, _) = self.parent_data(&zk, "stale", &parent).await?;
-                    let (marked, marker) = self.delay(&zk, "stale", &parent).await?;
-                    let over = pdata.delay_until_ms.max(marked) <= now;
-                    if over && let Some(version) = marker {
+                    let listing = self.children(&zk, "stale", &parent).await?;
+                    let over = listing.delay_until_ms() <= now;
+                    if over && let Some((_, version)) = listing.delay {
                         self.clear_delay(&zk, "stale", &parent, version).await;
                     }
                     // An empty parent whose lock-delay is over is removed; a
@@ -246,7 +245,7 @@ impl Inner {
         let parent = self.key_path(key);
         let (_, nodes, _) = self.snapshot(&zk, "force_release", key, &parent).await?;
         let mut tokens = Vec::new();
-        let mut delay = 0;
+        let (mut delay, mut fence) = (0, 0);
         for node in &nodes {
             let Some(d) = node.data.as_ref().filter(|d| d.held) else {
                 continue;
@@ -258,19 +257,20 @@ impl Inner {
                     lock(&self.leases).remove(&token);
                     tokens.push(token);
                     delay = delay.max(d.lock_delay_ms);
+                    fence = fence.max(fence_of(d, &node.stat));
                 }
                 Err(zk::Error::NoNode) => {}
                 Err(e) => return Err(unavailable("force_release", e)),
             }
         }
-        if delay > 0 {
-            self.record_delay(
-                &zk,
-                "force_release",
-                &parent,
-                now_ms().saturating_add(delay),
-            )
-            .await?;
+        if !tokens.is_empty() {
+            let until = if delay > 0 {
+                now_ms().saturating_add(delay)
+            } else {
+                0
+            };
+            self.record_end(&zk, "force_release", &parent, fence, until)
+                .await?;
         }
         if !tokens.is_empty() {
             self.wakeups.wake(key);

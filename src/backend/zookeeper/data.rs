@@ -48,13 +48,68 @@ pub(super) struct NodeData {
 /// What sidelock stores in a lock's parent node.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct ParentData {
-    /// The highest fence granted on the lock.
+    /// The highest fence of a lease that ended on the lock: recorded by the
+    /// write that deleted its node (older sidecars recorded it at the grant).
     #[serde(default)]
     pub(super) fence: u64,
     /// The end of the lock-delay (kept in the delay node; older parents
     /// carry it themselves).
     #[serde(default)]
     pub(super) delay_until_ms: u64,
+}
+
+impl ParentData {
+    /// This record once a lease with `fence` has ended (the delay is kept).
+    pub(super) fn ended(&self, fence: u64) -> Self {
+        Self {
+            fence: self.fence.max(fence),
+            delay_until_ms: self.delay_until_ms,
+        }
+    }
+}
+
+/// A lock's parent node as a listing found it: its record and the version
+/// a write to it must match.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Parent {
+    /// The node's data.
+    pub(super) data: ParentData,
+    /// Its version; `None` when there is no lock node.
+    pub(super) version: Option<i32>,
+}
+
+/// A held claim node as this sidecar last wrote or read it: what a write to
+/// it must match, and the fence of its lease.
+#[derive(Debug, Clone)]
+pub(super) struct Lease {
+    /// The node's path.
+    pub(super) path: String,
+    /// Its data (whose `fence` may still be 0, see [`fence_of`]).
+    pub(super) data: NodeData,
+    /// Its version.
+    pub(super) version: i32,
+    /// The lease's fence.
+    pub(super) fence: u64,
+}
+
+impl Lease {
+    /// The lease of the held node `node` under `parent`.
+    pub(super) fn of(parent: &str, node: &Node, data: &NodeData) -> Self {
+        Self {
+            path: format!("{parent}/{}", node.child.name),
+            data: data.clone(),
+            version: node.stat.version,
+            fence: fence_of(data, &node.stat),
+        }
+    }
+
+    /// The node's data for its next write, which moves its `mzxid`: with
+    /// the fence stored.
+    pub(super) fn next(&self) -> NodeData {
+        let mut d = self.data.clone();
+        d.fence = self.fence;
+        d
+    }
 }
 
 /// A child with its data, once read.

@@ -1,18 +1,133 @@
 //! Leases: renewing, releasing and checking the node of one granted claim.
+//!
+//! A lease granted through this sidecar is written at the version this
+//! sidecar knows ([`Record`]), without reading it first: one request per
+//! renewal or release. A write through another sidecar (a re-entry, a
+//! renewal there) moves the version; the write then fails and the node is
+//! read again.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::fence_of;
-use super::request::{CLAIM_ROUNDS, Message, Round, call, retry_on_conflict, unavailable};
-use super::{Inner, lock};
+use super::data::{Lease, fence_of};
+use super::request::{
+    CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
+};
+use super::tree::Listing;
+use super::{Inner, Record, lock};
 use crate::backend::{Error, Loss, Status};
 use crate::clock::{ms, now_ms};
 use crate::lock::{LockKey, Token};
 
 impl Inner {
+    /// The lease of `token` under `parent`: this sidecar's record, else
+    /// found by a scan (a lease granted through another sidecar); `None`
+    /// when it holds nothing there.
+    async fn lease_of(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        token: &Token,
+    ) -> Result<Option<Record>, Error> {
+        let prefix = format!("{parent}/");
+        let known = lock(&self.leases)
+            .get(token)
+            .filter(|r| r.lease.path.starts_with(&prefix))
+            .cloned();
+        if known.is_some() {
+            return Ok(known);
+        }
+        let listing = self.children(zk, op, parent).await?;
+        for c in &listing.children {
+            if let Some(node) = self.read(zk, op, parent, c).await?
+                && let Some(d) = node.data.as_ref()
+                && d.held
+                && d.token == token.expose()
+            {
+                return Ok(Some(Record {
+                    lease: Lease::of(parent, &node, d),
+                    parent: listing.parent.clone(),
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads the node of `record` again after a write to it failed on its
+    /// version: the fresh lease, which this sidecar's record takes on;
+    /// `None` (and no record) once it no longer holds `token`.
+    async fn refresh(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        token: &Token,
+        record: &Record,
+    ) -> Result<Option<Lease>, Error> {
+        let fresh = match call(op, zk.get_data(&record.lease.path)).await? {
+            Ok((bytes, stat)) => serde_json::from_slice::<super::data::NodeData>(&bytes)
+                .ok()
+                .filter(|d| d.held && d.token == token.expose())
+                .map(|d| Lease {
+                    path: record.lease.path.clone(),
+                    fence: fence_of(&d, &stat),
+                    data: d,
+                    version: stat.version,
+                }),
+            Err(zk::Error::NoNode) => None,
+            Err(e) => return Err(unavailable(op, e)),
+        };
+        let mut leases = lock(&self.leases);
+        match &fresh {
+            Some(lease) => {
+                if let Some(r) = leases.get_mut(token) {
+                    r.lease = lease.clone();
+                }
+            }
+            None => {
+                leases.remove(token);
+            }
+        }
+        Ok(fresh)
+    }
+
+    /// Takes on `lease` as written at `version` in this sidecar's record of
+    /// `token`, if it has one.
+    fn wrote(&self, token: &Token, lease: &Lease, version: i32) {
+        if let Some(r) = lock(&self.leases).get_mut(token) {
+            r.lease = Lease {
+                version,
+                ..lease.clone()
+            };
+        }
+    }
+
+    /// A lease past its expiry by `record`: read again (a renewal through
+    /// another sidecar may have moved it) and, still expired, deleted with
+    /// its lock-delay. True when it was deleted or is gone.
+    async fn ended(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        token: &Token,
+        record: &Record,
+    ) -> Result<bool, Error> {
+        let Some(lease) = self.refresh(zk, op, token, record).await? else {
+            return Ok(true);
+        };
+        if lease.data.expires_at_ms > now_ms() {
+            return Ok(false);
+        }
+        let gone = self.expire_lease(zk, op, parent, &lease, None).await?;
+        if gone {
+            lock(&self.leases).remove(token);
+        }
+        Ok(gone)
+    }
+
     /// [`Backend::renew`](crate::backend::Backend::renew): moves the expiry
     /// of `token`'s node; `None` when it holds nothing.
     pub(super) async fn renew(
@@ -24,45 +139,60 @@ impl Inner {
         if self.is_revoked(token) {
             return Ok(None);
         }
+        let op = "renew";
         let zk = self.client().await?;
         let parent = self.key_path(key);
         // References, which every round's future copies.
         let (zk, parent) = (&zk, &parent);
         let renewed = retry_on_conflict(CLAIM_ROUNDS, || async move {
-            let Some(node) = self.find(zk, "renew", parent, token).await? else {
+            let Some(record) = self.lease_of(zk, op, parent, token).await? else {
                 return Ok(Round::Done(None));
             };
-            let Some(mut d) = node.data.clone() else {
-                return Ok(Round::Done(None));
-            };
-            // This write moves the node's mzxid: store the fence first.
-            d.fence = fence_of(&d, &node.stat);
             let now = now_ms();
-            if d.expires_at_ms <= now {
-                self.expire(zk, "renew", parent, &node).await?;
-                return Ok(Round::Done(None));
+            if record.lease.data.expires_at_ms <= now {
+                return Ok(if self.ended(zk, op, parent, token, &record).await? {
+                    Round::Done(None)
+                } else {
+                    Round::Conflict
+                });
             }
-            let mut until = now.saturating_add(ttl.map_or(d.ttl_ms, ms));
-            if let Some(cap) = d.cap_ms {
+            let lease = &record.lease;
+            // This write moves the node's mzxid: the fence is stored in it.
+            let mut next = lease.next();
+            let mut until = now.saturating_add(ttl.map_or(next.ttl_ms, ms));
+            if let Some(cap) = next.cap_ms {
                 until = until.min(cap);
             }
-            d.expires_at_ms = until;
-            let bytes = serde_json::to_vec(&d).unwrap_or_default();
-            let path = format!("{parent}/{}", node.child.name);
-            match call("renew", zk.set_data(&path, &bytes, Some(node.stat.version))).await? {
-                Ok(_) => Ok(Round::Done(Some(until))),
-                Err(zk::Error::NoNode) => Ok(Round::Done(None)),
-                Err(zk::Error::BadVersion) => Ok(Round::Conflict),
-                Err(e) => Err(unavailable("renew", e)),
+            next.expires_at_ms = until;
+            let bytes = serde_json::to_vec(&next).unwrap_or_default();
+            match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await? {
+                Ok(stat) => {
+                    let written = Lease {
+                        data: next,
+                        ..lease.clone()
+                    };
+                    self.wrote(token, &written, stat.version);
+                    Ok(Round::Done(Some(until)))
+                }
+                Err(zk::Error::NoNode) => {
+                    lock(&self.leases).remove(token);
+                    Ok(Round::Done(None))
+                }
+                Err(zk::Error::BadVersion) => {
+                    self.refresh(zk, op, token, &record).await?;
+                    Ok(Round::Conflict)
+                }
+                Err(e) => Err(unavailable(op, e)),
             }
         })
         .await?;
-        renewed.ok_or_else(|| unavailable("renew", Message("lease kept changing".into())))
+        renewed.ok_or_else(|| unavailable(op, Message("lease kept changing".into())))
     }
 
     /// [`Backend::release`](crate::backend::Backend::release): lowers the
-    /// hold count of `token`'s node, deleting it at zero; `None` when it
-    /// holds nothing.
+    /// hold count of `token`'s node, deleting it at zero — in the same
+    /// request as it records the lease's fence in the lock node; `None`
+    /// when it holds nothing.
     pub(super) async fn release(
         self: &Arc<Self>,
         key: &LockKey,
@@ -71,50 +201,96 @@ impl Inner {
         if self.is_revoked(token) {
             return Ok(None);
         }
+        let op = "release";
         let zk = self.client().await?;
         let parent = self.key_path(key);
         // References, which every round's future copies.
         let (zk, parent) = (&zk, &parent);
-        let released = retry_on_conflict(CLAIM_ROUNDS, || async move {
-            let Some(node) = self.find(zk, "release", parent, token).await? else {
+        // Concurrent releases of a semaphore's permits or of shared holds
+        // all write the lock node's record: as many rounds as for the
+        // lock's other records.
+        let released = retry_on_conflict(PARENT_ROUNDS, || async move {
+            let Some(mut record) = self.lease_of(zk, op, parent, token).await? else {
                 return Ok(Round::Done(None));
             };
-            let Some(mut d) = node.data.clone() else {
-                return Ok(Round::Done(None));
-            };
-            d.fence = fence_of(&d, &node.stat);
-            if d.expires_at_ms <= now_ms() {
-                self.expire(zk, "release", parent, &node).await?;
-                self.wakeups.wake(key);
-                return Ok(Round::Done(None));
+            if record.lease.data.expires_at_ms <= now_ms() {
+                return Ok(if self.ended(zk, op, parent, token, &record).await? {
+                    self.wakeups.wake(key);
+                    Round::Done(None)
+                } else {
+                    Round::Conflict
+                });
             }
-            let path = format!("{parent}/{}", node.child.name);
-            let version = Some(node.stat.version);
-            let result = if d.count > 1 {
-                d.count -= 1;
-                let bytes = serde_json::to_vec(&d).unwrap_or_default();
-                call("release", zk.set_data(&path, &bytes, version))
-                    .await?
-                    .map(|_| ())
-            } else {
-                d.count = 0;
-                call("release", zk.delete(&path, version)).await?
-            };
-            match result {
-                Ok(()) => {
-                    if d.count == 0 {
-                        lock(&self.leases).remove(token);
-                        self.wakeups.wake(key);
+            let lease = &record.lease;
+            if lease.data.count > 1 {
+                let mut next = lease.next();
+                next.count -= 1;
+                let count = next.count;
+                let bytes = serde_json::to_vec(&next).unwrap_or_default();
+                return match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await?
+                {
+                    Ok(stat) => {
+                        let written = Lease {
+                            data: next,
+                            ..lease.clone()
+                        };
+                        self.wrote(token, &written, stat.version);
+                        Ok(Round::Done(Some(count)))
                     }
-                    Ok(Round::Done(Some(d.count)))
+                    Err(zk::Error::NoNode) => {
+                        lock(&self.leases).remove(token);
+                        Ok(Round::Done(None))
+                    }
+                    Err(zk::Error::BadVersion) => {
+                        self.refresh(zk, op, token, &record).await?;
+                        Ok(Round::Conflict)
+                    }
+                    Err(e) => Err(unavailable(op, e)),
+                };
+            }
+            if record.parent.version.is_none() {
+                record.parent = self.parent_data(zk, op, parent).await?;
+            }
+            let listing = Listing {
+                parent: record.parent.clone(),
+                ..Listing::default()
+            };
+            // No wake-up here: the next waiter's watch on this node fires.
+            match self.end_lease(zk, op, parent, lease, 0, &listing).await? {
+                Ok(()) => {
+                    lock(&self.leases).remove(token);
+                    Ok(Round::Done(Some(0)))
                 }
-                Err(zk::Error::NoNode) => Ok(Round::Done(None)),
-                Err(zk::Error::BadVersion) => Ok(Round::Conflict),
-                Err(e) => Err(unavailable("release", e)),
+                Err(Failed {
+                    index: 0,
+                    error: zk::Error::NoNode,
+                }) => {
+                    lock(&self.leases).remove(token);
+                    Ok(Round::Done(None))
+                }
+                Err(Failed {
+                    index: 0,
+                    error: zk::Error::BadVersion,
+                }) => {
+                    self.refresh(zk, op, token, &record).await?;
+                    Ok(Round::Conflict)
+                }
+                // The lock node's record changed since it was read.
+                Err(Failed {
+                    error: zk::Error::BadVersion,
+                    ..
+                }) => {
+                    let fresh = self.parent_data(zk, op, parent).await?;
+                    if let Some(r) = lock(&self.leases).get_mut(token) {
+                        r.parent = fresh;
+                    }
+                    Ok(Round::Conflict)
+                }
+                Err(Failed { error, .. }) => Err(unavailable(op, error)),
             }
         })
         .await?;
-        released.ok_or_else(|| unavailable("release", Message("lease kept changing".into())))
+        released.ok_or_else(|| unavailable(op, Message("lease kept changing".into())))
     }
 
     /// [`Backend::status`](crate::backend::Backend::status): whether `token`
@@ -142,7 +318,7 @@ impl Inner {
             return Ok(Status::Gone(Loss::Backend));
         };
         if d.expires_at_ms <= now_ms() {
-            self.expire(&zk, "status", &parent, &node).await?;
+            self.expire(&zk, "status", &parent, &node, None).await?;
             lock(&self.leases).remove(token);
             self.wakeups.wake(key);
             return Ok(Status::Gone(Loss::Expired));

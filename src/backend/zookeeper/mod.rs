@@ -32,16 +32,24 @@
 //! # Watches
 //!
 //! A lock waiter watches only the node that blocks it (its predecessor for an
-//! exclusive claim, the nearest earlier exclusive node for a shared one), so a
-//! release fires one watch.
+//! exclusive claim, the nearest earlier exclusive node for a shared one),
+//! with a children watch on that node: it fires when the node is deleted and
+//! for nothing else (an ephemeral node has no children), so neither the grant
+//! nor the renewals that rewrite the blocker's data wake anyone, and a release
+//! fires one watch. Nodes ahead of a waiter only ever leave: when its blocker
+//! was the last thing ahead that could block it, the deletion admits it.
+//! Otherwise, if the waiter is its sidecar's first on the lock, the deletion
+//! wakes it, and its attempt lists the lock anyway, grants it or sets up the
+//! next watch; any other waiter lists the lock itself and watches its new
+//! blocker.
 //!
 //! A semaphore waiter at index `i` (children sorted by sequence, `L` the
 //! limit, `i >= L`) watches:
 //!
 //! * `i == L` (the head): the parent's children;
 //! * `i > L`: its predecessor (index `i - 1`, itself a waiter) for deletion
-//!   or a data change — a waiter's data changes exactly once, when it is
-//!   granted.
+//!   or a data change — a semaphore waiter's data changes exactly once, when
+//!   it is granted (its grant is never written ahead of its listing).
 //!
 //! Each registration is checked against a listing taken after it (the
 //! children watch returns one; a predecessor watch is followed by a second
@@ -61,14 +69,62 @@
 //! # Data
 //!
 //! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
-//! expiry and fence. The fence is the zxid of the write that granted the lease,
-//! strictly increasing across the ensemble's life, also after the parent is
-//! removed and created again. The parent's data keeps the highest fence
-//! granted; a lock-delay is the data of a persistent child `_sidelock_delay`,
-//! which keeps the container parent from being reaped while the delay runs
-//! and is deleted once it is over. The per-lock ttl is enforced here: a node whose
-//! expiry passed is deleted by whichever sidecar notices (its status check, a
+//! expiry and fence. The fence is the zxid of the write that granted the
+//! lease — the create of a try-once claim admitted at once, else the
+//! `setData` that marked a waiting node held — and the node's `mzxid` until
+//! a later write stores it in the data; strictly increasing across the
+//! ensemble's life, also after the parent is removed and created again. The
+//! parent's data records the highest fence of the leases that ended on the
+//! lock, written by the request that deletes a lease's node (release,
+//! expiry; a force-release writes it right after its deletes, and the
+//! fences of leases lost with the session are recorded through the next
+//! session): `inspect` shows it for a lock nobody holds. A lock-delay is the
+//! data of a persistent child `_sidelock_delay`, written by the request that
+//! deletes the expired lease (by a force-release right after its deletes),
+//! so that whoever sees the lease gone also sees the delay; it keeps the
+//! container parent from being reaped while the delay runs and is deleted
+//! once it is over. The per-lock ttl is enforced here: a node whose expiry
+//! passed is deleted by whichever sidecar notices (its status check, a
 //! waiter's expiry timer).
+//!
+//! # Requests
+//!
+//! A listing of a lock is one multi-read request: its children, then the
+//! parent's data and stat, then the delay node (three requests on
+//! ZooKeeper before 3.6, which has no multi-read). Concurrent callers in one
+//! sidecar share listings. With nobody else on the lock:
+//!
+//! * try-once acquire: create + listing = 2, in one round trip (the listing
+//!   is sent right behind the create, which the server answers first). The
+//!   node is created as a granted lease. With nothing ahead, no lock-delay
+//!   and no child created or deleted after the create (the parent's `pzxid`
+//!   is at most the create's zxid), it held from its creation: every earlier
+//!   grant's node was gone before it, so every earlier fence is below its
+//!   `czxid`. If a child came or went, a claim ahead may have been granted
+//!   after the create: one `setData` grants it again, with a newer zxid. Not
+//!   admitted, the node is deleted (busy: + the holders' data + the delete).
+//! * acquire that may wait: create (a waiting node) + listing + the `setData`
+//!   that grants it = 3; busy: + the holders' data and the watch on the
+//!   blocker.
+//! * release: one multi-request that deletes the node at the version this
+//!   sidecar last wrote and records its fence in the parent at the version
+//!   the grant's listing saw = 1. Renewal: one `setData` = 1. A write
+//!   through another sidecar (a re-entry, another release) moves a version:
+//!   the write fails and the node or the parent is read again.
+//! * handoff to a waiter: the release (1); the waiter's watch fires, and its
+//!   attempt sends the `setData` that grants it together with its listing
+//!   (2, one round trip). The write is the grant when the listing shows the
+//!   node admitted, no lock-delay and no child created or deleted after the
+//!   write (as for a try-once create); else it is undone (waiting again) or
+//!   made again. The client that released and asks again queues: create +
+//!   listing + the holder's data (its busy answer, its expiry timer) + the
+//!   watch on its blocker (4). About 7 per handoff.
+//! * re-entry: create + listing + the holder's data + one multi-request that
+//!   raises the holder's count and deletes the new node = 4.
+//!
+//! When a claim queues as its sidecar's first waiter on the key, the
+//! core's attempt that follows at once gets the queueing attempt's answer
+//! again, without a request, while its follower has seen nothing change.
 //!
 //! # Sessions
 //!
@@ -101,7 +157,7 @@ mod session;
 mod tree;
 mod watch;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -109,6 +165,8 @@ use async_trait::async_trait;
 use tokio::sync::broadcast;
 use zookeeper_client as zk;
 
+use self::acquire::Own;
+use self::data::{Lease, Parent};
 use self::request::must;
 use self::tree::Lister;
 use super::url::Parts;
@@ -139,10 +197,11 @@ struct Inner {
     wakeups: Wakeups,
     /// The current session; replaced when it expires.
     client: tokio::sync::Mutex<Option<zk::Client>>,
-    /// Waiting nodes of this sidecar by (key, sequence): the tickets.
-    tickets: Mutex<HashMap<(LockKey, u64), Queued>>,
-    /// Leases granted through this sidecar: token → node path.
-    leases: Mutex<HashMap<Token, String>>,
+    /// Waiting nodes of this sidecar by (key, sequence): the tickets,
+    /// each key's in queue order.
+    tickets: Mutex<BTreeMap<(LockKey, u64), Queued>>,
+    /// Leases granted through this sidecar, as it last wrote or read them.
+    leases: Mutex<HashMap<Token, Record>>,
     /// Shared children listings by (session, parent path), while in use. A
     /// listing is O(queue length): a burst of n waiters joining one lock,
     /// each listing on its own, would cost O(n²) bytes on the wire and in
@@ -151,6 +210,9 @@ struct Inner {
     listers: Mutex<HashMap<(i64, String), Arc<Lister>>>,
     /// Whether the parent-create call may use container nodes.
     containers: std::sync::atomic::AtomicBool,
+    /// Whether the server answers multi-reads (ZooKeeper 3.6 and later);
+    /// cleared at the first that it refuses.
+    multi_read: std::sync::atomic::AtomicBool,
     /// The session whose nodes count as this sidecar's; `None` between sessions.
     /// Locked before `leases`.
     session: Mutex<Option<zk::SessionId>>,
@@ -168,10 +230,30 @@ struct Inner {
 
 /// A waiting node of this sidecar.
 struct Queued {
-    /// The node's name under its lock's parent.
-    name: String,
+    /// The node as this sidecar wrote it (nobody else writes a waiting node).
+    own: Own,
     /// Whether a task watches what blocks it ([`Inner::follow`]).
     following: bool,
+    /// The answer of the attempt that queued it as this sidecar's first
+    /// waiter on the key, for its next attempt (the core's, at once):
+    /// dropped as soon as what blocks it changes, which its follower sees.
+    answer: Option<Busy>,
+    /// Set when its follower saw what blocked it go: its next attempt
+    /// probably grants it, and sends the granting write with its listing.
+    hint: bool,
+}
+
+/// A lease granted through this sidecar: its node, which a release or
+/// renewal writes at the version it knows without reading it first (a
+/// write through another sidecar, a re-entry, makes it read again), and
+/// the lock node as the grant listed it, whose record the release updates
+/// in the same request.
+#[derive(Clone)]
+struct Record {
+    /// The lease's node.
+    lease: Lease,
+    /// The lock node.
+    parent: Parent,
 }
 
 impl ZooKeeper {
@@ -240,10 +322,11 @@ impl ZooKeeper {
                 url: super::redact(url),
                 wakeups,
                 client: tokio::sync::Mutex::new(None),
-                tickets: Mutex::new(HashMap::new()),
+                tickets: Mutex::new(BTreeMap::new()),
                 leases: Mutex::new(HashMap::new()),
                 listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
+                multi_read: std::sync::atomic::AtomicBool::new(true),
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
                 losses: broadcast::channel(4096).0,

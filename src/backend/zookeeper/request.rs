@@ -56,6 +56,35 @@ pub(super) async fn call<T>(
     }
 }
 
+/// The operation of a multi-request that failed, which undid the others.
+#[derive(Debug)]
+pub(super) struct Failed {
+    /// Its index among the request's operations.
+    pub(super) index: usize,
+    /// ZooKeeper's answer to it (NoNode, BadVersion, NodeExists…).
+    pub(super) error: zk::Error,
+}
+
+/// Commits one multi-request: `Err` when ZooKeeper is unreachable, else
+/// the results, or the operation that failed.
+pub(super) async fn commit(
+    op: &'static str,
+    fut: impl Future<Output = Result<Vec<zk::MultiWriteResult>, zk::MultiWriteError>>,
+) -> Result<Result<Vec<zk::MultiWriteResult>, Failed>, Error> {
+    let answer = call(op, async {
+        match fut.await {
+            Ok(results) => Ok(Ok(results)),
+            Err(zk::MultiWriteError::OperationFailed { index, source }) => Ok(Err(Failed {
+                index,
+                error: source,
+            })),
+            Err(zk::MultiWriteError::RequestFailed { source }) => Err(source),
+        }
+    })
+    .await?;
+    answer.map_err(|e| unavailable(op, e))
+}
+
 /// Like [`call`], treating every error as an outage.
 pub(super) async fn must<T>(
     op: &'static str,
@@ -64,21 +93,23 @@ pub(super) async fn must<T>(
     call(op, fut).await?.map_err(|e| unavailable(op, e))
 }
 
-/// Rounds a compare-and-set on a lock's own records gets: the parent's
-/// fence and its delay node. Every grant on the lock writes the fence, and
-/// every expiry or force-release with a lock-delay the delay node, so all
-/// sidecars granting on the lock compete for the same version. A lost round
-/// means another writer's write went through, so 20 rounds carry a writer
-/// through a burst of up to 20 concurrent writers (a semaphore's permits
-/// granted at once) and still end a request that keeps losing.
+/// Rounds a compare-and-set on a lock's own records gets: the lock node's
+/// fence record and its delay node. Every lease that ends on the lock
+/// writes the record (in the request that deletes its node), and every
+/// expiry or force-release with a lock-delay the delay node, so all
+/// sidecars ending leases on the lock compete for the same version. A lost
+/// round means another writer's write went through, so 20 rounds carry a
+/// writer through a burst of up to 20 concurrent writers (a semaphore's
+/// permits released at once) and still end a request that keeps losing.
 pub(super) const PARENT_ROUNDS: u32 = 20;
 
-/// Rounds a compare-and-set on one claim node gets (renew, release), and a
-/// snapshot of a lock's claims that starts over when it found one gone or
-/// expired one. A claim node has few writers (its holder's requests, a
-/// sidecar finding it expired), and a snapshot starts over only after a
-/// claim left: 10 rounds are plenty, and still end a request that keeps
-/// losing.
+/// Rounds a compare-and-set on one claim node gets (renew), an attempt
+/// that starts over when a claim ahead of it left or a re-entry lost its
+/// race, and a snapshot of a lock's claims that starts over when it found
+/// one gone or expired one. A claim node has few writers (its holder's
+/// requests, a sidecar finding it expired), and the others start over only
+/// after a claim left: 10 rounds are plenty, and still end a request that
+/// keeps losing.
 pub(super) const CLAIM_ROUNDS: u32 = 10;
 
 /// How one compare-and-set round ended.

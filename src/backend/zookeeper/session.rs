@@ -2,13 +2,14 @@
 //! stops vouching for the session's leases, and what happens to them when
 //! the session ends or is given up (module doc, # Sessions).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zookeeper_client as zk;
 
 use super::request::{Message, OP_TIMEOUT, call, must, unavailable};
-use super::{Inner, lock};
+use super::{Inner, Record, lock};
 use crate::backend::Error;
 use crate::clock::ms;
 use crate::lock::Token;
@@ -95,18 +96,22 @@ impl Inner {
     }
 
     /// Session `sid` ended or was given up: its leases are announced lost and
-    /// revoked, its tickets forgotten, every local waiter woken (their
-    /// attempts then report the loss). Nothing happens if `sid` is no longer
-    /// the current session (it was handled already).
-    fn session_lost(&self, sid: zk::SessionId) {
-        let lost: Vec<Token> = {
+    /// revoked, their fences recorded through the next session, its tickets
+    /// forgotten, every local waiter woken (their attempts then report the
+    /// loss). Nothing happens if `sid` is no longer the current session (it
+    /// was handled already).
+    fn session_lost(self: &Arc<Self>, sid: zk::SessionId) {
+        let (lost, records): (Vec<Token>, Vec<Record>) = {
             let mut session = lock(&self.session);
             if *session != Some(sid) {
                 return;
             }
             *session = None;
-            lock(&self.leases).drain().map(|(token, _)| token).collect()
+            lock(&self.leases).drain().unzip()
         };
+        if !records.is_empty() {
+            tokio::spawn(self.clone().record_lost(records));
+        }
         if !lost.is_empty() {
             tracing::warn!(
                 backend = "zookeeper",
@@ -128,6 +133,37 @@ impl Inner {
         lock(&self.tickets).clear();
         for key in self.wakeups.keys() {
             self.wakeups.wake(&key);
+        }
+    }
+
+    /// Records the fences of `lost` leases in their lock nodes, as their
+    /// release would have: the session's end deletes their nodes without
+    /// it. Best effort, through the next session; a sidecar that dies with
+    /// its session records nothing, and the lock's next grant is fenced
+    /// higher all the same.
+    async fn record_lost(self: Arc<Self>, lost: Vec<Record>) {
+        let mut fences: HashMap<String, u64> = HashMap::new();
+        for record in lost {
+            if let Some((parent, _)) = record.lease.path.rsplit_once('/') {
+                let fence = fences.entry(parent.to_owned()).or_default();
+                *fence = (*fence).max(record.lease.fence);
+            }
+        }
+        let recorded = async {
+            let zk = self.client().await?;
+            for (parent, fence) in &fences {
+                self.record_end(&zk, "record_lost", parent, *fence, 0)
+                    .await?;
+            }
+            Ok::<(), Error>(())
+        };
+        let recorded = tokio::select! {
+            () = self.closing.cancelled() => return,
+            r = recorded => r,
+        };
+        if let Err(e) = recorded {
+            tracing::debug!(backend = "zookeeper", error = %e,
+                "the fences of leases lost with their session were not recorded");
         }
     }
 

@@ -1,25 +1,55 @@
-//! A lock's node tree: its parent node, the children listing shared by
-//! concurrent callers, the delay node, and the snapshot of claims that
-//! deletes expired leases on its way.
+//! A lock's node tree: its parent node, the listing shared by concurrent
+//! callers (children, the parent's record and the delay node in one
+//! request), and the snapshot of claims that deletes expired leases on its
+//! way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use zookeeper_client as zk;
 
-use super::data::{Node, ParentData};
+use super::data::{Lease, Node, Parent, ParentData};
 use super::names::{Child, DELAY_NODE, parse_child, sorted};
 use super::request::{
-    CLAIM_ROUNDS, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
+    CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, commit, retry_on_conflict,
+    unavailable,
 };
 use super::{Inner, lock};
 use crate::backend::Error;
 use crate::clock::now_ms;
 use crate::lock::{Kind, LockKey, Mode, Token};
 
-/// A parent's children sorted by sequence, shared by the callers that
-/// asked for them at about the same time.
-pub(super) type Listing = Arc<Vec<Child>>;
+/// What one listing of a lock node found.
+#[derive(Debug, Default)]
+pub(super) struct Listing {
+    /// The claims, sorted by sequence: the queue.
+    pub(super) children: Vec<Child>,
+    /// The lock node's stat, read after its children; `None` when there is
+    /// no lock node.
+    pub(super) stat: Option<zk::Stat>,
+    /// The lock node's record and version.
+    pub(super) parent: Parent,
+    /// The end of the lock-delay in the delay node and that node's version,
+    /// when there is one.
+    pub(super) delay: Option<(u64, i32)>,
+}
+
+impl Listing {
+    /// When the lock-delay ends (0: none), in the delay node or, written
+    /// by older sidecars, in the lock node's own record.
+    pub(super) fn delay_until_ms(&self) -> u64 {
+        self.delay
+            .map_or(0, |(until, _)| until)
+            .max(self.parent.data.delay_until_ms)
+    }
+
+    /// Whether no claim was created or deleted under the lock node after
+    /// the write with zxid `zxid` (the lock node's `pzxid` is the zxid of
+    /// the last of those).
+    pub(super) fn untouched_since(&self, zxid: i64) -> bool {
+        self.stat.is_some_and(|s| s.pzxid <= zxid)
+    }
+}
 
 /// A caller of [`Inner::children`]; the last one to leave (also when its
 /// future is dropped) removes the parent's [`Lister`] and its listing.
@@ -51,7 +81,28 @@ pub(super) struct Lister {
     issued: std::sync::atomic::AtomicU64,
     /// The newest completed listing with its issue number. Whoever holds the
     /// lock and finds it stale issues the next listing.
-    last: tokio::sync::Mutex<Option<(u64, Listing)>>,
+    last: tokio::sync::Mutex<Option<(u64, Arc<Listing>)>>,
+}
+
+/// Where a request works: its session, its name in errors, the key and
+/// the path of the key's lock node.
+#[derive(Clone, Copy)]
+pub(super) struct At<'a> {
+    pub(super) zk: &'a zk::Client,
+    pub(super) op: &'static str,
+    pub(super) key: &'a LockKey,
+    pub(super) parent: &'a str,
+}
+
+/// What [`Inner::admitted_nodes`] found besides the nodes it read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Found {
+    /// Every node listed was there, none expired.
+    Current,
+    /// A node listed was gone when read.
+    Gone,
+    /// An expired lease was deleted.
+    Expired,
 }
 
 /// Whether the child at `index` is admitted by its place alone.
@@ -64,6 +115,13 @@ pub(super) fn admitted(children: &[Child], index: usize, kind: Kind, limit: u32)
         }
     }
 }
+
+/// The delay node's end and version from its data and stat.
+fn delay_of(bytes: &[u8], stat: &zk::Stat) -> (u64, i32) {
+    let until = serde_json::from_slice::<ParentData>(bytes).map_or(0, |d| d.delay_until_ms);
+    (until, stat.version)
+}
+
 impl Inner {
     /// Creates the parent of `key` (a container node where the server has them).
     pub(super) async fn ensure_parent(&self, zk: &zk::Client, path: &str) -> Result<(), Error> {
@@ -86,14 +144,14 @@ impl Inner {
         }
     }
 
-    /// The children of `path`, listed after this call began (shared with
+    /// The lock node `path` listed after this call began (shared with
     /// concurrent callers, see [`Lister`]).
     pub(super) async fn children(
         &self,
         zk: &zk::Client,
         op: &'static str,
         path: &str,
-    ) -> Result<Listing, Error> {
+    ) -> Result<Arc<Listing>, Error> {
         use std::sync::atomic::Ordering::SeqCst;
         let id = (zk.session_id().0, path.to_owned());
         let lister = lock(&self.listers).entry(id.clone()).or_default().clone();
@@ -111,16 +169,129 @@ impl Inner {
             return Ok(listing.clone());
         }
         let n = lister.issued.fetch_add(1, SeqCst) + 1;
-        let listed = match call(op, zk.list_children(path)).await {
-            Ok(Ok(names)) => Ok(Arc::new(sorted(names))),
-            Ok(Err(zk::Error::NoNode)) => Ok(Arc::new(Vec::new())),
-            Ok(Err(e)) => Err(unavailable(op, e)),
-            Err(e) => Err(e),
-        };
-        if let Ok(listing) = &listed {
-            *last = Some((n, listing.clone()));
+        let listing = Arc::new(self.list_once(zk, op, path).await?);
+        *last = Some((n, listing.clone()));
+        Ok(listing)
+    }
+
+    /// One listing of the lock node `path`: its children, then its data
+    /// and stat, then the delay node's data, in one multi-read request
+    /// (three requests where the server has no multi-read, ZooKeeper
+    /// before 3.6; two when there is no delay node).
+    async fn list_once(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        path: &str,
+    ) -> Result<Listing, Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let delay_path = format!("{path}/{DELAY_NODE}");
+        if self.multi_read.load(Relaxed) {
+            let mut reader = zk.new_multi_reader();
+            for added in [
+                reader.add_get_children(path),
+                reader.add_get_data(path),
+                reader.add_get_data(&delay_path),
+            ] {
+                added.map_err(|e| unavailable(op, e))?;
+            }
+            match call(op, reader.commit()).await? {
+                Ok(results) => return Self::listing_of(op, results),
+                // Not an outage, and no answer to one of the reads (those
+                // come in the results): a server that has no multi-read.
+                Err(e) => {
+                    tracing::info!(backend = "zookeeper", error = %e,
+                        "ZooKeeper refused a multi-read (it has one from 3.6 on); listing with separate requests");
+                    self.multi_read.store(false, Relaxed);
+                }
+            }
         }
-        listed
+        let names = match call(op, zk.list_children(path)).await? {
+            Ok(names) => names,
+            Err(zk::Error::NoNode) => return Ok(Listing::default()),
+            Err(e) => return Err(unavailable(op, e)),
+        };
+        let delayed = names.iter().any(|n| n == DELAY_NODE);
+        let (data, stat) = match call(op, zk.get_data(path)).await? {
+            Ok(r) => r,
+            Err(zk::Error::NoNode) => return Ok(Listing::default()),
+            Err(e) => return Err(unavailable(op, e)),
+        };
+        let delay = if delayed {
+            match call(op, zk.get_data(&delay_path)).await? {
+                Ok((bytes, stat)) => Some(delay_of(&bytes, &stat)),
+                Err(zk::Error::NoNode) => None,
+                Err(e) => return Err(unavailable(op, e)),
+            }
+        } else {
+            None
+        };
+        Ok(Listing {
+            children: sorted(names),
+            stat: Some(stat),
+            parent: Parent {
+                data: serde_json::from_slice(&data).unwrap_or_default(),
+                version: Some(stat.version),
+            },
+            delay,
+        })
+    }
+
+    /// The listing in the answers of [`Inner::list_once`]'s multi-read.
+    fn listing_of(op: &'static str, results: Vec<zk::MultiReadResult>) -> Result<Listing, Error> {
+        let mut results = results.into_iter();
+        let mut listing = Listing::default();
+        match results.next() {
+            Some(zk::MultiReadResult::Children { children }) => {
+                listing.children = sorted(children);
+            }
+            Some(zk::MultiReadResult::Error {
+                err: zk::Error::NoNode,
+            }) => return Ok(Listing::default()),
+            Some(zk::MultiReadResult::Error { err }) => return Err(unavailable(op, err)),
+            _ => {
+                return Err(unavailable(
+                    op,
+                    Message("a listing without children".into()),
+                ));
+            }
+        }
+        match results.next() {
+            Some(zk::MultiReadResult::Data { data, stat }) => {
+                listing.parent = Parent {
+                    data: serde_json::from_slice(&data).unwrap_or_default(),
+                    version: Some(stat.version),
+                };
+                listing.stat = Some(stat);
+            }
+            // Removed between the two reads: as good as no lock node.
+            Some(zk::MultiReadResult::Error {
+                err: zk::Error::NoNode,
+            }) => return Ok(Listing::default()),
+            Some(zk::MultiReadResult::Error { err }) => return Err(unavailable(op, err)),
+            _ => {
+                return Err(unavailable(
+                    op,
+                    Message("a listing without its lock node".into()),
+                ));
+            }
+        }
+        match results.next() {
+            Some(zk::MultiReadResult::Data { data, stat }) => {
+                listing.delay = Some(delay_of(&data, &stat));
+            }
+            Some(zk::MultiReadResult::Error {
+                err: zk::Error::NoNode,
+            }) => {}
+            Some(zk::MultiReadResult::Error { err }) => return Err(unavailable(op, err)),
+            _ => {
+                return Err(unavailable(
+                    op,
+                    Message("a listing without its delay node".into()),
+                ));
+            }
+        }
+        Ok(listing)
     }
 
     /// The child `child` of `parent` with its data; `None` once it is gone.
@@ -142,108 +313,190 @@ impl Inner {
         }
     }
 
-    /// The data of the lock node `path` and its version (`None`: no such node).
+    /// The record and version of the lock node `path`, read alone.
     pub(super) async fn parent_data(
         &self,
         zk: &zk::Client,
         op: &'static str,
         path: &str,
-    ) -> Result<(ParentData, Option<i32>), Error> {
+    ) -> Result<Parent, Error> {
         match call(op, zk.get_data(path)).await? {
-            Ok((bytes, stat)) => Ok((
-                serde_json::from_slice(&bytes).unwrap_or_default(),
-                Some(stat.version),
-            )),
-            Err(zk::Error::NoNode) => Ok((ParentData::default(), None)),
+            Ok((bytes, stat)) => Ok(Parent {
+                data: serde_json::from_slice(&bytes).unwrap_or_default(),
+                version: Some(stat.version),
+            }),
+            Err(zk::Error::NoNode) => Ok(Parent::default()),
             Err(e) => Err(unavailable(op, e)),
         }
     }
 
-    /// Read-modify-write of the parent's data (compare-and-set on its version).
-    pub(super) async fn update_parent(
+    /// Ends `lease` under `parent` in one request: deletes its node (if it
+    /// is still at its version), records its fence in the lock node and,
+    /// when `delay_until` is ahead, the lock-delay in the delay node
+    /// (created, or extended), all or nothing — so whoever sees the node
+    /// gone also sees the delay. `listing` is the lock node as last listed.
+    pub(super) async fn end_lease(
         &self,
         zk: &zk::Client,
         op: &'static str,
-        path: &str,
-        f: impl Fn(&mut ParentData),
-    ) -> Result<(), Error> {
-        // A reference, which every round's future copies.
-        let f = &f;
-        // Still conflicting after every round, the update is given up
-        // without an error: the grant it records has been made already.
-        retry_on_conflict(PARENT_ROUNDS, || async move {
-            let (mut data, version) = self.parent_data(zk, op, path).await?;
-            let Some(version) = version else {
-                return Ok(Round::Done(()));
-            };
-            f(&mut data);
-            let bytes = serde_json::to_vec(&data).unwrap_or_default();
-            match call(op, zk.set_data(path, &bytes, Some(version))).await? {
-                Ok(_) | Err(zk::Error::NoNode) => Ok(Round::Done(())),
-                Err(zk::Error::BadVersion) => Ok(Round::Conflict),
-                Err(e) => Err(unavailable(op, e)),
+        parent: &str,
+        lease: &Lease,
+        delay_until: u64,
+        listing: &Listing,
+    ) -> Result<Result<(), Failed>, Error> {
+        let delay_path = format!("{parent}/{DELAY_NODE}");
+        let record =
+            serde_json::to_vec(&listing.parent.data.ended(lease.fence)).unwrap_or_default();
+        let delay = serde_json::to_vec(&ParentData {
+            fence: 0,
+            delay_until_ms: delay_until,
+        })
+        .unwrap_or_default();
+        let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        let mut writer = zk.new_multi_writer();
+        let mut added = vec![writer.add_delete(&lease.path, Some(lease.version))];
+        if let Some(version) = listing.parent.version {
+            added.push(writer.add_set_data(parent, &record, Some(version)));
+        }
+        if delay_until > now_ms() {
+            match listing.delay {
+                Some((until, _)) if until >= delay_until => {}
+                Some((_, version)) => {
+                    added.push(writer.add_set_data(&delay_path, &delay, Some(version)));
+                }
+                None => added.push(writer.add_create(&delay_path, &delay, &opts)),
+            }
+        }
+        for a in added {
+            a.map_err(|e| unavailable(op, e))?;
+        }
+        Ok(commit(op, writer.commit()).await?.map(|_| ()))
+    }
+
+    /// Deletes the held node `node` of `parent` if its lease expired and it
+    /// is still that lease, starting its lock-delay and recording its
+    /// fence ([`Inner::end_lease`]); `listing` is the lock node as last
+    /// listed, if at hand. True when the node is gone.
+    pub(super) async fn expire(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        node: &Node,
+        listing: Option<Arc<Listing>>,
+    ) -> Result<bool, Error> {
+        let Some(d) = node.data.as_ref().filter(|d| d.held) else {
+            return Ok(false);
+        };
+        self.expire_lease(zk, op, parent, &Lease::of(parent, node, d), listing)
+            .await
+    }
+
+    /// [`Inner::expire`] for a lease known as a [`Lease`].
+    pub(super) async fn expire_lease(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        lease: &Lease,
+        mut listing: Option<Arc<Listing>>,
+    ) -> Result<bool, Error> {
+        let until = lease
+            .data
+            .expires_at_ms
+            .saturating_add(lease.data.lock_delay_ms);
+        let until = if lease.data.lock_delay_ms > 0 {
+            until
+        } else {
+            0
+        };
+        let gone = retry_on_conflict(PARENT_ROUNDS, || {
+            let known = listing.take();
+            async move {
+                let listing = match known {
+                    Some(l) => l,
+                    None => self.children(zk, op, parent).await?,
+                };
+                match self
+                    .end_lease(zk, op, parent, lease, until, &listing)
+                    .await?
+                {
+                    Ok(()) => Ok(Round::Done(true)),
+                    Err(Failed {
+                        index: 0,
+                        error: zk::Error::NoNode,
+                    }) => Ok(Round::Done(true)),
+                    Err(Failed {
+                        index: 0,
+                        error: zk::Error::BadVersion,
+                    }) => Ok(Round::Done(false)),
+                    // The lock node or the delay node changed since listed.
+                    Err(Failed {
+                        error: zk::Error::BadVersion | zk::Error::NodeExists | zk::Error::NoNode,
+                        ..
+                    }) => Ok(Round::Conflict),
+                    Err(Failed { error, .. }) => Err(unavailable(op, error)),
+                }
             }
         })
         .await?;
-        Ok(())
+        gone.ok_or_else(|| unavailable(op, Message("lock-delay kept changing".into())))
     }
 
-    /// The end of `parent`'s lock-delay (0: none) and the version of its delay node.
-    pub(super) async fn delay(
+    /// Records the end of leases that were deleted otherwise (force-release):
+    /// their highest `fence` in the lock node and the lock-delay until
+    /// `delay_until` in the delay node, in one request per round.
+    pub(super) async fn record_end(
         &self,
         zk: &zk::Client,
         op: &'static str,
         parent: &str,
-    ) -> Result<(u64, Option<i32>), Error> {
-        let path = format!("{parent}/{DELAY_NODE}");
-        match call(op, zk.get_data(&path)).await? {
-            Ok((bytes, stat)) => {
-                let until =
-                    serde_json::from_slice::<ParentData>(&bytes).map_or(0, |d| d.delay_until_ms);
-                Ok((until, Some(stat.version)))
-            }
-            Err(zk::Error::NoNode) => Ok((0, None)),
-            Err(e) => Err(unavailable(op, e)),
-        }
-    }
-
-    /// Extends `parent`'s lock-delay to `until` in its delay node, which a
-    /// container parent cannot be reaped with (the parent's own data would be lost with it).
-    pub(super) async fn record_delay(
-        &self,
-        zk: &zk::Client,
-        op: &'static str,
-        parent: &str,
-        until: u64,
+        fence: u64,
+        delay_until: u64,
     ) -> Result<(), Error> {
-        let path = format!("{parent}/{DELAY_NODE}");
-        let data = ParentData {
+        let delay_path = format!("{parent}/{DELAY_NODE}");
+        let delay = serde_json::to_vec(&ParentData {
             fence: 0,
-            delay_until_ms: until,
-        };
-        let bytes = serde_json::to_vec(&data).unwrap_or_default();
-        // References, which every round's future copies.
-        let (path, bytes) = (&path, &bytes);
+            delay_until_ms: delay_until,
+        })
+        .unwrap_or_default();
+        let (delay_path, delay) = (&delay_path, &delay);
         let recorded = retry_on_conflict(PARENT_ROUNDS, || async move {
-            let result = match self.delay(zk, op, parent).await? {
-                (current, Some(_)) if current >= until => return Ok(Round::Done(())),
-                (_, Some(version)) => call(op, zk.set_data(path, bytes, Some(version)))
-                    .await?
-                    .map(|_| ()),
-                (_, None) => {
-                    let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-                    call(op, zk.create(path, bytes, &opts)).await?.map(|_| ())
+            let listing = self.children(zk, op, parent).await?;
+            if listing.parent.version.is_none() && delay_until > now_ms() {
+                // The lock node went (reaped when its last claim left): the delay still applies.
+                self.ensure_parent(zk, parent).await?;
+                return Ok(Round::Conflict);
+            }
+            let record = serde_json::to_vec(&listing.parent.data.ended(fence)).unwrap_or_default();
+            let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+            let mut writer = zk.new_multi_writer();
+            let mut added = Vec::new();
+            if let Some(version) = listing.parent.version {
+                added.push(writer.add_set_data(parent, &record, Some(version)));
+            }
+            if delay_until > now_ms() {
+                match listing.delay {
+                    Some((until, _)) if until >= delay_until => {}
+                    Some((_, version)) => {
+                        added.push(writer.add_set_data(delay_path, delay, Some(version)));
+                    }
+                    None => added.push(writer.add_create(delay_path, delay, &opts)),
                 }
-            };
-            match result {
-                Ok(()) => Ok(Round::Done(())),
-                Err(zk::Error::BadVersion | zk::Error::NodeExists) => Ok(Round::Conflict),
-                // The parent went (reaped when its last claim left): the delay still applies.
-                Err(zk::Error::NoNode) => {
-                    self.ensure_parent(zk, parent).await?;
-                    Ok(Round::Conflict)
-                }
-                Err(e) => Err(unavailable(op, e)),
+            }
+            if added.is_empty() {
+                return Ok(Round::Done(()));
+            }
+            for a in added {
+                a.map_err(|e| unavailable(op, e))?;
+            }
+            match commit(op, writer.commit()).await? {
+                Ok(_) => Ok(Round::Done(())),
+                Err(Failed {
+                    error: zk::Error::BadVersion | zk::Error::NodeExists | zk::Error::NoNode,
+                    ..
+                }) => Ok(Round::Conflict),
+                Err(Failed { error, .. }) => Err(unavailable(op, error)),
             }
         })
         .await?;
@@ -263,93 +516,129 @@ impl Inner {
         let _ = call(op, zk.delete(&path, Some(version))).await;
     }
 
-    /// Deletes a node whose lease expired (if it still is that lease), starting its lock-delay.
-    pub(super) async fn expire(
+    /// Reads the children of `listing` admitted by place, before `until`
+    /// (the index of a claim whose data the caller knows; all when `None`),
+    /// deleting expired leases among them; the nodes still there, and
+    /// whether any was gone or expired. `limit` is a semaphore's; nodes in
+    /// `known` are not read again.
+    pub(super) async fn admitted_nodes(
         &self,
-        zk: &zk::Client,
-        op: &'static str,
-        parent: &str,
-        node: &Node,
-    ) -> Result<bool, Error> {
-        let Some(d) = &node.data else {
-            return Ok(false);
-        };
-        let path = format!("{parent}/{}", node.child.name);
-        match call(op, zk.delete(&path, Some(node.stat.version))).await? {
-            Ok(()) => {
-                let until = d.expires_at_ms.saturating_add(d.lock_delay_ms);
-                if d.lock_delay_ms > 0 && until > now_ms() {
-                    self.record_delay(zk, op, parent, until).await?;
-                }
-                Ok(true)
+        at: At<'_>,
+        listing: &Arc<Listing>,
+        limit: u32,
+        until: Option<usize>,
+        known: &[Node],
+    ) -> Result<(Vec<Node>, Found), Error> {
+        let At {
+            zk,
+            op,
+            key,
+            parent,
+        } = at;
+        let children = &listing.children;
+        let mut nodes = Vec::new();
+        let (mut gone, mut expired) = (false, false);
+        let now = now_ms();
+        for (i, c) in children.iter().enumerate() {
+            if until.is_some_and(|u| i >= u) {
+                break;
             }
-            Err(zk::Error::NoNode) => Ok(true),
-            Err(zk::Error::BadVersion) => Ok(false),
-            Err(e) => Err(unavailable(op, e)),
+            if !admitted(children, i, key.kind, limit) {
+                if key.kind.is_lock() && c.mode == Mode::Exclusive {
+                    break;
+                }
+                continue;
+            }
+            let node = match known.iter().find(|n| n.child.name == c.name) {
+                Some(n) => Some(n.clone()),
+                None => self.read(zk, op, parent, c).await?,
+            };
+            let Some(node) = node else {
+                gone = true;
+                continue;
+            };
+            if let Some(d) = &node.data
+                && d.held
+                && d.expires_at_ms <= now
+                && self
+                    .expire(zk, op, parent, &node, Some(listing.clone()))
+                    .await?
+            {
+                expired = true;
+                continue;
+            }
+            nodes.push(node);
         }
+        // A node that went fired the watches on it; one this request
+        // deleted fires them too, and the local head is woken at once.
+        let found = if expired {
+            self.wakeups.wake(key);
+            Found::Expired
+        } else if gone {
+            Found::Gone
+        } else {
+            Found::Current
+        };
+        Ok((nodes, found))
     }
 
-    /// Children with the data of those admitted by place; expired leases among
-    /// them are deleted first. Returns the children and the admitted nodes.
+    /// The lock's listing with the data of the claims admitted by place;
+    /// expired leases among them are deleted first. Returns the listing,
+    /// the admitted nodes and a semaphore's limit.
     pub(super) async fn snapshot(
         &self,
         zk: &zk::Client,
         op: &'static str,
         key: &LockKey,
         parent: &str,
-    ) -> Result<(Listing, Vec<Node>, u32), Error> {
+    ) -> Result<(Arc<Listing>, Vec<Node>, u32), Error> {
         let snapshot = retry_on_conflict(CLAIM_ROUNDS, || async move {
-            let children = self.children(zk, op, parent).await?;
+            let listing = self.children(zk, op, parent).await?;
+            let mut known = Vec::new();
             let mut limit = 0;
-            if key.kind == Kind::Semaphore && !children.is_empty() {
-                limit = self.active_limit(zk, op, parent, &children).await?;
+            if key.kind == Kind::Semaphore && !listing.children.is_empty() {
+                limit = self
+                    .active_limit(zk, op, parent, &listing.children, &mut known)
+                    .await?;
             }
-            let mut nodes = Vec::new();
-            let mut changed = false;
-            let now = now_ms();
-            for (i, c) in children.iter().enumerate() {
-                if !admitted(&children, i, key.kind, limit) {
-                    if key.kind.is_lock() && c.mode == Mode::Exclusive {
-                        break;
-                    }
-                    continue;
-                }
-                let Some(node) = self.read(zk, op, parent, c).await? else {
-                    changed = true;
-                    continue;
-                };
-                if let Some(d) = &node.data
-                    && d.held
-                    && d.expires_at_ms <= now
-                    && self.expire(zk, op, parent, &node).await?
-                {
-                    changed = true;
-                    continue;
-                }
-                nodes.push(node);
+            let at = At {
+                zk,
+                op,
+                key,
+                parent,
+            };
+            match self
+                .admitted_nodes(at, &listing, limit, None, &known)
+                .await?
+            {
+                (nodes, Found::Current) => Ok(Round::Done((listing, nodes, limit))),
+                (_, Found::Gone | Found::Expired) => Ok(Round::Conflict),
             }
-            if changed {
-                self.wakeups.wake(key);
-                return Ok(Round::Conflict);
-            }
-            Ok(Round::Done((children, nodes, limit)))
         })
         .await?;
         snapshot.ok_or_else(|| unavailable(op, Message("the lock's children kept changing".into())))
     }
 
     /// A semaphore's limit: the one recorded by its first sidelock node.
+    /// Nodes in `known` are not read again; those read are added to it.
     pub(super) async fn active_limit(
         &self,
         zk: &zk::Client,
         op: &'static str,
         parent: &str,
         children: &[Child],
+        known: &mut Vec<Node>,
     ) -> Result<u32, Error> {
         for c in children {
-            if let Some(node) = self.read(zk, op, parent, c).await?
-                && let Some(limit) = node.data.and_then(|d| d.limit)
-            {
+            let node = match known.iter().find(|n| n.child.name == c.name) {
+                Some(n) => Some(n.clone()),
+                None => {
+                    let read = self.read(zk, op, parent, c).await?;
+                    known.extend(read.clone());
+                    read
+                }
+            };
+            if let Some(limit) = node.and_then(|n| n.data).and_then(|d| d.limit) {
                 return Ok(limit);
             }
         }
@@ -364,7 +653,7 @@ impl Inner {
         parent: &str,
         token: &Token,
     ) -> Result<Option<Node>, Error> {
-        let known = lock(&self.leases).get(token).cloned();
+        let known = lock(&self.leases).get(token).map(|r| r.lease.path.clone());
         if let Some(path) = known
             && let Some(name) = path.strip_prefix(&format!("{parent}/"))
             && let Some(child) = parse_child(name)
@@ -380,7 +669,7 @@ impl Inner {
             lock(&self.leases).remove(token);
             return Ok(None);
         }
-        for c in self.children(zk, op, parent).await?.iter() {
+        for c in &self.children(zk, op, parent).await?.children {
             if let Some(node) = self.read(zk, op, parent, c).await?
                 && node
                     .data
