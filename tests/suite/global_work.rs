@@ -230,24 +230,31 @@ async fn pings(sidecar: &SidecarGuard) -> u64 {
 
 /// A kubelet probing `/readyz` every few seconds on every pod costs an idle
 /// backend nothing: with the connection the backend sends the sidecar
-/// messages on up, and a message (the monitor's announcement every 10 s) or a
-/// reply heard lately, the sidecar answers without asking. It asked (a
-/// `PING`, a `SELECT 1`) at every probe before.
+/// messages on up (ZooKeeper: the session), and a message (the monitor's
+/// announcement every 10 s) or a reply (the session's own keep-alive) heard
+/// lately, the sidecar answers without asking. It asked (a `PING`, a
+/// `SELECT 1`, a stat) at every probe before.
 #[rstest::rstest]
 #[case::redis("redis")]
 #[case::postgres("postgres")]
+#[case::zookeeper("zookeeper")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_probes_cost_an_idle_backend_nothing(#[case] backend: &str) {
-    let (_redis, _pg, url) = match backend {
+    let (_server, url): (Box<dyn std::any::Any>, String) = match backend {
         "redis" => {
             let server = RedisServer::start().await;
             let url = server.url();
-            (Some(server), None, url)
+            (Box::new(server), url)
         }
-        _ => {
+        "postgres" => {
             let cluster = PgCluster::start();
             let url = cluster.url("postgres");
-            (None, Some(cluster), url)
+            (Box::new(cluster), url)
+        }
+        _ => {
+            let server = ZkServer::start().await;
+            let url = server.url("/readiness");
+            (Box::new(server), url)
         }
     };
     let running = sidecars(&url, 2).await;

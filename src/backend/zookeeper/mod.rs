@@ -439,6 +439,11 @@ impl Backend for ZooKeeper {
         Ok(Box::new(()))
     }
 
+    /// The session, which the lifeline keeps confirming.
+    fn connected(&self) -> Option<bool> {
+        Some(lock(&self.inner.session).is_some())
+    }
+
     fn losses(&self) -> Option<broadcast::Receiver<Token>> {
         Some(self.inner.losses.subscribe())
     }

@@ -201,6 +201,9 @@ impl Inner {
             match tokio::time::timeout_at(deadline, zk.check_stat(&root)).await {
                 Ok(Ok(_) | Err(zk::Error::NoNode)) => {
                     heard = sent;
+                    if let Some(inner) = me.upgrade() {
+                        inner.wakeups.heard();
+                    }
                     tokio::time::sleep(every).await;
                 }
                 Ok(Err(_)) => {
