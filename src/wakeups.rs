@@ -268,34 +268,60 @@ impl Place {
         lock(&self.handed).take()
     }
 
-    /// Leaves after a grant; `pass_on` says whether the next waiter might be
-    /// granted too (shared locks, semaphore permits).
-    pub fn leave_granted(mut self, pass_on: bool) {
+    /// Leaves after a grant of a lease that ends at `until_ms` unless renewed;
+    /// `pass_on` says whether the next waiter might be granted too (shared
+    /// locks, semaphore permits), and when not, the others time their next
+    /// look by that end.
+    pub fn leave_granted(mut self, pass_on: bool, until_ms: u64) {
         self.pass_on = pass_on;
+        if !pass_on && let Some(q) = self.wakeups.lock().get(&self.key) {
+            q.until.send_replace(until_ms);
+        }
+    }
+
+    /// Leaves without a grant (timed out, cancelled, failed), in one step
+    /// with taking a lease handed to it meanwhile: the caller gives that back,
+    /// and a lease handed later finds no place (see [`Wakeups::granted`]).
+    pub fn leave(self) -> Option<Handoff> {
+        let handed = {
+            let mut queues = self.wakeups.lock();
+            let handed = lock(&self.handed).take();
+            remove(&mut queues, &self.key, self.seq, self.pass_on);
+            handed
+        };
+        // Its slot is gone: dropping it finds nothing to do.
+        drop(self);
+        handed
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
         let mut queues = self.wakeups.lock();
-        let Some(q) = queues.get_mut(&self.key) else {
-            return;
-        };
-        let Some(at) = q.slots.iter().position(|s| s.seq == self.seq) else {
-            return;
-        };
-        q.slots.remove(at);
-        if q.slots.is_empty() {
-            queues.remove(&self.key);
-            return;
-        }
-        q.moved.send_modify(|n| *n += 1);
-        if self.pass_on
-            && at == 0
-            && let Some(next) = q.slots.first()
-        {
-            next.notify.notify_one();
-        }
+        remove(&mut queues, &self.key, self.seq, self.pass_on);
+    }
+}
+
+/// Takes waiter `seq` out of `key`'s local queue; if it was the head and
+/// `pass_on`, the next waiter is woken.
+fn remove(queues: &mut HashMap<LockKey, LocalQueue>, key: &LockKey, seq: u64, pass_on: bool) {
+    let Some(q) = queues.get_mut(key) else {
+        return;
+    };
+    let Some(at) = q.slots.iter().position(|s| s.seq == seq) else {
+        return;
+    };
+    q.slots.remove(at);
+    if q.slots.is_empty() {
+        queues.remove(key);
+        return;
+    }
+    q.moved.send_modify(|n| *n += 1);
+    if pass_on
+        && at == 0
+        && let Some(next) = q.slots.first()
+    {
+        next.notify.notify_one();
     }
 }
 

@@ -224,7 +224,7 @@ impl Core {
         let watch = match self.op("watch", self.backend.watch(key)).await {
             Ok(w) => w,
             Err(e) => {
-                let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                self.leave_queue(key, place, &ticket).await;
                 self.metrics.acquired(key, "error");
                 return Err(e);
             }
@@ -237,13 +237,16 @@ impl Core {
         queued.position = busy.position;
         self.publish(queued);
 
-        let mut retry_at = busy.retry_at_ms;
+        let mut backoff = Duration::ZERO;
+        let mut retry_at = not_past(busy.retry_at_ms, &mut backoff);
         let mut holder_until = place.holder_until();
         let mut last = busy;
-        // Whether the head tries now: at first (a release may have come
-        // before the watch), when woken, or when its timer fires — not when
-        // positions or the holder's expiry were merely told.
-        let mut try_now = true;
+        // Whether the head tries now: at first if it heads the local queue
+        // (a release may have come before the watch; one behind others is
+        // handed the lock or woken when its turn comes), when woken, or when
+        // its timer fires — not when positions or the holder's expiry were
+        // merely told.
+        let mut try_now = place.is_head();
         let outcome = loop {
             // A wake-up and a cancellation can arrive together (shutdown
             // releases locks, which wakes waiters): cancellation wins.
@@ -263,12 +266,14 @@ impl Core {
                         return Err(e);
                     }
                 };
-                place.leave_granted(false);
+                place.leave_granted(false, h.expires_at_ms);
                 drop(watch);
+                // The count is the backend's at the handoff: 1, unless its
+                // owner re-entered it meanwhile, which the lease already knows.
                 let g = Grant {
                     token: h.token,
                     fence: h.fence,
-                    count: 1,
+                    count: 0,
                     since_ms: h.since_ms,
                     expires_at_ms: h.expires_at_ms,
                 };
@@ -280,19 +285,21 @@ impl Core {
                     slot,
                 )));
             }
-            if std::mem::take(&mut try_now) && place.is_head() {
+            // A wake-up or timer that came while others were ahead stays
+            // pending until this waiter heads the local queue.
+            if try_now && place.is_head() {
+                try_now = false;
                 let slot = match self.held_slot(key) {
                     Ok(slot) => slot,
                     Err(e) => {
-                        drop(place);
-                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        self.leave_queue(key, place, &ticket).await;
                         return Err(e);
                     }
                 };
                 match self.attempt(claim, Turn::Queued(&ticket)).await {
                     Ok(Attempt::Granted(g)) => {
                         let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
-                        place.leave_granted(pass_on);
+                        place.leave_granted(pass_on, g.expires_at_ms);
                         drop(watch);
                         return Ok(Outcome::Granted(self.granted(
                             claim,
@@ -303,7 +310,7 @@ impl Core {
                         )));
                     }
                     Ok(Attempt::Busy(b)) => {
-                        retry_at = b.retry_at_ms;
+                        retry_at = not_past(b.retry_at_ms, &mut backoff);
                         if let Some(p) = b.position {
                             offset = p.saturating_sub(place.position().0);
                         }
@@ -318,7 +325,7 @@ impl Core {
                     }
                     Err(e) => {
                         // `attempt` counted the failure.
-                        let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                        self.leave_queue(key, place, &ticket).await;
                         return Err(e);
                     }
                 }
@@ -346,26 +353,29 @@ impl Core {
                 }
             }
         };
-        // A lease handed over just as this waiter gave up is nobody's: give it back.
-        let handed = place.take_handoff();
-        drop(place);
+        self.leave_queue(key, place, &ticket).await;
         drop(watch);
-        match handed {
-            Some(h) => {
-                let _ = self
-                    .op("release", self.backend.release(key, &h.token))
-                    .await;
-            }
-            None => {
-                let _ = self.op("dequeue", self.backend.dequeue(&ticket)).await;
-            }
-        }
         let result = match &outcome {
             Outcome::Busy { .. } => "timeout",
             _ => "cancelled",
         };
         self.metrics.acquired(key, result);
         Ok(outcome)
+    }
+
+    /// Leaves the queue without a grant: a lease the backend handed to this
+    /// waiter meanwhile is given back, else the ticket is dequeued.
+    async fn leave_queue(&self, key: &LockKey, place: Place, ticket: &crate::backend::Ticket) {
+        match place.leave() {
+            Some(h) => {
+                let _ = self
+                    .op("release", self.backend.release(key, &h.token))
+                    .await;
+            }
+            None => {
+                let _ = self.op("dequeue", self.backend.dequeue(ticket)).await;
+            }
+        }
     }
 
     /// Sends a `queued` update when the position changed.
@@ -436,8 +446,9 @@ impl Core {
         let lease = {
             let mut leases = self.lock_leases();
             match leases.get(&g.token) {
+                // A count of 0 (a handoff) leaves the lease's own.
                 Some(local) => {
-                    local.set(Some(g.expires_at_ms), Some(g.count));
+                    local.set(Some(g.expires_at_ms), (g.count > 0).then_some(g.count));
                     local.renewing.store(false, Ordering::Relaxed);
                     local.clone()
                 }
@@ -451,7 +462,7 @@ impl Core {
                         ttl: claim.ttl,
                         since_ms: g.since_ms,
                         cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
-                        state: Mutex::new((g.expires_at_ms, g.count)),
+                        state: Mutex::new((g.expires_at_ms, g.count.max(1))),
                         renewing: AtomicBool::new(false),
                         end: std::sync::OnceLock::new(),
                         ended: CancellationToken::new(),
@@ -472,18 +483,42 @@ impl Core {
                 }
             }
         };
+        let count = lease.lock_state().1;
         self.metrics.acquired(&claim.key, "granted");
         self.metrics.observe(&self.metrics.wait, &claim.key, waited);
         let mut event = lease.event(EventType::Acquired, &self.sidecar);
-        event.count = Some(g.count);
+        event.count = Some(count);
         event.waited_ms = Some(ms(waited));
         self.publish(event);
         Granted {
             lease,
-            count: g.count,
+            count,
             expires_at_ms: g.expires_at_ms,
             waited,
             supervise_here,
+        }
+    }
+}
+
+/// A busy answer's retry time, or — when it is not in the future (a state
+/// that lapsed as the answer came back, a clock that moved) — now the first
+/// time and then a growing backoff away (50 ms doubling to 2 s; a future one
+/// resets it), so that no answer can make a waiter ask again and again.
+fn not_past(retry_at_ms: Option<u64>, backoff: &mut Duration) -> Option<u64> {
+    let now = crate::clock::now_ms();
+    match retry_at_ms {
+        // The first time, at once: the state may just have lapsed.
+        Some(at) if at <= now && backoff.is_zero() => {
+            *backoff = Duration::from_millis(25);
+            Some(now)
+        }
+        Some(at) if at <= now => {
+            *backoff = (*backoff * 2).min(Duration::from_secs(2));
+            Some(now + ms(*backoff))
+        }
+        other => {
+            *backoff = Duration::ZERO;
+            other
         }
     }
 }

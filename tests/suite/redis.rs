@@ -219,12 +219,38 @@ async fn side_keys(server: &RedisServer, name: &str) -> Vec<String> {
     keys
 }
 
-/// Commands Redis ran between two readings, less the `INFO` of the second.
+/// Commands Redis ran between two readings (`INFO` is not counted).
 fn ran(
     before: &std::collections::BTreeMap<String, u64>,
     after: &std::collections::BTreeMap<String, u64>,
 ) -> u64 {
-    after.values().sum::<u64>() - before.values().sum::<u64>() - 1
+    after.values().sum::<u64>() - before.values().sum::<u64>()
+}
+
+/// Queues `owner` on `name` through `sidecar` (waiting up to `wait`), once
+/// the lock is busy: the acquire's task, returned when the waiter is listed.
+async fn queue_waiter(
+    sidecar: &SidecarGuard,
+    name: &str,
+    wait: &'static str,
+) -> tokio::task::JoinHandle<common::api::Grant> {
+    let lock = sidecar.api().lock(name);
+    let waiter =
+        tokio::spawn(async move { lock.acquire(&[("owner", "waiter"), ("wait", wait)]).await });
+    let lock = sidecar.api().lock(name);
+    common::eventually("the waiter queued", Duration::from_secs(5), async || {
+        (lock.inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    waiter
+}
+
+/// The commands Redis runs in the next `period`, and what they were.
+async fn commands_during(server: &RedisServer, period: Duration) -> (u64, String) {
+    let before = server.command_counts().await;
+    tokio::time::sleep(period).await;
+    let after = server.command_counts().await;
+    (ran(&before, &after), command_diff(&before, &after))
 }
 
 /// An exclusive lock nobody else holds or waits for lives in its main key
@@ -697,6 +723,74 @@ async fn a_waiter_of_a_dead_sidecar_is_passed_by() {
     assert_eq!(grant.owner, "alive");
 }
 
+/// The process (instance) whose queue entries on `name` are the sidecar
+/// `sidecar`'s, as the entries name it.
+async fn process_of(server: &RedisServer, name: &str, sidecar: &str) -> String {
+    let entries: Vec<String> = server
+        .cmd(&["LRANGE", &format!("{{sidelock:{name}}}:q"), "0", "-1"])
+        .await;
+    entries
+        .iter()
+        .find(|e| e.contains(&format!("\"{sidecar}\"]")))
+        .and_then(|e| e.split(' ').nth(4))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no entry of {sidecar} in {entries:?}"))
+}
+
+/// Every waiter of a sidecar passed by as dead while it lives queues again
+/// and is granted in turn — the local head by its own next look, the others
+/// because the release that passed them by said so (`p`), and they queued
+/// again at once. (Before, only the local head came back: the others, their
+/// timers spent, waited out their whole wait with the lock free.)
+#[tokio::test]
+async fn every_waiter_of_a_sidecar_passed_by_queues_again() {
+    let server = RedisServer::start().await;
+    let a = SidecarBuilder::new(&server.url())
+        .sidecar_id("side-a")
+        .start()
+        .await;
+    let b = SidecarBuilder::new(&server.url())
+        .sidecar_id("side-b")
+        .start()
+        .await;
+    let name = unique_name("passed-all");
+    let mut holder = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "holder"), ("ttl", "600ms")])
+        .await;
+    holder.expect_acquired().await;
+    let mut first = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "first"), ("wait", "30s")])
+        .await;
+    first.expect_queued().await;
+    let mut second = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "second"), ("wait", "30s")])
+        .await;
+    second.expect_queued().await;
+    // The second's timer fires while the first is ahead of it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let b_process = process_of(&server, &name, "side-b").await;
+    let _: i64 = server
+        .cmd(&[
+            "HSET",
+            &format!("{{sidelock:{name}}}:heartbeat"),
+            &b_process,
+            "1",
+        ])
+        .await;
+    drop(holder);
+    let grant = first.expect_acquired_within(Duration::from_secs(3)).await;
+    assert_eq!(grant.owner, "first");
+    drop(first);
+    let grant = second.expect_acquired_within(Duration::from_secs(3)).await;
+    assert_eq!(grant.owner, "second");
+}
+
 /// A waiter passed by as dead while its sidecar lives (its heartbeat looked
 /// lapsed: here written into the past by hand) is not lost: when its timer
 /// fires it queues again at its place, and it is granted.
@@ -731,7 +825,8 @@ async fn a_live_waiter_passed_by_as_dead_queues_again_and_is_granted() {
     second.expect_queued().await;
 
     let beat = format!("{{sidelock:{name}}}:heartbeat");
-    let _: i64 = server.cmd(&["HSET", &beat, "side-b", "1"]).await;
+    let b_process = process_of(&server, &name, "side-b").await;
+    let _: i64 = server.cmd(&["HSET", &beat, &b_process, "1"]).await;
     a.api().lock(&name).release(&holder.token).await;
     let grant = second.expect_acquired_within(Duration::from_secs(2)).await;
     assert_eq!(
@@ -756,24 +851,13 @@ async fn a_waiter_behind_a_renewed_or_delayed_lease_does_not_poll() {
     let lock = sidecar.api().lock(&name);
     let mut hold = lock.hold(&[("owner", "holder"), ("ttl", "600ms")]).await;
     hold.expect_acquired().await;
-    let waiter = {
-        let lock = sidecar.api().lock(&name);
-        tokio::spawn(async move { lock.acquire(&[("owner", "waiter"), ("wait", "20s")]).await })
-    };
-    common::eventually("the waiter queued", Duration::from_secs(5), async || {
-        (lock.inspect().await.waiters.len() == 1).then_some(())
-    })
-    .await;
-    let before = server.command_counts().await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let after = server.command_counts().await;
+    let waiter = queue_waiter(&sidecar, &name, "20s").await;
     // The watchdog renews every 200 ms (about 10 renewals of 4 commands);
     // the waiter may look once after each.
-    let spent = ran(&before, &after);
+    let (spent, what) = commands_during(&server, Duration::from_secs(2)).await;
     assert!(
         spent < 100,
-        "{spent} commands in 2 s behind a renewed lease: {}",
-        command_diff(&before, &after)
+        "{spent} commands in 2 s behind a renewed lease: {what}"
     );
     drop(hold);
     let grant = within("the waiter granted", Duration::from_secs(5), waiter)
@@ -795,11 +879,61 @@ async fn a_waiter_behind_a_renewed_or_delayed_lease_does_not_poll() {
     let grant = lock.acquire(&[("owner", "after"), ("wait", "10s")]).await;
     let after = server.command_counts().await;
     assert!(started.elapsed() >= Duration::from_millis(1500));
+    // Joining, watching and one look when the delay ends take about 40
+    // commands; a look every few ms for 1.6 s would take hundreds.
     let spent = ran(&before, &after);
     assert!(
-        spent < 40,
+        spent < 50,
         "{spent} commands to wait out a lock-delay: {}",
         command_diff(&before, &after)
+    );
+    lock.release(&grant.token).await;
+}
+
+/// The lock-delay of a shared lease that expired unnoticed (its sidecar was
+/// killed) holds on Redis as anywhere: the main key mirrored the shared
+/// holders and is gone, but the short paths look at the holders and delay
+/// keys too, so nothing is granted before the delay ends, and a waiter waits
+/// for that end without asking again and again. (They once looked at the
+/// queue only: a writer was granted inside the delay, and the delay then
+/// stretched its key past its lease, which a waiter kept trying.)
+#[tokio::test]
+async fn an_expired_shared_leases_lock_delay_holds_and_nobody_polls() {
+    let server = RedisServer::start().await;
+    let live = sidecar(&server).await;
+    let mut doomed = sidecar(&server).await;
+    let name = unique_name("shared-delay");
+    let started = Instant::now();
+    doomed
+        .api()
+        .lock(&name)
+        .acquire(&[
+            ("owner", "reader"),
+            ("mode", "shared"),
+            ("ttl", "1s"),
+            ("lock_delay", "4s"),
+        ])
+        .await;
+    doomed.signal(nix::sys::signal::Signal::SIGKILL);
+    doomed.wait_exit(Duration::from_secs(5)).await;
+    tokio::time::sleep_until((started + Duration::from_millis(1300)).into()).await;
+
+    let lock = live.api().lock(&name);
+    lock.acquire_busy(&[("owner", "writer"), ("ttl", "2s")])
+        .await;
+    let waiter = queue_waiter(&live, &name, "15s").await;
+    let (spent, what) = commands_during(&server, Duration::from_secs(2)).await;
+    assert!(
+        spent < 40,
+        "{spent} commands in 2 s of a lock-delay: {what}"
+    );
+    let grant = within("the waiter granted", Duration::from_secs(10), waiter)
+        .await
+        .expect("waiter task");
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "granted {:?} after a 1 s lease with a 4 s lock-delay",
+        started.elapsed()
     );
     lock.release(&grant.token).await;
 }
@@ -826,11 +960,11 @@ async fn stale_keys_are_listed_for_every_reason() {
         .cmd(&[
             "RPUSH",
             &format!("{tag}:q"),
-            r#"1 x 0123456789abcdef0123456789abcdef 1 30000 0 0 ["ghost","gone"]"#,
+            r#"1 x 0123456789abcdef0123456789abcdef 1 dead 30000 0 0 ["ghost","gone"]"#,
         ])
         .await;
     let _: i64 = server
-        .cmd(&["HSET", &format!("{tag}:heartbeat"), "gone", "1"])
+        .cmd(&["HSET", &format!("{tag}:heartbeat"), "dead", "1"])
         .await;
     let _: i64 = server
         .cmd(&[

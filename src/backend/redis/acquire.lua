@@ -19,7 +19,7 @@
 -- permits allowed, {5, now, key, found} when a key it would write holds
 -- something else (see misfit()); nothing is written then.
 local turn, mode, token, spec = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local len, lock_delay, owner_prefix, sidecar = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[9]
+local len, lock_delay, owner_prefix, inst = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[9]
 local entry, since, beat, asked = ARGV[10], ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
 local fifo = ARGV[14] == "1"
 local most = tonumber(ARGV[15] or "0")
@@ -100,6 +100,9 @@ else
   local main = main_get()
   if mode == "x" then
     room = not main
+    -- A delay older sidecars kept in the delay key holds too.
+    delayed = delay_end()
+    if delayed > 0 then room = false end
   else
     room = (not main) or main == SHARED
     if main == SHARED then delayed = delay_end() end
@@ -126,7 +129,7 @@ if turn == "q" then
     else
       redis.call("RPUSH", QUEUE, entry)
     end
-    put_beat(sidecar, NOW + beat)
+    put_beat(inst, NOW + beat)
     rank = redis.call("LPOS", QUEUE, entry)
   end
   position = rank + 1
@@ -200,8 +203,9 @@ end
 local ticket = 0
 if turn == "j" then
   ticket = redis.call("INCR", SEQ)
-  position = redis.call("RPUSH", QUEUE, ticket .. " " .. mode .. " " .. token .. " " .. since .. " " .. spec)
-  if beat > 0 then put_beat(sidecar, NOW + beat) end
+  position = redis.call("RPUSH", QUEUE,
+    ticket .. " " .. mode .. " " .. token .. " " .. since .. " " .. inst .. " " .. spec)
+  if beat > 0 then put_beat(inst, NOW + beat) end
   set_expiries()
 end
 return {0, NOW, holder_rows(), redis.call("LLEN", QUEUE), position, retry, ticket}

@@ -23,7 +23,9 @@ do
     local v = redis.pcall("GET", MAIN)
     if turn ~= "q" then
       if v == false then
-        if redis.call("EXISTS", TAG .. "q") == 0 then
+        -- Free, unless claims wait, or shared leases (expired ones too,
+        -- whose lock-delay the full script starts) or a delay are about.
+        if redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" then return grant(fence) end
         end
@@ -40,17 +42,21 @@ do
             local seq = redis.pcall("INCR", TAG .. "seq")
             if type(seq) == "number" then
               local n = redis.pcall("RPUSH", TAG .. "q",
-                seq .. " x " .. token .. " " .. ARGV[11] .. " " .. spec)
-              if type(n) == "number" then return {0, 0, {holder}, n, n, l.e, seq, l.dl} end
+                seq .. " x " .. token .. " " .. ARGV[11] .. " " .. ARGV[9] .. " " .. spec)
+              if type(n) == "number" then
+                -- A queue this join started expires unless heartbeats keep it.
+                if n == 1 then redis.call("PEXPIRE", TAG .. "q", HEARTBEAT_TTL) end
+                return {0, 0, {holder}, n, n, l.e, seq, l.dl}
+              end
             end
           end
         end
       end
     else
       local l = lease_of(v)
-      if l and l.token == token then
+      if l and l.token == token and l.e > clock() then
         -- Handed over while its sidecar did not hear of it.
-        return {1, 0, token, l.f, l.c, l.t0, l.e}
+        return {1, NOW, token, l.f, l.c, l.t0, l.e}
       elseif l and string.sub(l.who, 1, #ARGV[8]) ~= ARGV[8] then
         -- Another owner holds it: still queued (else passed by, and the
         -- full script queues it again at its place).
@@ -63,7 +69,7 @@ do
         local Q = TAG .. "q"
         local entry = ARGV[10]
         local first = ARGV[14] ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
-        if first then
+        if first and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" and redis.pcall("LREM", Q, 1, entry) == 1 then
             return grant(fence)

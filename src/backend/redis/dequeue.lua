@@ -1,7 +1,7 @@
 -- ARGV: 1 kind, 2 the queue entry (as the join wrote it), 3 its token, 4
 -- how the lock passes to the next claim (hand_over()'s mode),
--- 5 this sidecar as JSON writes it (no quotes), 6 the stem of sidecars' own
--- channels (see hand_over()).
+-- 5 this sidecar's process (instance), 6 the stem of sidecars' own channels
+-- (see hand_over()).
 -- Leaves the queue; a claim the lock was handed to meanwhile (its waiter
 -- gone before it heard) is released, passing the lock on.
 -- Returns 1 when the entry was queued, 2 when its grant was released, 0 else.
@@ -24,7 +24,9 @@ if removed == 0 and IS_LOCK then
 end
 tidy_if_idle()
 if removed == 1 and was_head then
-  if IS_LOCK and not main_get() then
+  -- The next claim may get in: handed the lock if it is free, else woken.
+  if IS_LOCK and not main_get() then prune() end
+  if IS_LOCK and not main_get() and redis.call("EXISTS", EXPIRY, DELAY) == 0 then
     if not hand_over(ARGV[4], ARGV[5], ARGV[6]) then main_del() end
   else
     redis.call("PUBLISH", TAG .. "wake", "d")

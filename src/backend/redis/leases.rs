@@ -51,21 +51,14 @@ impl Spec {
     }
 }
 
-/// The queue entry a join wrote (see `lean.lua`).
-pub(super) fn entry(seq: u64, claim: &Claim, token: &Token, since: i64) -> String {
+/// The queue entry a join of this process wrote (see `lean.lua`).
+pub(super) fn entry(seq: u64, claim: &Claim, token: &Token, since: i64, instance: &str) -> String {
     format!(
-        "{seq} {} {} {since} {}",
+        "{seq} {} {} {since} {instance} {}",
         mode_arg(claim.mode),
         token.expose(),
         Spec::of(claim).spec
     )
-}
-
-/// A sidecar id as the scripts key heartbeats by it: as JSON writes it,
-/// without the quotes.
-pub(super) fn sidecar_field(sidecar: &str) -> String {
-    let json = serde_json::to_string(sidecar).unwrap_or_default();
-    json[1..json.len().saturating_sub(1).max(1)].to_owned()
 }
 
 impl Node {
@@ -99,7 +92,7 @@ impl Node {
             .arg(ms(span))
             .arg(ms(claim.lock_delay))
             .arg(&spec.owner)
-            .arg(&self.sidecar)
+            .arg(&self.instance)
             .arg(entry)
             .arg(since)
             .arg(if beat { ms(HEARTBEAT_TTL) } else { 0 })
@@ -160,7 +153,7 @@ impl Node {
         inv.arg(entry)
             .arg(token.expose())
             .arg(self.handoff_arg())
-            .arg(&self.sidecar)
+            .arg(&self.instance)
             .arg(&self.stem);
         self.run::<i64>("dequeue", inv).await.map(|n| n == 2)
     }
@@ -185,7 +178,7 @@ impl Node {
         let mut inv = self.invocation(&self.scripts.release, key);
         inv.arg(token.expose())
             .arg(self.handoff_arg())
-            .arg(&self.sidecar)
+            .arg(&self.instance)
             .arg(&self.stem);
         let reply: Vec<Value> = self.run("release", inv).await?;
         let n = int(&reply, 1);
@@ -240,7 +233,7 @@ impl Node {
     pub(super) async fn heartbeat(&self, key: &LockKey) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.heartbeat, key);
         inv.arg(ms(HEARTBEAT_TTL))
-            .arg(&self.sidecar)
+            .arg(&self.instance)
             .arg(self.handoff_arg())
             .arg(&self.stem);
         self.run::<i64>("heartbeat", inv).await.map(|_| ())
@@ -249,11 +242,33 @@ impl Node {
     /// Drops this sidecar's queued tickets on `key` other than `live`.
     pub(super) async fn reconcile(&self, key: &LockKey, live: &[u64]) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.reconcile, key);
-        inv.arg(&self.sidecar);
+        inv.arg(&self.instance);
         for seq in live {
             inv.arg(*seq);
         }
         self.run::<i64>("reconcile", inv).await.map(|_| ())
+    }
+
+    /// Puts this process's `entries` on `key` back in the queue, each at
+    /// its place, where a release passed them by; how many went back.
+    pub(super) async fn rejoin(&self, key: &LockKey, entries: &[String]) -> Result<i64, Error> {
+        let mut inv = self.invocation(&self.scripts.rejoin, key);
+        inv.arg(&self.instance).arg(ms(HEARTBEAT_TTL));
+        for entry in entries {
+            inv.arg(entry);
+        }
+        self.run("rejoin", inv).await
+    }
+
+    /// Gives back the lease of fence `fence` on `key` that a release handed
+    /// to this process for a claim it does not know.
+    pub(super) async fn give_back(&self, key: &LockKey, fence: u64) -> Result<(), Error> {
+        let mut inv = self.invocation(&self.scripts.give_back, key);
+        inv.arg(fence)
+            .arg(self.handoff_arg())
+            .arg(&self.instance)
+            .arg(&self.stem);
+        self.run::<i64>("give_back", inv).await.map(|_| ())
     }
 
     /// Raises the key's fence counter to at least `fence`.

@@ -26,8 +26,34 @@ pub(super) struct Queued {
     pub(super) entry: String,
 }
 
-/// This sidecar's queued tickets per key, by the node's ticket numbers.
-pub(super) type Tickets = HashMap<LockKey, BTreeMap<u64, Queued>>;
+/// How long a ticket that left the queue is remembered ([`Tickets::finished`]).
+const FINISHED_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// This sidecar's tickets on one node, shared by its member and its pub/sub task.
+#[derive(Default)]
+pub(super) struct Tickets {
+    /// Queued tickets per key, by the node's ticket numbers.
+    pub(super) queued: HashMap<LockKey, BTreeMap<u64, Queued>>,
+    /// Tickets that left the queue lately (granted, handed over, dequeued),
+    /// with when: a handoff message for one of them is no lease nobody knows.
+    pub(super) finished: HashMap<(LockKey, u64), std::time::Instant>,
+}
+
+impl Tickets {
+    /// Whether ticket `seq` on `key` is queued or left lately.
+    pub(super) fn knows(&self, key: &LockKey, seq: u64) -> bool {
+        self.queued.get(key).is_some_and(|s| s.contains_key(&seq))
+            || self.finished.contains_key(&(key.clone(), seq))
+    }
+
+    /// This process's queued entries on `key`, in ticket order.
+    pub(super) fn entries(&self, key: &LockKey) -> Vec<String> {
+        self.queued
+            .get(key)
+            .map(|s| s.values().map(|q| q.entry.clone()).collect())
+            .unwrap_or_default()
+    }
+}
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -73,7 +99,7 @@ impl Member {
         let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let member = Arc::new(Self {
             node: Arc::new(node),
-            tickets: Arc::new(Mutex::new(HashMap::new())),
+            tickets: Arc::new(Mutex::new(Tickets::default())),
             suspect: Mutex::new(HashSet::new()),
             subs,
             connected: connected.clone(),
@@ -105,7 +131,7 @@ impl Member {
     }
 
     fn queued(&self, key: &LockKey, seq: u64) -> Option<Queued> {
-        lock(&self.tickets).get(key)?.get(&seq).cloned()
+        lock(&self.tickets).queued.get(key)?.get(&seq).cloned()
     }
 
     /// Reconciles one suspect key; it stays suspect if the node is still away.
@@ -114,6 +140,7 @@ impl Member {
             return;
         }
         let live: Vec<u64> = lock(&self.tickets)
+            .queued
             .get(key)
             .map(|seqs| seqs.keys().copied().collect())
             .unwrap_or_default();
@@ -144,7 +171,7 @@ impl Member {
             Step::Queued(seq) if !self.node.handoff => {
                 Some(self.queued(&claim.key, seq).unwrap_or_else(|| Queued {
                     token: token.clone(),
-                    entry: entry(seq, claim, token, since),
+                    entry: entry(seq, claim, token, since, &self.node.instance),
                 }))
             }
             Step::Queued(seq) => self.queued(&claim.key, seq),
@@ -153,7 +180,7 @@ impl Member {
         let (turn, token) = match (step, &queued) {
             (Step::Once, _) => (NodeTurn::Once, token),
             (Step::Join, _) => {
-                let beat = !lock(&self.tickets).contains_key(&claim.key);
+                let beat = !lock(&self.tickets).queued.contains_key(&claim.key);
                 (NodeTurn::Join { since, beat }, token)
             }
             (Step::Queued(_), Some(q)) if self.node.handoff => {
@@ -180,11 +207,15 @@ impl Member {
                 t.seq,
                 Some(Queued {
                     token: token.clone(),
-                    entry: entry(t.seq, claim, token, since),
+                    entry: entry(t.seq, claim, token, since, &self.node.instance),
                 }),
             ),
             (Attempt::Granted(_), Step::Queued(seq)) => self.track(&claim.key, seq, None),
-            (Attempt::Busy(_), Step::Queued(seq)) => self.track(&claim.key, seq, queued),
+            // A node that hands the lock over may have handed it to this
+            // ticket as the answer came back: its delivery ended the ticket.
+            (Attempt::Busy(_), Step::Queued(seq)) if !self.node.handoff => {
+                self.track(&claim.key, seq, queued);
+            }
             _ => {}
         }
         Ok(attempt)
@@ -202,20 +233,30 @@ impl Member {
     }
 }
 
-/// Adds (`Some`) or removes this sidecar's ticket `seq` on `key`.
+/// Adds (`Some`) or removes this sidecar's ticket `seq` on `key`; a removed
+/// one is remembered as finished for a while.
 pub(super) fn track(tickets: &Mutex<Tickets>, key: &LockKey, seq: u64, queued: Option<Queued>) {
     let mut tickets = lock(tickets);
     match queued {
         Some(q) => {
-            tickets.entry(key.clone()).or_default().insert(seq, q);
+            tickets
+                .queued
+                .entry(key.clone())
+                .or_default()
+                .insert(seq, q);
         }
         None => {
-            if let Some(seqs) = tickets.get_mut(key) {
+            if let Some(seqs) = tickets.queued.get_mut(key) {
                 seqs.remove(&seq);
                 if seqs.is_empty() {
-                    tickets.remove(key);
+                    tickets.queued.remove(key);
                 }
             }
+            let now = std::time::Instant::now();
+            tickets
+                .finished
+                .retain(|_, at| now.duration_since(*at) < FINISHED_FOR);
+            tickets.finished.insert((key.clone(), seq), now);
         }
     }
 }
@@ -238,7 +279,7 @@ pub(super) async fn heartbeats(member: std::sync::Weak<Member>, stop: Cancellati
         for key in suspects {
             member.reconcile(&key).await;
         }
-        let keys: Vec<LockKey> = lock(&member.tickets).keys().cloned().collect();
+        let keys: Vec<LockKey> = lock(&member.tickets).queued.keys().cloned().collect();
         for key in keys {
             if let Err(e) = member.node.heartbeat(&key).await {
                 tracing::debug!(lock = %key, error = %e, "heartbeat failed");

@@ -20,10 +20,15 @@
 //!
 //! Waiting never polls. A release hands an exclusive lock straight to the
 //! next claim in line — the main key takes its lease in the release's own
-//! step — and tells that claim's sidecar on its own channel
-//! (`<prefix>/sidecars/<sidecar>`), which every sidecar subscribes to at
-//! start; claims of sidecars that stopped heartbeating, or that nobody
-//! listens for any more (a killed sidecar), are passed by. Anything else
+//! step — and tells that claim's sidecar process on its own channel
+//! (`<prefix>/sidecars/<instance>`, the instance random per process), which
+//! every sidecar subscribes to at start; claims of processes that stopped
+//! heartbeating, or that nobody listens for any more (a killed sidecar), are
+//! passed by, and `p` on the lock's channel then has a live sidecar passed
+//! by (its pub/sub connection was down) queue its claims again at their
+//! places (`rejoin.lua`). A handoff for a claim this sidecar does not know
+//! (its request gave up as it came) is given back after a grace, unless the
+//! claim turns up (`give_back.lua`, by token and fence). Anything else
 //! that may let a waiter in (a shared or semaphore release, an expiry
 //! noticed, a force-release, a ticket leaving the head) is `PUBLISH`ed on
 //! the lock's channel, `{<prefix><name>}:wake`, which each sidecar subscribes
@@ -92,7 +97,7 @@ impl Redis {
     /// # Errors
     /// A sentence naming what is wrong with the URL or options.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let node = Node::open(url, &options.redis_prefix, &options.sidecar, true)?;
+        let node = Node::open(url, &options.redis_prefix, true)?;
         let watchers = Watchers::default();
         let stop = CancellationToken::new();
         let member = Member::start(node, &watchers, &wakeups, &stop, Numbering::Shared);
@@ -218,7 +223,7 @@ mod tests {
     #[test]
     fn no_name_reaches_another_names_key_or_channel() {
         for prefix in ["sidelock:", "", "lock:"] {
-            let node = Node::open("redis://127.0.0.1:1", prefix, "s", true).expect("node");
+            let node = Node::open("redis://127.0.0.1:1", prefix, true).expect("node");
             let mut owner: HashMap<String, LockKey> = HashMap::new();
             let mut channels: HashMap<String, LockKey> = HashMap::new();
             let names = [
@@ -257,5 +262,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The scripts judge a waiter's process alive by the same window the
+    /// sidecar refreshes its heartbeat within.
+    #[test]
+    fn the_scripts_heartbeat_window_is_the_sidecars() {
+        let line = super::scripts::LEAN
+            .lines()
+            .find_map(|l| l.strip_prefix("local HEARTBEAT_TTL = "))
+            .expect("lean.lua defines HEARTBEAT_TTL");
+        let lua: u128 = line.trim().parse().expect("a number of ms");
+        assert_eq!(lua, super::HEARTBEAT_TTL.as_millis());
     }
 }

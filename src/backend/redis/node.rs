@@ -91,8 +91,10 @@ pub struct Node {
     pub url: String,
     /// The keys in use, as the last listing found them (see [`super::listing`]).
     pub(super) listed: Mutex<Option<super::listing::Listed>>,
-    /// This sidecar as the scripts key its heartbeats (JSON without quotes).
-    pub(super) sidecar: String,
+    /// This sidecar process, as its queue entries, heartbeats and own
+    /// channel name it: random, so that a sidecar restarted under the same
+    /// id is not taken for the process that queued.
+    pub(super) instance: String,
     /// The stem of sidecars' own channels, `<prefix>/sidecars/`: a release
     /// that hands a lock over tells the new holder's sidecar there.
     pub(super) stem: String,
@@ -104,12 +106,12 @@ pub struct Node {
 
 impl Node {
     /// A node for `url`: `redis://host:port/db`, `rediss://…`,
-    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`,
-    /// used by this sidecar (`sidecar`); see [`Node::handoff`].
+    /// `redis+sentinel://s1:p,s2:p/<master>[/db]`, `redis+cluster://h1:p,h2:p`;
+    /// see [`Node::handoff`].
     ///
     /// # Errors
     /// A sentence naming what is wrong with the URL.
-    pub fn open(url: &str, prefix: &str, sidecar: &str, handoff: bool) -> Result<Self, String> {
+    pub fn open(url: &str, prefix: &str, handoff: bool) -> Result<Self, String> {
         let parts = Parts::parse(url)?;
         let (scheme, hosts, path) = (parts.scheme, parts.hosts_with_userinfo(), parts.path);
         let base = if scheme.starts_with("rediss") {
@@ -177,7 +179,7 @@ impl Node {
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: crate::backend::redact(url),
             listed: Mutex::new(None),
-            sidecar: super::leases::sidecar_field(sidecar),
+            instance: crate::lock::Token::generate().expose()[..16].to_owned(),
             stem: format!("{prefix}/sidecars/"),
             handoff,
         })
@@ -291,9 +293,10 @@ impl Node {
         base
     }
 
-    /// This sidecar's own channel, where it hears of locks handed to it.
+    /// This sidecar process's own channel, where it hears of locks handed
+    /// to it.
     pub(super) fn own_channel(&self) -> String {
-        format!("{}{}", self.stem, self.sidecar)
+        format!("{}{}", self.stem, self.instance)
     }
 
     /// The wake channel of `key`, on which the scripts publish.

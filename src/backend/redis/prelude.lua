@@ -8,7 +8,7 @@
 --   {<main>}:fence    counter of fences, never expires
 --   {<main>}:seq      counter of queue tickets, never expires
 --   {<main>}:q        list of queued claims (lean.lua), in queue order
---   {<main>}:heartbeat hash: sidecar (as JSON writes it) -> deadline ms of its
+--   {<main>}:heartbeat hash: sidecar process (instance) -> deadline ms of its
 --                     waiters here, so that keeping waiters alive costs the
 --                     same for one waiter as for thousands
 --   {<main>}:holders  hash: token -> JSON meta of a shared or semaphore lease
@@ -170,13 +170,18 @@ local function delay_until(ms)
   if ms <= NOW then return end
   if IS_LOCK then
     local main = main_get()
+    local l = lease_of(main)
     if main == false then
       main_set(DELAYED, ms - NOW)
       return
-    elseif main == DELAYED or lease_of(main) then
+    elseif main == DELAYED or (l and l.e <= NOW) then
+      -- The marker, or a lease that ended and keeps the key for its own
+      -- lock-delay: the key stays until the later end. (A live lease's key
+      -- must end with it, so that its renewals and release judge it right:
+      -- its delay waits in the delay key.)
       if redis.call("PTTL", MAIN) < ms - NOW then redis.call("PEXPIRE", MAIN, ms - NOW) end
       return
-    elseif main ~= SHARED then
+    elseif main ~= SHARED and not l then
       return
     end
   end
@@ -267,22 +272,22 @@ local function prune()
     changed = true
   end
   local lapsed = {}
-  local any_lapsed = false
   local b = beats()
-  for sidecar, d in pairs(b) do
-    if d <= NOW then
-      lapsed[sidecar] = true
-      any_lapsed = true
-    end
+  for inst, d in pairs(b) do
+    if d <= NOW then lapsed[inst] = true end
   end
-  for sidecar in pairs(lapsed) do
-    redis.call("HDEL", BEAT, sidecar)
-    b[sidecar] = nil
+  for inst in pairs(lapsed) do
+    redis.call("HDEL", BEAT, inst)
+    b[inst] = nil
   end
-  if any_lapsed then
+  -- Every waiter's process still heartbeats: the queue is long, and this
+  -- runs in many scripts, so it is read only when the head's looks late or
+  -- a process lapsed.
+  local head = entry_of(redis.call("LINDEX", QUEUE, 0))
+  if next(lapsed) or (head and not beating(head, b[head.inst])) then
     for _, s in ipairs(redis.call("LRANGE", QUEUE, 0, -1)) do
       local e = entry_of(s)
-      if (not e) or lapsed[sidecar_of(e.who)] then
+      if (not e) or lapsed[e.inst] or not beating(e, b[e.inst]) then
         redis.call("LREM", QUEUE, 1, s)
         changed = true
       end

@@ -137,8 +137,15 @@ pub(super) async fn pubsub(
             continue;
         }
         up.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Releases made meanwhile woke nobody here, and may have passed this
+        // process's waiters by: each local head looks again, and the
+        // passed-by entries queue again.
         for (_, key) in &current {
             wakeups.wake(key);
+        }
+        let waiting: Vec<LockKey> = lock(&tickets).queued.keys().cloned().collect();
+        for key in &waiting {
+            rejoin(&node, &tickets, &wakeups, key);
         }
         loop {
             tokio::select! {
@@ -184,6 +191,10 @@ pub(super) async fn pubsub(
                             wakeups.changed(&key);
                             continue;
                         }
+                        if payload == b"p" {
+                            // Entries went as dead: ours, if any, queue again.
+                            rejoin(&node, &tickets, &wakeups, &key);
+                        }
                         match next_ticket(&msg).filter(|_| numbering == Numbering::Shared) {
                             Some(seq) => wakeups.wake_ticket(&key, seq),
                             None => wakeups.wake(&key),
@@ -223,34 +234,96 @@ pub(super) fn handed(payload: &[u8]) -> Option<Handed> {
     })
 }
 
+/// How long a handoff for a ticket this process does not know waits for
+/// the join that queued it to answer (a call's own time limit) before the
+/// lease is given back.
+const UNKNOWN_GRACE: Duration = CALL_TIMEOUT;
+
 /// Gives a handed lease to the local waiter whose ticket it names (the
-/// ticket is done with once it took it). A ticket this sidecar no longer
-/// tracks left the queue: its dequeue releases the lease.
+/// ticket is done with once it took it). A ticket this process never knew
+/// (its join's answer came back later, or was lost) is looked at again after
+/// [`UNKNOWN_GRACE`]: delivered if known by then, the lease given back if
+/// the ticket never was (one that finished meanwhile is the waiter's own
+/// business: its grant or dequeue saw to the lease).
 fn deliver(
-    node: &Node,
-    tickets: &std::sync::Mutex<Tickets>,
+    node: &Arc<Node>,
+    tickets: &Arc<std::sync::Mutex<Tickets>>,
     wakeups: &Wakeups,
     key: &LockKey,
     h: Handed,
 ) {
-    let clock = node.settled_clock();
-    let expires_at_ms = clock.local(h.expires);
     let mine = lock(tickets)
+        .queued
         .get(key)
         .and_then(|seqs| seqs.get(&h.seq))
         .map(|q| q.token.clone());
-    let Some(token) = mine else {
+    if let Some(token) = mine {
+        hand(node, tickets, wakeups, key, &h, token);
         return;
-    };
+    }
+    let (node, tickets, wakeups, key) =
+        (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(UNKNOWN_GRACE).await;
+        let (known, mine) = {
+            let t = lock(&tickets);
+            let mine = t
+                .queued
+                .get(&key)
+                .and_then(|s| s.get(&h.seq))
+                .map(|q| q.token.clone());
+            (t.knows(&key, h.seq), mine)
+        };
+        match mine {
+            Some(token) => hand(&node, &tickets, &wakeups, &key, &h, token),
+            None if !known => {
+                if let Err(e) = node.give_back(&key, h.fence).await {
+                    tracing::debug!(lock = %key, error = %e, "could not give back a lease nobody waits for");
+                }
+            }
+            None => {}
+        }
+    });
+}
+
+/// Puts a handed lease into its waiter's place.
+fn hand(
+    node: &Node,
+    tickets: &std::sync::Mutex<Tickets>,
+    wakeups: &Wakeups,
+    key: &LockKey,
+    h: &Handed,
+    token: crate::lock::Token,
+) {
+    let clock = node.settled_clock();
     let lease = Handoff {
         token,
         fence: h.fence,
         since_ms: clock.local(h.since),
-        expires_at_ms,
+        expires_at_ms: clock.local(h.expires),
     };
     if wakeups.granted(key, h.seq, lease) {
         track(tickets, key, h.seq, None);
     }
+}
+
+/// Puts this process's entries on `key` that a release passed by back in
+/// the queue, then lets its local head look.
+fn rejoin(node: &Arc<Node>, tickets: &std::sync::Mutex<Tickets>, wakeups: &Wakeups, key: &LockKey) {
+    let entries = lock(tickets).entries(key);
+    if entries.is_empty() {
+        return;
+    }
+    let (node, wakeups, key) = (node.clone(), wakeups.clone(), key.clone());
+    tokio::spawn(async move {
+        match node.rejoin(&key, &entries).await {
+            Ok(n) if n > 0 => wakeups.wake(&key),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(lock = %key, error = %e, "could not queue passed-by waiters again")
+            }
+        }
+    });
 }
 
 /// The ticket and main key a wake-up on this sidecar's own channel names

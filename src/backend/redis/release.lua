@@ -1,7 +1,7 @@
 -- ARGV: 1 kind, 2 token, 3 how the lock passes to the next claim in line
--- (hand_over()'s mode), 4 this sidecar as JSON
--- writes it (no quotes): its own waiters need no heartbeat check, 5 the
--- stem of sidecars' own channels (see hand_over()).
+-- (hand_over()'s mode), 4 this sidecar's process (instance): its own
+-- waiters need no heartbeat check, 5 the stem of sidecars' own channels (see
+-- hand_over()).
 -- Returns {now, remaining count} or {now, -1} when the token holds nothing
 -- (now is 0 when the fast path did not need the clock).
 -- The common case runs first, in release_fast.lua.

@@ -12,7 +12,8 @@ do
     if type(v) == "string" and string.sub(v, 1, #token + 1) == token .. " " then
       local l = lease_of(v)
       -- A lease in its lock-delay has expired: the full script finds nothing.
-      if l and l.c == 1 and (l.dl == 0 or redis.call("PTTL", MAIN) > l.dl) then
+      -- (A key without a lock-delay lives no longer than its lease.)
+      if l and l.c == 1 and (l.dl == 0 or l.e > clock()) then
         if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then redis.call("DEL", MAIN) end
         return {0, 0}
       end

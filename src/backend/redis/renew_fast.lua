@@ -8,8 +8,7 @@ do
     local v = redis.pcall("GET", MAIN)
     if type(v) == "string" and string.sub(v, 1, #token + 1) == token .. " " then
       local l = lease_of(v)
-      if l and (l.dl == 0 or redis.call("PTTL", MAIN) > l.dl) then
-        clock()
+      if l and l.e > clock() then
         local want = tonumber(ARGV[3])
         if want == 0 then want = l.ttl end
         local e = NOW + want

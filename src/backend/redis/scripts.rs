@@ -52,6 +52,8 @@ pub(super) struct Scripts {
     pub(super) reconcile: Script,
     pub(super) raise_fence: Script,
     pub(super) stale: Script,
+    pub(super) rejoin: Script,
+    pub(super) give_back: Script,
 }
 
 impl Scripts {
@@ -74,6 +76,8 @@ impl Scripts {
             reconcile: script(include_str!("reconcile.lua")),
             raise_fence: script(include_str!("raise_fence.lua")),
             stale: script(include_str!("stale.lua")),
+            rejoin: script(include_str!("rejoin.lua")),
+            give_back: script(include_str!("give_back.lua")),
         }
     }
 }

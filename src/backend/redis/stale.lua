@@ -33,17 +33,15 @@ for i = 1, #all, 2 do
       "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. m.f}
   end
 end
-local lapsed = {}
-local beats = redis.call("HGETALL", BEAT)
-for i = 1, #beats, 2 do
-  if tonumber(beats[i + 1]) <= NOW then lapsed[beats[i]] = tonumber(beats[i + 1]) end
-end
+local beats = {}
+local all_beats = redis.call("HGETALL", BEAT)
+for i = 1, #all_beats, 2 do beats[all_beats[i]] = tonumber(all_beats[i + 1]) end
 for _, e in ipairs(queue()) do
-  local sc = sidecar_of(e.who)
-  if lapsed[sc] then
+  if not beating(e, beats[e.inst]) then
     local o, s = name(e.who)
+    local since = beats[e.inst] or (e.t0 + HEARTBEAT_TTL)
     out[#out + 1] = {MAIN, "orphaned-waiter", NOW - e.t0,
-      "waiter " .. o .. " of sidecar " .. s .. " stopped heartbeating " .. (NOW - lapsed[sc]) .. " ms ago"}
+      "waiter " .. o .. " of sidecar " .. s .. " stopped heartbeating " .. (NOW - since) .. " ms ago"}
   end
 end
 return out
