@@ -461,7 +461,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
     }
     let client = database.client().await;
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5]);
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -507,7 +507,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
 
     let sidecar = SidecarBuilder::new(&database.url()).start().await;
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5]);
 
     let lock = sidecar.api().lock(&name);
     let grant = lock.acquire(&[]).await;
@@ -644,16 +644,22 @@ async fn a_contended_handoff_costs_postgres_two_statements() {
     while tasks.join_next().await.is_some() {}
 }
 
-/// A release whose NOTIFY is lost because the waiter's sidecar is
-/// reconnecting its LISTEN connection still wakes the waiter: every local
-/// waiter is woken when the connection is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_waiter() {
-    let backend = postgres().await;
+/// A lock held through one sidecar with a waiter queued through another.
+struct Queued {
+    /// The waiting sidecar's id.
+    id: String,
+    waiting: SidecarGuard,
+    releasing: SidecarGuard,
+    name: String,
+    holder: common::api::Grant,
+    waiter: HoldStream,
+}
+
+async fn queue_behind_a_holder(backend: &BackendGuard) -> Queued {
     let id = unique_name("listener");
     let waiting = backend.sidecar().sidecar_id(&id).start().await;
     let releasing = backend.start_sidecar().await;
-    let name = unique_name("missed");
+    let name = unique_name("queued");
     let holder = releasing
         .api()
         .lock(&name)
@@ -665,11 +671,21 @@ async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_w
         .hold(&[("owner", "waiter"), ("wait", "60s")])
         .await;
     waiter.expect_queued().await;
+    Queued {
+        id,
+        waiting,
+        releasing,
+        name,
+        holder,
+        waiter,
+    }
+}
 
-    let client = schema(&backend).client().await;
+/// Ends sidecar `id`'s LISTEN connection's session, waiting until it is gone.
+async fn end_listen_connection(client: &tokio_postgres::Client, id: &str) {
     let killed: Vec<bool> = client
         .query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE application_name = $1",
             &[&format!("sidelock {id} listen")],
         )
         .await
@@ -678,6 +694,24 @@ async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_w
         .map(|r| r.get(0))
         .collect();
     assert_eq!(killed, [true], "exactly one LISTEN connection");
+}
+
+/// A release whose NOTIFY is lost because the waiter's sidecar is
+/// reconnecting its LISTEN connection still wakes the waiter: every local
+/// waiter is woken when the connection is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_waiter() {
+    let backend = postgres().await;
+    let Queued {
+        id,
+        waiting,
+        releasing,
+        name,
+        holder,
+        mut waiter,
+    } = queue_behind_a_holder(&backend).await;
+    let client = schema(&backend).client().await;
+    end_listen_connection(&client, &id).await;
     // Before the sidecar has reconnected (it waits 250 ms first).
     releasing.api().lock(&name).release(&holder.token).await;
     let released = Instant::now();
@@ -691,6 +725,67 @@ async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_w
         async || waiting.log().contains("LISTEN connection").then_some(()),
     )
     .await;
+}
+
+/// A LISTEN connection that died on this side while the server still has
+/// its session (a dropped network, a hung backend) keeps holding the
+/// instance's advisory lock: the sidecar's next LISTEN connection ends that
+/// session instead of waiting behind it forever, and hears its handoffs.
+/// (Here another session takes the lock as the old connection goes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_connection_behind_its_own_zombie_session_takes_over() {
+    let backend = postgres().await;
+    let Queued {
+        id,
+        waiting: _waiting,
+        releasing,
+        name,
+        holder,
+        mut waiter,
+    } = queue_behind_a_holder(&backend).await;
+    let client = schema(&backend).client().await;
+    let instance: String = eventually(
+        "the waiting sidecar's heartbeat",
+        EVENT_TIMEOUT,
+        async || {
+            client
+                .query_opt(
+                    &format!(
+                        "SELECT instance FROM {} WHERE sidecar = $1",
+                        schema(&backend).table("sidecars")
+                    ),
+                    &[&id],
+                )
+                .await
+                .expect("read sidecars")
+                .map(|r| r.get::<_, String>(0))
+        },
+    )
+    .await;
+    let zombie = schema(&backend).client().await;
+    end_listen_connection(&client, &id).await;
+    // Before the sidecar reconnects (it waits 250 ms first).
+    zombie
+        .execute(
+            "SELECT pg_advisory_lock(hashtextextended('sidelock instance ' || $1, 0))",
+            &[&instance],
+        )
+        .await
+        .expect("take the instance's advisory lock");
+    releasing.api().lock(&name).release(&holder.token).await;
+    let released = Instant::now();
+
+    let grant = waiter.expect_acquired_within(Duration::from_secs(15)).await;
+    assert_eq!(grant.owner, "waiter");
+    assert!(
+        released.elapsed() < Duration::from_secs(8),
+        "the waiter heard of its handoff {:?} after the release",
+        released.elapsed()
+    );
+    assert!(
+        zombie.simple_query("SELECT 1").await.is_err(),
+        "the session holding the instance's lock was left running"
+    );
 }
 
 /// `/v1/stale` on PostgreSQL: holders older than `--stale-after`, expired rows

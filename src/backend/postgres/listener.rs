@@ -189,12 +189,42 @@ impl Inner {
             .await?;
         // Held while this connection lives: a release hands a lock only to
         // the waiter of a sidecar that holds it (see `pass_on()`).
-        client
-            .execute(
-                "SELECT pg_advisory_lock(hashtextextended('sidelock instance ' || $1, 0))",
+        let taken: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended('sidelock instance ' || $1, 0))",
                 &[&self.instance],
             )
-            .await?;
+            .await?
+            .get(0);
+        if !taken {
+            // The instance is this process's alone: the holder is an earlier
+            // connection of ours the server has not seen die (a dropped
+            // network). Handoffs would go to it, unheard, for as long as it
+            // lasts: end it, then wait for the lock it frees.
+            tracing::warn!(
+                "an earlier LISTEN connection of this sidecar still holds its session: ending it"
+            );
+            client
+                .execute(
+                    "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+                      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                        AND l.pid <> pg_backend_pid()
+                        AND ((l.classid::bigint << 32) | l.objid::bigint)
+                            = hashtextextended('sidelock instance ' || $1, 0)",
+                    &[&self.instance],
+                )
+                .await?;
+            // Not forever (a role that may not end it): the connection is
+            // retried, as after any failure.
+            client.batch_execute("SET lock_timeout = '10s'").await?;
+            client
+                .execute(
+                    "SELECT pg_advisory_lock(hashtextextended('sidelock instance ' || $1, 0))",
+                    &[&self.instance],
+                )
+                .await?;
+            client.batch_execute("RESET lock_timeout").await?;
+        }
         Ok((client, rx))
     }
 

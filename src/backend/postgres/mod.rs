@@ -6,7 +6,8 @@
 //! together on an empty database do not race. The SQL is in
 //! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
 //! replaces functions of 0001, `0003_*.sql` admits elections, `0004_*.sql`
-//! hands locks over); the README documents every table and index.
+//! hands locks over, `0005_*.sql` has a release record expired leases'
+//! lock-delay first); the README documents every table and index.
 //!
 //! * Names are data: every row is keyed by (kind, name), kind `lock`,
 //!   `semaphore` or `election`, and names reach SQL only
@@ -22,8 +23,8 @@
 //! * A release hands an exclusive lock to the first waiter in line in its
 //!   own transaction (`pass_on()` in `0004_handoff.sql`: the waiter's row
 //!   carries the lease it asks for) and tells that waiter's sidecar with
-//!   `NOTIFY <schema>_wake, 'g <instance> <seq> <fence> <since> <expires>
-//!   <kind>/<name>'`; waiters of sidecars whose listening connection is gone
+//!   `NOTIFY <schema>_wake_<first 8 of its instance>, 'g <instance> <seq>
+//!   <fence> <since> <expires> <kind>/<name>'` on its own channel; waiters of sidecars whose listening connection is gone
 //!   (it holds an advisory lock on its instance) are passed by.
 //! * Waiting never polls: every other change that may let a waiter in sends
 //!   `NOTIFY <schema>_wake, '<kind>/<name>'`; one `LISTEN` connection per
@@ -137,6 +138,11 @@ const MIGRATIONS: &[Migration] = &[
         version: 4,
         description: "a release hands an exclusive lock to the first waiter in line",
         sql: include_str!("0004_handoff.sql"),
+    },
+    Migration {
+        version: 5,
+        description: "a release clears the key's expired leases, recording their lock-delay, first",
+        sql: include_str!("0005_release_lapsed.sql"),
     },
 ];
 

@@ -785,6 +785,62 @@ mod modes {
         lock.release(&reader.token).await;
         assert_eq!(writer.expect_acquired().await.owner, "writer");
     }
+
+    /// A reader's lease that expired keeps the lock for its lock-delay,
+    /// even when the last live reader releases with a writer waiting and
+    /// nobody looked at the lock since the lease expired (the writer's
+    /// sidecar is stopped meanwhile; the release once handed the lock to the
+    /// writer at once on PostgreSQL).
+    #[apply(backends)]
+    #[tokio::test]
+    async fn an_expired_readers_lock_delay_outlasts_the_last_readers_release(backend: TestBackend) {
+        const TTL: Duration = Duration::from_millis(300);
+        const DELAY: Duration = Duration::from_millis(2000);
+        let backend = backend.start().await;
+        let sidecars = backend.sidecars(2).await;
+        let (readers, writers) = (&sidecars[0], &sidecars[sidecars.len() - 1]);
+        let lock = readers.api().lock(&unique_name("reader-delay"));
+        let started = Instant::now();
+        lock.acquire(&[
+            ("mode", "shared"),
+            ("owner", "lapsing"),
+            ("ttl", "300ms"),
+            ("lock_delay", "2s"),
+        ])
+        .await;
+        let live = lock
+            .acquire(&[("mode", "shared"), ("owner", "live"), ("ttl", "30s")])
+            .await;
+        let writer = {
+            let lock = writers.api().lock(lock.name());
+            tokio::spawn(async move { lock.acquire(&[("owner", "writer"), ("wait", "15s")]).await })
+        };
+        eventually("the writer queued", Duration::from_secs(5), async || {
+            (lock.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        // The writer's sidecar cannot look when the lease expires.
+        let stopped = sidecars.len() > 1;
+        if stopped {
+            writers.signal(nix::sys::signal::Signal::SIGSTOP);
+        }
+        tokio::time::sleep_until((started + TTL + ms(300)).into()).await;
+        lock.release(&live.token).await;
+        tokio::time::sleep(ms(300)).await;
+        if stopped {
+            writers.signal(nix::sys::signal::Signal::SIGCONT);
+        }
+        let grant = tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the writer granted after the lock-delay")
+            .expect("writer task");
+        let waited = started.elapsed();
+        assert!(
+            waited >= TTL + DELAY,
+            "the writer got the lock {waited:?} after a reader's {TTL:?} lease with a {DELAY:?} lock-delay"
+        );
+        lock.release(&grant.token).await;
+    }
 }
 
 mod semaphores {
