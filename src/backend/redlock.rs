@@ -152,7 +152,6 @@ impl Redlock {
                 let node = Node::open(
                     &format!("{base}://{h}/{path}{query}"),
                     &options.redis_prefix,
-                    &options.sidecar,
                     false,
                 )?;
                 Ok(Member::start(
@@ -375,7 +374,10 @@ impl Backend for Redlock {
         if answered < self.quorum {
             return Err(timed_out("try_acquire"));
         }
-        let split = !grants.is_empty();
+        // A split vote: some nodes granted and no majority is busy. (When a
+        // majority is, a node that granted lost the holder's key, and waiting
+        // for the holder is right.)
+        let split = !grants.is_empty() && busy.len() < self.quorum;
         let mut ticket = None;
         if matches!(turn, Turn::Join) {
             let mut seqs = vec![None; self.members.len()];

@@ -121,6 +121,46 @@ async fn a_node_killed_or_emptied_while_a_lock_is_held_does_not_let_a_second_cli
     );
 }
 
+/// A waiter behind a lease a majority holds does not poll when a minority
+/// of nodes would grant it (a node that lost its data): that is no split
+/// vote, so it waits for the lease's end or its release like any waiter.
+/// (It once retried every 5 to 50 ms, for as long as the lease lasted.)
+#[tokio::test]
+async fn a_waiter_does_not_poll_when_a_minority_would_grant_it() {
+    let (mut nodes, a, b) = five().await;
+    let name = unique_name("minority-free");
+    let held = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "a"), ("ttl", "30s")])
+        .await;
+    nodes.nodes[1].restart().await;
+    let waiter = b.api().lock(&name);
+    let waiting =
+        tokio::spawn(async move { waiter.acquire(&[("owner", "b"), ("wait", "20s")]).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut before = 0;
+    for node in &nodes.nodes {
+        before += node.commands_run().await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut after = 0;
+    for node in &nodes.nodes {
+        after += node.commands_run().await;
+    }
+    assert!(
+        after - before < 100,
+        "{} commands on five nodes in 2 s with one waiter",
+        after - before
+    );
+    a.api().lock(&name).release(&held.token).await;
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter granted after the release")
+        .expect("waiter task");
+    assert!(next.fence > held.fence);
+}
+
 /// Clients looping on one semaphore through two sidecars, each acquiring
 /// (wait 3 s), holding 20 ms and releasing until `run` is over.
 const SEMAPHORE_CLIENTS: usize = 12;
