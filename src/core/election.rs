@@ -97,6 +97,16 @@ pub struct Leader {
     pub since_ms: u64,
 }
 
+impl Leader {
+    /// Whether two readings show the same leadership: `since_ms` is left
+    /// out, as Redlock reads it as the earliest of the nodes that answered,
+    /// which a slow node can move without anything having changed.
+    pub fn same_as(&self, other: &Self) -> bool {
+        (&self.owner, &self.sidecar, &self.value, self.fence)
+            == (&other.owner, &other.sidecar, &other.value, other.fence)
+    }
+}
+
 /// An election as every sidecar sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ElectionView {

@@ -329,7 +329,12 @@ impl Stream for ObserveStream {
             return Poll::Ready(None);
         }
         while let Poll::Ready(view) = self.following.poll_view(cx) {
-            if self.shown.as_ref() != Some(&view.leader) {
+            let same = match (&self.shown, &view.leader) {
+                (Some(Some(shown)), Some(leader)) => shown.same_as(leader),
+                (Some(None), None) => true,
+                _ => false,
+            };
+            if !same {
                 self.shown = Some(view.leader.clone());
                 let event = sse_json("leader", &serde_json::json!(view.leader));
                 return Poll::Ready(Some(Ok(event)));

@@ -156,7 +156,7 @@ async fn the_leader_dies_and_the_follower_takes_over(backend: TestBackend) {
         .iter()
         .map(|l| l["owner"].as_str().unwrap_or(""))
         .collect();
-    assert_eq!(owners, ["pod-a", "pod-b"], "observed leaders");
+    assert_eq!(owners, ["pod-a", "pod-b"], "observed leaders: {leaders:?}");
     assert!(leaders[0]["fence"].as_u64() < leaders[1]["fence"].as_u64());
 
     drop(second);
