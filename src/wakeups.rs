@@ -48,6 +48,8 @@ struct LocalQueue {
 struct Slot {
     seq: u64,
     notify: Arc<Notify>,
+    /// Woken when this waiter becomes the local head.
+    promoted: Arc<Notify>,
     /// A lease handed to this waiter, until it takes it.
     handed: Arc<Mutex<Option<Handoff>>>,
 }
@@ -97,7 +99,7 @@ impl Wakeups {
         let Some(q) = queues.get(key) else {
             return false;
         };
-        q.until.send_replace(lease.expires_at_ms);
+        set_until(&q.until, lease.expires_at_ms);
         let Some(slot) = q.slots.iter().find(|s| s.seq == seq) else {
             return false;
         };
@@ -146,6 +148,7 @@ impl Wakeups {
     /// Adds a waiter holding ticket `seq` in its global order.
     pub(crate) fn join(&self, key: &LockKey, seq: u64) -> Place {
         let notify = Arc::new(Notify::new());
+        let promoted = Arc::new(Notify::new());
         let handed = Arc::new(Mutex::new(None));
         let mut queues = self.lock();
         let q = queues.entry(key.clone()).or_insert_with(|| LocalQueue {
@@ -159,6 +162,7 @@ impl Wakeups {
             Slot {
                 seq,
                 notify: notify.clone(),
+                promoted: promoted.clone(),
                 handed: handed.clone(),
             },
         );
@@ -169,6 +173,7 @@ impl Wakeups {
             key: key.clone(),
             seq,
             notify,
+            promoted,
             moved: q.moved.subscribe(),
             until,
             handed,
@@ -218,6 +223,8 @@ pub(crate) struct Place {
     key: LockKey,
     seq: u64,
     notify: Arc<Notify>,
+    /// Woken when this waiter becomes the local head (see [`Place::promoted`]).
+    promoted: Arc<Notify>,
     moved: watch::Receiver<u64>,
     until: watch::Receiver<u64>,
     /// A lease the backend handed to this waiter ([`Wakeups::granted`]).
@@ -251,6 +258,13 @@ impl Place {
         self.notify.notified().await;
     }
 
+    /// Resolves when this waiter has become the local head: only the head
+    /// follows the holder's expiry ([`Self::holder_until`]), so that a
+    /// handoff does not stir every waiter of the key.
+    pub async fn promoted(&self) {
+        self.promoted.notified().await;
+    }
+
     /// A receiver that changes whenever a waiter of this key leaves, i.e.
     /// positions moved.
     pub fn moves(&self) -> watch::Receiver<u64> {
@@ -275,7 +289,7 @@ impl Place {
     pub fn leave_granted(mut self, pass_on: bool, until_ms: u64) {
         self.pass_on = pass_on;
         if !pass_on && let Some(q) = self.wakeups.lock().get(&self.key) {
-            q.until.send_replace(until_ms);
+            set_until(&q.until, until_ms);
         }
     }
 
@@ -302,6 +316,17 @@ impl Drop for Place {
     }
 }
 
+/// Tells a key's waiters when its holder's lease ends, waking them only when
+/// that changed: each wake-up costs every local waiter of the key a turn (a
+/// handoff is told twice, by the backend's message and by the grant).
+fn set_until(until: &watch::Sender<u64>, ms: u64) {
+    until.send_if_modified(|at| {
+        let changed = *at != ms;
+        *at = ms;
+        changed
+    });
+}
+
 /// Takes waiter `seq` out of `key`'s local queue; if it was the head and
 /// `pass_on`, the next waiter is woken.
 fn remove(queues: &mut HashMap<LockKey, LocalQueue>, key: &LockKey, seq: u64, pass_on: bool) {
@@ -317,11 +342,13 @@ fn remove(queues: &mut HashMap<LockKey, LocalQueue>, key: &LockKey, seq: u64, pa
         return;
     }
     q.moved.send_modify(|n| *n += 1);
-    if pass_on
-        && at == 0
+    if at == 0
         && let Some(next) = q.slots.first()
     {
-        next.notify.notify_one();
+        next.promoted.notify_one();
+        if pass_on {
+            next.notify.notify_one();
+        }
     }
 }
 

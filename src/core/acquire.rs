@@ -344,8 +344,11 @@ impl Core {
                 Ok(()) = moves.changed(), if progress.is_some() => {
                     self.report_position(&place, offset, &mut reported, 0, progress);
                 }
+                // Only the head follows the holder: once promoted, the loop
+                // comes round and reads the latest end.
+                () = place.promoted() => {}
                 // A new holder: its lease's end is when it may have died.
-                Ok(()) = holder_until.changed() => {
+                Ok(()) = holder_until.changed(), if place.is_head() => {
                     let until = *holder_until.borrow_and_update();
                     if until > 0 {
                         retry_at = Some(until);

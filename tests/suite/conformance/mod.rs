@@ -243,6 +243,50 @@ mod mutual_exclusion {
 mod waiting {
     use super::*;
 
+    /// A waiter queued behind another of its sidecar, which is granted and
+    /// then lets its lease lapse (never released), is granted when that
+    /// lease ends: it follows the new holder's expiry once it heads the
+    /// local queue, not only the holder it queued behind.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_next_waiter_is_granted_when_the_lease_handed_before_it_lapses(
+        backend: TestBackend,
+    ) {
+        const TTL: Duration = Duration::from_secs(1);
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("lapse-next"));
+        let holder = lock.acquire(&[("owner", "holder"), ("ttl", "30s")]).await;
+        let mut queued = Vec::new();
+        for (owner, ttl) in [("first", "1s"), ("second", "30s")] {
+            let waiter = sidecar.api().lock(lock.name());
+            queued.push(tokio::spawn(async move {
+                waiter
+                    .acquire(&[("owner", owner), ("ttl", ttl), ("wait", "20s")])
+                    .await
+            }));
+            let count = queued.len();
+            eventually("the waiter queued", Duration::from_secs(5), async || {
+                (lock.inspect().await.waiters.len() == count).then_some(())
+            })
+            .await;
+        }
+        lock.release(&holder.token).await;
+        let mut queued = queued.into_iter();
+        let first = queued.next().expect("first").await.expect("first waiter");
+        let lapsing = Instant::now();
+        let second = tokio::time::timeout(Duration::from_secs(15), queued.next().expect("second"))
+            .await
+            .expect("the second waiter granted")
+            .expect("second waiter");
+        assert!(
+            lapsing.elapsed() < TTL + TIMING_SLACK,
+            "granted {:?} after a {TTL:?} lease began",
+            lapsing.elapsed()
+        );
+        assert!(second.fence > first.fence);
+        lock.release(&second.token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn try_once_on_a_busy_lock_reports_holders_and_queue(backend: TestBackend) {
