@@ -93,6 +93,13 @@ impl Core {
         self.local_on(key, token).map(|l| l.ttl)
     }
 
+    /// The `max_hold` of a lease this sidecar granted, if it has one.
+    pub fn lease_max_hold(&self, key: &LockKey, token: &Token) -> Option<Duration> {
+        self.local_on(key, token)
+            .and_then(|l| l.cap_ms.map(|cap| cap.saturating_sub(l.since_ms)))
+            .map(Duration::from_millis)
+    }
+
     /// Extends a lease to `ttl` (default: its own) from now.
     ///
     /// # Errors

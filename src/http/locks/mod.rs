@@ -85,11 +85,15 @@ async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<R
     let token = require_token(p.token)?;
     let ttl = check_ttl(p.ttl.as_ref(), &app.core.limits)?;
     let asked = ttl.or_else(|| app.core.lease_ttl(&key, &token));
+    let max_hold = app.core.lease_max_hold(&key, &token);
     let expires_at_ms = app.core.keepalive(&key, &token, ttl).await?;
     let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());
     if let Some(ttl) = asked {
         // A backend's clock conversion may round up; never report more than the ttl.
         ttl_ms = ttl_ms.min(ms(ttl));
+    }
+    if let Some(max_hold) = max_hold {
+        ttl_ms = ttl_ms.min(ms(max_hold));
     }
     Ok(Json(Renewed {
         expires_at_ms,
