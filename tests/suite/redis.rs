@@ -210,6 +210,59 @@ async fn idle_waiters_cost_redis_almost_nothing_and_handoffs_stay_flat() {
     );
 }
 
+/// Blocked waiters cost Redis the same however many there are and however
+/// they are spread over the sidecars, with the holder on either: one
+/// heartbeat per sidecar and lock every 5 s, whatever waits behind it (plus
+/// the monitor's round every 10 s). 10 s windows, one Redis, two sidecars.
+#[tokio::test]
+async fn idle_waiters_cost_redis_the_same_however_many_and_wherever_they_wait() {
+    const WINDOW: Duration = Duration::from_secs(10);
+    let server = RedisServer::start().await;
+    let both = [sidecar(&server).await, sidecar(&server).await];
+    let mut costs = Vec::new();
+    for (label, waiters, on, holder_on) in [
+        ("10 waiters on A, holder on A", 10, 0..1, 0),
+        ("300 waiters on A, holder on A", 300, 0..1, 0),
+        ("300 waiters on B, holder on A", 300, 1..2, 0),
+        ("300 waiters on A and B, holder on A", 300, 0..2, 0),
+        ("300 waiters on A and B, holder on B", 300, 0..2, 1),
+    ] {
+        let name = unique_name("spread");
+        let holder = both[holder_on]
+            .api()
+            .lock(&name)
+            .acquire(&[("owner", "holder"), ("ttl", "120s")])
+            .await;
+        let mut queued = queue_waiters(&both[on.clone()], &name, waiters).await;
+        let (spent, what) = commands_during(&server, WINDOW).await;
+        costs.push((label, on.len(), spent, what));
+        both[holder_on]
+            .api()
+            .lock(&name)
+            .release(&holder.token)
+            .await;
+        within("every waiter granted", Duration::from_secs(60), async {
+            while queued.join_next().await.is_some() {}
+        })
+        .await;
+    }
+    let report: Vec<String> = costs
+        .iter()
+        .map(|(label, _, spent, what)| format!("{label}: {spent} ({what})"))
+        .collect();
+    let report = report.join("\n");
+    // Per sidecar with waiters: two heartbeats in the window (one script
+    // call each, a handful of commands inside); the monitor: one or two
+    // rounds of about 13 commands.
+    for (label, sidecars, spent, _) in &costs {
+        let bound = 30 + 20 * *sidecars as u64;
+        assert!(
+            *spent <= bound,
+            "{label}: {spent} commands in {WINDOW:?}, more than {bound}:\n{report}"
+        );
+    }
+}
+
 /// The keys of one lock besides its main key, sorted.
 async fn side_keys(server: &RedisServer, name: &str) -> Vec<String> {
     let mut keys: Vec<String> = server

@@ -141,6 +141,51 @@ async fn a_waiter_kept_out_by_a_lock_delay_sends_nothing_until_it_ends() {
     );
 }
 
+/// Blocked waiters cost ZooKeeper nothing but the sessions' own pings,
+/// however many there are: 10 and 300 waiters over two sidecars, the
+/// server's packets counted over 5 s once all are queued.
+#[tokio::test]
+async fn idle_waiters_cost_zookeeper_the_same_however_many() {
+    const WINDOW: Duration = Duration::from_secs(5);
+    let server = ZkServer::start().await;
+    let url = server.url("/idle");
+    let sidecars = [sidecar(&url).await, sidecar(&url).await];
+    let mut costs = Vec::new();
+    for count in [10, 300] {
+        let name = unique_name("idle");
+        let lock = sidecars[0].api().lock(&name);
+        let holder = lock.acquire(&[("owner", "holder"), ("ttl", "5m")]).await;
+        let mut waiters = Vec::new();
+        for i in 0..count {
+            let lock = sidecars[i % 2].api().lock(&name);
+            waiters.push(tokio::spawn(async move {
+                let owner = format!("w{i}");
+                lock.acquire_raw(&[("owner", &owner), ("wait", "2m"), ("ttl", "5m")])
+                    .await
+                    .status()
+            }));
+        }
+        common::eventually("every waiter queued", Duration::from_secs(60), async || {
+            (lock.inspect().await.waiters.len() == count).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = server.packets_received();
+        tokio::time::sleep(WINDOW).await;
+        let spent = server.packets_received() - before;
+        costs.push((count, spent));
+        lock.release(&holder.token).await;
+        for w in waiters {
+            w.abort();
+        }
+    }
+    let (small, large) = (costs[0].1, costs[1].1);
+    assert!(
+        large <= small + 10 && large < 60,
+        "ZooKeeper requests in {WINDOW:?} of idle waiting grew with the waiters: {costs:?}"
+    );
+}
+
 #[tokio::test]
 async fn one_release_fires_one_watch_among_200_waiters() {
     let server = ZkServer::start().await;
