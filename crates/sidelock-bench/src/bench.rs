@@ -714,7 +714,17 @@ async fn postgres_baselines(
         }
     }
     if has(args.workload, Workload::Contended) {
+        let room = connection_room(url).await;
         for &c in contended_clients {
+            // The recipe needs a session per client: more than the server
+            // takes is no measurement (sidelock's pool stays small).
+            if room.is_some_and(|room| c > room) {
+                eprintln!(
+                    "[direct postgres] contended, {c} clients: skipped, the server takes {} more connections",
+                    room.unwrap_or(0)
+                );
+                continue;
+            }
             eprintln!("[direct postgres] contended, {c} clients");
             let Some(lockers) = lockers(c, &mut out.errors).await else {
                 return;
@@ -743,4 +753,23 @@ async fn postgres_baselines(
             }
         }
     }
+}
+
+/// How many more connections the PostgreSQL server at `url` takes
+/// (`max_connections` less those open and its superuser reserve), if it says.
+async fn connection_room(url: &str) -> Option<usize> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .ok()?;
+    tokio::spawn(conn);
+    let row = client
+        .query_one(
+            "SELECT current_setting('max_connections')::int
+                    - current_setting('superuser_reserved_connections')::int
+                    - (SELECT count(*) FROM pg_stat_activity)::int",
+            &[],
+        )
+        .await
+        .ok()?;
+    usize::try_from(row.get::<_, i32>(0)).ok()
 }
