@@ -368,17 +368,44 @@ impl Core {
 
     /// Leaves the queue without a grant: a lease the backend handed to this
     /// waiter meanwhile is given back, else the ticket is dequeued.
+    ///
+    /// When the backend cannot be told (an outage), it keeps being told in
+    /// the background until it hears: a lease it handed this waiter, unheard,
+    /// would otherwise stay until its ttl, and the owner's next acquire would
+    /// re-enter it without knowing — holding on after its release.
     async fn leave_queue(&self, key: &LockKey, place: Place, ticket: &crate::backend::Ticket) {
-        match place.leave() {
-            Some(h) => {
-                let _ = self
-                    .op("release", self.backend.release(key, &h.token))
-                    .await;
-            }
-            None => {
-                let _ = self.op("dequeue", self.backend.dequeue(ticket)).await;
-            }
+        let token = place.leave().map(|h| h.token);
+        let told = match &token {
+            Some(t) => self
+                .op("release", self.backend.release(key, t))
+                .await
+                .map(drop),
+            None => self.op("dequeue", self.backend.dequeue(ticket)).await,
+        };
+        if !matches!(told, Err(Error::Unavailable { .. })) {
+            return;
         }
+        let (backend, key, ticket) = (self.backend.clone(), key.clone(), ticket.clone());
+        let (shutdown, give_up) = (self.shutdown.clone(), after(self.limits.max_ttl));
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(250);
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = sleep_until(give_up) => return,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                let told = match &token {
+                    Some(t) => backend.release(&key, t).await.map(drop),
+                    None => backend.dequeue(&ticket).await,
+                };
+                // Done, or answered (nothing of ours left to give back).
+                if told.as_ref().err().and_then(|e| e.cause()).is_none() {
+                    return;
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        });
     }
 
     /// Sends a `queued` update when the position changed.
