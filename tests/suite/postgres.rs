@@ -644,6 +644,89 @@ async fn a_contended_handoff_costs_postgres_two_statements() {
     while tasks.join_next().await.is_some() {}
 }
 
+/// A lease handed to a waiter whose request went away while the database
+/// was down (its sidecar stopped meanwhile, so it could neither hear the
+/// handoff nor give it back) is given back once the database is back: the
+/// owner's next acquire does not re-enter it unknowingly and hold on after
+/// its release. (The give-back's failure was once ignored, and the lock
+/// stayed with that owner for as long as it kept acquiring.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_handed_to_a_waiter_that_left_during_an_outage_is_given_back() {
+    let cluster = Arc::new(PgCluster::start());
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE sidelock")
+        .await
+        .expect("create database");
+    drop(admin);
+    let url = cluster.url("sidelock");
+    let a = SidecarBuilder::new(&url).start().await;
+    let b = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("orphan");
+    let holder = b
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    let waiter = {
+        let lock = a.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "x"), ("wait", "60s"), ("ttl", "60s")])
+                .await
+                .status()
+        })
+    };
+    eventually("the waiter queued", EVENT_TIMEOUT, async || {
+        (b.api().lock(&name).inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+
+    // The release hands the lock to the waiter while its sidecar is stopped;
+    // its client goes away and the database goes down before it runs again.
+    a.signal(Signal::SIGSTOP);
+    b.api().lock(&name).release(&holder.token).await;
+    waiter.abort();
+    let stopper = cluster.clone();
+    tokio::task::spawn_blocking(move || stopper.stop_server())
+        .await
+        .expect("stop the server");
+    a.signal(Signal::SIGCONT);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let starter = cluster.clone();
+    tokio::task::spawn_blocking(move || starter.start_server())
+        .await
+        .expect("start the server");
+
+    // The owner takes the lock again and releases it: then it is free.
+    let lock = a.api().lock(&name);
+    let grant = eventually(
+        "the owner's next acquire",
+        Duration::from_secs(20),
+        async || {
+            let response = lock.acquire_raw(&[("owner", "x"), ("ttl", "60s")]).await;
+            match response.status() {
+                StatusCode::OK => Some(response.json::<Grant>().await.expect("grant body")),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    eventually("the owner's release", Duration::from_secs(20), async || {
+        (lock.release_raw(&grant.token).await.status() == StatusCode::OK).then_some(())
+    })
+    .await;
+    let other = b.api().lock(&name);
+    eventually(
+        "another owner granted after the owner released",
+        Duration::from_secs(15),
+        async || {
+            let response = other.acquire_raw(&[("owner", "y")]).await;
+            (response.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+}
+
 /// A lock held through one sidecar with a waiter queued through another.
 struct Queued {
     /// The waiting sidecar's id.

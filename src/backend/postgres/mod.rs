@@ -308,10 +308,9 @@ impl Backend for Postgres {
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
         let inner = &self.inner;
         // Without its token (handed a lease the waiter took), nothing matches.
-        let token = inner
-            .tickets()
-            .live
-            .remove(&ticket.seq)
+        let taken = inner.tickets().live.remove(&ticket.seq);
+        let token = taken
+            .as_ref()
             .map(|t| t.expose().to_owned())
             .unwrap_or_default();
         let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
@@ -325,7 +324,13 @@ impl Backend for Postgres {
         if result.is_err() {
             // The row must not stay at the head of the queue: the heartbeat
             // removes it once the database is back.
-            inner.tickets().gone.insert(ticket.seq);
+            let mut tickets = inner.tickets();
+            tickets.gone.insert(ticket.seq);
+            // Kept for the caller's retry, which must give back a lease the
+            // database may have handed the ticket meanwhile.
+            if let Some(token) = taken {
+                tickets.live.insert(ticket.seq, token);
+            }
         }
         result.map(|_| ())
     }
