@@ -790,6 +790,20 @@ async fn process_of(server: &RedisServer, name: &str, sidecar: &str) -> String {
         .unwrap_or_else(|| panic!("no entry of {sidecar} in {entries:?}"))
 }
 
+/// Two sidecars named `side-a` and `side-b`.
+async fn sides(server: &RedisServer) -> (SidecarGuard, SidecarGuard) {
+    let start = |id| SidecarBuilder::new(&server.url()).sidecar_id(id).start();
+    (start("side-a").await, start("side-b").await)
+}
+
+/// Writes the heartbeat of `sidecar`'s waiters on `name` into the past, as
+/// if its process had stopped: the next handoff passes them by.
+async fn lapse_heartbeat(server: &RedisServer, name: &str, sidecar: &str) {
+    let process = process_of(server, name, sidecar).await;
+    let beat = format!("{{sidelock:{name}}}:heartbeat");
+    let _: i64 = server.cmd(&["HSET", &beat, &process, "1"]).await;
+}
+
 /// Every waiter of a sidecar passed by as dead while it lives queues again
 /// and is granted in turn — the local head by its own next look, the others
 /// because the release that passed them by said so (`p`), and they queued
@@ -798,14 +812,7 @@ async fn process_of(server: &RedisServer, name: &str, sidecar: &str) -> String {
 #[tokio::test]
 async fn every_waiter_of_a_sidecar_passed_by_queues_again() {
     let server = RedisServer::start().await;
-    let a = SidecarBuilder::new(&server.url())
-        .sidecar_id("side-a")
-        .start()
-        .await;
-    let b = SidecarBuilder::new(&server.url())
-        .sidecar_id("side-b")
-        .start()
-        .await;
+    let (a, b) = sides(&server).await;
     let name = unique_name("passed-all");
     let mut holder = a
         .api()
@@ -827,15 +834,7 @@ async fn every_waiter_of_a_sidecar_passed_by_queues_again() {
     second.expect_queued().await;
     // The second's timer fires while the first is ahead of it.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let b_process = process_of(&server, &name, "side-b").await;
-    let _: i64 = server
-        .cmd(&[
-            "HSET",
-            &format!("{{sidelock:{name}}}:heartbeat"),
-            &b_process,
-            "1",
-        ])
-        .await;
+    lapse_heartbeat(&server, &name, "side-b").await;
     drop(holder);
     let grant = first.expect_acquired_within(Duration::from_secs(3)).await;
     assert_eq!(grant.owner, "first");
@@ -850,14 +849,7 @@ async fn every_waiter_of_a_sidecar_passed_by_queues_again() {
 #[tokio::test]
 async fn a_live_waiter_passed_by_as_dead_queues_again_and_is_granted() {
     let server = RedisServer::start().await;
-    let a = SidecarBuilder::new(&server.url())
-        .sidecar_id("side-a")
-        .start()
-        .await;
-    let b = SidecarBuilder::new(&server.url())
-        .sidecar_id("side-b")
-        .start()
-        .await;
+    let (a, b) = sides(&server).await;
     let name = unique_name("passed");
     let holder = a
         .api()
@@ -877,9 +869,7 @@ async fn a_live_waiter_passed_by_as_dead_queues_again_and_is_granted() {
         .await;
     second.expect_queued().await;
 
-    let beat = format!("{{sidelock:{name}}}:heartbeat");
-    let b_process = process_of(&server, &name, "side-b").await;
-    let _: i64 = server.cmd(&["HSET", &beat, &b_process, "1"]).await;
+    lapse_heartbeat(&server, &name, "side-b").await;
     a.api().lock(&name).release(&holder.token).await;
     let grant = second.expect_acquired_within(Duration::from_secs(2)).await;
     assert_eq!(

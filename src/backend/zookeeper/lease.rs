@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, fence_of};
+use super::data::{Lease, NodeData, fence_of};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
 };
@@ -95,6 +95,40 @@ impl Inner {
 
     /// Takes on `lease` as written at `version` in this sidecar's record of
     /// `token`, if it has one.
+    /// Writes `next` over the lease node of `record` if it is unchanged:
+    /// `Done(true)` when written, `Done(false)` when the node is gone
+    /// (forgotten here), `Conflict` when it changed (read again first).
+    async fn rewrite(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        token: &Token,
+        record: &Record,
+        next: NodeData,
+    ) -> Result<Round<bool>, Error> {
+        let lease = &record.lease;
+        let bytes = serde_json::to_vec(&next).unwrap_or_default();
+        match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await? {
+            Ok(stat) => {
+                let written = Lease {
+                    data: next,
+                    ..lease.clone()
+                };
+                self.wrote(token, &written, stat.version);
+                Ok(Round::Done(true))
+            }
+            Err(zk::Error::NoNode) => {
+                lock(&self.leases).remove(token);
+                Ok(Round::Done(false))
+            }
+            Err(zk::Error::BadVersion) => {
+                self.refresh(zk, op, token, record).await?;
+                Ok(Round::Conflict)
+            }
+            Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
     fn wrote(&self, token: &Token, lease: &Lease, version: i32) {
         if let Some(r) = lock(&self.leases).get_mut(token) {
             r.lease = Lease {
@@ -164,26 +198,10 @@ impl Inner {
                 until = until.min(cap);
             }
             next.expires_at_ms = until;
-            let bytes = serde_json::to_vec(&next).unwrap_or_default();
-            match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await? {
-                Ok(stat) => {
-                    let written = Lease {
-                        data: next,
-                        ..lease.clone()
-                    };
-                    self.wrote(token, &written, stat.version);
-                    Ok(Round::Done(Some(until)))
-                }
-                Err(zk::Error::NoNode) => {
-                    lock(&self.leases).remove(token);
-                    Ok(Round::Done(None))
-                }
-                Err(zk::Error::BadVersion) => {
-                    self.refresh(zk, op, token, &record).await?;
-                    Ok(Round::Conflict)
-                }
-                Err(e) => Err(unavailable(op, e)),
-            }
+            Ok(match self.rewrite(zk, op, token, &record, next).await? {
+                Round::Done(written) => Round::Done(written.then_some(until)),
+                Round::Conflict => Round::Conflict,
+            })
         })
         .await?;
         renewed.ok_or_else(|| unavailable(op, Message("lease kept changing".into())))
@@ -226,27 +244,10 @@ impl Inner {
                 let mut next = lease.next();
                 next.count -= 1;
                 let count = next.count;
-                let bytes = serde_json::to_vec(&next).unwrap_or_default();
-                return match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await?
-                {
-                    Ok(stat) => {
-                        let written = Lease {
-                            data: next,
-                            ..lease.clone()
-                        };
-                        self.wrote(token, &written, stat.version);
-                        Ok(Round::Done(Some(count)))
-                    }
-                    Err(zk::Error::NoNode) => {
-                        lock(&self.leases).remove(token);
-                        Ok(Round::Done(None))
-                    }
-                    Err(zk::Error::BadVersion) => {
-                        self.refresh(zk, op, token, &record).await?;
-                        Ok(Round::Conflict)
-                    }
-                    Err(e) => Err(unavailable(op, e)),
-                };
+                return Ok(match self.rewrite(zk, op, token, &record, next).await? {
+                    Round::Done(written) => Round::Done(written.then_some(count)),
+                    Round::Conflict => Round::Conflict,
+                });
             }
             if record.parent.version.is_none() {
                 record.parent = self.parent_data(zk, op, parent).await?;
