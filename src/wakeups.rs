@@ -7,9 +7,10 @@
 //! it leaves — granted, timed out, gone — it passes the turn on.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 use crate::lock::{LockKey, Token};
 
@@ -37,21 +38,56 @@ pub struct Wakeups {
 /// One key's local waiters, sorted by ticket sequence.
 struct LocalQueue {
     slots: Vec<Slot>,
-    /// Bumped whenever a waiter leaves, so the rest can report new positions.
-    moved: watch::Sender<u64>,
+    /// How many of the slots follow their position ([`News::MOVED`]).
+    following: usize,
     /// When the lease of the key's latest holder ends, as a lease handed to
-    /// one of these waiters told (local ms; 0: none told): the others' timer
+    /// one of these waiters told (local ms; 0: none told): the head's timer
     /// for a holder that dies.
-    until: watch::Sender<u64>,
+    until: u64,
 }
 
 struct Slot {
     seq: u64,
-    notify: Arc<Notify>,
-    /// Woken when this waiter becomes the local head.
-    promoted: Arc<Notify>,
+    signal: Arc<Signal>,
+}
+
+/// What a waiter is told, and its one wake-up for all of it: a waiting
+/// request's state is one future for every kind of news, not one each.
+struct Signal {
+    notify: Notify,
+    /// The news not yet taken, [`News`] bits.
+    news: AtomicU8,
+    /// Whether the waiter wants [`News::MOVED`] (it reports its position).
+    follows_moves: bool,
     /// A lease handed to this waiter, until it takes it.
-    handed: Arc<Mutex<Option<Handoff>>>,
+    handed: Mutex<Option<Handoff>>,
+}
+
+impl Signal {
+    fn tell(&self, news: u8) {
+        self.news.fetch_or(news, Ordering::AcqRel);
+        self.notify.notify_one();
+    }
+}
+
+/// What a waiter was told since it last looked, as bits ([`Place::news`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct News(u8);
+
+impl News {
+    /// Woken: the waiter may get in now (a release, a handoff).
+    pub const WOKEN: u8 = 1;
+    /// It became the local head (it alone follows the holder's expiry).
+    pub const PROMOTED: u8 = 2;
+    /// A waiter ahead of it left: its position moved.
+    pub const MOVED: u8 = 4;
+    /// The holder's lease end changed (told to the head only).
+    pub const UNTIL: u8 = 8;
+
+    /// Whether any of `bits` is set.
+    pub fn has(self, bits: u8) -> bool {
+        self.0 & bits != 0
+    }
 }
 
 impl Wakeups {
@@ -72,7 +108,7 @@ impl Wakeups {
         self.changed(key);
         let queues = self.lock();
         if let Some(head) = queues.get(key).and_then(|q| q.slots.first()) {
-            head.notify.notify_one();
+            head.signal.tell(News::WOKEN);
         }
     }
 
@@ -85,7 +121,7 @@ impl Wakeups {
         if let Some(head) = queues.get(key).and_then(|q| q.slots.first())
             && head.seq == seq
         {
-            head.notify.notify_one();
+            head.signal.tell(News::WOKEN);
         }
     }
 
@@ -95,16 +131,16 @@ impl Wakeups {
     /// still the backend's to give back.
     pub fn granted(&self, key: &LockKey, seq: u64, lease: Handoff) -> bool {
         self.changed(key);
-        let queues = self.lock();
-        let Some(q) = queues.get(key) else {
+        let mut queues = self.lock();
+        let Some(q) = queues.get_mut(key) else {
             return false;
         };
-        set_until(&q.until, lease.expires_at_ms);
+        set_until(q, lease.expires_at_ms);
         let Some(slot) = q.slots.iter().find(|s| s.seq == seq) else {
             return false;
         };
-        *lock(&slot.handed) = Some(lease);
-        slot.notify.notify_one();
+        *lock(&slot.signal.handed) = Some(lease);
+        slot.signal.tell(News::WOKEN);
         true
     }
 
@@ -145,38 +181,35 @@ impl Wakeups {
         self.lock().values().map(|q| q.slots.len()).sum()
     }
 
-    /// Adds a waiter holding ticket `seq` in its global order.
-    pub(crate) fn join(&self, key: &LockKey, seq: u64) -> Place {
-        let notify = Arc::new(Notify::new());
-        let promoted = Arc::new(Notify::new());
-        let handed = Arc::new(Mutex::new(None));
+    /// Adds a waiter holding ticket `seq` in its global order;
+    /// `follows_moves`: it is told when its position moves.
+    pub(crate) fn join(&self, key: &LockKey, seq: u64, follows_moves: bool) -> Place {
+        let signal = Arc::new(Signal {
+            notify: Notify::new(),
+            news: AtomicU8::new(0),
+            follows_moves,
+            handed: Mutex::new(None),
+        });
         let mut queues = self.lock();
         let q = queues.entry(key.clone()).or_insert_with(|| LocalQueue {
             slots: Vec::new(),
-            moved: watch::channel(0).0,
-            until: watch::channel(0).0,
+            following: 0,
+            until: 0,
         });
+        q.following += usize::from(follows_moves);
         let at = q.slots.partition_point(|s| s.seq < seq);
         q.slots.insert(
             at,
             Slot {
                 seq,
-                notify: notify.clone(),
-                promoted: promoted.clone(),
-                handed: handed.clone(),
+                signal: signal.clone(),
             },
         );
-        let mut until = q.until.subscribe();
-        until.mark_unchanged();
         Place {
             wakeups: self.clone(),
             key: key.clone(),
             seq,
-            notify,
-            promoted,
-            moved: q.moved.subscribe(),
-            until,
-            handed,
+            signal,
             pass_on: true,
         }
     }
@@ -222,13 +255,8 @@ pub(crate) struct Place {
     wakeups: Wakeups,
     key: LockKey,
     seq: u64,
-    notify: Arc<Notify>,
-    /// Woken when this waiter becomes the local head (see [`Place::promoted`]).
-    promoted: Arc<Notify>,
-    moved: watch::Receiver<u64>,
-    until: watch::Receiver<u64>,
-    /// A lease the backend handed to this waiter ([`Wakeups::granted`]).
-    handed: Arc<Mutex<Option<Handoff>>>,
+    /// Its news and wake-up, shared with its slot in the queue.
+    signal: Arc<Signal>,
     /// Whether leaving wakes the next waiter (false after an exclusive grant,
     /// which the next waiter cannot follow).
     pass_on: bool,
@@ -253,33 +281,32 @@ impl Place {
         })
     }
 
-    /// Resolves when this waiter is woken (a permit is kept if it is not waiting yet).
-    pub async fn notified(&self) {
-        self.notify.notified().await;
+    /// Resolves with what this waiter was told since it last looked (news
+    /// told while it was not waiting is kept): woken, promoted to the local
+    /// head, its position moved (when it follows moves), the holder's lease
+    /// end changed (told to the head only, [`Self::holder_until`]).
+    ///
+    /// # Cancellation safety
+    /// Cancellation safe: news is taken only when this resolves.
+    pub async fn news(&self) -> News {
+        loop {
+            let news = self.signal.news.swap(0, Ordering::AcqRel);
+            if news != 0 {
+                return News(news);
+            }
+            self.signal.notify.notified().await;
+        }
     }
 
-    /// Resolves when this waiter has become the local head: only the head
-    /// follows the holder's expiry ([`Self::holder_until`]), so that a
-    /// handoff does not stir every waiter of the key.
-    pub async fn promoted(&self) {
-        self.promoted.notified().await;
-    }
-
-    /// A receiver that changes whenever a waiter of this key leaves, i.e.
-    /// positions moved.
-    pub fn moves(&self) -> watch::Receiver<u64> {
-        self.moved.clone()
-    }
-
-    /// A receiver of when the key's latest holder's lease ends, as a lease
-    /// handed to a local waiter told ([`Wakeups::granted`]).
-    pub fn holder_until(&self) -> watch::Receiver<u64> {
-        self.until.clone()
+    /// When the key's latest holder's lease ends, as a lease handed to a
+    /// local waiter told ([`Wakeups::granted`]; Unix ms, 0: none told).
+    pub fn holder_until(&self) -> u64 {
+        self.wakeups.lock().get(&self.key).map_or(0, |q| q.until)
     }
 
     /// The lease the backend handed to this waiter, once.
     pub fn take_handoff(&self) -> Option<Handoff> {
-        lock(&self.handed).take()
+        lock(&self.signal.handed).take()
     }
 
     /// Leaves after a grant of a lease that ends at `until_ms` unless renewed;
@@ -288,8 +315,8 @@ impl Place {
     /// look by that end.
     pub fn leave_granted(mut self, pass_on: bool, until_ms: u64) {
         self.pass_on = pass_on;
-        if !pass_on && let Some(q) = self.wakeups.lock().get(&self.key) {
-            set_until(&q.until, until_ms);
+        if !pass_on && let Some(q) = self.wakeups.lock().get_mut(&self.key) {
+            set_until(q, until_ms);
         }
     }
 
@@ -299,7 +326,7 @@ impl Place {
     pub fn leave(self) -> Option<Handoff> {
         let handed = {
             let mut queues = self.wakeups.lock();
-            let handed = lock(&self.handed).take();
+            let handed = lock(&self.signal.handed).take();
             remove(&mut queues, &self.key, self.seq, self.pass_on);
             handed
         };
@@ -316,19 +343,23 @@ impl Drop for Place {
     }
 }
 
-/// Tells a key's waiters when its holder's lease ends, waking them only when
-/// that changed: each wake-up costs every local waiter of the key a turn (a
-/// handoff is told twice, by the backend's message and by the grant).
-fn set_until(until: &watch::Sender<u64>, ms: u64) {
-    until.send_if_modified(|at| {
-        let changed = *at != ms;
-        *at = ms;
-        changed
-    });
+/// Records when the key's holder's lease ends and tells the local head,
+/// only when that changed: only the head follows the holder (the others
+/// read it when promoted), and a handoff is told twice (by the backend's
+/// message and by the grant).
+fn set_until(q: &mut LocalQueue, ms: u64) {
+    if q.until == ms {
+        return;
+    }
+    q.until = ms;
+    if let Some(head) = q.slots.first() {
+        head.signal.tell(News::UNTIL);
+    }
 }
 
-/// Takes waiter `seq` out of `key`'s local queue; if it was the head and
-/// `pass_on`, the next waiter is woken.
+/// Takes waiter `seq` out of `key`'s local queue; the waiters behind it that
+/// follow their position are told it moved, and if it was the head, the
+/// next is promoted (and woken when `pass_on`).
 fn remove(queues: &mut HashMap<LockKey, LocalQueue>, key: &LockKey, seq: u64, pass_on: bool) {
     let Some(q) = queues.get_mut(key) else {
         return;
@@ -336,18 +367,32 @@ fn remove(queues: &mut HashMap<LockKey, LocalQueue>, key: &LockKey, seq: u64, pa
     let Some(at) = q.slots.iter().position(|s| s.seq == seq) else {
         return;
     };
-    q.slots.remove(at);
+    let gone = q.slots.remove(at);
+    q.following -= usize::from(gone.signal.follows_moves);
     if q.slots.is_empty() {
         queues.remove(key);
         return;
     }
-    q.moved.send_modify(|n| *n += 1);
-    if at == 0
-        && let Some(next) = q.slots.first()
-    {
-        next.promoted.notify_one();
-        if pass_on {
-            next.notify.notify_one();
+    // Only followers care past the new head.
+    let told = if q.following == 0 {
+        usize::from(at == 0)
+    } else {
+        q.slots.len()
+    };
+    for (i, slot) in q.slots.iter().enumerate().take(told).skip(at) {
+        let mut news = if slot.signal.follows_moves {
+            News::MOVED
+        } else {
+            0
+        };
+        if i == 0 {
+            news |= News::PROMOTED;
+            if pass_on {
+                news |= News::WOKEN;
+            }
+        }
+        if news != 0 {
+            slot.signal.tell(news);
         }
     }
 }
@@ -366,20 +411,71 @@ mod tests {
             kind: Kind::Lock,
             name: Name::parse("q").unwrap(),
         };
-        let head = wakeups.join(&key, 5);
-        let second = wakeups.join(&key, 7);
+        let head = wakeups.join(&key, 5, false);
+        let second = wakeups.join(&key, 7, false);
 
         wakeups.wake_ticket(&key, 7);
-        assert!(
-            head.notified().now_or_never().is_none(),
-            "7 is not the head"
-        );
-        assert!(
-            second.notified().now_or_never().is_none(),
-            "only heads wake"
-        );
+        assert!(head.news().now_or_never().is_none(), "7 is not the head");
+        assert!(second.news().now_or_never().is_none(), "only heads wake");
 
         wakeups.wake_ticket(&key, 5);
-        assert!(head.notified().now_or_never().is_some(), "5 is the head");
+        assert!(head.news().now_or_never().is_some(), "5 is the head");
+    }
+
+    #[test]
+    fn a_leaver_tells_the_new_head_and_the_followers_behind_it() {
+        use super::News;
+        let wakeups = Wakeups::default();
+        let key = LockKey {
+            kind: Kind::Lock,
+            name: Name::parse("q").unwrap(),
+        };
+        let first = wakeups.join(&key, 1, true);
+        let second = wakeups.join(&key, 2, false);
+        let third = wakeups.join(&key, 3, true);
+        let fourth = wakeups.join(&key, 4, true);
+
+        drop(third);
+        assert_eq!(first.news().now_or_never(), None, "ahead of the leaver");
+        assert_eq!(second.news().now_or_never(), None, "follows no moves");
+        assert_eq!(fourth.news().now_or_never(), Some(News(News::MOVED)));
+
+        drop(first);
+        let news = second.news().now_or_never().expect("promoted");
+        assert!(news.has(News::PROMOTED) && news.has(News::WOKEN));
+        assert!(!news.has(News::MOVED), "second follows no moves");
+        assert!(second.is_head());
+        assert_eq!(fourth.news().now_or_never(), Some(News(News::MOVED)));
+        assert_eq!(fourth.news().now_or_never(), None, "news is taken once");
+    }
+
+    #[test]
+    fn only_the_head_is_told_the_holders_end_and_a_new_head_reads_it() {
+        use super::News;
+        let wakeups = Wakeups::default();
+        let key = LockKey {
+            kind: Kind::Lock,
+            name: Name::parse("q").unwrap(),
+        };
+        let head = wakeups.join(&key, 1, false);
+        let next = wakeups.join(&key, 2, false);
+        head.leave_granted(false, 5_000);
+        let news = next.news().now_or_never().expect("promoted");
+        assert!(news.has(News::PROMOTED) && !news.has(News::WOKEN));
+        assert_eq!(next.holder_until(), 5_000);
+        let last = wakeups.join(&key, 3, false);
+        assert!(wakeups.granted(&key, 3, handoff(9_000)));
+        assert_eq!(next.news().now_or_never(), Some(News(News::UNTIL)));
+        assert_eq!(last.news().now_or_never(), Some(News(News::WOKEN)));
+        assert_eq!(next.holder_until(), 9_000);
+    }
+
+    fn handoff(expires_at_ms: u64) -> super::Handoff {
+        super::Handoff {
+            token: crate::lock::Token::generate(),
+            fence: 1,
+            since_ms: 0,
+            expires_at_ms,
+        }
     }
 }

@@ -14,7 +14,7 @@ use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
 use crate::lock::{Claim, Kind, LockKey, Mode};
 use crate::metrics::Metrics;
-use crate::wakeups::Place;
+use crate::wakeups::{News, Place};
 
 use super::Core;
 use super::event::{Event, EventType};
@@ -211,8 +211,7 @@ impl Core {
             });
         };
 
-        let place = self.wakeups.join(key, ticket.seq);
-        let mut moves = place.moves();
+        let place = self.wakeups.join(key, ticket.seq, progress.is_some());
         self.metrics
             .waiters
             .with_label_values(&[key.kind.as_str()])
@@ -239,7 +238,9 @@ impl Core {
 
         let mut backoff = Duration::ZERO;
         let mut retry_at = not_past(busy.retry_at_ms, &mut backoff);
-        let mut holder_until = place.holder_until();
+        // The holder's lease end the head last followed (one told before
+        // this waiter joined is the backend's answer's business).
+        let mut seen_until = place.holder_until();
         let mut last = busy;
         // Whether the head tries now: at first if it heads the local queue
         // (a release may have come before the watch; one behind others is
@@ -330,29 +331,41 @@ impl Core {
                     }
                 }
             }
-            let retry = retry_at.map(instant_at);
+            // One timer: the retry when it comes no later than the deadline
+            // (it goes first), else the deadline.
+            let (wake_at, retrying) = match retry_at.map(instant_at) {
+                Some(r) if r <= deadline => (r, true),
+                _ => (deadline, false),
+            };
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => break Outcome::Cancelled,
                 () = self.shutdown.cancelled() => break Outcome::Cancelled,
-                () = place.notified() => try_now = true,
-                () = sleep_until(retry.unwrap_or(deadline)), if retry.is_some() => {
+                news = place.news() => {
+                    if news.has(News::WOKEN) {
+                        try_now = true;
+                    }
+                    if news.has(News::MOVED) {
+                        self.report_position(&place, offset, &mut reported, 0, progress);
+                    }
+                    // Only the head follows the holder: a new holder's
+                    // lease end is when it may have died.
+                    if news.has(News::PROMOTED | News::UNTIL) && place.is_head() {
+                        let until = place.holder_until();
+                        if until != seen_until {
+                            seen_until = until;
+                            if until > 0 {
+                                retry_at = Some(until);
+                            }
+                        }
+                    }
+                }
+                () = sleep_until(wake_at) => {
+                    if !retrying {
+                        break Outcome::Busy { busy: last, waited: started.elapsed() };
+                    }
                     retry_at = None;
                     try_now = true;
-                }
-                () = sleep_until(deadline) => break Outcome::Busy { busy: last, waited: started.elapsed() },
-                Ok(()) = moves.changed(), if progress.is_some() => {
-                    self.report_position(&place, offset, &mut reported, 0, progress);
-                }
-                // Only the head follows the holder: once promoted, the loop
-                // comes round and reads the latest end.
-                () = place.promoted() => {}
-                // A new holder: its lease's end is when it may have died.
-                Ok(()) = holder_until.changed(), if place.is_head() => {
-                    let until = *holder_until.borrow_and_update();
-                    if until > 0 {
-                        retry_at = Some(until);
-                    }
                 }
             }
         };

@@ -103,13 +103,24 @@ impl Core {
     /// The claim comes boxed: an argument stays part of the hold's state
     /// for as long as the lock is held, a box only while it is acquired.
     pub async fn hold(&self, claim: Box<Claim>, wait: Duration, events: &HoldEvents) {
-        // Boxed and dropped once done: inline, the acquire's state would
-        // stay part of the hold for as long as the lock is held.
-        let outcome = Box::pin(async move {
-            self.acquire_for(&claim, wait, &events.left, Some(events))
-                .await
-        })
-        .await;
+        // Boxed and dropped once done: inline, the acquire's state and the
+        // outcome's would stay part of the hold for as long as the lock is held.
+        if let Some((lease, supervise)) = Box::pin(self.start_hold(claim, wait, events)).await {
+            self.watchdog(&lease, events, supervise).await;
+        }
+    }
+
+    /// The start of a hold: acquires, and reports the outcome; the lease
+    /// and whether the hold supervises its expiry when it is to be kept.
+    async fn start_hold(
+        &self,
+        claim: Box<Claim>,
+        wait: Duration,
+        events: &HoldEvents,
+    ) -> Option<(Arc<Local>, bool)> {
+        let outcome = self
+            .acquire_for(&claim, wait, &events.left, Some(events))
+            .await;
         let granted = match outcome {
             Ok(Outcome::Granted(g)) => g,
             Ok(Outcome::Busy { busy, waited }) => {
@@ -117,36 +128,36 @@ impl Core {
                     busy: Box::new(busy),
                     waited,
                 });
-                return;
+                return None;
             }
             Ok(Outcome::Cancelled) => {
                 if self.shutdown.is_cancelled() {
                     events.send(HoldEvent::Lost(LostReason::Shutdown));
                 }
-                return;
+                return None;
             }
             Err(e) => {
                 events.send(HoldEvent::Failed(Box::new(e)));
-                return;
+                return None;
             }
         };
         let lease = granted.lease.clone();
         let supervise = granted.supervise_here;
         if self.shutdown.is_cancelled() {
             // Granted by an attempt already in flight when shutdown began.
-            Box::pin(self.release_fully(&lease)).await;
+            self.release_fully(&lease).await;
             events.send(HoldEvent::Lost(LostReason::Shutdown));
-            return;
+            return None;
         }
         if !events.send(HoldEvent::Acquired(Box::new(granted))) {
             // The client left as the grant arrived.
-            let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+            let _ = self.release(&lease.key, &lease.token).await;
             if supervise {
                 self.supervise_elsewhere(&lease);
             }
-            return;
+            return None;
         }
-        self.watchdog(&lease, events, supervise).await;
+        Some((lease, supervise))
     }
 
     // The rare ends (release, shutdown) are boxed: inline, their state
