@@ -23,31 +23,38 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// Parameters of type `T` gathered from the query string and the body.
 pub struct Params<T>(pub T);
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Params<T> {
+impl<S: Send + Sync, T: DeserializeOwned + Send + 'static> FromRequest<S> for Params<T> {
     type Rejection = Error;
 
-    async fn from_request(req: Request, _state: &S) -> Result<Self, Error> {
-        let (parts, body) = req.into_parts();
-        let bytes = match Limited::new(body, MAX_BODY).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-                return Err(Error::BodyTooLarge { limit: MAX_BODY });
-            }
-            Err(e) => {
-                return Err(match body_timeout(&*e) {
-                    Some(timeout) => Error::BodyTimedOut {
-                        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-                    },
-                    None => Error::InvalidParameter("the request body could not be read".into()),
-                });
-            }
-        };
-        let content_type = parts
-            .headers
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok());
-        parse(parts.uri.query(), content_type, &bytes).map(Params)
+    // Boxed: inline, the body read's state (the request's parts, the
+    // collecting body) would size the request's whole future, and an
+    // acquire keeps that for as long as it waits.
+    fn from_request(req: Request, _state: &S) -> impl Future<Output = Result<Self, Error>> + Send {
+        Box::pin(read_params(req))
     }
+}
+
+async fn read_params<T: DeserializeOwned>(req: Request) -> Result<Params<T>, Error> {
+    let (parts, body) = req.into_parts();
+    let bytes = match Limited::new(body, MAX_BODY).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Err(Error::BodyTooLarge { limit: MAX_BODY });
+        }
+        Err(e) => {
+            return Err(match body_timeout(&*e) {
+                Some(timeout) => Error::BodyTimedOut {
+                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                },
+                None => Error::InvalidParameter("the request body could not be read".into()),
+            });
+        }
+    };
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    parse(parts.uri.query(), content_type, &bytes).map(Params)
 }
 
 /// The body-read timeout, when `e` (or an error behind it) says it passed.

@@ -35,13 +35,14 @@ use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
+use futures::FutureExt as _;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -97,6 +98,7 @@ pub async fn serve(
     stop: CancellationToken,
 ) {
     let connections = TaskTracker::new();
+    let limits = Arc::new(limits);
     let open = Arc::new(Registry::default());
     let next_id = Arc::new(AtomicU64::new(0));
     futures::future::join_all(listeners.into_iter().map(|listener| {
@@ -121,7 +123,7 @@ pub async fn serve(
 async fn accept(
     listener: Listener,
     router: Router,
-    limits: ConnectionLimits,
+    limits: Arc<ConnectionLimits>,
     cap: usize,
     stop: CancellationToken,
     connections: TaskTracker,
@@ -222,7 +224,8 @@ impl Registry {
             .map(|(id, _)| *id);
         match oldest.and_then(|id| connections.remove(&id)) {
             Some(c) => {
-                c.shed.cancel();
+                c.shed.store(true, Ordering::Release);
+                c.wake_reader();
                 true
             }
             None => false,
@@ -257,11 +260,37 @@ struct ConnState {
     in_flight: AtomicUsize,
     /// Requests whose response has been written to the end (or dropped).
     finished: AtomicU64,
-    /// The reader's waker while a request is in flight, woken when it ends
-    /// so the idle timeout starts.
+    /// The reader's waker, woken when a request in flight ends (so the idle
+    /// timeout starts) and when the connection is shed.
     reader: Mutex<Option<Waker>>,
-    /// Cancelled to close the connection at once to make room for a new one.
-    shed: CancellationToken,
+    /// Set to close the connection at once to make room for a new one: its
+    /// next read fails. (A flag and the reader's waker, not a cancellation
+    /// token: that is an allocation and a future more in every connection.)
+    shed: AtomicBool,
+}
+
+impl ConnState {
+    fn set_reader(&self, waker: &Waker) {
+        let mut reader = self
+            .reader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut *reader {
+            Some(w) if w.will_wake(waker) => {}
+            slot => *slot = Some(waker.clone()),
+        }
+    }
+
+    fn wake_reader(&self) {
+        let waker = self
+            .reader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
 }
 
 /// One request in flight on its connection, from its head to the end of its
@@ -279,15 +308,7 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.finished.fetch_add(1, Ordering::AcqRel);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        let waker = self
-            .0
-            .reader
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.0.wake_reader();
     }
 }
 
@@ -295,7 +316,7 @@ async fn connection(
     stream: Conn,
     peer: SocketAddr,
     router: Router,
-    limits: ConnectionLimits,
+    limits: Arc<ConnectionLimits>,
     member: Member,
     stop: CancellationToken,
 ) {
@@ -318,14 +339,16 @@ async fn connection(
         if unix {
             req.extensions_mut().insert(OverUnixSocket);
         }
-        let response = router.clone().oneshot(req);
-        async move {
-            let response = response.await?;
+        // A combinator, not an async block, which would keep the request
+        // twice (captured, and inside the future it awaits) in a box
+        // hyper keeps for the connection's life.
+        router.clone().oneshot(req).map(move |response| {
+            let Ok(response) = response;
             Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
                 inner,
                 _in_flight: in_flight,
             }))
-        }
+        })
     });
     let io = Watched {
         inner: stream,
@@ -334,7 +357,7 @@ async fn connection(
         seen_finished: 0,
         head_started: None,
         waiting_since: None,
-        sleep: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        sleep: None,
         sleep_until: None,
         write_stalled_since: None,
         write_sleep: None,
@@ -345,7 +368,12 @@ async fn connection(
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => log_end(r),
-        () = member.state.shed.cancelled() => tracing::trace!("connection closed to make room"),
+        // Shedding wakes this task through the reader's waker; a connection
+        // whose reader is not polled ends here.
+        () = std::future::poll_fn(|_| match member.state.shed.load(Ordering::Acquire) {
+            true => Poll::Ready(()),
+            false => Poll::Pending,
+        }) => tracing::trace!("connection closed to make room"),
         () = stop.cancelled() => {
             conn.as_mut().graceful_shutdown();
             log_end(conn.await);
@@ -444,14 +472,16 @@ impl HttpBody for Tracked {
 struct Watched {
     inner: Conn,
     state: Arc<ConnState>,
-    limits: ConnectionLimits,
+    limits: Arc<ConnectionLimits>,
     /// [`ConnState::finished`] when last read: a change means a response ended.
     seen_finished: u64,
     /// When the first byte of the request head being read arrived.
     head_started: Option<Instant>,
     /// Since when the connection has had no request in flight and no byte of a new one.
     waiting_since: Option<Instant>,
-    sleep: Pin<Box<Sleep>>,
+    /// The header-read or idle timer, while the connection has no request
+    /// in flight: a request that waits or holds a lock needs none.
+    sleep: Option<Pin<Box<Sleep>>>,
     /// The deadline `sleep` is set to, if it is armed.
     sleep_until: Option<Instant>,
     /// Since when writes have been refused by a full send buffer; `None`
@@ -511,6 +541,9 @@ impl AsyncRead for Watched {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.state.shed.load(Ordering::Acquire) {
+            return Poll::Ready(Err(shed()));
+        }
         let finished = this.state.finished.load(Ordering::Acquire);
         if finished != this.seen_finished {
             this.seen_finished = finished;
@@ -520,11 +553,9 @@ impl AsyncRead for Watched {
         if this.state.in_flight.load(Ordering::Acquire) > 0 {
             this.head_started = None;
             this.waiting_since = None;
-            *this
-                .state
-                .reader
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
+            this.sleep = None;
+            this.sleep_until = None;
+            this.state.set_reader(cx.waker());
             // The request may have ended between the check and the waker being stored.
             if this.state.in_flight.load(Ordering::Acquire) > 0 {
                 return Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -541,6 +572,11 @@ impl AsyncRead for Watched {
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {}
         }
+        // Shedding wakes the reader of an idle connection through this waker.
+        this.state.set_reader(cx.waker());
+        if this.state.shed.load(Ordering::Acquire) {
+            return Poll::Ready(Err(shed()));
+        }
         let deadline = match this.head_started {
             Some(started) => started + this.limits.header_read,
             None => {
@@ -553,11 +589,14 @@ impl AsyncRead for Watched {
                 }
             }
         };
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         if this.sleep_until != Some(deadline) {
-            this.sleep.as_mut().reset(deadline);
+            sleep.as_mut().reset(deadline);
             this.sleep_until = Some(deadline);
         }
-        match this.sleep.as_mut().poll(cx) {
+        match sleep.as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 if this.head_started.is_some() {
@@ -615,6 +654,14 @@ impl Drop for Open {
     fn drop(&mut self) {
         crate::alloc::CONNECTIONS.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// The read error of a connection closed to make room for a new one.
+fn shed() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "the connection was closed to make room for a new one",
+    )
 }
 
 fn log_end(r: Result<(), hyper::Error>) {

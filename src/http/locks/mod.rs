@@ -44,31 +44,44 @@ fn key(kind: Kind, name: Name) -> LockKey {
 /// the request; the acquire then finishes in a task of its own
 /// ([`Finishing`]): a wait is given up and a grant that raced the departure
 /// is released.
-async fn acquire(app: Arc<App>, key: LockKey, ask: Ask) -> Result<Json<Acquired>, Error> {
-    let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
-    if app.core.shutdown.is_cancelled() {
-        return Err(Error::ShuttingDown);
-    }
-    let left = CancellationToken::new();
-    let core = app.core.clone();
-    let cancel = left.clone();
-    let acquire = async move {
-        let outcome = core.acquire(&claim, wait, &cancel).await;
-        if cancel.is_cancelled()
-            && let Ok(Outcome::Granted(g)) = &outcome
-        {
-            tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
-            let _ = core.release(&g.lease.key, &g.lease.token).await;
+///
+/// Not an `async fn`: the checks run before the future is made, so the
+/// parameters are not part of what a waiting request keeps.
+fn acquire(
+    app: Arc<App>,
+    key: LockKey,
+    ask: Ask,
+) -> impl Future<Output = Result<Json<Acquired>, Error>> {
+    let finishing = ask
+        .into_claim(key, &app.core.limits, &app.core.sidecar)
+        .and_then(|(claim, wait)| {
+            if app.core.shutdown.is_cancelled() {
+                return Err(Error::ShuttingDown);
+            }
+            let left = CancellationToken::new();
+            let core = app.core.clone();
+            let cancel = left.clone();
+            let acquire = async move {
+                let outcome = core.acquire(&claim, wait, &cancel).await;
+                if cancel.is_cancelled()
+                    && let Ok(Outcome::Granted(g)) = &outcome
+                {
+                    tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
+                    let _ = Box::pin(core.release(&g.lease.key, &g.lease.token)).await;
+                }
+                outcome
+            };
+            Ok(Finishing::new(acquire, left, &app.core.tasks))
+        });
+    async move {
+        match finishing?.await? {
+            Outcome::Granted(g) => Ok(Json(acquired(&g))),
+            Outcome::Busy { busy, waited } => Err(Error::Busy {
+                busy: Box::new(busy),
+                waited_ms: ms(waited),
+            }),
+            Outcome::Cancelled => Err(Error::ShuttingDown),
         }
-        outcome
-    };
-    match Finishing::new(acquire, left, &app.core.tasks).await? {
-        Outcome::Granted(g) => Ok(Json(acquired(&g))),
-        Outcome::Busy { busy, waited } => Err(Error::Busy {
-            busy: Box::new(busy),
-            waited_ms: ms(waited),
-        }),
-        Outcome::Cancelled => Err(Error::ShuttingDown),
     }
 }
 
@@ -132,12 +145,13 @@ macro_rules! kind_routes {
                 (status = 503, body = Problem, content_type = "application/problem+json", description = "Backend unavailable or shutting down"),
             ))]
         /// Acquire: try once, or wait in the FIFO queue up to `wait`.
-        pub async fn $acquire(
+        // Not an `async fn`, whose arguments would stay in a waiting request's state.
+        pub fn $acquire(
             State(app): State<Arc<App>>,
             LockName(name): LockName,
             Params(p): Params<$params>,
-        ) -> Result<Json<Acquired>, Error> {
-            acquire(app, key($kind, name), p.into()).await
+        ) -> impl Future<Output = Result<Json<Acquired>, Error>> {
+            acquire(app, key($kind, name), p.into())
         }
 
         #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
