@@ -407,10 +407,7 @@ mod tests {
     #[test]
     fn a_named_ticket_wakes_only_its_holder_at_the_head() {
         let wakeups = Wakeups::default();
-        let key = LockKey {
-            kind: Kind::Lock,
-            name: Name::parse("q").unwrap(),
-        };
+        let key = key();
         let head = wakeups.join(&key, 5, false);
         let second = wakeups.join(&key, 7, false);
 
@@ -426,10 +423,7 @@ mod tests {
     fn a_leaver_tells_the_new_head_and_the_followers_behind_it() {
         use super::News;
         let wakeups = Wakeups::default();
-        let key = LockKey {
-            kind: Kind::Lock,
-            name: Name::parse("q").unwrap(),
-        };
+        let key = key();
         let first = wakeups.join(&key, 1, true);
         let second = wakeups.join(&key, 2, false);
         let third = wakeups.join(&key, 3, true);
@@ -453,10 +447,7 @@ mod tests {
     fn only_the_head_is_told_the_holders_end_and_a_new_head_reads_it() {
         use super::News;
         let wakeups = Wakeups::default();
-        let key = LockKey {
-            kind: Kind::Lock,
-            name: Name::parse("q").unwrap(),
-        };
+        let key = key();
         let head = wakeups.join(&key, 1, false);
         let next = wakeups.join(&key, 2, false);
         head.leave_granted(false, 5_000);
@@ -468,6 +459,13 @@ mod tests {
         assert_eq!(next.news().now_or_never(), Some(News(News::UNTIL)));
         assert_eq!(last.news().now_or_never(), Some(News(News::WOKEN)));
         assert_eq!(next.holder_until(), 9_000);
+    }
+
+    fn key() -> LockKey {
+        LockKey {
+            kind: Kind::Lock,
+            name: Name::parse("q").unwrap(),
+        }
     }
 
     fn handoff(expires_at_ms: u64) -> super::Handoff {
