@@ -40,6 +40,20 @@ impl Inner {
         if known.is_some() {
             return Ok(known);
         }
+        // Boxed, as are the other rare paths below: a renewal's future is
+        // as large as its largest state, and with thousands of holds
+        // renewing at once the common one (a write) is what should count.
+        Box::pin(self.look_up(zk, op, parent, token)).await
+    }
+
+    /// [`Self::lease_of`] for a lease this sidecar has no record of.
+    async fn look_up(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        token: &Token,
+    ) -> Result<Option<Record>, Error> {
         let listing = self.children(zk, op, parent).await?;
         for c in &listing.children {
             if let Some(node) = self.read(zk, op, parent, c).await?
@@ -122,7 +136,7 @@ impl Inner {
                 Ok(Round::Done(false))
             }
             Err(zk::Error::BadVersion) => {
-                self.refresh(zk, op, token, record).await?;
+                Box::pin(self.refresh(zk, op, token, record)).await?;
                 Ok(Round::Conflict)
             }
             Err(e) => Err(unavailable(op, e)),
@@ -184,11 +198,13 @@ impl Inner {
             };
             let now = now_ms();
             if record.lease.data.expires_at_ms <= now {
-                return Ok(if self.ended(zk, op, parent, token, &record).await? {
-                    Round::Done(None)
-                } else {
-                    Round::Conflict
-                });
+                return Ok(
+                    if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
+                        Round::Done(None)
+                    } else {
+                        Round::Conflict
+                    },
+                );
             }
             let lease = &record.lease;
             // This write moves the node's mzxid: the fence is stored in it.
@@ -232,12 +248,14 @@ impl Inner {
                 return Ok(Round::Done(None));
             };
             if record.lease.data.expires_at_ms <= now_ms() {
-                return Ok(if self.ended(zk, op, parent, token, &record).await? {
-                    self.wakeups.wake(key);
-                    Round::Done(None)
-                } else {
-                    Round::Conflict
-                });
+                return Ok(
+                    if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
+                        self.wakeups.wake(key);
+                        Round::Done(None)
+                    } else {
+                        Round::Conflict
+                    },
+                );
             }
             let lease = &record.lease;
             if lease.data.count > 1 {

@@ -30,6 +30,17 @@ impl Inner {
             self.session_lost(c.session_id());
             *slot = None;
         }
+        // Boxed: every operation awaits this function, and inline the
+        // connect's state (7 KB) would size every operation's future — a
+        // renewal in flight, times thousands of holds renewing at once.
+        let client = Box::pin(self.open_session()).await?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    /// Opens a session: connects, makes the root's folders, and starts
+    /// following it ([`Self::client`] keeps it).
+    async fn open_session(self: &Arc<Self>) -> Result<zk::Client, Error> {
         // The server heard from this session no earlier than now.
         let started = Instant::now();
         let connect = zk::Client::connector()
@@ -91,7 +102,6 @@ impl Inner {
                 }
             }
         });
-        *slot = Some(client.clone());
         Ok(client)
     }
 
