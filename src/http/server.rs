@@ -368,11 +368,15 @@ async fn connection(
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => log_end(r),
-        // Shedding wakes this task through the reader's waker; a connection
-        // whose reader is not polled ends here.
-        () = std::future::poll_fn(|_| match member.state.shed.load(Ordering::Acquire) {
-            true => Poll::Ready(()),
-            false => Poll::Pending,
+        // Shedding wakes this task through the reader's waker, which this
+        // branch keeps set too: a connection whose reader is not polled (a
+        // stalled write with a pipelined request buffered) ends here.
+        () = std::future::poll_fn(|cx| {
+            member.state.set_reader(cx.waker());
+            match member.state.shed.load(Ordering::Acquire) {
+                true => Poll::Ready(()),
+                false => Poll::Pending,
+            }
         }) => tracing::trace!("connection closed to make room"),
         () = stop.cancelled() => {
             conn.as_mut().graceful_shutdown();

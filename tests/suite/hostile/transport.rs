@@ -784,6 +784,13 @@ async fn a_body_without_content_type_gets_415() {
 /// The sockets of the sidecar listening on `port` other than the listener:
 /// for each, the bytes in its send queue (from `/proc/net/tcp` and `tcp6`).
 fn sidecar_sockets(port: u16) -> Vec<u64> {
+    // 0A is LISTEN.
+    socket_queues(port, |state| state != "0A")
+}
+
+/// Send queues of the sockets on local `port` whose state (hex, as
+/// `/proc/net/tcp` writes it) `keep` accepts.
+fn socket_queues(port: u16, keep: impl Fn(&str) -> bool) -> Vec<u64> {
     let mut queues = Vec::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else {
@@ -801,8 +808,7 @@ fn sidecar_sockets(port: u16) -> Vec<u64> {
                 .rsplit(':')
                 .next()
                 .and_then(|p| u16::from_str_radix(p, 16).ok());
-            // 0A is LISTEN.
-            if local_port != Some(port) || *state == "0A" {
+            if local_port != Some(port) || !keep(state) {
                 continue;
             }
             let tx = queues_field
@@ -814,6 +820,12 @@ fn sidecar_sockets(port: u16) -> Vec<u64> {
         }
     }
     queues
+}
+
+/// Send queues of the sidecar's sockets on `port` that it has not closed
+/// (ESTABLISHED; a closed one keeps its queue until the peer reads it).
+fn open_sockets(port: u16) -> Vec<u64> {
+    socket_queues(port, |state| state == "01")
 }
 
 /// A connection to the sidecar on `port` with a 4 KB receive buffer, so its
@@ -882,6 +894,72 @@ async fn a_client_that_never_reads_is_closed_by_the_write_timeout() {
         writing.abort();
     }
     // The sidecar still serves.
+    let answer = raw_exchange(
+        port,
+        b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// A connection shed to make room while its response is stalled (the client
+/// pipelined requests and reads nothing) closes when it is shed, not at its
+/// write timeout: past the cap, every new client sheds one, and the open
+/// connections stay within the cap. (Shedding is a flag and a wake-up of
+/// the connection's task; a stalled write leaves nothing else to wake it.)
+#[tokio::test]
+async fn a_stalled_connection_shed_to_make_room_closes_at_once() {
+    const CAP: usize = 4;
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_WRITE_TIMEOUT", "60s")
+        .env("SIDELOCK_MAX_CONNECTIONS", &CAP.to_string())
+        .start()
+        .await;
+    let port = sidecar.port();
+    let mut held = Vec::new();
+    for _ in 0..CAP {
+        let (reader, mut writer) = connect_small_window(port).await.into_split();
+        let pipelined = "GET /openapi.json HTTP/1.1\r\nHost: localhost\r\n\r\n".repeat(500);
+        let writing = tokio::spawn(async move {
+            let _ = writer.write_all(pipelined.as_bytes()).await;
+            writer
+        });
+        held.push((reader, writing));
+    }
+    eventually(
+        "every connection queues unread responses",
+        Duration::from_secs(20),
+        || async {
+            let stalled = open_sockets(port)
+                .iter()
+                .filter(|&&queued| queued > 16 * 1024)
+                .count();
+            (stalled == CAP).then_some(())
+        },
+    )
+    .await;
+    // Each new connection past the cap sheds the oldest idle one: the
+    // stalled connections, whose responses have left the handler.
+    let mut newcomers = Vec::new();
+    for _ in 0..CAP {
+        newcomers.push(connect(port).await);
+    }
+    eventually(
+        "every stalled connection is closed once shed, well before its 60 s write timeout",
+        Duration::from_secs(5),
+        || async {
+            let stalled = open_sockets(port)
+                .iter()
+                .filter(|&&queued| queued > 16 * 1024)
+                .count();
+            (stalled == 0).then_some(())
+        },
+    )
+    .await;
+    for (_, writing) in held {
+        writing.abort();
+    }
+    drop(newcomers);
     let answer = raw_exchange(
         port,
         b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
