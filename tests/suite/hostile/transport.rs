@@ -842,6 +842,25 @@ async fn connect_small_window(port: u16) -> TcpStream {
     .expect("connect to the sidecar")
 }
 
+/// A connection with a small window that pipelines 500 `GET path` and
+/// reads nothing: its read half, and the task writing them (which stalls
+/// once the sidecar stops reading, and ends with the connection).
+async fn pipeline_unread(
+    port: u16,
+    path: &str,
+) -> (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::task::JoinHandle<tokio::net::tcp::OwnedWriteHalf>,
+) {
+    let (reader, mut writer) = connect_small_window(port).await.into_split();
+    let pipelined = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").repeat(500);
+    let writing = tokio::spawn(async move {
+        let _ = writer.write_all(pipelined.as_bytes()).await;
+        writer
+    });
+    (reader, writing)
+}
+
 /// Security review F1: a client that pipelines requests for public documents
 /// (`/openapi.json`, `/metrics`: no token needed) and never reads the answers
 /// pinned megabytes of send queue per connection for good (20 such
@@ -857,22 +876,12 @@ async fn a_client_that_never_reads_is_closed_by_the_write_timeout() {
     let port = sidecar.port();
     let mut held = Vec::new();
     for i in 0..20 {
-        let stream = connect_small_window(port).await;
         let path = if i % 2 == 0 {
             "/openapi.json"
         } else {
             "/metrics"
         };
-        let (reader, mut writer) = stream.into_split();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
-        let pipelined = request.repeat(500);
-        // The writes stall once the sidecar stops reading; the task ends
-        // with the connection.
-        let writing = tokio::spawn(async move {
-            let _ = writer.write_all(pipelined.as_bytes()).await;
-            writer
-        });
-        held.push((reader, writing));
+        held.push(pipeline_unread(port, path).await);
     }
     // The attack takes hold: responses queue up unread in the sidecar's sockets.
     eventually(
@@ -918,13 +927,7 @@ async fn a_stalled_connection_shed_to_make_room_closes_at_once() {
     let port = sidecar.port();
     let mut held = Vec::new();
     for _ in 0..CAP {
-        let (reader, mut writer) = connect_small_window(port).await.into_split();
-        let pipelined = "GET /openapi.json HTTP/1.1\r\nHost: localhost\r\n\r\n".repeat(500);
-        let writing = tokio::spawn(async move {
-            let _ = writer.write_all(pipelined.as_bytes()).await;
-            writer
-        });
-        held.push((reader, writing));
+        held.push(pipeline_unread(port, "/openapi.json").await);
     }
     eventually(
         "every connection queues unread responses",
