@@ -237,9 +237,9 @@ struct Interval {
 /// down, grants again afterwards, never two holders at once, fences strictly
 /// increasing, and a waiter parked across the restart is woken by a release
 /// made right after it (its lease would otherwise last another minute).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_missed_wake_ups() {
-    const CLIENTS: usize = 16;
+/// A PostgreSQL server of the test's own, with an empty database
+/// `sidelock`, and that database's URL.
+async fn cluster_with_database() -> (Arc<PgCluster>, String) {
     let cluster = Arc::new(PgCluster::start());
     let admin = cluster.client("postgres").await;
     admin
@@ -248,6 +248,13 @@ async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_
         .expect("create database");
     drop(admin);
     let url = cluster.url("sidelock");
+    (cluster, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restart_under_load_gives_503s_then_recovers_without_double_grants_or_missed_wake_ups() {
+    const CLIENTS: usize = 16;
+    let (cluster, url) = cluster_with_database().await;
     let a = SidecarBuilder::new(&url).start().await;
     let b = SidecarBuilder::new(&url).start().await;
 
@@ -652,14 +659,7 @@ async fn a_contended_handoff_costs_postgres_two_statements() {
 /// stayed with that owner for as long as it kept acquiring.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_handed_to_a_waiter_that_left_during_an_outage_is_given_back() {
-    let cluster = Arc::new(PgCluster::start());
-    let admin = cluster.client("postgres").await;
-    admin
-        .batch_execute("CREATE DATABASE sidelock")
-        .await
-        .expect("create database");
-    drop(admin);
-    let url = cluster.url("sidelock");
+    let (cluster, url) = cluster_with_database().await;
     let a = SidecarBuilder::new(&url).start().await;
     let b = SidecarBuilder::new(&url).start().await;
     let name = unique_name("orphan");

@@ -822,10 +822,14 @@ fn socket_queues(port: u16, keep: impl Fn(&str) -> bool) -> Vec<u64> {
     queues
 }
 
-/// Send queues of the sidecar's sockets on `port` that it has not closed
-/// (ESTABLISHED; a closed one keeps its queue until the peer reads it).
-fn open_sockets(port: u16) -> Vec<u64> {
+/// The sidecar's sockets on `port` that it has not closed (ESTABLISHED; a
+/// closed one keeps its queue until the peer reads it) with more than 16 KiB
+/// of responses queued unread.
+fn stalled_sockets(port: u16) -> usize {
     socket_queues(port, |state| state == "01")
+        .into_iter()
+        .filter(|&queued| queued > 16 * 1024)
+        .count()
 }
 
 /// A connection to the sidecar on `port` with a 4 KB receive buffer, so its
@@ -932,13 +936,7 @@ async fn a_stalled_connection_shed_to_make_room_closes_at_once() {
     eventually(
         "every connection queues unread responses",
         Duration::from_secs(20),
-        || async {
-            let stalled = open_sockets(port)
-                .iter()
-                .filter(|&&queued| queued > 16 * 1024)
-                .count();
-            (stalled == CAP).then_some(())
-        },
+        || async { (stalled_sockets(port) == CAP).then_some(()) },
     )
     .await;
     // Each new connection past the cap sheds the oldest idle one: the
@@ -950,13 +948,7 @@ async fn a_stalled_connection_shed_to_make_room_closes_at_once() {
     eventually(
         "every stalled connection is closed once shed, well before its 60 s write timeout",
         Duration::from_secs(5),
-        || async {
-            let stalled = open_sockets(port)
-                .iter()
-                .filter(|&&queued| queued > 16 * 1024)
-                .count();
-            (stalled == 0).then_some(())
-        },
+        || async { (stalled_sockets(port) == 0).then_some(()) },
     )
     .await;
     for (_, writing) in held {
