@@ -241,7 +241,7 @@ impl Core {
         // The holder's lease end the head last followed (one told before
         // this waiter joined is the backend's answer's business).
         let mut seen_until = place.holder_until();
-        let mut last = busy;
+        let mut last = kept(busy);
         // Whether the head tries now: at first if it heads the local queue
         // (a release may have come before the watch; one behind others is
         // handed the lock or woken when its turn comes), when woken, or when
@@ -322,7 +322,7 @@ impl Core {
                             b.queue_length,
                             progress,
                         );
-                        last = b;
+                        last = kept(b);
                     }
                     Err(e) => {
                         // `attempt` counted the failure.
@@ -541,6 +541,15 @@ impl Core {
             supervise_here,
         }
     }
+}
+
+/// `busy` as a waiter keeps it for as long as it waits, for its 409 at the
+/// end (holders and queue length): without its ticket, and with no spare
+/// room in its holders, which a backend may have collected with some.
+fn kept(mut busy: Busy) -> Busy {
+    busy.ticket = None;
+    busy.holders.shrink_to_fit();
+    busy
 }
 
 /// A busy answer's retry time, or — when it is not in the future (a state

@@ -11,6 +11,7 @@ use super::data::{Lease, Node, NodeData, Parent};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
 use super::tree::{At, Found, admitted};
+use super::watch::Follower;
 use super::{Inner, Queued, Record, ZooKeeper, lock};
 use crate::backend::{Attempt, Busy, Error, Grant, Holder, Ticket, Turn};
 use crate::clock::{ms, now_ms};
@@ -300,7 +301,7 @@ impl ZooKeeper {
                 if let Some(busy) = queued.answer.take()
                     && busy.retry_at_ms.is_none_or(|at| at > now_ms())
                 {
-                    return Ok(Attempt::Busy(busy));
+                    return Ok(Attempt::Busy(*busy));
                 }
                 let (own, hinted) = (queued.own.clone(), std::mem::take(&mut queued.hint));
                 drop(tickets);
@@ -595,12 +596,12 @@ impl ZooKeeper {
                         .is_none();
                     tickets.insert(
                         (key.clone(), seq),
-                        Queued {
+                        Box::new(Queued {
                             own: own.clone(),
                             following: false,
-                            answer: first.then(|| busy.clone()),
+                            answer: first.then(|| Box::new(busy.clone())),
                             hint: false,
-                        },
+                        }),
                     );
                     drop(tickets);
                     Unclaimed::settle(&mut unclaimed);
@@ -620,9 +621,14 @@ impl ZooKeeper {
                 .get(&(key.clone(), seq))
                 .is_some_and(|q| q.following);
             if !waits_for_delay && !following {
-                let follower = me.clone();
-                let (zk, key, parent) = (zk.clone(), key.clone(), parent.clone());
-                tokio::spawn(follower.follow(zk, key, parent, own.name.clone(), listing));
+                Follower {
+                    me: me.clone(),
+                    zk: zk.clone(),
+                    key: key.clone(),
+                    seq,
+                    listing: Some(listing),
+                }
+                .spawn();
             }
             return Ok(Attempt::Busy(busy));
         }

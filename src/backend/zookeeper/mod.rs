@@ -198,8 +198,10 @@ struct Inner {
     /// The current session; replaced when it expires.
     client: tokio::sync::Mutex<Option<zk::Client>>,
     /// Waiting nodes of this sidecar by (key, sequence): the tickets,
-    /// each key's in queue order.
-    tickets: Mutex<BTreeMap<(LockKey, u64), Queued>>,
+    /// each key's in queue order. Boxed: a map's node has room for eleven
+    /// values and nodes filled in order stay half full, so values inline
+    /// would cost twice their size.
+    tickets: Mutex<BTreeMap<(LockKey, u64), Box<Queued>>>,
     /// Leases granted through this sidecar, as it last wrote or read them.
     leases: Mutex<HashMap<Token, Record>>,
     /// Shared children listings by (session, parent path), while in use. A
@@ -237,7 +239,7 @@ struct Queued {
     /// The answer of the attempt that queued it as this sidecar's first
     /// waiter on the key, for its next attempt (the core's, at once):
     /// dropped as soon as what blocks it changes, which its follower sees.
-    answer: Option<Busy>,
+    answer: Option<Box<Busy>>,
     /// Set when its follower saw what blocked it go: its next attempt
     /// probably grants it, and sends the granting write with its listing.
     hint: bool,
