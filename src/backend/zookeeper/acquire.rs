@@ -153,7 +153,7 @@ impl Inner {
             let session = lock(&self.session);
             let current = *session == Some(zk.session_id());
             if current {
-                lock(&self.leases).insert(token, Record { lease, parent });
+                lock(&self.leases).insert(token, Box::new(Record { lease, parent }));
             }
             current
         };

@@ -36,7 +36,7 @@ impl Inner {
         let known = lock(&self.leases)
             .get(token)
             .filter(|r| r.lease.path.starts_with(&prefix))
-            .cloned();
+            .map(|r| Record::clone(r));
         if known.is_some() {
             return Ok(known);
         }

@@ -203,7 +203,9 @@ struct Inner {
     /// would cost twice their size.
     tickets: Mutex<BTreeMap<(LockKey, u64), Box<Queued>>>,
     /// Leases granted through this sidecar, as it last wrote or read them.
-    leases: Mutex<HashMap<Token, Record>>,
+    /// Boxed: with inline records (216 bytes) the table of 10,000 holds is
+    /// one 4 MiB allocation, as resident as it is large.
+    leases: Mutex<HashMap<Token, Box<Record>>>,
     /// Shared children listings by (session, parent path), while in use. A
     /// listing is O(queue length): a burst of n waiters joining one lock,
     /// each listing on its own, would cost O(n²) bytes on the wire and in

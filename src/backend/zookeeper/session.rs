@@ -117,7 +117,10 @@ impl Inner {
                 return;
             }
             *session = None;
-            lock(&self.leases).drain().unzip()
+            lock(&self.leases)
+                .drain()
+                .map(|(token, record)| (token, *record))
+                .unzip()
         };
         if !records.is_empty() {
             tokio::spawn(self.clone().record_lost(records));
