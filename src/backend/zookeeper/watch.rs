@@ -26,22 +26,6 @@ enum Blocker {
     Node { name: String, last: bool },
 }
 
-/// What a follower does next, once it looked at the lock.
-enum Next {
-    /// Stop following; wake the local waiters if true.
-    Stop(bool),
-    /// Look at the lock again.
-    Again,
-    /// Wait for a change of what blocks it (a semaphore waiter's watch).
-    Change(zk::OneshotWatcher),
-    /// Wait for the deletion of its blocker, unless it is gone already
-    /// (`None`); `last` when nothing else blocks the waiting node.
-    Deletion {
-        watcher: Option<zk::OneshotWatcher>,
-        last: bool,
-    },
-}
-
 /// What the follower's task does next.
 enum Plan {
     /// Stop following; wake the local waiters if true.
@@ -98,10 +82,10 @@ impl Follower {
             }
             let wake = loop {
                 let listing = self.listing.take();
-                let next = Box::pin(self.next(listing)).await;
+                let looked = Box::pin(self.look(listing)).await;
                 // Passed on whole: a binding matched by parts would keep
                 // its storage in the task for the wait.
-                let (watcher, deletion, last) = match self.plan(next) {
+                let (watcher, deletion, last) = match self.settle(looked) {
                     Plan::Stop(wake) => break wake,
                     Plan::Again => continue,
                     Plan::Pause => {
@@ -148,32 +132,12 @@ impl Follower {
         }
     }
 
-    /// What the task does after looking at the lock.
-    fn plan(&self, next: Result<Next, Error>) -> Plan {
-        match next {
-            Ok(Next::Stop(wake)) => Plan::Stop(wake),
-            Ok(Next::Again) => Plan::Again,
-            Ok(Next::Change(watcher)) => Plan::Wait {
-                watcher,
-                deletion: false,
-                last: false,
-            },
-            Ok(Next::Deletion {
-                watcher: Some(watcher),
-                last,
-            }) => Plan::Wait {
-                watcher,
-                deletion: true,
-                last,
-            },
-            Ok(Next::Deletion {
-                watcher: None,
-                last,
-            }) if self.admits(last) => Plan::Stop(true),
-            Ok(Next::Deletion { watcher: None, .. }) => Plan::Again,
-            // Cut off for a moment: follow again, with a new listing. A
-            // session that ended forgets its tickets and wakes every local
-            // waiter; a waiter that left ends this too.
+    /// What the task does after looking at the lock: what it found, or
+    /// after a failure, wait a moment and look again — unless the session
+    /// ended, which forgets its tickets and wakes every local waiter.
+    fn settle(&self, looked: Result<Plan, Error>) -> Plan {
+        match looked {
+            Ok(plan) => plan,
             Err(_) if !self.zk.state().is_terminated() => Plan::Pause,
             Err(_) => Plan::Stop(false),
         }
@@ -227,13 +191,13 @@ impl Follower {
     /// Listings are dropped before the follower waits for its watch: a
     /// waiter parked with the listing it joined on would keep O(queue
     /// length) bytes alive for as long as it waits, O(n²) for a queue of n.
-    async fn next(&self, listing: Option<Arc<Listing>>) -> Result<Next, Error> {
+    async fn look(&self, listing: Option<Arc<Listing>>) -> Result<Plan, Error> {
         let (me, zk, key, seq) = (&self.me, &self.zk, &self.key, self.seq);
         let Some(name) = lock(&me.tickets)
             .get(&(key.clone(), seq))
             .map(|q| q.own.name.clone())
         else {
-            return Ok(Next::Stop(false));
+            return Ok(Plan::Stop(false));
         };
         let parent = me.key_path(key);
         let listing = match listing {
@@ -246,7 +210,7 @@ impl Follower {
         };
         let children = &listing.children;
         let Some(at) = children.iter().position(|c| c.name == name) else {
-            return Ok(Next::Stop(false));
+            return Ok(Plan::Stop(false));
         };
         let (blocker, limit) = match (key.kind, children[at].mode) {
             (Kind::Semaphore, _) => {
@@ -293,14 +257,18 @@ impl Follower {
         let (blocker, last) = match blocker {
             Blocker::Node { name, last } => (name, last),
             // Nothing blocks it by place: its attempt decides (lock-delay, expiry).
-            Blocker::Nothing => return Ok(Next::Stop(true)),
+            Blocker::Nothing => return Ok(Plan::Stop(true)),
             Blocker::Earlier => {
                 let (now, w) = must("watch", zk.list_and_watch_children(&parent)).await?;
                 let position = sorted(now).iter().position(|c| c.name == name);
                 return Ok(match position {
-                    None => Next::Stop(false),
-                    Some(i) if i < limit => Next::Stop(true),
-                    Some(_) => Next::Change(w),
+                    None => Plan::Stop(false),
+                    Some(i) if i < limit => Plan::Stop(true),
+                    Some(_) => Plan::Wait {
+                        watcher: w,
+                        deletion: false,
+                        last: false,
+                    },
                 });
             }
         };
@@ -309,7 +277,7 @@ impl Follower {
             let watcher = match must("watch", zk.check_and_watch_stat(&target)).await? {
                 (None, _) => {
                     me.wakeups.wake(key);
-                    return Ok(Next::Again);
+                    return Ok(Plan::Again);
                 }
                 (Some(_), w) => w,
             };
@@ -318,23 +286,27 @@ impl Follower {
             let again = me.children(zk, "watch", &parent).await?;
             let moved = again.children.iter().position(|c| c.name == name) != Some(at);
             return Ok(if moved {
-                Next::Again
+                Plan::Again
             } else {
-                Next::Change(watcher)
+                Plan::Wait {
+                    watcher,
+                    deletion: false,
+                    last: false,
+                }
             });
         }
         // A lock waiter needs only the blocker's deletion: a children
         // watch on it fires for that alone, not for the data changes of
         // its grant and renewals.
         match call("watch", zk.list_and_watch_children(&target)).await? {
-            Ok((_, watcher)) => Ok(Next::Deletion {
-                watcher: Some(watcher),
+            Ok((_, watcher)) => Ok(Plan::Wait {
+                watcher,
+                deletion: true,
                 last,
             }),
-            Err(zk::Error::NoNode) => Ok(Next::Deletion {
-                watcher: None,
-                last,
-            }),
+            // Gone already: as if its deletion had fired.
+            Err(zk::Error::NoNode) if self.admits(last) => Ok(Plan::Stop(true)),
+            Err(zk::Error::NoNode) => Ok(Plan::Again),
             Err(e) => Err(unavailable("watch", e)),
         }
     }
