@@ -168,6 +168,11 @@ fn print_idle(title: &str, columns: [&str; 3], rows: &[(String, &Idle)]) {
             opt(i.rss_per_waiter_kib)
         );
     }
+    for (label, i) in rows {
+        for why in &i.waiter_error_samples {
+            println!("\n{label}: refused: {why}");
+        }
+    }
 }
 
 fn opt(v: Option<f64>) -> String {

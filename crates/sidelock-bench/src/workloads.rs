@@ -68,6 +68,10 @@ pub struct Idle {
     pub queued: Option<u64>,
     /// Waiter requests that ended before the measurement (refused or failed).
     pub waiter_errors: u64,
+    /// The first few distinct reasons those requests gave, so a refusal is
+    /// explained in the report rather than only counted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub waiter_error_samples: Vec<String>,
     pub seconds: f64,
     pub backend_ops: Option<Ops>,
     pub round_trips_per_s: Option<f64>,
@@ -480,13 +484,19 @@ pub async fn idle_sidecar(
     let mut tasks = tokio::task::JoinSet::new();
     let wait = duration + Duration::from_secs(300);
     let ended = Arc::new(AtomicU64::new(0));
+    let samples = Arc::new(std::sync::Mutex::new(Vec::new()));
     for _ in 0..waiters {
-        let ended = ended.clone();
+        let (ended, samples) = (ended.clone(), samples.clone());
         let mut locker = Locker::sidecar(&base, t.api_token.as_deref());
         let name = name.to_owned();
         tasks.spawn(async move {
-            let _ = locker.acquire(&name, wait).await;
+            let why = match locker.acquire(&name, wait).await {
+                Ok(_) => "granted while the holder held the lock".to_owned(),
+                Err(Refused::Busy) => "409: the wait ended".to_owned(),
+                Err(Refused::Failed(why)) => why,
+            };
             ended.fetch_add(1, Ordering::Relaxed);
+            keep_sample(&samples, why);
         });
     }
     let queued = until_queued_or_ended(
@@ -511,7 +521,25 @@ pub async fn idle_sidecar(
     let _ = until_queued_zero(&base, token).await;
     let mut r = idle_result(waiters, queued, seconds, ops, rss_before, rss);
     r.waiter_errors = waiter_errors;
+    r.waiter_error_samples = std::mem::take(&mut *lock_samples(&samples));
     Ok(r)
+}
+
+/// Most distinct error reasons an idle run keeps.
+const SAMPLES: usize = 3;
+
+/// Keeps `why` if it is new and fewer than [`SAMPLES`] are kept.
+fn keep_sample(samples: &std::sync::Mutex<Vec<String>>, why: String) {
+    let mut kept = lock_samples(samples);
+    if kept.len() < SAMPLES && !kept.contains(&why) {
+        kept.push(why);
+    }
+}
+
+fn lock_samples(samples: &std::sync::Mutex<Vec<String>>) -> std::sync::MutexGuard<'_, Vec<String>> {
+    samples
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Workload 3, holds: `holds` hold streams on as many lock names, each
@@ -552,9 +580,16 @@ pub async fn idle_holds(
     let ((), ops) = Counter::around(counter, None, tokio::time::sleep(duration)).await;
     let seconds = started.elapsed().as_secs_f64();
     let rss = pid.and_then(rss_kib);
+    let samples = std::sync::Mutex::new(Vec::new());
+    for why in opened.iter().filter_map(|h| h.as_ref().err()) {
+        keep_sample(&samples, why.clone());
+    }
     drop(opened);
     let mut r = idle_result(holds, Some(granted), seconds, ops, rss_before, rss);
     r.waiter_errors = holds as u64 - granted;
+    r.waiter_error_samples = samples
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     Ok(r)
 }
 
@@ -582,6 +617,7 @@ fn idle_result(
         waiters,
         queued,
         waiter_errors: 0,
+        waiter_error_samples: Vec::new(),
         seconds: (seconds * 100.0).round() / 100.0,
         backend_ops: ops,
         round_trips_per_s: ops.map(|o| rate(o.round_trips)),
