@@ -468,7 +468,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
     }
     let client = database.client().await;
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6]);
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -514,7 +514,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
 
     let sidecar = SidecarBuilder::new(&database.url()).start().await;
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6]);
 
     let lock = sidecar.api().lock(&name);
     let grant = lock.acquire(&[]).await;
@@ -1003,4 +1003,222 @@ async fn stale_lists_every_reason() {
     let orphaned_lock = api.lock(&orphan);
     assert!(orphaned_lock.inspect().await.waiters.is_empty());
     orphaned_lock.acquire(&[]).await;
+}
+
+/// One acquire call made directly, as a sidecar makes it, in a transaction
+/// of its own: its answer, and how many `waiters` rows (table or index
+/// entries) it read.
+async fn acquire_counting_reads(
+    db: &mut tokio_postgres::Client,
+    schema: &TestSchema,
+    name: &str,
+    owner: &str,
+    instance: &str,
+) -> (serde_json::Value, i64) {
+    let waiters = schema.table("waiters");
+    // Rows are counted on the relation that returned them: the table for a
+    // sequential scan, the index for an index scan.
+    let reads = format!(
+        "SELECT sum(pg_stat_get_xact_tuples_returned(c.oid) \
+                    + pg_stat_get_xact_tuples_fetched(c.oid))::bigint \
+           FROM pg_class c \
+          WHERE c.oid = '{waiters}'::regclass \
+             OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = '{waiters}'::regclass)"
+    );
+    let acquire = format!(
+        "SELECT \"{}\".acquire('lock', $1, 'exclusive', $2, 'test', $3, $4, 60000, NULL, 0, \
+                NULL, 'join', NULL, 10000, true)::text",
+        schema.name
+    );
+    let tx = db.transaction().await.expect("begin");
+    let before: i64 = tx.query_one(&reads, &[]).await.expect("reads").get(0);
+    let token = format!("{owner}-token");
+    let reply: String = tx
+        .query_one(&acquire, &[&name, &owner, &instance, &token])
+        .await
+        .expect("acquire")
+        .get(0);
+    let after: i64 = tx.query_one(&reads, &[]).await.expect("reads").get(0);
+    tx.commit().await.expect("commit");
+    (
+        serde_json::from_str(&reply).expect("acquire answers JSON"),
+        after - before,
+    )
+}
+
+/// A join costs the same behind 5,000 waiters as behind none: the acquire
+/// that queues one more reads a bounded number of `waiters` rows. It once
+/// counted the whole queue and scanned all of it for waiters of dead
+/// sidecars — twice its length per join — so a burst of 10,000 joins on one
+/// name kept the database busy long enough that some answered 503. The
+/// queue length it answers stays exact.
+#[tokio::test]
+async fn a_join_reads_a_bounded_part_of_the_queue_however_long_it_is() {
+    const AHEAD: i64 = 5_000;
+    let backend = postgres().await;
+    let sidecar = backend.start_sidecar().await;
+    let schema = schema(&backend);
+    let name = unique_name("long-queue");
+    let lock = sidecar.api().lock(&name);
+    let _holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut db = schema.client().await;
+    // A live sidecar process of the test's own, with 5,000 waiters in line.
+    db.execute(
+        &format!(
+            "INSERT INTO {} VALUES ('test-instance', 'test', now(), now() + interval '1 hour')",
+            schema.table("sidecars")
+        ),
+        &[],
+    )
+    .await
+    .expect("insert a sidecar");
+    db.execute(
+        &format!(
+            "INSERT INTO {} (kind, name, owner, sidecar, instance, mode, queued_at) \
+             SELECT 'lock', $1, 'w' || i, 'test', 'test-instance', 'exclusive', now() \
+               FROM generate_series(1, $2::bigint) AS i",
+            schema.table("waiters")
+        ),
+        &[&name, &AHEAD],
+    )
+    .await
+    .expect("insert waiters");
+
+    let (reply, reads) =
+        acquire_counting_reads(&mut db, schema, &name, "probe", "test-instance").await;
+    assert_eq!(reply["outcome"], "busy", "{reply}");
+    assert_eq!(reply["queue_length"].as_i64(), Some(AHEAD + 1), "{reply}");
+    assert_eq!(reply["position"].as_i64(), Some(AHEAD + 1), "{reply}");
+    assert!(
+        reads <= 50,
+        "a join behind {AHEAD} waiters read {reads} waiters rows"
+    );
+    // The sidecar's own view agrees: the next waiter through it is behind all of them.
+    let mut next = lock.hold(&[("owner", "next"), ("wait", "60s")]).await;
+    assert_eq!(next.expect_queued().await.position, AHEAD as u64 + 2);
+}
+
+/// `keys.queued` beside the key's waiter rows counted.
+async fn queue_counts(db: &tokio_postgres::Client, schema: &TestSchema, name: &str) -> (i64, i64) {
+    let row = db
+        .query_one(
+            &format!(
+                "SELECT k.queued, (SELECT count(*) FROM {} w WHERE w.kind = k.kind AND w.name = k.name) \
+                   FROM {} k WHERE k.kind = 'lock' AND k.name = $1",
+                schema.table("waiters"),
+                schema.table("keys")
+            ),
+            &[&name],
+        )
+        .await
+        .expect("queue counts");
+    (row.get(0), row.get(1))
+}
+
+/// The queue length a key keeps (`keys.queued`) stays the number of its
+/// waiter rows through every way a waiter comes and goes, with several at
+/// once on two sidecars: joins, waiters giving up, releases handing the
+/// lock on, a sidecar killed (its waiters removed once it stops
+/// heartbeating) and one shut down (its waiters leave with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kept_queue_length_matches_the_queue_through_every_change() {
+    let backend = postgres().await;
+    let schema = schema(&backend);
+    let db = schema.client().await;
+    let doomed = backend.start_sidecar().await;
+    let mut leaving = backend.start_sidecar().await;
+    let survivor = backend.start_sidecar().await;
+    let name = unique_name("counted");
+    let lock = survivor.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let assert_counted = async |when: &str| {
+        let (kept, counted) = queue_counts(&db, schema, &name).await;
+        assert_eq!(kept, counted, "kept queue length vs waiter rows {when}");
+        counted
+    };
+
+    // 30 waiters join at once through the three sidecars, 10 each.
+    let mut joining = tokio::task::JoinSet::new();
+    for i in 0..30 {
+        let lock = [&doomed, &leaving, &survivor][i % 3].api().lock(&name);
+        joining.spawn(async move {
+            let owner = format!("w{i}");
+            let mut stream = lock.hold(&[("owner", &owner), ("wait", "60s")]).await;
+            stream.expect_queued().await;
+            (i, stream)
+        });
+    }
+    let mut streams: Vec<(usize, HoldStream)> = joining.join_all().await;
+    assert_eq!(assert_counted("after 30 joins").await, 30);
+
+    // A third of them give up at once (their sidecars dequeue them).
+    streams.retain(|(i, _)| i % 3 != 1 || *i >= 15);
+    let expected = 30 - 5;
+    eventually("5 waiters to leave", Duration::from_secs(10), async || {
+        (queue_counts(&db, schema, &name).await.1 == expected).then_some(())
+    })
+    .await;
+    assert_counted("after 5 gave up").await;
+
+    // Three handoffs: the release, then each granted waiter's stream
+    // closing, hands the lock to the head of the queue.
+    lock.release(&holder.token).await;
+    let mut previous = "holder".to_owned();
+    for round in 0..3 {
+        let owner = eventually(
+            "the head to be granted",
+            Duration::from_secs(10),
+            async || {
+                let owner = lock.inspect().await.holders.first()?.owner.clone();
+                (owner != previous).then_some(owner)
+            },
+        )
+        .await;
+        let at = streams
+            .iter()
+            .position(|(i, _)| format!("w{i}") == owner)
+            .expect("the lock went to a waiter of the test");
+        let (_, mut stream) = streams.remove(at);
+        stream.expect_acquired().await;
+        assert_counted(&format!("after handoff {round}")).await;
+        drop(stream);
+        previous = owner;
+    }
+
+    // The killed sidecar's waiters go once it stops heartbeating.
+    let doomed_left = streams.iter().filter(|(i, _)| i % 3 == 0).count() as i64;
+    let before = assert_counted("before the kill").await;
+    doomed.signal(Signal::SIGKILL);
+    streams.retain(|(i, _)| i % 3 != 0);
+    eventually(
+        "the killed sidecar's waiters to be removed",
+        Duration::from_secs(30),
+        async || (queue_counts(&db, schema, &name).await.1 <= before - doomed_left).then_some(()),
+    )
+    .await;
+    assert_counted("after the killed sidecar's waiters went").await;
+
+    // The sidecar shut down takes its waiters with it.
+    leaving.signal(Signal::SIGTERM);
+    leaving.wait_exit(Duration::from_secs(20)).await;
+    streams.retain(|(i, _)| i % 3 != 1);
+    let left = assert_counted("after a sidecar shut down").await;
+    // The last handoff's stream was closed: one of the rest may hold the lock.
+    let holding = lock
+        .inspect()
+        .await
+        .holders
+        .first()
+        .map(|h| h.owner.clone());
+    let waiting = streams
+        .iter()
+        .filter(|(i, _)| holding.as_deref() != Some(format!("w{i}").as_str()))
+        .count();
+    assert_eq!(left, waiting as i64, "only the survivor's waiters are left");
+    drop(streams);
+    eventually("the queue to empty", Duration::from_secs(10), async || {
+        (queue_counts(&db, schema, &name).await.1 == 0).then_some(())
+    })
+    .await;
+    assert_counted("with the queue empty").await;
 }

@@ -144,6 +144,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "a release clears the key's expired leases, recording their lock-delay, first",
         sql: include_str!("0005_release_lapsed.sql"),
     },
+    Migration {
+        version: 6,
+        description: "keys.queued counts a key's waiters (a trigger keeps it); a join no longer reads the queue",
+        sql: include_str!("0006_queue_length.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.

@@ -1,0 +1,434 @@
+-- sidelock PostgreSQL backend, schema version 6: a join costs the same
+-- behind 10,000 waiters as behind none.
+--
+-- In version 5 every acquire counted the key's queue and scanned all of it
+-- for waiters of sidecars that stopped heartbeating: twice the queue's
+-- length in rows per join, so 10,000 joins on one name cost the database
+-- 50 million row reads, one after another under the key's row lock, and a
+-- burst of them outlasted the pool's wait (503). Now:
+--
+-- * `keys.queued` is the key's number of waiter rows, kept by a trigger on
+--   `waiters` (so every function, of every version, keeps it right);
+-- * acquire looks for dead sidecars in `sidecars` (one row per process),
+--   and reads the whole queue only when the queue alone would hold its
+--   claim back (to pass by waiters of sidecars that have no row at all);
+-- * a waiter row always has its sidecar's row: a join re-creates its own if
+--   another sidecar removed it (it had stopped heartbeating for a while),
+--   and a dead sidecar's row goes only once its waiters have;
+-- * every function that removes waiter rows takes their key's row lock
+--   first, as acquire and release do: the trigger updates the key's row,
+--   and taking the locks in one order (key, then waiters) keeps them free
+--   of deadlocks.
+
+ALTER TABLE {s}.keys ADD COLUMN queued bigint NOT NULL DEFAULT 0;
+
+UPDATE {s}.keys k SET queued = q.n
+  FROM (SELECT kind, name, count(*) AS n FROM {s}.waiters GROUP BY kind, name) q
+ WHERE k.kind = q.kind AND k.name = q.name;
+
+CREATE FUNCTION {s}.count_queue() RETURNS trigger
+LANGUAGE plpgsql
+AS $fn$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        UPDATE {s}.keys SET queued = queued + 1 WHERE kind = NEW.kind AND name = NEW.name;
+    ELSE
+        UPDATE {s}.keys SET queued = queued - 1 WHERE kind = OLD.kind AND name = OLD.name;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+
+CREATE TRIGGER waiters_queued AFTER INSERT OR DELETE ON {s}.waiters
+    FOR EACH ROW EXECUTE FUNCTION {s}.count_queue();
+
+-- A sidecar about to insert a waiter row: its own row, if another sidecar
+-- removed it (it had stopped heartbeating, and now works again).
+CREATE FUNCTION {s}.present(p_instance text, p_sidecar text, p_now timestamptz) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM {s}.sidecars WHERE instance = p_instance) THEN
+        INSERT INTO {s}.sidecars (instance, sidecar, started_at, heartbeat_at)
+        VALUES (p_instance, p_sidecar, p_now, p_now)
+        ON CONFLICT (instance) DO NOTHING;
+    END IF;
+END
+$fn$;
+
+-- Removes the waiter rows `p_seqs`, key by key, each under its key's row
+-- lock, and wakes those keys' waiters. With `p_wait` false a key another
+-- transaction has locked is skipped (its rows stay for the next call);
+-- with `p_wait` true its lock is waited for, keys taken in order (every
+-- other holder of a key's lock holds just that one, so no cycle forms).
+-- The number of rows removed.
+CREATE FUNCTION {s}.drop_waiters(p_seqs bigint[], p_wait boolean) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    r record;
+    v_n bigint := 0;
+    v_k bigint;
+BEGIN
+    FOR r IN SELECT DISTINCT kind, name FROM {s}.waiters
+              WHERE seq = ANY (p_seqs) ORDER BY kind, name LOOP
+        IF p_wait THEN
+            PERFORM 1 FROM {s}.keys WHERE kind = r.kind AND name = r.name FOR NO KEY UPDATE;
+        ELSE
+            PERFORM 1 FROM {s}.keys WHERE kind = r.kind AND name = r.name
+                FOR NO KEY UPDATE SKIP LOCKED;
+            CONTINUE WHEN NOT FOUND;
+        END IF;
+        DELETE FROM {s}.waiters WHERE seq = ANY (p_seqs) AND kind = r.kind AND name = r.name;
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        IF v_k > 0 THEN
+            PERFORM {s}.wake(r.kind, r.name);
+            v_n := v_n + v_k;
+        END IF;
+    END LOOP;
+    RETURN v_n;
+END
+$fn$;
+
+-- Acquire as in version 4 (its signature and answers), with the queue
+-- length read from `keys.queued` and dead sidecars found in `sidecars`.
+CREATE OR REPLACE FUNCTION {s}.acquire(
+    p_kind text, p_name text, p_mode text, p_owner text, p_sidecar text, p_instance text,
+    p_token text, p_ttl_ms bigint, p_limit integer, p_lock_delay_ms bigint,
+    p_max_hold_ms bigint, p_turn text, p_seq bigint, p_lapse_ms bigint, p_handoff boolean)
+RETURNS json
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    k        {s}.keys%ROWTYPE;
+    k0       {s}.keys%ROWTYPE;
+    v_now    timestamptz;
+    v_wake   boolean := false;
+    v_n      bigint;
+    v_end    timestamptz;
+    v_live   bigint;
+    v_queue  bigint;
+    v_ahead  bigint;
+    v_fits   boolean;
+    v_free   boolean;
+    v_turn   boolean;
+    v_lease  {s}.leases%ROWTYPE;
+    v_seq    bigint;
+    v_pos    bigint;
+    v_retry  timestamptz;
+    v_cap    timestamptz;
+    v_result json;
+    v_token  text := CASE WHEN p_handoff THEN p_token END;
+BEGIN
+    SELECT * INTO k FROM {s}.keys WHERE kind = p_kind AND name = p_name FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO {s}.keys (kind, name) VALUES (p_kind, p_name) ON CONFLICT DO NOTHING;
+        SELECT * INTO k FROM {s}.keys WHERE kind = p_kind AND name = p_name FOR NO KEY UPDATE;
+    END IF;
+    k0 := k;
+    v_now := clock_timestamp();
+
+    -- An expired lease is free: delete it, starting its lock-delay.
+    WITH gone AS (
+        DELETE FROM {s}.leases
+        WHERE kind = p_kind AND name = p_name AND expires_at <= v_now
+        RETURNING expires_at + {s}.millis(lock_delay_ms) AS delay_end)
+    SELECT count(*), max(delay_end) INTO v_n, v_end FROM gone;
+    IF v_n > 0 THEN
+        k.delay_until := greatest(k.delay_until, v_end);
+        v_wake := true;
+    END IF;
+
+    -- Waiters of sidecars that stopped heartbeating leave the queue. Looked
+    -- for through `sidecars` (one row per process), not the queue.
+    IF EXISTS (SELECT 1 FROM {s}.sidecars
+                WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms) AND instance <> p_instance) THEN
+        WITH gone AS (
+            DELETE FROM {s}.waiters w
+            WHERE w.kind = p_kind AND w.name = p_name
+              AND w.instance IN (SELECT c.instance FROM {s}.sidecars c
+                                  WHERE c.heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
+                                    AND c.instance <> p_instance)
+            RETURNING 1)
+        SELECT count(*) INTO v_n FROM gone;
+        IF v_n > 0 THEN
+            v_wake := true;
+        END IF;
+    END IF;
+
+    -- A waiter row without a live sidecar row (written by hand, or left by
+    -- a join racing its sidecar's shutdown) is looked for only when the
+    -- queue alone would hold this claim back: then the whole queue is read.
+    SELECT queued INTO v_queue FROM {s}.keys WHERE kind = p_kind AND name = p_name;
+    v_free := v_queue > 0 AND CASE
+        WHEN p_kind = 'semaphore' THEN
+            (SELECT count(*) FROM {s}.leases WHERE kind = p_kind AND name = p_name)
+                < coalesce(k.permits, p_limit)
+        WHEN p_mode = 'exclusive' THEN
+            NOT EXISTS (SELECT 1 FROM {s}.leases WHERE kind = p_kind AND name = p_name)
+        ELSE
+            NOT EXISTS (SELECT 1 FROM {s}.leases
+                         WHERE kind = p_kind AND name = p_name AND mode = 'exclusive')
+    END;
+    IF v_free AND (k.delay_until IS NULL OR v_now >= k.delay_until)
+       AND (p_turn <> 'queued'
+            OR EXISTS (SELECT 1 FROM {s}.waiters
+                        WHERE kind = p_kind AND name = p_name AND seq < p_seq)) THEN
+        WITH gone AS (
+            DELETE FROM {s}.waiters w
+            WHERE w.kind = p_kind AND w.name = p_name AND w.instance <> p_instance
+              AND NOT EXISTS (SELECT 1 FROM {s}.sidecars c
+                               WHERE c.instance = w.instance
+                                 AND c.heartbeat_at > v_now - {s}.millis(p_lapse_ms))
+            RETURNING 1)
+        SELECT count(*) INTO v_n FROM gone;
+        IF v_n > 0 THEN
+            v_wake := true;
+        END IF;
+    END IF;
+
+    <<decide>>
+    BEGIN
+        -- Handed over while its sidecar did not hear of it.
+        IF p_turn = 'queued' AND p_handoff THEN
+            SELECT * INTO v_lease FROM {s}.leases
+             WHERE token = p_token AND kind = p_kind AND name = p_name;
+            IF FOUND THEN
+                DELETE FROM {s}.waiters WHERE seq = p_seq;
+                v_result := {s}.granted(v_lease, v_now);
+                EXIT decide;
+            END IF;
+        END IF;
+
+        -- A ticket removed while its sidecar could not heartbeat takes its place back.
+        IF p_turn = 'queued' AND NOT EXISTS (SELECT 1 FROM {s}.waiters WHERE seq = p_seq) THEN
+            PERFORM {s}.present(p_instance, p_sidecar, v_now);
+            INSERT INTO {s}.waiters (seq, kind, name, owner, sidecar, instance, mode, queued_at,
+                                     token, ttl_ms, max_hold_ms, lock_delay_ms)
+            VALUES (p_seq, p_kind, p_name, p_owner, p_sidecar, p_instance, p_mode, v_now,
+                    v_token, p_ttl_ms, p_max_hold_ms, p_lock_delay_ms);
+        END IF;
+
+        SELECT count(*) INTO v_live FROM {s}.leases WHERE kind = p_kind AND name = p_name;
+        SELECT queued INTO v_queue FROM {s}.keys WHERE kind = p_kind AND name = p_name;
+
+        IF p_kind = 'semaphore' THEN
+            -- An idle semaphore may be reused with another limit.
+            IF v_live = 0 AND v_queue = 0 THEN
+                k.permits := NULL;
+            END IF;
+            IF k.permits IS NOT NULL AND p_limit IS NOT NULL AND k.permits <> p_limit THEN
+                v_result := json_build_object('outcome', 'limit_mismatch', 'active', k.permits);
+                EXIT decide;
+            ELSIF k.permits IS NULL AND p_limit IS NULL THEN
+                v_result := json_build_object('outcome', 'limit_required');
+                EXIT decide;
+            ELSIF k.permits IS NULL THEN
+                k.permits := p_limit;
+            END IF;
+        ELSE
+            -- Re-entry: the same owner in the same mode, regardless of the queue.
+            UPDATE {s}.leases
+               SET hold_count = hold_count + 1,
+                   expires_at = least(greatest(expires_at, v_now + {s}.millis(p_ttl_ms)),
+                                      renew_until)
+             WHERE token = (SELECT token FROM {s}.leases
+                             WHERE kind = p_kind AND name = p_name
+                               AND owner = p_owner AND mode = p_mode
+                             ORDER BY fence LIMIT 1)
+            RETURNING * INTO v_lease;
+            IF FOUND THEN
+                IF p_turn = 'queued' THEN
+                    DELETE FROM {s}.waiters WHERE seq = p_seq;
+                END IF;
+                v_result := {s}.granted(v_lease, v_now);
+                EXIT decide;
+            END IF;
+        END IF;
+
+        v_fits := CASE
+            WHEN p_kind = 'semaphore' THEN v_live < k.permits
+            WHEN p_mode = 'exclusive' THEN v_live = 0
+            ELSE NOT EXISTS (SELECT 1 FROM {s}.leases
+                             WHERE kind = p_kind AND name = p_name AND mode = 'exclusive')
+        END;
+        IF p_turn = 'queued' THEN
+            SELECT count(*) INTO v_ahead FROM {s}.waiters
+             WHERE kind = p_kind AND name = p_name AND seq < p_seq;
+            v_turn := CASE
+                WHEN p_kind = 'semaphore' THEN v_ahead < k.permits - v_live
+                WHEN p_mode = 'exclusive' THEN v_ahead = 0
+                ELSE NOT EXISTS (SELECT 1 FROM {s}.waiters
+                                 WHERE kind = p_kind AND name = p_name AND seq < p_seq
+                                   AND mode <> 'shared')
+            END;
+        ELSE
+            -- Fairness: nobody overtakes the queue.
+            v_turn := v_queue = 0;
+        END IF;
+
+        IF (k.delay_until IS NULL OR v_now >= k.delay_until) AND v_fits AND v_turn THEN
+            k.fence := k.fence + 1;
+            v_cap := v_now + {s}.millis(p_max_hold_ms);
+            INSERT INTO {s}.leases (token, kind, name, owner, sidecar, mode, fence, hold_count,
+                                    acquired_at, expires_at, renew_until, ttl_ms, lock_delay_ms)
+            VALUES (p_token, p_kind, p_name, p_owner, p_sidecar, p_mode, k.fence, 1,
+                    v_now, least(v_now + {s}.millis(p_ttl_ms), v_cap), v_cap,
+                    p_ttl_ms, p_lock_delay_ms)
+            RETURNING * INTO v_lease;
+            IF p_turn = 'queued' THEN
+                DELETE FROM {s}.waiters WHERE seq = p_seq;
+                -- Readers and permits behind this one may be admitted too.
+                IF (p_kind = 'semaphore' OR p_mode = 'shared') AND v_queue > 1 THEN
+                    v_wake := true;
+                END IF;
+            END IF;
+            v_result := {s}.granted(v_lease, v_now);
+            EXIT decide;
+        END IF;
+
+        -- Busy. The blocking state lapses by itself at the end of the
+        -- lock-delay or at the first conflicting lease's expiry.
+        IF k.delay_until > v_now THEN
+            v_retry := k.delay_until;
+        ELSE
+            SELECT min(expires_at) INTO v_retry FROM {s}.leases
+             WHERE kind = p_kind AND name = p_name
+               AND (p_mode = 'exclusive' OR mode = 'exclusive');
+        END IF;
+        IF p_turn = 'join' THEN
+            PERFORM {s}.present(p_instance, p_sidecar, v_now);
+            INSERT INTO {s}.waiters (kind, name, owner, sidecar, instance, mode, queued_at,
+                                     token, ttl_ms, max_hold_ms, lock_delay_ms)
+            VALUES (p_kind, p_name, p_owner, p_sidecar, p_instance, p_mode, v_now,
+                    v_token, p_ttl_ms, p_max_hold_ms, p_lock_delay_ms)
+            RETURNING seq INTO v_seq;
+            v_queue := v_queue + 1;
+            v_pos := v_queue;
+        ELSIF p_turn = 'queued' THEN
+            v_pos := v_ahead + 1;
+        END IF;
+        v_result := json_build_object(
+            'outcome', 'busy', 'holders', {s}.holders(p_kind, p_name, v_now),
+            'queue_length', v_queue, 'position', v_pos, 'seq', v_seq,
+            'retry_at_ms', {s}.ms(v_retry), 'now_ms', {s}.ms(v_now));
+    END decide;
+
+    IF k IS DISTINCT FROM k0 THEN
+        UPDATE {s}.keys SET fence = k.fence, permits = k.permits, delay_until = k.delay_until
+         WHERE kind = p_kind AND name = p_name;
+    END IF;
+    IF v_wake THEN
+        PERFORM {s}.wake(p_kind, p_name);
+    END IF;
+    RETURN v_result;
+END
+$fn$;
+
+-- Version 2's acquire, for sidecars of versions 1 to 3: their waiters carry
+
+
+-- Leaves the queue as in version 4, under the key's row lock.
+CREATE OR REPLACE FUNCTION {s}.dequeue(p_seq bigint, p_token text, p_lapse_ms bigint)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_kind text;
+    v_name text;
+BEGIN
+    SELECT kind, name INTO v_kind, v_name FROM {s}.waiters WHERE seq = p_seq;
+    IF FOUND THEN
+        PERFORM 1 FROM {s}.keys WHERE kind = v_kind AND name = v_name FOR NO KEY UPDATE;
+        DELETE FROM {s}.waiters WHERE seq = p_seq;
+        IF FOUND THEN
+            PERFORM {s}.wake(v_kind, v_name);
+            RETURN true;
+        END IF;
+        -- Granted meanwhile by a release: its lease is looked up below.
+    END IF;
+    SELECT kind, name INTO v_kind, v_name FROM {s}.leases WHERE token = p_token;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    RETURN {s}.release(v_kind, v_name, p_token, p_lapse_ms) IS NOT NULL;
+END
+$fn$;
+
+-- Version 1's dequeue, for older sidecars: their waiters carry no lease.
+CREATE OR REPLACE FUNCTION {s}.dequeue(p_seq bigint) RETURNS boolean
+LANGUAGE sql VOLATILE
+AS $$ SELECT {s}.dequeue(p_seq, NULL, 0) $$;
+
+-- The heartbeat as in version 1 (its signature and answer), removing
+-- waiter rows under their keys' row locks: a dead sidecar's row goes once
+-- its waiters have (so no waiter row is left without its sidecar's).
+CREATE OR REPLACE FUNCTION {s}.heartbeat(p_instance text, p_sidecar text, p_lapse_ms bigint,
+                                         p_live bigint[], p_gone bigint[], p_ghost_ms bigint)
+RETURNS json
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_waiters bigint := 0;
+    v_ghosts bigint;
+    v_leases bigint := 0;
+    v_n bigint;
+    v_end timestamptz;
+    r record;
+BEGIN
+    INSERT INTO {s}.sidecars (instance, sidecar, started_at, heartbeat_at)
+    VALUES (p_instance, p_sidecar, v_now, v_now)
+    ON CONFLICT (instance) DO UPDATE SET heartbeat_at = excluded.heartbeat_at;
+
+    v_ghosts := {s}.drop_waiters(
+        ARRAY(SELECT seq FROM {s}.waiters
+               WHERE instance = p_instance
+                 AND (seq = ANY (p_gone)
+                      OR (seq <> ALL (p_live)
+                          AND queued_at < v_now - {s}.millis(p_ghost_ms)))),
+        false);
+
+    FOR r IN SELECT instance FROM {s}.sidecars
+              WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
+              FOR UPDATE SKIP LOCKED LOOP
+        v_waiters := v_waiters + {s}.drop_waiters(
+            ARRAY(SELECT seq FROM {s}.waiters WHERE instance = r.instance), false);
+        IF NOT EXISTS (SELECT 1 FROM {s}.waiters WHERE instance = r.instance) THEN
+            DELETE FROM {s}.sidecars WHERE instance = r.instance;
+        END IF;
+    END LOOP;
+
+    FOR r IN SELECT DISTINCT kind, name FROM {s}.leases WHERE expires_at <= v_now LIMIT 1000 LOOP
+        PERFORM 1 FROM {s}.keys WHERE kind = r.kind AND name = r.name
+            FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        WITH gone AS (
+            DELETE FROM {s}.leases
+             WHERE kind = r.kind AND name = r.name AND expires_at <= v_now
+            RETURNING expires_at + {s}.millis(lock_delay_ms) AS delay_end)
+        SELECT count(*), max(delay_end) INTO v_n, v_end FROM gone;
+        IF v_n > 0 THEN
+            UPDATE {s}.keys SET delay_until = greatest(delay_until, v_end)
+             WHERE kind = r.kind AND name = r.name;
+            PERFORM {s}.wake(r.kind, r.name);
+            v_leases := v_leases + v_n;
+        END IF;
+    END LOOP;
+
+    RETURN json_build_object('now_ms', {s}.ms(v_now), 'ghosts', v_ghosts, 'waiters', v_waiters,
+                             'leases', v_leases);
+END
+$fn$;
+
+-- A sidecar shutting down: its waiters leave the queue, under their keys'
+-- row locks, and then its row goes.
+CREATE OR REPLACE FUNCTION {s}.leave(p_instance text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    PERFORM {s}.drop_waiters(
+        ARRAY(SELECT seq FROM {s}.waiters WHERE instance = p_instance), true);
+    DELETE FROM {s}.sidecars WHERE instance = p_instance;
+END
+$fn$;
