@@ -1012,8 +1012,8 @@ async fn acquire_counting_reads(
     db: &mut tokio_postgres::Client,
     schema: &TestSchema,
     name: &str,
+    mode: &str,
     owner: &str,
-    instance: &str,
 ) -> (serde_json::Value, i64) {
     let waiters = schema.table("waiters");
     // Rows are counted on the relation that returned them: the table for a
@@ -1026,7 +1026,7 @@ async fn acquire_counting_reads(
              OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = '{waiters}'::regclass)"
     );
     let acquire = format!(
-        "SELECT \"{}\".acquire('lock', $1, 'exclusive', $2, 'test', $3, $4, 60000, NULL, 0, \
+        "SELECT \"{}\".acquire('lock', $1, $2, $3, 'test', 'test-instance', $4, 60000, NULL, 0, \
                 NULL, 'join', NULL, 10000, true)::text",
         schema.name
     );
@@ -1034,7 +1034,7 @@ async fn acquire_counting_reads(
     let before: i64 = tx.query_one(&reads, &[]).await.expect("reads").get(0);
     let token = format!("{owner}-token");
     let reply: String = tx
-        .query_one(&acquire, &[&name, &owner, &instance, &token])
+        .query_one(&acquire, &[&name, &mode, &owner, &token])
         .await
         .expect("acquire")
         .get(0);
@@ -1046,53 +1046,110 @@ async fn acquire_counting_reads(
     )
 }
 
+/// Inserts `n` waiter rows of `instance` on lock `name` in one statement.
+async fn insert_waiters(
+    db: &tokio_postgres::Client,
+    schema: &TestSchema,
+    name: &str,
+    mode: &str,
+    instance: &str,
+    n: i64,
+) {
+    db.execute(
+        &format!(
+            "INSERT INTO {} (kind, name, owner, sidecar, instance, mode, queued_at) \
+             SELECT 'lock', $1, 'w' || i, 'test', $2, $3, now() \
+               FROM generate_series(1, $4::bigint) AS i",
+            schema.table("waiters")
+        ),
+        &[&name, &instance, &mode, &n],
+    )
+    .await
+    .expect("insert waiters");
+}
+
 /// A join costs the same behind 5,000 waiters as behind none: the acquire
-/// that queues one more reads a bounded number of `waiters` rows. It once
-/// counted the whole queue and scanned all of it for waiters of dead
-/// sidecars — twice its length per join — so a burst of 10,000 joins on one
-/// name kept the database busy long enough that some answered 503. The
-/// queue length it answers stays exact.
+/// that queues one more reads a bounded number of `waiters` rows — behind an
+/// exclusive holder, behind readers with a writer waiting (a reader may not
+/// overtake it), and while another name's queue belongs to a sidecar that
+/// stopped heartbeating. It once counted the whole queue and scanned all of
+/// it for waiters of dead sidecars — twice its length per join — so a
+/// burst of 10,000 joins on one name kept the database busy long enough
+/// that some answered 503. The queue length it answers stays exact.
 #[tokio::test]
 async fn a_join_reads_a_bounded_part_of_the_queue_however_long_it_is() {
     const AHEAD: i64 = 5_000;
     let backend = postgres().await;
     let sidecar = backend.start_sidecar().await;
     let schema = schema(&backend);
-    let name = unique_name("long-queue");
-    let lock = sidecar.api().lock(&name);
-    let _holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
     let mut db = schema.client().await;
-    // A live sidecar process of the test's own, with 5,000 waiters in line.
+    // Live sidecar processes of the test's own, and one that stopped.
     db.execute(
         &format!(
-            "INSERT INTO {} VALUES ('test-instance', 'test', now(), now() + interval '1 hour')",
+            "INSERT INTO {} VALUES ('test-instance', 'test', now(), now() + interval '1 hour'), \
+                                   ('writer-instance', 'test', now(), now() + interval '1 hour'), \
+                                   ('lapsed-instance', 'test', now(), now() - interval '1 hour')",
             schema.table("sidecars")
         ),
         &[],
     )
     .await
-    .expect("insert a sidecar");
-    db.execute(
-        &format!(
-            "INSERT INTO {} (kind, name, owner, sidecar, instance, mode, queued_at) \
-             SELECT 'lock', $1, 'w' || i, 'test', 'test-instance', 'exclusive', now() \
-               FROM generate_series(1, $2::bigint) AS i",
-            schema.table("waiters")
-        ),
-        &[&name, &AHEAD],
-    )
-    .await
-    .expect("insert waiters");
+    .expect("insert sidecars");
 
-    let (reply, reads) =
-        acquire_counting_reads(&mut db, schema, &name, "probe", "test-instance").await;
-    assert_eq!(reply["outcome"], "busy", "{reply}");
-    assert_eq!(reply["queue_length"].as_i64(), Some(AHEAD + 1), "{reply}");
-    assert_eq!(reply["position"].as_i64(), Some(AHEAD + 1), "{reply}");
-    assert!(
-        reads <= 50,
-        "a join behind {AHEAD} waiters read {reads} waiters rows"
-    );
+    // Behind an exclusive holder.
+    let held = unique_name("long-queue");
+    let lock = sidecar.api().lock(&held);
+    let _holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    insert_waiters(&db, schema, &held, "exclusive", "test-instance", AHEAD).await;
+    // Behind readers, a writer first in line.
+    let read = unique_name("read-queue");
+    let _reader = sidecar
+        .api()
+        .lock(&read)
+        .acquire(&[("owner", "reader"), ("mode", "shared"), ("ttl", "60s")])
+        .await;
+    insert_waiters(&db, schema, &read, "exclusive", "writer-instance", 1).await;
+    insert_waiters(&db, schema, &read, "shared", "test-instance", AHEAD).await;
+    // A queue of a sidecar that stopped, on a name nobody touches meanwhile
+    // (its key's row lock held, so no heartbeat removes it first).
+    let other = unique_name("lapsed-queue");
+    let _other_holder = sidecar
+        .api()
+        .lock(&other)
+        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    insert_waiters(&db, schema, &other, "exclusive", "lapsed-instance", AHEAD).await;
+    let mut locker = schema.client().await;
+    let busy_key = locker.transaction().await.expect("begin");
+    busy_key
+        .execute(
+            &format!(
+                "SELECT 1 FROM {} WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+                schema.table("keys")
+            ),
+            &[&other],
+        )
+        .await
+        .expect("lock the key");
+
+    let mut joins = Vec::new();
+    for (name, mode, ahead) in [(&held, "exclusive", AHEAD), (&read, "shared", AHEAD + 1)] {
+        let (reply, reads) = acquire_counting_reads(&mut db, schema, name, mode, "probe").await;
+        joins.push((mode, ahead, reply, reads));
+    }
+    // Before any assertion: a failing test must not leave the key locked
+    // (dropping the schema would wait for it).
+    busy_key.rollback().await.expect("rollback");
+    for (mode, ahead, reply, reads) in joins {
+        assert_eq!(reply["outcome"], "busy", "{reply}");
+        assert_eq!(reply["queue_length"].as_i64(), Some(ahead + 1), "{reply}");
+        assert_eq!(reply["position"].as_i64(), Some(ahead + 1), "{reply}");
+        assert!(
+            reads <= 50,
+            "a {mode} join behind {ahead} waiters, with {AHEAD} waiters of a stopped \
+             sidecar on another name, read {reads} waiters rows"
+        );
+    }
     // The sidecar's own view agrees: the next waiter through it is behind all of them.
     let mut next = lock.hold(&[("owner", "next"), ("wait", "60s")]).await;
     assert_eq!(next.expect_queued().await.position, AHEAD as u64 + 2);

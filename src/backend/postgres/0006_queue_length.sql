@@ -7,40 +7,64 @@
 -- 50 million row reads, one after another under the key's row lock, and a
 -- burst of them outlasted the pool's wait (503). Now:
 --
--- * `keys.queued` is the key's number of waiter rows, kept by a trigger on
+-- * `keys.queued` is the key's number of waiter rows, kept by triggers on
 --   `waiters` (so every function, of every version, keeps it right);
--- * acquire looks for dead sidecars in `sidecars` (one row per process),
---   and reads the whole queue only when the queue alone would hold its
---   claim back (to pass by waiters of sidecars that have no row at all);
--- * a waiter row always has its sidecar's row: a join re-creates its own if
---   another sidecar removed it (it had stopped heartbeating for a while),
---   and a dead sidecar's row goes only once its waiters have;
+-- * acquire looks for dead sidecars in `sidecars` (one row per process)
+--   and removes their waiters by sidecar and key, and reads the whole queue
+--   only when the queue alone would hold its claim back and the queue's
+--   head has no live sidecar row (to pass by rows whose sidecar has none);
+-- * waiter rows without their sidecar's row are kept rare: a join
+--   re-creates its own if another sidecar removed it (it had stopped
+--   heartbeating for a while), and a dead sidecar's row goes only once its
+--   waiters have;
 -- * every function that removes waiter rows takes their key's row lock
---   first, as acquire and release do: the trigger updates the key's row,
+--   first, as acquire and release do: the triggers update the key's row,
 --   and taking the locks in one order (key, then waiters) keeps them free
 --   of deadlocks.
 
 ALTER TABLE {s}.keys ADD COLUMN queued bigint NOT NULL DEFAULT 0;
 
-UPDATE {s}.keys k SET queued = q.n
-  FROM (SELECT kind, name, count(*) AS n FROM {s}.waiters GROUP BY kind, name) q
- WHERE k.kind = q.kind AND k.name = q.name;
-
-CREATE FUNCTION {s}.count_queue() RETURNS trigger
+-- Rows in and out, one update per key and statement (a row trigger would
+-- update one key's row once per row: a statement removing 10,000 waiters of
+-- one key would walk ever longer chains of its own row versions).
+CREATE FUNCTION {s}.count_joined() RETURNS trigger
 LANGUAGE plpgsql
 AS $fn$
 BEGIN
-    IF TG_OP = 'INSERT' THEN
-        UPDATE {s}.keys SET queued = queued + 1 WHERE kind = NEW.kind AND name = NEW.name;
-    ELSE
-        UPDATE {s}.keys SET queued = queued - 1 WHERE kind = OLD.kind AND name = OLD.name;
-    END IF;
+    UPDATE {s}.keys k SET queued = k.queued + n.n
+      FROM (SELECT kind, name, count(*) AS n FROM joined GROUP BY kind, name) n
+     WHERE k.kind = n.kind AND k.name = n.name;
     RETURN NULL;
 END
 $fn$;
 
-CREATE TRIGGER waiters_queued AFTER INSERT OR DELETE ON {s}.waiters
-    FOR EACH ROW EXECUTE FUNCTION {s}.count_queue();
+CREATE FUNCTION {s}.count_left() RETURNS trigger
+LANGUAGE plpgsql
+AS $fn$
+BEGIN
+    UPDATE {s}.keys k SET queued = k.queued - n.n
+      FROM (SELECT kind, name, count(*) AS n FROM left_queue GROUP BY kind, name) n
+     WHERE k.kind = n.kind AND k.name = n.name;
+    RETURN NULL;
+END
+$fn$;
+
+-- The triggers first: creating them locks out every writer of `waiters`
+-- until this migration commits, so the count below stays right.
+CREATE TRIGGER waiters_joined AFTER INSERT ON {s}.waiters
+    REFERENCING NEW TABLE AS joined
+    FOR EACH STATEMENT EXECUTE FUNCTION {s}.count_joined();
+CREATE TRIGGER waiters_left AFTER DELETE ON {s}.waiters
+    REFERENCING OLD TABLE AS left_queue
+    FOR EACH STATEMENT EXECUTE FUNCTION {s}.count_left();
+
+UPDATE {s}.keys k SET queued = q.n
+  FROM (SELECT kind, name, count(*) AS n FROM {s}.waiters GROUP BY kind, name) q
+ WHERE k.kind = q.kind AND k.name = q.name;
+
+-- A dead sidecar's waiters of one key, found without reading other keys'.
+CREATE INDEX waiters_instance_key ON {s}.waiters (instance, kind, name);
+DROP INDEX {s}.waiters_instance;
 
 -- A sidecar about to insert a waiter row: its own row, if another sidecar
 -- removed it (it had stopped heartbeating, and now works again).
@@ -111,6 +135,7 @@ DECLARE
     v_ahead  bigint;
     v_fits   boolean;
     v_free   boolean;
+    v_dead   text;
     v_turn   boolean;
     v_lease  {s}.leases%ROWTYPE;
     v_seq    bigint;
@@ -140,25 +165,22 @@ BEGIN
     END IF;
 
     -- Waiters of sidecars that stopped heartbeating leave the queue. Looked
-    -- for through `sidecars` (one row per process), not the queue.
-    IF EXISTS (SELECT 1 FROM {s}.sidecars
-                WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms) AND instance <> p_instance) THEN
-        WITH gone AS (
-            DELETE FROM {s}.waiters w
-            WHERE w.kind = p_kind AND w.name = p_name
-              AND w.instance IN (SELECT c.instance FROM {s}.sidecars c
-                                  WHERE c.heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
-                                    AND c.instance <> p_instance)
-            RETURNING 1)
-        SELECT count(*) INTO v_n FROM gone;
-        IF v_n > 0 THEN
+    -- for through `sidecars` (one row per process), then by sidecar and key
+    -- (`waiters_instance_key`), never through the whole queue.
+    FOR v_dead IN SELECT instance FROM {s}.sidecars
+                   WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
+                     AND instance <> p_instance LOOP
+        DELETE FROM {s}.waiters
+         WHERE instance = v_dead AND kind = p_kind AND name = p_name;
+        IF FOUND THEN
             v_wake := true;
         END IF;
-    END IF;
+    END LOOP;
 
     -- A waiter row without a live sidecar row (written by hand, or left by
     -- a join racing its sidecar's shutdown) is looked for only when the
-    -- queue alone would hold this claim back: then the whole queue is read.
+    -- queue alone would hold this claim back and its head is such a row:
+    -- then the whole queue is read.
     SELECT queued INTO v_queue FROM {s}.keys WHERE kind = p_kind AND name = p_name;
     v_free := v_queue > 0 AND CASE
         WHEN p_kind = 'semaphore' THEN
@@ -171,9 +193,14 @@ BEGIN
                          WHERE kind = p_kind AND name = p_name AND mode = 'exclusive')
     END;
     IF v_free AND (k.delay_until IS NULL OR v_now >= k.delay_until)
-       AND (p_turn <> 'queued'
-            OR EXISTS (SELECT 1 FROM {s}.waiters
-                        WHERE kind = p_kind AND name = p_name AND seq < p_seq)) THEN
+       AND EXISTS (SELECT 1 FROM (SELECT instance FROM {s}.waiters
+                                   WHERE kind = p_kind AND name = p_name
+                                     AND (p_turn <> 'queued' OR seq < p_seq)
+                                   ORDER BY seq LIMIT 1) head
+                    WHERE head.instance <> p_instance
+                      AND NOT EXISTS (SELECT 1 FROM {s}.sidecars c
+                                       WHERE c.instance = head.instance
+                                         AND c.heartbeat_at > v_now - {s}.millis(p_lapse_ms))) THEN
         WITH gone AS (
             DELETE FROM {s}.waiters w
             WHERE w.kind = p_kind AND w.name = p_name AND w.instance <> p_instance
@@ -194,7 +221,7 @@ BEGIN
             SELECT * INTO v_lease FROM {s}.leases
              WHERE token = p_token AND kind = p_kind AND name = p_name;
             IF FOUND THEN
-                DELETE FROM {s}.waiters WHERE seq = p_seq;
+                DELETE FROM {s}.waiters WHERE seq = p_seq AND kind = p_kind AND name = p_name;
                 v_result := {s}.granted(v_lease, v_now);
                 EXIT decide;
             END IF;
@@ -239,7 +266,7 @@ BEGIN
             RETURNING * INTO v_lease;
             IF FOUND THEN
                 IF p_turn = 'queued' THEN
-                    DELETE FROM {s}.waiters WHERE seq = p_seq;
+                    DELETE FROM {s}.waiters WHERE seq = p_seq AND kind = p_kind AND name = p_name;
                 END IF;
                 v_result := {s}.granted(v_lease, v_now);
                 EXIT decide;
@@ -277,7 +304,7 @@ BEGIN
                     p_ttl_ms, p_lock_delay_ms)
             RETURNING * INTO v_lease;
             IF p_turn = 'queued' THEN
-                DELETE FROM {s}.waiters WHERE seq = p_seq;
+                DELETE FROM {s}.waiters WHERE seq = p_seq AND kind = p_kind AND name = p_name;
                 -- Readers and permits behind this one may be admitted too.
                 IF (p_kind = 'semaphore' OR p_mode = 'shared') AND v_queue > 1 THEN
                     v_wake := true;
@@ -325,8 +352,6 @@ BEGIN
 END
 $fn$;
 
--- Version 2's acquire, for sidecars of versions 1 to 3: their waiters carry
-
 
 -- Leaves the queue as in version 4, under the key's row lock.
 CREATE OR REPLACE FUNCTION {s}.dequeue(p_seq bigint, p_token text, p_lapse_ms bigint)
@@ -361,8 +386,11 @@ LANGUAGE sql VOLATILE
 AS $$ SELECT {s}.dequeue(p_seq, NULL, 0) $$;
 
 -- The heartbeat as in version 1 (its signature and answer), removing
--- waiter rows under their keys' row locks: a dead sidecar's row goes once
--- its waiters have (so no waiter row is left without its sidecar's).
+-- waiter rows under their keys' row locks: its own rows that no request
+-- waits for wait for their keys (a skipped one could reach the head of the
+-- queue and be handed the lock nobody hears of), a dead sidecar's are
+-- skipped while their key is busy (acquire removes them too), and a dead
+-- sidecar's row goes once its waiters have.
 CREATE OR REPLACE FUNCTION {s}.heartbeat(p_instance text, p_sidecar text, p_lapse_ms bigint,
                                          p_live bigint[], p_gone bigint[], p_ghost_ms bigint)
 RETURNS json
@@ -387,7 +415,7 @@ BEGIN
                  AND (seq = ANY (p_gone)
                       OR (seq <> ALL (p_live)
                           AND queued_at < v_now - {s}.millis(p_ghost_ms)))),
-        false);
+        true);
 
     FOR r IN SELECT instance FROM {s}.sidecars
               WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)

@@ -146,7 +146,7 @@ const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 6,
-        description: "keys.queued counts a key's waiters (a trigger keeps it); a join no longer reads the queue",
+        description: "keys.queued counts a key's waiters (triggers keep it); a join no longer reads the queue",
         sql: include_str!("0006_queue_length.sql"),
     },
 ];
