@@ -169,6 +169,9 @@ fn print_idle(title: &str, columns: [&str; 3], rows: &[(String, &Idle)]) {
         );
     }
     for (label, i) in rows {
+        if let Some(s) = i.queued_in_s {
+            println!("\n{label}: {} {count} queued in {s} s", i.waiters);
+        }
         for why in &i.waiter_error_samples {
             println!("\n{label}: refused: {why}");
         }

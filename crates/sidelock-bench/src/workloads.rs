@@ -72,6 +72,10 @@ pub struct Idle {
     /// explained in the report rather than only counted.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub waiter_error_samples: Vec<String>,
+    /// Seconds from the first request until all were queued (or ended):
+    /// how long the backend took to take the burst of joins.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queued_in_s: Option<f64>,
     pub seconds: f64,
     pub backend_ops: Option<Ops>,
     pub round_trips_per_s: Option<f64>,
@@ -485,6 +489,7 @@ pub async fn idle_sidecar(
     let wait = duration + Duration::from_secs(300);
     let ended = Arc::new(AtomicU64::new(0));
     let samples = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let joining = Instant::now();
     for _ in 0..waiters {
         let (ended, samples) = (ended.clone(), samples.clone());
         let mut locker = Locker::sidecar(&base, t.api_token.as_deref());
@@ -507,6 +512,7 @@ pub async fn idle_sidecar(
         Duration::from_secs(60) + Duration::from_millis(10 * waiters as u64),
     )
     .await;
+    let queued_in_s = (joining.elapsed().as_secs_f64() * 100.0).round() / 100.0;
     // Let the last connections settle before measuring.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
@@ -522,6 +528,7 @@ pub async fn idle_sidecar(
     let mut r = idle_result(waiters, queued, seconds, ops, rss_before, rss);
     r.waiter_errors = waiter_errors;
     r.waiter_error_samples = std::mem::take(&mut *lock_samples(&samples));
+    r.queued_in_s = Some(queued_in_s);
     Ok(r)
 }
 
@@ -618,6 +625,7 @@ fn idle_result(
         queued,
         waiter_errors: 0,
         waiter_error_samples: Vec::new(),
+        queued_in_s: None,
         seconds: (seconds * 100.0).round() / 100.0,
         backend_ops: ops,
         round_trips_per_s: ops.map(|o| rate(o.round_trips)),
