@@ -17,6 +17,10 @@
 --   re-creates its own if another sidecar removed it (it had stopped
 --   heartbeating for a while), and a dead sidecar's row goes only once its
 --   waiters have;
+-- * a key's waiters are looked up by row comparisons on `waiters_key`
+--   (`(kind, name) >= (…)`): with plain equalities, the generic plan a
+--   session settles on after five calls walked the primary key through
+--   every key's waiters;
 -- * every function that removes waiter rows takes their key's row lock
 --   first, as acquire and release do: the triggers update the key's row,
 --   and taking the locks in one order (key, then waiters) keeps them free
@@ -168,7 +172,7 @@ BEGIN
     -- for through `sidecars` (one row per process), then by sidecar and key
     -- (`waiters_instance_key`), never through the whole queue.
     FOR v_dead IN SELECT instance FROM {s}.sidecars
-                   WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
+                   WHERE k.queued > 0 AND heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
                      AND instance <> p_instance LOOP
         DELETE FROM {s}.waiters
          WHERE instance = v_dead AND kind = p_kind AND name = p_name;
@@ -194,9 +198,11 @@ BEGIN
     END;
     IF v_free AND (k.delay_until IS NULL OR v_now >= k.delay_until)
        AND EXISTS (SELECT 1 FROM (SELECT instance FROM {s}.waiters
-                                   WHERE kind = p_kind AND name = p_name
-                                     AND (p_turn <> 'queued' OR seq < p_seq)
-                                   ORDER BY seq LIMIT 1) head
+                                   WHERE (kind, name) >= (p_kind, p_name)
+                                     AND (kind, name, seq) < (p_kind, p_name,
+                                          CASE WHEN p_turn = 'queued' THEN p_seq
+                                               ELSE 9223372036854775807 END)
+                                   ORDER BY kind, name, seq LIMIT 1) head
                     WHERE head.instance <> p_instance
                       AND NOT EXISTS (SELECT 1 FROM {s}.sidecars c
                                        WHERE c.instance = head.instance
@@ -281,12 +287,13 @@ BEGIN
         END;
         IF p_turn = 'queued' THEN
             SELECT count(*) INTO v_ahead FROM {s}.waiters
-             WHERE kind = p_kind AND name = p_name AND seq < p_seq;
+             WHERE (kind, name) >= (p_kind, p_name) AND (kind, name, seq) < (p_kind, p_name, p_seq);
             v_turn := CASE
                 WHEN p_kind = 'semaphore' THEN v_ahead < k.permits - v_live
                 WHEN p_mode = 'exclusive' THEN v_ahead = 0
                 ELSE NOT EXISTS (SELECT 1 FROM {s}.waiters
-                                 WHERE kind = p_kind AND name = p_name AND seq < p_seq
+                                 WHERE (kind, name) >= (p_kind, p_name)
+                                   AND (kind, name, seq) < (p_kind, p_name, p_seq)
                                    AND mode <> 'shared')
             END;
         ELSE
@@ -353,6 +360,63 @@ END
 $fn$;
 
 
+-- pass_on as in version 4, its head looked up through `waiters_key`.
+CREATE OR REPLACE FUNCTION {s}.pass_on(p_kind text, p_name text, p_now timestamptz, p_lapse_ms bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    w {s}.waiters%ROWTYPE;
+    v_fence bigint;
+    v_cap timestamptz;
+    v_expires timestamptz;
+BEGIN
+    LOOP
+        SELECT * INTO w FROM {s}.waiters
+         WHERE (kind, name) >= (p_kind, p_name) AND (kind, name) <= (p_kind, p_name)
+         ORDER BY kind, name, seq LIMIT 1;
+        -- Nobody waits: only an election's observers need to hear (a
+        -- NOTIFY on the shared channel costs every listening sidecar a
+        -- transaction).
+        IF NOT FOUND THEN
+            IF p_kind = 'election' THEN
+                PERFORM {s}.wake(p_kind, p_name);
+            END IF;
+            RETURN;
+        END IF;
+        IF w.token IS NULL OR w.mode <> 'exclusive' OR p_kind = 'semaphore'
+           OR EXISTS (SELECT 1 FROM {s}.keys
+                       WHERE kind = p_kind AND name = p_name AND delay_until > p_now) THEN
+            PERFORM {s}.wake(p_kind, p_name);
+            RETURN;
+        END IF;
+        -- Alive: it heartbeats, and its LISTEN connection holds its
+        -- instance's advisory lock (a killed sidecar's goes at once; taking
+        -- it here for the transaction says nobody holds it).
+        EXIT WHEN EXISTS (SELECT 1 FROM {s}.sidecars c
+                           WHERE c.instance = w.instance
+                             AND c.heartbeat_at > p_now - {s}.millis(p_lapse_ms))
+              AND NOT pg_try_advisory_xact_lock(hashtextextended('sidelock instance ' || w.instance, 0));
+        DELETE FROM {s}.waiters WHERE seq = w.seq;
+    END LOOP;
+
+    UPDATE {s}.keys SET fence = fence + 1 WHERE kind = p_kind AND name = p_name
+    RETURNING fence INTO v_fence;
+    v_cap := p_now + {s}.millis(w.max_hold_ms);
+    v_expires := least(p_now + {s}.millis(w.ttl_ms), v_cap);
+    INSERT INTO {s}.leases (token, kind, name, owner, sidecar, mode, fence, hold_count,
+                            acquired_at, expires_at, renew_until, ttl_ms, lock_delay_ms)
+    VALUES (w.token, p_kind, p_name, w.owner, w.sidecar, 'exclusive', v_fence, 1,
+            p_now, v_expires, v_cap, w.ttl_ms, w.lock_delay_ms);
+    DELETE FROM {s}.waiters WHERE seq = w.seq;
+    PERFORM pg_notify({s}.own_channel(w.instance),
+                      'g ' || w.instance || ' ' || w.seq || ' ' || v_fence || ' '
+                      || {s}.ms(p_now) || ' ' || {s}.ms(v_expires) || ' '
+                      || {s}.key_text(p_kind, p_name));
+END
+$fn$;
+
+
 -- Leaves the queue as in version 4, under the key's row lock.
 CREATE OR REPLACE FUNCTION {s}.dequeue(p_seq bigint, p_token text, p_lapse_ms bigint)
 RETURNS boolean
@@ -405,10 +469,9 @@ DECLARE
     v_end timestamptz;
     r record;
 BEGIN
-    INSERT INTO {s}.sidecars (instance, sidecar, started_at, heartbeat_at)
-    VALUES (p_instance, p_sidecar, v_now, v_now)
-    ON CONFLICT (instance) DO UPDATE SET heartbeat_at = excluded.heartbeat_at;
-
+    -- Before its own row is written: waiting for keys while holding that
+    -- row would deadlock with its leave() (keys, then the row) and with
+    -- its acquires re-creating the row (present(), under a key's lock).
     v_ghosts := {s}.drop_waiters(
         ARRAY(SELECT seq FROM {s}.waiters
                WHERE instance = p_instance
@@ -416,6 +479,10 @@ BEGIN
                       OR (seq <> ALL (p_live)
                           AND queued_at < v_now - {s}.millis(p_ghost_ms)))),
         true);
+
+    INSERT INTO {s}.sidecars (instance, sidecar, started_at, heartbeat_at)
+    VALUES (p_instance, p_sidecar, v_now, v_now)
+    ON CONFLICT (instance) DO UPDATE SET heartbeat_at = excluded.heartbeat_at;
 
     FOR r IN SELECT instance FROM {s}.sidecars
               WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
