@@ -1165,16 +1165,21 @@ async fn a_join_reads_a_bounded_part_of_the_queue_however_long_it_is() {
 }
 
 /// `keys.queued` beside the key's waiter rows counted.
-async fn queue_counts(db: &tokio_postgres::Client, schema: &TestSchema, name: &str) -> (i64, i64) {
+async fn queue_counts(
+    db: &tokio_postgres::Client,
+    schema: &TestSchema,
+    kind: &str,
+    name: &str,
+) -> (i64, i64) {
     let row = db
         .query_one(
             &format!(
                 "SELECT k.queued, (SELECT count(*) FROM {} w WHERE w.kind = k.kind AND w.name = k.name) \
-                   FROM {} k WHERE k.kind = 'lock' AND k.name = $1",
+                   FROM {} k WHERE k.kind = $1 AND k.name = $2",
                 schema.table("waiters"),
                 schema.table("keys")
             ),
-            &[&name],
+            &[&kind, &name],
         )
         .await
         .expect("queue counts");
@@ -1198,7 +1203,7 @@ async fn the_kept_queue_length_matches_the_queue_through_every_change() {
     let lock = survivor.api().lock(&name);
     let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
     let assert_counted = async |when: &str| {
-        let (kept, counted) = queue_counts(&db, schema, &name).await;
+        let (kept, counted) = queue_counts(&db, schema, "lock", &name).await;
         assert_eq!(kept, counted, "kept queue length vs waiter rows {when}");
         counted
     };
@@ -1217,11 +1222,11 @@ async fn the_kept_queue_length_matches_the_queue_through_every_change() {
     let mut streams: Vec<(usize, HoldStream)> = joining.join_all().await;
     assert_eq!(assert_counted("after 30 joins").await, 30);
 
-    // A third of them give up at once (their sidecars dequeue them).
+    // Five of one sidecar's waiters give up at once (it dequeues them).
     streams.retain(|(i, _)| i % 3 != 1 || *i >= 15);
     let expected = 30 - 5;
     eventually("5 waiters to leave", Duration::from_secs(10), async || {
-        (queue_counts(&db, schema, &name).await.1 == expected).then_some(())
+        (queue_counts(&db, schema, "lock", &name).await.1 == expected).then_some(())
     })
     .await;
     assert_counted("after 5 gave up").await;
@@ -1259,7 +1264,9 @@ async fn the_kept_queue_length_matches_the_queue_through_every_change() {
     eventually(
         "the killed sidecar's waiters to be removed",
         Duration::from_secs(30),
-        async || (queue_counts(&db, schema, &name).await.1 <= before - doomed_left).then_some(()),
+        async || {
+            (queue_counts(&db, schema, "lock", &name).await.1 <= before - doomed_left).then_some(())
+        },
     )
     .await;
     assert_counted("after the killed sidecar's waiters went").await;
@@ -1283,8 +1290,102 @@ async fn the_kept_queue_length_matches_the_queue_through_every_change() {
     assert_eq!(left, waiting as i64, "only the survivor's waiters are left");
     drop(streams);
     eventually("the queue to empty", Duration::from_secs(10), async || {
-        (queue_counts(&db, schema, &name).await.1 == 0).then_some(())
+        (queue_counts(&db, schema, "lock", &name).await.1 == 0).then_some(())
     })
     .await;
     assert_counted("with the queue empty").await;
+}
+
+/// The kept queue length stays exact where several waiters are admitted at
+/// once, each removing its own row, through two sidecars: a semaphore of 3
+/// permits with 12 waiters whose permits are released together, and 10
+/// readers queued behind a writer, all let in when the writer leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kept_queue_length_stays_exact_when_many_are_admitted_at_once() {
+    let backend = postgres().await;
+    let schema = schema(&backend);
+    let db = schema.client().await;
+    let sidecars = Arc::new([backend.start_sidecar().await, backend.start_sidecar().await]);
+    let rows = async |kind: &str, name: &str, when: &str| {
+        let (kept, counted) = queue_counts(&db, schema, kind, name).await;
+        assert_eq!(kept, counted, "kept queue length vs waiter rows {when}");
+        counted
+    };
+    let queue = async |kind: &'static str,
+                       name: &str,
+                       waiters: usize,
+                       params: Vec<(&'static str, &'static str)>| {
+        let mut joining = tokio::task::JoinSet::new();
+        for i in 0..waiters {
+            let api = sidecars[i % 2].api();
+            let resource = if kind == "semaphore" {
+                api.semaphore(name)
+            } else {
+                api.lock(name)
+            };
+            let params = params.clone();
+            joining.spawn(async move {
+                let owner = format!("w{i}");
+                let mut all = params.clone();
+                all.extend([("owner", owner.as_str()), ("wait", "60s")]);
+                let mut stream = resource.hold(&all).await;
+                stream.expect_queued().await;
+                stream
+            });
+        }
+        joining.join_all().await
+    };
+
+    // A semaphore: 3 permits held, 12 waiting; the 3 released at once.
+    let permits = unique_name("permits");
+    let semaphore = sidecars[0].api().semaphore(&permits);
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let owner = format!("p{i}");
+        held.push(
+            semaphore
+                .acquire(&[("limit", "3"), ("owner", &owner)])
+                .await,
+        );
+    }
+    let streams = queue("semaphore", &permits, 12, vec![("limit", "3")]).await;
+    assert_eq!(rows("semaphore", &permits, "with 12 waiting").await, 12);
+    futures::future::join_all(held.iter().map(|g| semaphore.release(&g.token))).await;
+    eventually(
+        "3 waiters to be admitted",
+        Duration::from_secs(10),
+        async || (queue_counts(&db, schema, "semaphore", &permits).await.1 == 9).then_some(()),
+    )
+    .await;
+    rows("semaphore", &permits, "after 3 were admitted").await;
+    let busy = semaphore
+        .acquire_busy(&[("limit", "3"), ("owner", "probe")])
+        .await;
+    assert_eq!(busy["queue_length"], 9, "{busy}");
+    drop(streams);
+
+    // Readers behind a writer, all admitted when it leaves.
+    let name = unique_name("readers");
+    let lock = sidecars[1].api().lock(&name);
+    let reader = lock.acquire(&[("owner", "r0"), ("mode", "shared")]).await;
+    let mut writer = lock.hold(&[("owner", "writer"), ("wait", "60s")]).await;
+    writer.expect_queued().await;
+    let readers = queue("lock", &name, 10, vec![("mode", "shared")]).await;
+    assert_eq!(
+        rows("lock", &name, "with a writer and 10 readers waiting").await,
+        11
+    );
+    lock.release(&reader.token).await;
+    writer.expect_acquired().await;
+    assert_eq!(rows("lock", &name, "with the writer in").await, 10);
+    drop(writer);
+    eventually(
+        "the readers to be admitted",
+        Duration::from_secs(10),
+        async || (queue_counts(&db, schema, "lock", &name).await.1 == 0).then_some(()),
+    )
+    .await;
+    rows("lock", &name, "with every reader in").await;
+    assert_eq!(lock.inspect().await.holders.len(), 10);
+    drop(readers);
 }
