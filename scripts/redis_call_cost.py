@@ -28,9 +28,12 @@ OWNER, SIDECAR = "anonymous-e1bd4f8395a6", "vm-67353f"
 
 
 def full_script(fast, body):
-    """As `fast_script` in src/backend/redis/scripts.rs: lean part, fast head, prelude, body."""
+    """As `fast_script` in src/backend/redis/scripts.rs (`handing_script` for the release):
+    lean part, fast head, the queue's helpers, prelude, body."""
     read = lambda name: (LUA / name).read_text()
-    return f"{read('lean.lua')}\n{read(fast)}\n{read('prelude.lua')}\n{read(body)}"
+    if fast == "release_fast.lua":
+        return f"{read('lean.lua')}\n{read('hand_over.lua')}\n{read(fast)}\n{read('prelude.lua')}\n{read(body)}"
+    return f"{read('lean.lua')}\n{read(fast)}\n{read('hand_over.lua')}\n{read('prelude.lua')}\n{read(body)}"
 
 
 def key(n):

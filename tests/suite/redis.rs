@@ -1213,3 +1213,54 @@ async fn stale_keys_without_expiry_are_found_on_every_cluster_master() {
         );
     }
 }
+
+/// A fence counter carried over from another lock service (set by hand to
+/// go on from its numbers) past 10^14: Lua's own number-to-text conversion
+/// writes such a number as `1.2345678901235e+14`, which is no fence. Every
+/// step of an exclusive lease — the grant, a keepalive, the listing, a
+/// release that hands the lock over to a waiter on the other sidecar, and
+/// that waiter's release — must keep the exact number. (Before, the lease
+/// was written with such a fence: its keepalive and release answered 410.)
+#[tokio::test]
+async fn an_exclusive_lease_keeps_a_fence_past_ten_to_the_fourteenth() {
+    let server = RedisServer::start().await;
+    let sidecars = [sidecar(&server).await, sidecar(&server).await];
+    let name = unique_name("big-fence");
+    let start: u64 = 123_456_789_012_345;
+    let _: () = server
+        .cmd(&[
+            "SET",
+            &format!("{{sidelock:{name}}}:fence"),
+            &start.to_string(),
+        ])
+        .await;
+    let lock = sidecars[0].api().lock(&name);
+
+    let grant = lock.acquire(&[("ttl", "30s"), ("owner", "first")]).await;
+    assert_eq!(grant.fence, start + 1);
+    lock.keepalive(&grant.token, &[]).await;
+    let state = lock.inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, start + 1);
+
+    let mut waiter = sidecars[1]
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "second"), ("wait", "30s")])
+        .await;
+    waiter.expect_queued().await;
+    let released = lock.release(&grant.token).await;
+    assert!(released.released);
+    let second = waiter.expect_acquired_within(Duration::from_secs(5)).await;
+    assert_eq!(second.owner, "second");
+    assert_eq!(second.fence, start + 2, "handed over with its fence");
+    let state = lock.inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, start + 2);
+    drop(waiter);
+    lock.wait_until_free().await;
+
+    let third = lock.acquire(&[("owner", "third")]).await;
+    assert_eq!(third.fence, start + 3);
+    assert!(lock.release(&third.token).await.released);
+}

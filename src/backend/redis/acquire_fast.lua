@@ -15,10 +15,12 @@ do
     -- The main key takes the new lease.
     local function grant(fence)
       clock()
-      local len = tonumber(ARGV[6])
-      redis.call("SET", MAIN, lease_value(token, fence, NOW, NOW + len, 1, spec),
-        "PX", len + tonumber(ARGV[7]))
-      return {1, NOW, token, fence, 1, NOW, NOW + len}
+      local len, dl = ARGV[6], ARGV[7]
+      local e = NOW + tonumber(len)
+      -- PX as text: a number would be formatted by "%.17g".
+      redis.call("SET", MAIN, lease_value(token, fence, NOW, e, 1, spec),
+        "PX", dl == "0" and len or string.format("%d", len + dl))
+      return {1, NOW, token, fence, 1, NOW, e}
     end
     local v = redis.pcall("GET", MAIN)
     if turn ~= "q" then

@@ -301,7 +301,7 @@ impl Node {
         .map(|_| ())
     }
 
-    /// How a release passes the lock on (`hand_over()` in `lean.lua`): it
+    /// How a release passes the lock on (`hand_over()` in `hand_over.lua`): it
     /// hands it over, counting the new holder's sidecar's listeners to see
     /// that it lives, except in a Cluster, whose PUBLISH counts only the
     /// node's own; or it wakes the next claim (Redlock).

@@ -1,6 +1,7 @@
 //! The Lua scripts and their protocol: each script is `lean.lua`, its fast
-//! path, `prelude.lua` and its body, in that order (the common cases return
-//! before the prelude); one [`Call`] writes an `EVALSHA` with the lock's
+//! path, `hand_over.lua`, `prelude.lua` and its body, in that order (the
+//! common cases return before the prelude; the release's fast path, which
+//! hands the lock over, comes after `hand_over.lua`); one [`Call`] writes an `EVALSHA` with the lock's
 //! main key straight into one command buffer, and the readers below decode
 //! the replies.
 
@@ -12,17 +13,25 @@ use crate::lock::{Held, Kind, Mode};
 use super::node::{Clock, Conn};
 
 pub(super) const LEAN: &str = include_str!("lean.lua");
+pub(super) const HAND_OVER: &str = include_str!("hand_over.lua");
 pub(super) const PRELUDE: &str = include_str!("prelude.lua");
 
 pub(super) fn script(body: &str) -> Script {
     fast_script("", body)
 }
 
-/// A script whose `fast` head runs after `lean.lua` and before the
-/// prelude, and returns when it can: the prelude's set-up is a good part of
-/// a short script's time.
+/// A script whose `fast` head runs after `lean.lua` and before the queue's
+/// helpers and the prelude, and returns when it can: creating the helpers'
+/// closures and the prelude's set-up are a good part of a short script's
+/// time.
 pub(super) fn fast_script(fast: &str, body: &str) -> Script {
-    Script::new(&format!("{LEAN}\n{fast}\n{PRELUDE}\n{body}"))
+    Script::new(&format!("{LEAN}\n{fast}\n{HAND_OVER}\n{PRELUDE}\n{body}"))
+}
+
+/// As [`fast_script`], for a fast head that hands the lock over: the
+/// queue's helpers come before it.
+pub(super) fn handing_script(fast: &str, body: &str) -> Script {
+    Script::new(&format!("{LEAN}\n{HAND_OVER}\n{fast}\n{PRELUDE}\n{body}"))
 }
 
 /// The suffixes of a lock's side keys `{<base>}:<suffix>` (the scripts
@@ -63,7 +72,7 @@ impl Scripts {
                 include_str!("acquire_fast.lua"),
                 include_str!("acquire.lua"),
             ),
-            release: fast_script(
+            release: handing_script(
                 include_str!("release_fast.lua"),
                 include_str!("release.lua"),
             ),
