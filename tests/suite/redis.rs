@@ -1264,3 +1264,52 @@ async fn an_exclusive_lease_keeps_a_fence_past_ten_to_the_fourteenth() {
     assert_eq!(third.fence, start + 3);
     assert!(lock.release(&third.token).await.released);
 }
+
+/// The same for shared locks and semaphores, whose holders are kept as JSON
+/// (cjson writes numbers with 14 digits): each holder is listed with the
+/// exact fence it was granted. (Before, two readers granted 123456789012346
+/// and 123456789012347 were both listed with 123456789012350.)
+#[tokio::test]
+async fn shared_holders_and_permits_keep_fences_past_ten_to_the_fourteenth() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let start: u64 = 123_456_789_012_345;
+    for (resource, params) in [
+        (
+            sidecar.api().lock(&unique_name("big-shared")),
+            ("mode", "shared"),
+        ),
+        (
+            sidecar.api().semaphore(&unique_name("big-permits")),
+            ("limit", "2"),
+        ),
+    ] {
+        let base = match resource.kind() {
+            common::Kind::Lock => format!("sidelock:{}", resource.name()),
+            common::Kind::Semaphore => format!("sidelock:semaphores/{}", resource.name()),
+        };
+        let _: () = server
+            .cmd(&["SET", &format!("{{{base}}}:fence"), &start.to_string()])
+            .await;
+        let first = resource.acquire(&[params, ("owner", "first")]).await;
+        let second = resource.acquire(&[params, ("owner", "second")]).await;
+        assert_eq!((first.fence, second.fence), (start + 1, start + 2));
+        let state = resource.inspect().await;
+        let mut listed: Vec<(String, u64)> = state
+            .holders
+            .iter()
+            .map(|h| (h.owner.clone(), h.fence))
+            .collect();
+        listed.sort();
+        assert_eq!(
+            listed,
+            [
+                ("first".to_owned(), start + 1),
+                ("second".to_owned(), start + 2)
+            ],
+            "{state:?}"
+        );
+        assert!(resource.release(&first.token).await.released);
+        assert!(resource.release(&second.token).await.released);
+    }
+}

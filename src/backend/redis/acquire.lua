@@ -159,7 +159,10 @@ if room and turn_ok then
   else
     local o, s = unpack(cjson.decode(string.match(spec, "^%d+ %d+ %d+ (.*)$")))
     local ttl, mh = string.match(spec, "^(%d+) (%d+) ")
-    local m = {o = o, s = s, m = mode, f = fence, c = 1, t0 = NOW, ttl = tonumber(ttl), cap = 0,
+    -- The fence as text: cjson writes numbers with 14 digits, and a fence
+    -- counter set by hand can be longer.
+    local m = {o = o, s = s, m = mode, f = string.format("%d", fence), c = 1, t0 = NOW,
+               ttl = tonumber(ttl), cap = 0,
                dl = lock_delay, e = NOW + len}
     if tonumber(mh) > 0 then m.cap = NOW + tonumber(mh) end
     put_holder(token, m)
@@ -204,7 +207,7 @@ local ticket = 0
 if turn == "j" then
   ticket = redis.call("INCR", SEQ)
   position = redis.call("RPUSH", QUEUE,
-    ticket .. " " .. mode .. " " .. token .. " " .. since .. " " .. inst .. " " .. spec)
+    string.format("%d %s %s %s %s %s", ticket, mode, token, since, inst, spec))
   if beat > 0 then put_beat(inst, NOW + beat) end
   set_expiries()
 end

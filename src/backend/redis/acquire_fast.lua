@@ -44,7 +44,7 @@ do
             local seq = redis.pcall("INCR", TAG .. "seq")
             if type(seq) == "number" then
               local n = redis.pcall("RPUSH", TAG .. "q",
-                seq .. " x " .. token .. " " .. ARGV[11] .. " " .. ARGV[9] .. " " .. spec)
+                string.format("%d x %s %s %s %s", seq, token, ARGV[11], ARGV[9], spec))
               if type(n) == "number" then
                 -- A queue this join started expires unless heartbeats keep it.
                 if n == 1 then redis.call("PEXPIRE", TAG .. "q", HEARTBEAT_TTL) end

@@ -17,7 +17,7 @@ if IS_LOCK then
   local x = xlease()
   if x and NOW - x.t0 > after then
     out[#out + 1] = {MAIN, "held-too-long", NOW - x.t0,
-      "held by " .. x.o .. " on sidecar " .. x.s .. " with fence " .. x.f}
+      "held by " .. x.o .. " on sidecar " .. x.s .. " with fence " .. string.format("%d", x.f)}
   end
 end
 local all = redis.call("HGETALL", HOLDERS)
@@ -30,7 +30,7 @@ for i = 1, #all, 2 do
       "holder " .. m.o .. " on sidecar " .. m.s .. " expired but its entry is still stored"}
   elseif NOW - m.t0 > after then
     out[#out + 1] = {MAIN, "held-too-long", NOW - m.t0,
-      "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. m.f}
+      "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. string.format("%d", m.f)}
   end
 end
 local beats = {}
