@@ -48,15 +48,17 @@
 //! * [`calls`]: running statements within deadlines; the clock mapping.
 //! * [`schema`]: migrations and the `--legacy-table`.
 //! * [`listener`]: the LISTEN connection, heartbeat and reconnects.
-//! * [`open`]: the URL, the pools and the background task.
+//! * [`renewals`]: renewals sent together, one statement at a time.
+//! * [`open`]: the URL, the pools and the background tasks.
 
 use schema::LegacyTable;
-use sql::{AcquireReply, InspectReply, RenewReply, Sql, ms_i64, parse_kind};
+use sql::{AcquireReply, InspectReply, Sql, ms_i64, parse_kind};
 
 mod calls;
 mod errors;
 mod listener;
 mod open;
+mod renewals;
 mod schema;
 mod sql;
 
@@ -149,6 +151,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "keys.queued counts a key's waiters (triggers keep it); a join no longer reads the queue",
         sql: include_str!("0006_queue_length.sql"),
     },
+    Migration {
+        version: 7,
+        description: "renew_many renews many leases in one statement",
+        sql: include_str!("0007_renew_many.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.
@@ -192,6 +199,8 @@ struct Inner {
     tickets: Mutex<Tickets>,
     /// When the last heartbeat succeeded (local ms; 0: none yet).
     beat_ms: AtomicU64,
+    /// Renewals waiting for their statement (see [`renewals`]).
+    renewals: tokio::sync::mpsc::UnboundedSender<renewals::Renewal>,
     stop: CancellationToken,
 }
 
@@ -347,19 +356,23 @@ impl Backend for Postgres {
         ttl: Option<Duration>,
     ) -> Result<Option<u64>, Error> {
         let inner = &self.inner;
-        let reply: Option<RenewReply> = inner
-            .json(
-                "renew",
-                &inner.sql.renew,
-                &[
-                    &key.kind.as_str(),
-                    &key.name.as_str(),
-                    &token.expose(),
-                    &ttl.map(ms_i64),
-                ],
-            )
-            .await?;
-        Ok(reply.map(|r| inner.local(r.expires_at_ms)))
+        let stopped = || Error::Unavailable {
+            op: "renew",
+            source: "the backend is closing".into(),
+        };
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        inner
+            .renewals
+            .send(renewals::Renewal {
+                kind: key.kind.as_str(),
+                name: key.name.as_str().to_owned(),
+                token: token.expose().to_owned(),
+                ttl_ms: ttl.map(ms_i64),
+                answer,
+            })
+            .map_err(|_| stopped())?;
+        let expires = answered.await.map_err(|_| stopped())??;
+        Ok(expires.map(|at| inner.local(at)))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {

@@ -112,6 +112,8 @@ impl Postgres {
         let pool = build(pool_size)?;
         let upkeep = build(UPKEEP_POOL_SIZE)?;
         let instance = Token::generate().expose()[..16].to_owned();
+        let (renewals, asked) = tokio::sync::mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
         let inner = Arc::new(Inner {
             pool,
             upkeep,
@@ -132,8 +134,10 @@ impl Postgres {
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             beat_ms: AtomicU64::new(0),
-            stop: CancellationToken::new(),
+            renewals,
+            stop: stop.clone(),
         });
+        tokio::spawn(super::renewals::run(Arc::downgrade(&inner), asked, stop));
         match tokio::time::timeout(Duration::from_secs(15), inner.setup()).await {
             Ok(Ok(())) => {}
             Ok(Err(f)) if f.class == Class::Fatal => {
