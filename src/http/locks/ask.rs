@@ -105,8 +105,8 @@ pub struct SemaphoreParams {
 #[into_params(parameter_in = Query)]
 pub struct TokenParams {
     /// The token from the acquire response.
-    #[param(required = true)]
-    #[schema(required = true)]
+    #[param(required = true, pattern = "^[!-~]{1,200}$")]
+    #[schema(required = true, pattern = "^[!-~]{1,200}$")]
     pub token: Option<String>,
 }
 
@@ -116,8 +116,8 @@ pub struct TokenParams {
 #[into_params(parameter_in = Query)]
 pub struct KeepaliveParams {
     /// The token from the acquire response.
-    #[param(required = true)]
-    #[schema(required = true)]
+    #[param(required = true, pattern = "^[!-~]{1,200}$")]
+    #[schema(required = true, pattern = "^[!-~]{1,200}$")]
     pub token: Option<String>,
     /// New lease duration from now (default: the lease's own ttl).
     #[serde(default, deserialize_with = "duration")]
@@ -355,9 +355,14 @@ pub(crate) fn check_reason(reason: Option<String>) -> Result<Option<String>, Err
 
 pub(super) fn require_token(token: Option<String>) -> Result<Token, Error> {
     match token {
-        Some(t) if !t.is_empty() && t.len() <= 200 => Ok(Token::from_client(t)),
+        // Printable ASCII only: sidelock's tokens are hex, and a NUL or a
+        // character the database's encoding lacks made PostgreSQL refuse
+        // the statement (an error for a request that holds nothing).
+        Some(t) if !t.is_empty() && t.len() <= 200 && t.bytes().all(|b| b.is_ascii_graphic()) => {
+            Ok(Token::from_client(t))
+        }
         Some(_) => Err(Error::InvalidParameter(
-            "token must be the token string from the acquire response".into(),
+            "token must be the token string from the acquire response (1-200 printable ASCII characters)".into(),
         )),
         None => Err(Error::InvalidParameter(
             "token is required: give the token from the acquire response (?token=...)".into(),

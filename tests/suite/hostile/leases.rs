@@ -1027,3 +1027,61 @@ async fn durations_outside_the_documented_forms_are_refused(#[case] backend: Tes
         );
     }
 }
+
+/// A token no acquire ever answered — a NUL, a control character, a space,
+/// a character outside ASCII — is refused with 400 before any backend sees
+/// it, on the lease's own name and elsewhere, and the sidecar's holds renew
+/// on meanwhile. (PostgreSQL refused such a token's statement: a 5xx for a
+/// request that holds nothing, and once renewals went together, a failure
+/// of every hold's renewal beside it.)
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[case::postgres(TestBackend::Postgres)]
+#[tokio::test]
+async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let held = api.lock(&unique_name("kept"));
+    let mut stream = held.hold(&[("ttl", "1500ms"), ("owner", "holder")]).await;
+    let grant = stream.expect_acquired().await;
+    let elsewhere = api.lock(&unique_name("elsewhere"));
+    let bad = [
+        "\0",
+        "a\0b",
+        "tab\there",
+        "line\nbreak",
+        "x y",
+        "\u{7f}",
+        "caf\u{e9}",
+    ];
+    // Three seconds: six renewals of the hold, among the refused requests.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        for token in bad {
+            for lock in [&held, &elsewhere] {
+                assert_problem(
+                    lock.keepalive_raw(token, &[]).await,
+                    StatusCode::BAD_REQUEST,
+                    "invalid-parameter",
+                )
+                .await;
+                assert_problem(
+                    lock.release_raw(token).await,
+                    StatusCode::BAD_REQUEST,
+                    "invalid-parameter",
+                )
+                .await;
+            }
+        }
+    }
+    for event in stream.collect_for(std::time::Duration::ZERO).await {
+        assert!(
+            !matches!(event, common::HoldEvent::Lost(_)),
+            "the hold was told {event:?}"
+        );
+    }
+    held.keepalive(&grant.token, &[]).await;
+    assert!(held.release(&grant.token).await.released);
+}
