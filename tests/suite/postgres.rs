@@ -1484,3 +1484,45 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
     }
     drop(streams);
 }
+
+/// A lease row that another transaction keeps locked (an operator's open
+/// `SELECT … FOR UPDATE`, a long statement) holds up only its own
+/// renewal: the statement of renewals never waits for a row lock, and the
+/// locked lease is renewed alone, waiting for the lock as renewals always
+/// did. (With the first version of renewals sent together, the statement
+/// waited for the row with every other lease locked behind it, and all 20
+/// holds lapsed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
+    const HOLDS: usize = 20;
+    let (cluster, url) = cluster_with_database().await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let mut streams = Vec::with_capacity(HOLDS);
+    let mut tokens = Vec::with_capacity(HOLDS);
+    for i in 0..HOLDS {
+        let lock = sidecar.api().lock(&unique_name("locked-row"));
+        let owner = format!("holder-{i}");
+        let mut stream = lock.hold(&[("ttl", "3s"), ("owner", &owner)]).await;
+        tokens.push(stream.expect_acquired().await.token);
+        streams.push(stream);
+    }
+    let db = cluster.client("sidelock").await;
+    db.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
+        tokens[0]
+    ))
+    .await
+    .expect("lock one lease row");
+    // Four seconds: past the locked lease's ttl, four renewals of the rest.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    db.batch_execute("COMMIT").await.expect("unlock");
+    for (i, stream) in streams.iter_mut().enumerate().skip(1) {
+        for event in stream.collect_for(Duration::ZERO).await {
+            assert!(
+                !matches!(event, HoldEvent::Lost(_)),
+                "hold {i}, whose row nobody locked, was told {event:?}"
+            );
+        }
+    }
+    drop(streams);
+}

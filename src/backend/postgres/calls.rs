@@ -98,8 +98,22 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, Error> {
+        self.rows_or_refusal(op, sql, params)
+            .await
+            .map_err(|(e, _)| e)
+    }
+
+    /// As [`Inner::rows`], telling with the error whether the database
+    /// refused the statement itself (not an outage: the same statement
+    /// will be refused again).
+    pub(super) async fn rows_or_refusal(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, (Error, bool)> {
         if let Some(e) = self.not_ready(op) {
-            return Err(e);
+            return Err((e, false));
         }
         let mut tries = 0;
         loop {
@@ -128,7 +142,10 @@ impl Inner {
                     return Ok(rows);
                 }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
-                Err(f) => return Err(f.into_error(op)),
+                Err(f) => {
+                    let refused = f.class == Class::Fatal;
+                    return Err((f.into_error(op), refused));
+                }
             }
         }
     }

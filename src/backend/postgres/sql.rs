@@ -12,6 +12,7 @@ use crate::lock::{Kind, Mode};
 pub(super) struct Sql {
     pub(super) acquire: String,
     pub(super) dequeue: String,
+    pub(super) renew: String,
     pub(super) renew_many: String,
     pub(super) release: String,
     pub(super) status: String,
@@ -33,6 +34,7 @@ impl Sql {
                 "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)::text",
             ),
             dequeue: fill("SELECT {s}.dequeue($1, $2, $3)"),
+            renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
             renew_many: fill("SELECT i, expires_at_ms FROM {s}.renew_many($1, $2, $3, $4)"),
             release: fill("SELECT {s}.release($1, $2, $3, $4)"),
             status: fill(
@@ -172,6 +174,11 @@ pub(super) struct WaiterRow {
     pub(super) sidecar: String,
     pub(super) mode: Mode,
     pub(super) since_ms: i64,
+}
+
+#[derive(Deserialize)]
+pub(super) struct RenewReply {
+    pub(super) expires_at_ms: i64,
 }
 
 #[derive(Deserialize)]
