@@ -6,18 +6,21 @@ do
   if IS_LOCK then
     local token = ARGV[2]
     local v = redis.pcall("GET", MAIN)
-    if type(v) == "string" and string.sub(v, 1, #token + 1) == token .. " " then
-      local l = lease_of(v)
-      if l and l.e > clock() then
+    if type(v) == "string" then
+      -- The lease's fields as text (lean.lua), kept as text where they are
+      -- written back unchanged: only the times are read as numbers.
+      local t, f, t0, e, c, spec, ttl, mh, dl =
+        string.match(v, "^(%x+) (%d+) (%d+) (%d+) (%d+) ((%d+) (%d+) (%d+) .*)$")
+      if t == token and tonumber(e) > clock() then
         local want = tonumber(ARGV[3])
-        if want == 0 then want = l.ttl end
-        local e = NOW + want
-        if l.mh > 0 and e > l.t0 + l.mh then e = l.t0 + l.mh end
+        if want == 0 then want = tonumber(ttl) end
+        local ends = NOW + want
+        if mh ~= "0" and ends > t0 + mh then ends = t0 + mh end
         -- Past its max_hold, it ends now.
-        local kept = math.max(e, NOW + 1)
-        redis.call("SET", MAIN, lease_value(l.token, l.f, l.t0, kept, l.c, l.spec),
-          "PX", kept - NOW + l.dl)
-        return {NOW, e}
+        local kept = math.max(ends, NOW + 1)
+        redis.call("SET", MAIN, string.format("%s %s %s %d %s %s", t, f, t0, kept, c, spec),
+          "PX", string.format("%d", kept - NOW + dl))
+        return {NOW, ends}
       end
     end
   end
