@@ -188,6 +188,17 @@ impl LockKey {
     }
 }
 
+#[cfg(test)]
+impl LockKey {
+    /// The lock named `name` (tests).
+    pub(crate) fn lock(name: &str) -> Self {
+        Self {
+            kind: Kind::Lock,
+            name: Name::parse(name).unwrap(),
+        }
+    }
+}
+
 impl fmt::Display for LockKey {
     /// `locks/<name>`, `semaphores/<name>` or `elections/<name>`: the form used in events, stale keys and cursors.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -444,13 +444,9 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lock::Name;
 
     fn key(name: &str) -> LockKey {
-        LockKey {
-            kind: Kind::Lock,
-            name: Name::parse(name).expect("valid name"),
-        }
+        LockKey::lock(name)
     }
 
     /// `(name, type)` of every `# TYPE` line, and the names with `# HELP`.

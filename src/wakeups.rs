@@ -402,7 +402,7 @@ mod tests {
     use futures::FutureExt;
 
     use super::Wakeups;
-    use crate::lock::{Kind, LockKey, Name};
+    use crate::lock::LockKey;
 
     #[test]
     fn a_named_ticket_wakes_only_its_holder_at_the_head() {
@@ -462,10 +462,7 @@ mod tests {
     }
 
     fn key() -> LockKey {
-        LockKey {
-            kind: Kind::Lock,
-            name: Name::parse("q").unwrap(),
-        }
+        LockKey::lock("q")
     }
 
     fn handoff(expires_at_ms: u64) -> super::Handoff {

@@ -361,7 +361,7 @@ mod tests {
     use super::view::{Filter, Health, Identity, Listing, PageQuery, build};
     use super::*;
     use crate::backend::{Holder, Safety, State, Waiter};
-    use crate::lock::{Held, Kind, LockKey, Name};
+    use crate::lock::{Held, LockKey};
 
     const NOW: u64 = 1_795_246_486_004;
     const HOSTILE: &str = r#"<script>alert(1)</script>"><img src=x onerror=alert(2)>'&"#;
@@ -400,10 +400,7 @@ mod tests {
     }
 
     fn key(name: &str) -> LockKey {
-        LockKey {
-            kind: Kind::Lock,
-            name: Name::parse(name).expect("valid name"),
-        }
+        LockKey::lock(name)
     }
 
     fn holder(owner: &str, sidecar: &str) -> Holder {

@@ -375,14 +375,11 @@ pub async fn stats(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lock::{Kind, LockKey, Name};
+    use crate::lock::LockKey;
     use std::time::Duration;
 
     fn key(name: &str) -> LockKey {
-        LockKey {
-            kind: Kind::Lock,
-            name: Name::parse(name).unwrap(),
-        }
+        LockKey::lock(name)
     }
 
     #[test]

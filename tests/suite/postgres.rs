@@ -1391,21 +1391,6 @@ async fn the_kept_queue_length_stays_exact_when_many_are_admitted_at_once() {
     drop(readers);
 }
 
-/// The sum of the samples of `family` whose labels contain `labels`.
-async fn metric(sidecar: &SidecarGuard, family: &str, labels: &str) -> f64 {
-    let text = sidecar
-        .api()
-        .get(&["metrics"], &[])
-        .await
-        .text()
-        .await
-        .expect("metrics");
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A database where every statement that renews takes 20 ms (a statement
 /// trigger's sleep, as a slow disk or a loaded server would): 200 hold
 /// streams with a 1.5 s ttl need 400 renewals a second, and one commit per
@@ -1448,7 +1433,12 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
     .await;
 
     const COMMITS: &str = "SELECT xact_commit FROM pg_stat_database WHERE datname = 'sidelock'";
-    let renewed = async || metric(&sidecar, "sidelock_renewals_total", "result=\"ok\"").await;
+    let renewed = async || {
+        sidecar
+            .api()
+            .metric_sum("sidelock_renewals_total", "result=\"ok\"")
+            .await
+    };
     let (commits_before, renewed_before): (i64, f64) = (
         db.query_one(COMMITS, &[]).await.expect("commits").get(0),
         renewed().await,
@@ -1462,7 +1452,7 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
             - commits_before,
         renewed().await - renewed_before,
     );
-    let lost = metric(&sidecar, "sidelock_lost_total", "").await;
+    let lost = sidecar.api().metric_sum("sidelock_lost_total", "").await;
     eprintln!("{HOLDS} holds for {WINDOW:?}: {renewals} renewals, {commits} commits, {lost} lost");
     assert_eq!(lost, 0.0, "leases lapsed while their holds were open");
     // Each hold renews every 500 ms: 12 times in the window, at least 10.

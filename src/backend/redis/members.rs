@@ -337,13 +337,10 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{FINISHED_FOR, Finished};
-    use crate::lock::{Kind, LockKey, Name};
+    use crate::lock::LockKey;
 
     fn key(name: &str) -> LockKey {
-        LockKey {
-            kind: Kind::Lock,
-            name: Name::parse(name).unwrap(),
-        }
+        LockKey::lock(name)
     }
 
     /// A ticket is known for [`FINISHED_FOR`] after it last left, and then

@@ -152,6 +152,22 @@ impl Api {
         }
     }
 
+    /// The sum of the samples of the metric `family` whose labels contain
+    /// `labels` (`""`: all of them).
+    pub async fn metric_sum(&self, family: &str, labels: &str) -> f64 {
+        let text = self
+            .get(&["metrics"], &[])
+            .await
+            .text()
+            .await
+            .expect("metrics");
+        let head = format!("{family}{{");
+        text.lines()
+            .filter(|l| l.starts_with(&head) && l.contains(labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// `GET /v1/info`.
     pub async fn info(&self) -> Value {
         self.get_json(&["v1", "info"], &[]).await
