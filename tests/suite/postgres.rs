@@ -1475,16 +1475,19 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
     drop(streams);
 }
 
-/// A lease row that another transaction keeps locked (an operator's open
-/// `SELECT … FOR UPDATE`, a long statement) holds up only its own
-/// renewal: the statement of renewals never waits for a row lock, and the
+/// Lease rows that other transactions keep locked (an operator's open
+/// `SELECT … FOR UPDATE`, a long statement) hold up only their own
+/// renewals: the statement of renewals never waits for a row lock, and a
 /// locked lease is renewed alone, waiting for the lock as renewals always
-/// did. (With the first version of renewals sent together, the statement
-/// waited for the row with every other lease locked behind it, and all 20
-/// holds lapsed.)
+/// did, on a connection that is not the upkeep's. (With the first version
+/// of renewals sent together, the statement waited for the row with every
+/// other lease locked behind it, and all 20 holds lapsed; renewed alone on
+/// the two upkeep connections, three locked rows took both, and the other
+/// holds' renewals waited behind them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
     const HOLDS: usize = 20;
+    const LOCKED: usize = 3;
     let (cluster, url) = cluster_with_database().await;
     let sidecar = SidecarBuilder::new(&url).start().await;
     let mut streams = Vec::with_capacity(HOLDS);
@@ -1496,17 +1499,23 @@ async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
         tokens.push(stream.expect_acquired().await.token);
         streams.push(stream);
     }
-    let db = cluster.client("sidelock").await;
-    db.batch_execute(&format!(
-        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
-        tokens[0]
-    ))
-    .await
-    .expect("lock one lease row");
-    // Four seconds: past the locked lease's ttl, four renewals of the rest.
+    // Three rows, in three transactions: more than the upkeep connections.
+    let mut lockers = Vec::new();
+    for token in &tokens[..LOCKED] {
+        let db = cluster.client("sidelock").await;
+        db.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{token}' FOR UPDATE"
+        ))
+        .await
+        .expect("lock a lease row");
+        lockers.push(db);
+    }
+    // Four seconds: past the locked leases' ttl, four renewals of the rest.
     tokio::time::sleep(Duration::from_secs(4)).await;
-    db.batch_execute("COMMIT").await.expect("unlock");
-    for (i, stream) in streams.iter_mut().enumerate().skip(1) {
+    for db in &lockers {
+        db.batch_execute("COMMIT").await.expect("unlock");
+    }
+    for (i, stream) in streams.iter_mut().enumerate().skip(LOCKED) {
         for event in stream.collect_for(Duration::ZERO).await {
             assert!(
                 !matches!(event, HoldEvent::Lost(_)),

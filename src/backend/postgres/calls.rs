@@ -118,7 +118,8 @@ impl Inner {
         let mut tries = 0;
         loop {
             tries += 1;
-            // Lease upkeep has connections of its own.
+            // Lease upkeep has connections of its own (a lease renewed
+            // alone waits for a row lock, on the main pool).
             let pool = match op {
                 "renew" | "release" | "status" => &self.upkeep,
                 _ => &self.pool,

@@ -196,13 +196,15 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Element>) {
 }
 
 /// Renews one lease with `renew()` in a task of its own, which waits for a
-/// row lock as renewals always did, without holding up the statements.
+/// row lock as renewals always did, without holding up the statements: on
+/// the main pool, so that leases locked for long do not take the upkeep
+/// connections the statements need.
 fn alone(inner: &Arc<Inner>, e: Element) {
     let inner = Arc::clone(inner);
     tokio::spawn(async move {
         let reply: Result<Option<RenewReply>, Error> = inner
             .json(
-                "renew",
+                "renew alone",
                 &inner.sql.renew,
                 &[&e.kind, &e.name.as_str(), &e.token.as_str(), &e.ttl_ms],
             )
