@@ -1313,3 +1313,75 @@ async fn shared_holders_and_permits_keep_fences_past_ten_to_the_fourteenth() {
         assert!(resource.release(&second.token).await.released);
     }
 }
+
+/// Holder entries written by hand with fences that are no integer sidelock
+/// writes — text, a fraction, null, 20 digits — are still reported by
+/// `/v1/stale` (held too long), as the fence Lua shows; the report does not
+/// fail. (With fences formatted as integers, text made the stale script
+/// fail, and `/v1/stale` with it.)
+#[tokio::test]
+async fn stale_reports_holders_whose_fence_was_written_by_hand() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .stale_after("200ms")
+        .start()
+        .await;
+    let mut names = Vec::new();
+    for fence in [r#""x7""#, "5.5", "null", "12345678901234567890"] {
+        let name = unique_name("odd-fence");
+        let _: i64 = server
+            .cmd(&[
+                "HSET",
+                &format!("{{sidelock:{name}}}:holders"),
+                "t",
+                &format!(
+                    r#"{{"o":"hand","s":"written","m":"s","f":{fence},"c":1,"t0":1,"e":99999999999999,"ttl":1000,"cap":0,"dl":0}}"#
+                ),
+            ])
+            .await;
+        names.push(name);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stale = sidecar.api().stale().await;
+    for name in &names {
+        assert!(
+            stale
+                .iter()
+                .any(|s| s.reason == "held-too-long" && s.key.contains(name.as_str())),
+            "{name} is not reported: {stale:#?}"
+        );
+    }
+}
+
+/// A lease value written by hand with leading zeros in its numbers
+/// (`00` for no max_hold and no lock-delay, `01` for one hold) is read as
+/// the numbers say on every path: a keepalive extends it by its ttl, a
+/// release frees it. (A fast path comparing them as text once ended such a
+/// lease at its keepalive.)
+#[tokio::test]
+async fn a_hand_written_lease_with_leading_zeros_renews_and_releases() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("zeros");
+    let token = "0123456789abcdef0123456789abcdef";
+    let now: i64 = {
+        let t: Vec<String> = server.cmd(&["TIME"]).await;
+        t[0].parse::<i64>().unwrap() * 1000 + t[1].parse::<i64>().unwrap() / 1000
+    };
+    let value = format!(
+        r#"{token} 5 {} {} 01 30000 00 00 ["hand","written"]"#,
+        now - 1_000,
+        now + 20_000
+    );
+    let _: () = server
+        .cmd(&["SET", &format!("sidelock:{name}"), &value, "PX", "20000"])
+        .await;
+    let lock = sidecar.api().lock(&name);
+    let renewed = lock.keepalive(token, &[]).await;
+    assert!(
+        renewed.ttl_ms > 29_000 && renewed.expires_at_ms as i64 > now + 25_000,
+        "{renewed:?}"
+    );
+    assert!(lock.release(token).await.released);
+    assert!(lock.acquire(&[]).await.fence > 0);
+}

@@ -11,12 +11,12 @@ do
     local v = redis.pcall("GET", MAIN)
     if type(v) == "string" then
       -- Only what this needs of the lease (lean.lua): its token, expiry,
-      -- hold count and lock-delay, compared as text; the clock only when
-      -- a lock-delay makes the expiry matter.
+      -- hold count and lock-delay; the clock only when a lock-delay makes
+      -- the expiry matter.
       local t, e, c, dl = string.match(v, "^(%x+) %d+ %d+ (%d+) (%d+) %d+ %d+ (%d+) ")
       -- A lease in its lock-delay has expired: the full script finds nothing.
       -- (A key without a lock-delay lives no longer than its lease.)
-      if t == token and c == "1" and (dl == "0" or tonumber(e) > clock()) then
+      if t == token and tonumber(c) == 1 and (tonumber(dl) == 0 or tonumber(e) > clock()) then
         if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then redis.call("DEL", MAIN) end
         return {0, 0}
       end

@@ -15,7 +15,7 @@ do
         local want = tonumber(ARGV[3])
         if want == 0 then want = tonumber(ttl) end
         local ends = NOW + want
-        if mh ~= "0" and ends > t0 + mh then ends = t0 + mh end
+        if tonumber(mh) > 0 and ends > t0 + mh then ends = t0 + mh end
         -- Past its max_hold, it ends now.
         local kept = math.max(ends, NOW + 1)
         redis.call("SET", MAIN, string.format("%s %s %s %d %s %s", t, f, t0, kept, c, spec),

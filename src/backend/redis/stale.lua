@@ -8,6 +8,13 @@ if bad then
 end
 local after = tonumber(ARGV[2])
 local out = {}
+-- A fence as the report writes it: an integer, as text; anything a hand
+-- wrote there (not a number, past 2^53) as Lua shows it.
+local function fence_text(f)
+  local n = tonumber(f)
+  if n and math.abs(n) < 2^53 then return string.format("%d", n) end
+  return tostring(f)
+end
 local function name(who)
   local ok, os = pcall(cjson.decode, who)
   if ok and type(os) == "table" then return tostring(os[1]), tostring(os[2]) end
@@ -17,7 +24,7 @@ if IS_LOCK then
   local x = xlease()
   if x and NOW - x.t0 > after then
     out[#out + 1] = {MAIN, "held-too-long", NOW - x.t0,
-      "held by " .. x.o .. " on sidecar " .. x.s .. " with fence " .. string.format("%d", x.f)}
+      "held by " .. x.o .. " on sidecar " .. x.s .. " with fence " .. fence_text(x.f)}
   end
 end
 local all = redis.call("HGETALL", HOLDERS)
@@ -30,7 +37,7 @@ for i = 1, #all, 2 do
       "holder " .. m.o .. " on sidecar " .. m.s .. " expired but its entry is still stored"}
   elseif NOW - m.t0 > after then
     out[#out + 1] = {MAIN, "held-too-long", NOW - m.t0,
-      "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. string.format("%d", m.f)}
+      "held by " .. m.o .. " on sidecar " .. m.s .. " with fence " .. fence_text(m.f)}
   end
 end
 local beats = {}
