@@ -366,7 +366,7 @@ impl Backend for Postgres {
             .send(renewals::Renewal {
                 kind: key.kind.as_str(),
                 name: key.name.as_str().to_owned(),
-                token: token.expose().to_owned(),
+                token: token.clone(),
                 ttl_ms: ttl.map(ms_i64),
                 answer,
             })

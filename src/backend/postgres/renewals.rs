@@ -31,6 +31,7 @@ use super::Inner;
 use super::errors::Failure;
 use super::sql::RenewReply;
 use crate::backend::{Cause, Error, Outage, chain};
+use crate::lock::Token;
 
 /// Most leases in one statement; the rest go in the next.
 const MOST: usize = 1000;
@@ -43,8 +44,8 @@ type Answer = Result<Option<i64>, Error>;
 pub(super) struct Renewal {
     pub(super) kind: &'static str,
     pub(super) name: String,
-    /// The lease's token: a secret, never logged.
-    pub(super) token: String,
+    /// The lease's token: a secret, redacted in `Debug`.
+    pub(super) token: Token,
     pub(super) ttl_ms: Option<i64>,
     pub(super) answer: oneshot::Sender<Answer>,
 }
@@ -54,7 +55,7 @@ pub(super) struct Renewal {
 struct Element {
     kind: &'static str,
     name: String,
-    token: String,
+    token: Token,
     ttl_ms: Option<i64>,
     answers: Vec<oneshot::Sender<Answer>>,
 }
@@ -105,7 +106,7 @@ pub(super) async fn run(
 /// in it with another ttl stays in `waiting` for the next one.
 fn take_batch(waiting: &mut VecDeque<Renewal>) -> Vec<Element> {
     let mut batch: Vec<Element> = Vec::new();
-    let mut at: HashMap<String, usize> = HashMap::new();
+    let mut at: HashMap<Token, usize> = HashMap::new();
     let mut rest = VecDeque::new();
     while let Some(r) = waiting.pop_front() {
         if r.answer.is_closed() {
@@ -141,7 +142,7 @@ fn take_batch(waiting: &mut VecDeque<Renewal>) -> Vec<Element> {
 async fn send(inner: &Arc<Inner>, batch: Vec<Element>) {
     let kinds: Vec<&str> = batch.iter().map(|e| e.kind).collect();
     let names: Vec<&str> = batch.iter().map(|e| e.name.as_str()).collect();
-    let tokens: Vec<&str> = batch.iter().map(|e| e.token.as_str()).collect();
+    let tokens: Vec<&str> = batch.iter().map(|e| e.token.expose()).collect();
     let ttls: Vec<Option<i64>> = batch.iter().map(|e| e.ttl_ms).collect();
     let rows = inner
         .rows_or_refusal(
@@ -206,7 +207,7 @@ fn alone(inner: &Arc<Inner>, e: Element) {
             .json(
                 "renew alone",
                 &inner.sql.renew,
-                &[&e.kind, &e.name.as_str(), &e.token.as_str(), &e.ttl_ms],
+                &[&e.kind, &e.name.as_str(), &e.token.expose(), &e.ttl_ms],
             )
             .await;
         e.tell(&reply.map(|r| r.map(|r| r.expires_at_ms)));
@@ -238,7 +239,7 @@ mod tests {
         let r = Renewal {
             kind: "lock",
             name: format!("n-{token}"),
-            token: token.to_owned(),
+            token: Token::from_client(token.to_owned()),
             ttl_ms,
             answer,
         };
@@ -271,13 +272,13 @@ mod tests {
         let batch = take_batch(&mut waiting);
         let named: Vec<(&str, usize)> = batch
             .iter()
-            .map(|e| (e.token.as_str(), e.answers.len()))
+            .map(|e| (e.token.expose(), e.answers.len()))
             .collect();
         assert_eq!(named, [("a", 2), ("b", 1), ("c", 1)]);
         assert_eq!(waiting.len(), 1, "a's other ttl waits");
         let next = take_batch(&mut waiting);
         assert_eq!(next.len(), 1);
-        assert_eq!((next[0].token.as_str(), next[0].ttl_ms), ("a", Some(9)));
+        assert_eq!((next[0].token.expose(), next[0].ttl_ms), ("a", Some(9)));
         assert!(waiting.is_empty());
 
         for i in 0..MOST + 5 {

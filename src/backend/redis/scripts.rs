@@ -1,9 +1,9 @@
 //! The Lua scripts and their protocol: each script is `lean.lua`, its fast
 //! path, `hand_over.lua`, `prelude.lua` and its body, in that order (the
 //! common cases return before the prelude; the release's fast path, which
-//! hands the lock over, comes after `hand_over.lua`); one [`Call`] writes an `EVALSHA` with the lock's
-//! main key straight into one command buffer, and the readers below decode
-//! the replies.
+//! hands the lock over, comes after `hand_over.lua`); one [`Call`] writes
+//! an `EVALSHA` with the lock's main key straight into one command buffer,
+//! and the readers below decode the replies.
 
 use redis::{Cmd, ErrorKind, RedisError, Script, Value};
 
