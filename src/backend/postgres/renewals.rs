@@ -233,6 +233,7 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::{Answer, MOST, Renewal, take_batch};
+    use crate::lock::Token;
 
     fn renewal(token: &str, ttl_ms: Option<i64>) -> (Renewal, oneshot::Receiver<Answer>) {
         let (answer, rx) = oneshot::channel();
