@@ -1393,7 +1393,8 @@ async fn the_kept_queue_length_stays_exact_when_many_are_admitted_at_once() {
 
 /// A database where every statement that renews takes 20 ms (a statement
 /// trigger's sleep, as a slow disk or a loaded server would): 200 hold
-/// streams with a 1.5 s ttl need 400 renewals a second, and one commit per
+/// streams (exclusive locks, readers of a shared lock, permits of a
+/// semaphore) with a 1.5 s ttl need 400 renewals a second, and one commit per
 /// renewal on the two upkeep connections gives 100. Sent one by one, the
 /// renewals fell behind and leases lapsed (`lost`); sent together — each
 /// statement carries what queued while the last one committed — they keep
@@ -1414,12 +1415,22 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
     .await
     .expect("slow down renewals");
 
+    // Every kind of lease: exclusive locks, readers of one shared lock,
+    // permits of one semaphore of 100.
+    let (readers, permits) = (unique_name("readers"), unique_name("permits"));
     let mut opening = tokio::task::JoinSet::new();
     for i in 0..HOLDS {
-        let lock = sidecar.api().lock(&unique_name("renewed"));
+        let api = sidecar.api();
+        let (resource, extra) = match i % 3 {
+            0 => (api.lock(&unique_name("renewed")), None),
+            1 => (api.lock(&readers), Some(("mode", "shared"))),
+            _ => (api.semaphore(&permits), Some(("limit", "100"))),
+        };
         opening.spawn(async move {
             let owner = format!("holder-{i}");
-            let mut stream = lock.hold(&[("ttl", "1500ms"), ("owner", &owner)]).await;
+            let mut params = vec![("ttl", "1500ms"), ("owner", owner.as_str())];
+            params.extend(extra);
+            let mut stream = resource.hold(&params).await;
             stream.expect_acquired().await;
             stream
         });
