@@ -1385,3 +1385,195 @@ async fn a_hand_written_lease_with_leading_zeros_renews_and_releases() {
     assert!(lock.release(token).await.released);
     assert!(lock.acquire(&[]).await.fence > 0);
 }
+
+/// `PUBLISH` calls Redis ran between two readings.
+fn publishes(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> u64 {
+    after.get("publish").copied().unwrap_or(0) - before.get("publish").copied().unwrap_or(0)
+}
+
+/// Hands `name` `rounds` times from a holder on `from` to a waiter on `to`
+/// (an exclusive holder, or with `shared` a reader whose release leaves the
+/// lock free): each waiter is granted with a higher fence. The `PUBLISH`
+/// calls Redis ran on the way, and what it ran.
+async fn hand_rounds(
+    server: &RedisServer,
+    from: &SidecarGuard,
+    to: &SidecarGuard,
+    name: &str,
+    rounds: u64,
+    shared: bool,
+) -> (u64, String) {
+    let mut publishes_seen = 0;
+    let mut ran_seen = String::new();
+    let holder_mode = if shared { "shared" } else { "exclusive" };
+    let mut fence = 0;
+    for round in 0..rounds {
+        let holder = from
+            .api()
+            .lock(name)
+            .acquire(&[("owner", "holder"), ("ttl", "60s"), ("mode", holder_mode)])
+            .await;
+        assert!(holder.fence > fence, "round {round}: fences go up");
+        let waiter = queue_waiter(to, name, "30s").await;
+        let before = server.command_counts().await;
+        from.api().lock(name).release(&holder.token).await;
+        let grant = within("the waiter's grant", Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter's task");
+        let after = server.command_counts().await;
+        assert_eq!(grant.owner, "waiter");
+        assert!(
+            grant.fence > holder.fence,
+            "round {round}: handed with a higher fence"
+        );
+        fence = grant.fence;
+        publishes_seen += publishes(&before, &after);
+        ran_seen = command_diff(&before, &after);
+        to.api().lock(name).release(&grant.token).await;
+    }
+    (publishes_seen, ran_seen)
+}
+
+/// A release that hands the lock to a waiter of its own sidecar tells it in
+/// the release's answer: Redis publishes nothing (the message would only
+/// come back to the sidecar that asked). A waiter on another sidecar is
+/// still told on that sidecar's channel. Both for an exclusive holder's
+/// release and for the last reader's.
+#[tokio::test]
+async fn a_handoff_to_a_waiter_of_the_releasing_sidecar_is_told_in_the_answer() {
+    const ROUNDS: u64 = 10;
+    let server = RedisServer::start().await;
+    let (a, b) = sides(&server).await;
+    for shared in [false, true] {
+        let name = unique_name(if shared {
+            "reader-hands"
+        } else {
+            "holder-hands"
+        });
+        // Loads the scripts and writes the heartbeats.
+        hand_rounds(&server, &a, &b, &name, 1, shared).await;
+        hand_rounds(&server, &a, &a, &name, 1, shared).await;
+
+        let (local, ran) = hand_rounds(&server, &a, &a, &name, ROUNDS, shared).await;
+        // The monitor's announcement (every 10 s) may fall in one round.
+        assert!(
+            local <= 1,
+            "{local} PUBLISH calls for {ROUNDS} handoffs within one sidecar (shared: {shared}); the last ran {ran}"
+        );
+        let (across, ran) = hand_rounds(&server, &a, &b, &name, ROUNDS, shared).await;
+        assert!(
+            across >= ROUNDS,
+            "{across} PUBLISH calls for {ROUNDS} handoffs to another sidecar (shared: {shared}); the last ran {ran}"
+        );
+    }
+}
+
+/// Queues a waiter on `name` through `sidecar` behind a 60 s holder, then
+/// 8 million junk entries ahead of it: the release that hands it the lock
+/// first drops them all, which takes Redis seconds (about 0.6 s a million
+/// here), past the call's 2 s limit. The holder's grant and the waiter's task.
+async fn hand_over_slowly(
+    server: &RedisServer,
+    sidecar: &SidecarGuard,
+    name: &str,
+) -> (
+    common::api::Grant,
+    tokio::task::JoinHandle<common::api::Grant>,
+) {
+    const JUNK: usize = 8_000_000;
+    // Other calls wait for the long script instead of being told BUSY.
+    let _: String = server
+        .cmd(&["CONFIG", "SET", "busy-reply-threshold", "120000"])
+        .await;
+    let lock = sidecar.api().lock(name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = queue_waiter(sidecar, name, "60s").await;
+    let queue = format!("{{sidelock:{name}}}:q");
+    let junk = vec!["junk"; 10_000];
+    for _ in 0..JUNK / junk.len() {
+        let mut args = vec!["LPUSH", queue.as_str()];
+        args.extend_from_slice(&junk);
+        let _: i64 = server.cmd(&args).await;
+    }
+    (holder, waiter)
+}
+
+/// The waiter of [`hand_over_slowly`] is granted the lease the release
+/// handed it, well before the holder's 60 s lease would have ended.
+async fn expect_handed_slowly(
+    server: &RedisServer,
+    sidecar: &SidecarGuard,
+    name: &str,
+    holder: &common::api::Grant,
+    waiter: tokio::task::JoinHandle<common::api::Grant>,
+    started: Instant,
+) {
+    let grant = within("the waiter's grant", Duration::from_secs(60), waiter)
+        .await
+        .expect("the waiter's task");
+    assert_eq!(grant.owner, "waiter");
+    assert!(grant.fence > holder.fence);
+    let lease: String = server.cmd(&["GET", &format!("sidelock:{name}")]).await;
+    assert!(
+        lease.starts_with(&grant.token),
+        "the lease the release handed over is the waiter's: {lease}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "granted {:?} after the release was sent: the holder's 60 s lease had to end first",
+        started.elapsed()
+    );
+    let queued: i64 = server
+        .cmd(&["LLEN", &format!("{{sidelock:{name}}}:q")])
+        .await;
+    assert_eq!(queued, 0, "the junk went on the way");
+    sidecar.api().lock(name).release(&grant.token).await;
+}
+
+/// A release whose answer never comes back (its script ran past the call's
+/// time limit) still reaches the waiter of the same sidecar it handed the
+/// lock to, although no message tells it: the key is reconciled on the next
+/// heartbeat tick, and the local head looks again and finds the lease
+/// handed to it.
+#[tokio::test]
+async fn a_handoff_whose_release_answer_is_lost_still_reaches_its_waiter() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("answer-lost");
+    let (holder, waiter) = hand_over_slowly(&server, &sidecar, &name).await;
+    let started = Instant::now();
+    let released = sidecar.api().lock(&name).release_raw(&holder.token).await;
+    assert_eq!(
+        released.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the release's answer timed out"
+    );
+    expect_handed_slowly(&server, &sidecar, &name, &holder, waiter, started).await;
+}
+
+/// The same when the client that released hangs up before the answer: the
+/// release, dropped with its request, may have run.
+#[tokio::test]
+async fn a_handoff_whose_releaser_hung_up_still_reaches_its_waiter() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("releaser-gone");
+    let (holder, waiter) = hand_over_slowly(&server, &sidecar, &name).await;
+    let started = Instant::now();
+    let url = sidecar
+        .api()
+        .url(&["v1", "locks", &name], &[("token", &holder.token)]);
+    let hung_up = reqwest::Client::new()
+        .delete(url)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        hung_up.as_ref().is_err_and(reqwest::Error::is_timeout),
+        "the release answered within 300 ms: {hung_up:?}"
+    );
+    expect_handed_slowly(&server, &sidecar, &name, &holder, waiter, started).await;
+}

@@ -44,9 +44,12 @@ end
 -- instead (Redlock, where each node orders its queue its own way), as for a
 -- shared or semaphore head: "h<seq> <main key>" on its process's own channel
 -- names an exclusive head, "r" on the lock's channel lets every sidecar's
--- head try. Returns true when it granted; the caller frees the main key
--- otherwise.
-local function hand_over(mode, alive, stem)
+-- head try. With `keep` (a release, whose caller reads its reply), a lock
+-- handed to a claim of the caller's own process is published to nobody: the
+-- message goes into KEPT, for the reply. Returns true when it granted; the
+-- caller frees the main key otherwise.
+local KEPT
+local function hand_over(mode, alive, stem, keep)
   local direct, counted = mode ~= "0", mode ~= "2"
   local Q = TAG .. "q"
   local dropped, granted = false, false
@@ -84,8 +87,15 @@ local function hand_over(mode, alive, stem)
       local len = span(e.ttl, e.mh)
       redis.call("SET", MAIN, lease_value(e.token, fence, NOW, NOW + len, 1, e.spec),
         "PX", string.format("%d", len + e.dl))
-      if redis.call("PUBLISH", stem .. e.inst, string.format("t%s %d %d %d %s", e.seq, fence, NOW,
-          NOW + len, MAIN)) > 0 or not counted then
+      local told = string.format("t%s %d %d %d %s", e.seq, fence, NOW, NOW + len, MAIN)
+      if keep and e.inst == alive then
+        -- The caller's own claim: its sidecar reads the grant in the reply
+        -- (and, should the reply be lost, has its head look again).
+        KEPT = told
+        granted = true
+        break
+      end
+      if redis.call("PUBLISH", stem .. e.inst, told) > 0 or not counted then
         granted = true
         break
       end

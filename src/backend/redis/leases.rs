@@ -12,6 +12,7 @@ use crate::lock::{Claim, LockKey, Token};
 
 use super::HEARTBEAT_TTL;
 use super::node::Node;
+use super::pubsub::{Handed, handed};
 use super::scripts::{holders, int, mode_arg, text, waiters};
 
 /// How one attempt takes part in a node's queue.
@@ -173,8 +174,22 @@ impl Node {
         Ok((e >= 0).then(|| clock.local(e)))
     }
 
-    /// Releases one hold.
+    /// Releases one hold: the holds left (`None`: the token holds nothing).
+    /// A lock it passed to a claim of this process is its caller's to
+    /// deliver: use [`release_handing`](Self::release_handing) where that can
+    /// happen (not on a node that wakes the next claim instead).
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        Ok(self.release_handing(key, token).await?.0)
+    }
+
+    /// Releases one hold: the holds left (`None`: the token holds nothing)
+    /// and, when the lock passed to a claim of this process, the grant the
+    /// release handed it, which nobody else tells it.
+    pub(super) async fn release_handing(
+        &self,
+        key: &LockKey,
+        token: &Token,
+    ) -> Result<(Option<u32>, Option<Handed>), Error> {
         let mut inv = self.invocation(&self.scripts.release, key);
         inv.arg(token.expose())
             .arg(self.handoff_arg())
@@ -182,7 +197,11 @@ impl Node {
             .arg(&self.stem);
         let reply: Vec<Value> = self.run("release", inv).await?;
         let n = int(&reply, 1);
-        Ok((n >= 0).then_some(n as u32))
+        let kept = match reply.get(2) {
+            Some(Value::BulkString(told)) => handed(told),
+            _ => None,
+        };
+        Ok(((n >= 0).then_some(n as u32), kept))
     }
 
     /// Whether the lease still holds.

@@ -15,7 +15,7 @@ use crate::wakeups::Wakeups;
 use super::HEARTBEAT_EVERY;
 use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
-use super::pubsub::{Sub, Watchers, pubsub};
+use super::pubsub::{Sub, Watchers, deliver, pubsub};
 
 /// One of this sidecar's queue entries on a node: the token it queued with
 /// (the lease's, when the lock is handed to it) and the entry as its join
@@ -120,6 +120,8 @@ pub struct Member {
     pub(super) subs: mpsc::UnboundedSender<Sub>,
     /// Whether the pub/sub connection is up (connected and subscribed).
     pub connected: Arc<std::sync::atomic::AtomicBool>,
+    /// This sidecar's waiters, told of what the node's replies hand them.
+    wakeups: Wakeups,
 }
 
 /// Whose numbering a node's queue tickets follow, which decides how a
@@ -151,6 +153,7 @@ impl Member {
             suspect: Mutex::new(HashSet::new()),
             subs,
             connected: connected.clone(),
+            wakeups: wakeups.clone(),
         });
         tokio::spawn(pubsub(
             member.node.clone(),
@@ -183,6 +186,8 @@ impl Member {
     }
 
     /// Reconciles one suspect key; it stays suspect if the node is still away.
+    /// The local head then looks again: a release whose answer was lost may
+    /// have handed it the lock.
     pub(super) async fn reconcile(&self, key: &LockKey) {
         if !lock(&self.suspect).remove(key) {
             return;
@@ -194,7 +199,32 @@ impl Member {
             .unwrap_or_default();
         if self.node.reconcile(key, &live).await.is_err() {
             lock(&self.suspect).insert(key.clone());
+        } else if !live.is_empty() {
+            self.wakeups.wake(key);
         }
+    }
+
+    /// Releases one hold (the holds left; `None`: the token holds nothing).
+    /// A lock the release handed to a claim of this process is delivered
+    /// from its answer: no message on the node's channel tells it. When the
+    /// answer is lost, the key's reconciling on the next heartbeat tick has
+    /// the local head look again, once the node answers: a release whose
+    /// answer timed out may still be running, and a look before it ends
+    /// would fail the waiter.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        // Dropped before its answer (its caller went away), the release may
+        // still run: the key is reconciled as after a lost answer.
+        let mut unanswered = Unanswered {
+            suspect: &self.suspect,
+            key: Some(key),
+        };
+        let result = self.node.release_handing(key, token).await;
+        unanswered.key = None;
+        let (holds, handed) = self.check(key, result)?;
+        if let Some(h) = handed {
+            deliver(&self.node, &self.tickets, &self.wakeups, key, h);
+        }
+        Ok(holds)
     }
 
     /// An acquire attempt that keeps the ticket bookkeeping. A queued
@@ -278,6 +308,22 @@ impl Member {
         self.track(key, seq, None);
         let result = self.node.dequeue(key, &q.entry, &q.token).await;
         self.check(key, result).map(|_| ())
+    }
+}
+
+/// A call in flight whose answer may hand this process a lock: dropped
+/// with `key` still set, it marks the key suspect (reconciled on the next
+/// heartbeat tick, and its local head looks again).
+struct Unanswered<'a> {
+    suspect: &'a Mutex<HashSet<LockKey>>,
+    key: Option<&'a LockKey>,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key {
+            lock(self.suspect).insert(key.clone());
+        }
     }
 }
 

@@ -153,7 +153,7 @@ impl Backend for Redis {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
-        self.node().release(key, token).await
+        self.member.release(key, token).await
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {

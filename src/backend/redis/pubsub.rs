@@ -245,7 +245,7 @@ const UNKNOWN_GRACE: Duration = CALL_TIMEOUT;
 /// [`UNKNOWN_GRACE`]: delivered if known by then, the lease given back if
 /// the ticket never was (one that finished meanwhile is the waiter's own
 /// business: its grant or dequeue saw to the lease).
-fn deliver(
+pub(super) fn deliver(
     node: &Arc<Node>,
     tickets: &Arc<std::sync::Mutex<Tickets>>,
     wakeups: &Wakeups,

@@ -3,7 +3,9 @@
 -- waiters need no heartbeat check, 5 the stem of sidecars' own channels (see
 -- hand_over()).
 -- Returns {now, remaining count} or {now, -1} when the token holds nothing
--- (now is 0 when the fast path did not need the clock).
+-- (now is 0 when the fast path did not need the clock), and third, when the
+-- lock passed to a claim of this sidecar's process, its grant as the
+-- message on its own channel would have told it (hand_over()'s KEPT).
 -- The common case runs first, in release_fast.lua.
 local token = ARGV[2]
 clock()
@@ -14,8 +16,8 @@ if x and x.token == token then
     xlease_put(x)
     return {NOW, x.c}
   end
-  if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then main_del() end
-  return {NOW, 0}
+  if not hand_over(ARGV[3], ARGV[4], ARGV[5], true) then main_del() end
+  return {NOW, 0, KEPT}
 end
 
 prune()
@@ -32,8 +34,8 @@ tidy_if_idle()
 if not IS_LOCK then
   hand_over("0", ARGV[4], ARGV[5])
 elseif not main_get() then
-  if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then main_del() end
+  if not hand_over(ARGV[3], ARGV[4], ARGV[5], true) then main_del() end
 else
   redis.call("PUBLISH", TAG .. "wake", "r")
 end
-return {NOW, 0}
+return {NOW, 0, KEPT}

@@ -17,8 +17,8 @@ do
       -- A lease in its lock-delay has expired: the full script finds nothing.
       -- (A key without a lock-delay lives no longer than its lease.)
       if t == token and tonumber(c) == 1 and (tonumber(dl) == 0 or tonumber(e) > clock()) then
-        if not hand_over(ARGV[3], ARGV[4], ARGV[5]) then redis.call("DEL", MAIN) end
-        return {0, 0}
+        if not hand_over(ARGV[3], ARGV[4], ARGV[5], true) then redis.call("DEL", MAIN) end
+        return {0, 0, KEPT}
       end
     end
   end
