@@ -141,6 +141,9 @@ fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Listen>>, D::
 /// The longest `--dashboard-session-ttl`.
 const MAX_DASHBOARD_SESSION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// The most worker threads `--threads` may ask for.
+const MAX_THREADS: usize = 1024;
+
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -245,6 +248,10 @@ pub struct ServeArgs {
     /// Open connections at most (lowered to fit the open-file limit) [default: 30000].
     #[arg(long, env = "SIDELOCK_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Worker threads of the sidecar's runtime [default: the CPUs this
+    /// process may use, as its cgroup's CPU limit rounds them].
+    #[arg(long, env = "SIDELOCK_THREADS")]
+    pub threads: Option<usize>,
     /// Host names (`name` or `name:port`) besides loopback that requests may
     /// carry in `Host`; others get 421 except on the probe routes.
     #[arg(long, env = "SIDELOCK_ALLOWED_HOSTS", value_delimiter = ',')]
@@ -291,7 +298,7 @@ impl ServeArgs {
     fn under(self, lower: ServeArgs) -> ServeArgs {
         layer!(self, lower; config, listen, backend, sidecar_id, default_ttl, max_ttl, max_wait,
             lock_delay, stale_after, max_waiters, max_total_waiters, max_held, metrics_lock_labels, shutdown_grace,
-            header_read_timeout, idle_timeout, body_read_timeout, write_timeout, max_connections, allowed_hosts,
+            header_read_timeout, idle_timeout, body_read_timeout, write_timeout, max_connections, threads, allowed_hosts,
             log_format, redis_prefix, legacy_pattern, pg_schema, legacy_table, zk_lock_root,
             api_token, admin_token, dashboard_session_ttl)
     }
@@ -326,6 +333,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// Per-connection timeouts and the cap on open connections.
     pub connections: ConnectionLimits,
+    /// Worker threads of the runtime (`None`: as many as CPUs).
+    pub threads: Option<usize>,
     /// Host names besides loopback that requests may name (lowercase).
     pub allowed_hosts: Vec<String>,
     pub log_format: LogFormat,
@@ -421,6 +430,11 @@ impl Settings {
         if connections.max_connections == 0 {
             return Err("--max-connections must be at least 1".into());
         }
+        if let Some(n) = a.threads.filter(|n| !(1..=MAX_THREADS).contains(n)) {
+            return Err(format!(
+                "--threads ({n}) must be 1 to {MAX_THREADS}; leave it unset for one per CPU"
+            ));
+        }
         let dashboard_session_ttl = a
             .dashboard_session_ttl
             .unwrap_or(Duration::from_secs(12 * 3600));
@@ -472,6 +486,7 @@ impl Settings {
             metrics_lock_labels: a.metrics_lock_labels.unwrap_or(false),
             shutdown_grace: a.shutdown_grace.unwrap_or(Duration::from_secs(10)),
             connections,
+            threads: a.threads,
             allowed_hosts,
             log_format: a.log_format.unwrap_or(LogFormat::Text),
             api_token: a.api_token.filter(|t| !t.is_empty()),

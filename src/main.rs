@@ -41,11 +41,45 @@ fn main() -> std::process::ExitCode {
     // Before any thread allocates: the arena limit is read when the second
     // arena would be made.
     sidelock::alloc::share_one_arena();
-    match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime.block_on(run_command()),
+    let cli = Cli::parse();
+    let args = match cli.command {
+        Some(Command::Run(args)) => {
+            return on_runtime(None, async {
+                let code = sidelock::run::run(args).await;
+                std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+            });
+        }
+        Some(Command::Campaign(args)) => {
+            return on_runtime(None, async {
+                let code = sidelock::campaign::campaign(args).await;
+                std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+            });
+        }
+        Some(Command::Serve(args)) => args,
+        None => cli.serve,
+    };
+    // Resolved before the runtime starts: it sizes the runtime.
+    let settings = match Settings::resolve(args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sidelock: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    on_runtime(settings.threads, serve(settings))
+}
+
+/// Runs `main` on a runtime of `threads` workers (`None`: one per CPU).
+fn on_runtime(
+    threads: Option<usize>,
+    main: impl std::future::Future<Output = std::process::ExitCode>,
+) -> std::process::ExitCode {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        builder.worker_threads(n);
+    }
+    match builder.enable_all().build() {
+        Ok(runtime) => runtime.block_on(main),
         Err(e) => {
             eprintln!("sidelock: cannot start the runtime: {e}");
             std::process::ExitCode::FAILURE
@@ -53,28 +87,8 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// Runs the command line's command: `serve` (the default), `run` or `campaign`.
-async fn run_command() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    let serve = match cli.command {
-        Some(Command::Run(args)) => {
-            let code = sidelock::run::run(args).await;
-            return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
-        }
-        Some(Command::Campaign(args)) => {
-            let code = sidelock::campaign::campaign(args).await;
-            return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
-        }
-        Some(Command::Serve(args)) => args,
-        None => cli.serve,
-    };
-    let settings = match Settings::resolve(serve) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("sidelock: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
+/// Serves until shutdown (`sidelock serve`, the default command).
+async fn serve(settings: Settings) -> std::process::ExitCode {
     init_tracing(settings.log_format);
     match sidelock::sidecar::serve(settings).await {
         Ok(()) => std::process::ExitCode::SUCCESS,

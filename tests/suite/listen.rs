@@ -319,6 +319,43 @@ async fn the_file_and_the_environment_take_several_listeners() {
     assert!(!socket.exists(), "removed at exit");
 }
 
+/// The runtime's worker threads of process `pid`.
+fn workers(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the sidecar's threads")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "tokio-rt-worker")
+        .count()
+}
+
+/// `--threads` (from the environment or the file) sizes the runtime, which
+/// serves as before; unset, it has one worker per CPU.
+#[tokio::test]
+async fn threads_sets_the_runtimes_workers() {
+    let one = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_THREADS", "1")
+        .start()
+        .await;
+    let three = SidecarBuilder::new("memory://")
+        .config_toml("threads = 3\n")
+        .start()
+        .await;
+    let unset = SidecarBuilder::new("memory://").start().await;
+    for (sidecar, expected) in [
+        (&one, 1),
+        (&three, 3),
+        (
+            &unset,
+            std::thread::available_parallelism().map_or(1, usize::from),
+        ),
+    ] {
+        let lock = sidecar.api().lock(&unique_name("threads"));
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+        assert_eq!(workers(sidecar.pid()), expected, "{}", sidecar.log());
+    }
+}
+
 #[tokio::test]
 async fn backend_memory_without_scheme_means_memory() {
     let sidecar = SidecarBuilder::new("memory").start().await;
@@ -348,6 +385,8 @@ fn configuration_errors_name_the_flag() {
         (&["--max-held", "0"][..], &["--max-held"][..]),
         (&["--idle-timeout", "0"][..], &["--idle-timeout"][..]),
         (&["--max-connections", "0"][..], &["--max-connections"][..]),
+        (&["--threads", "0"][..], &["--threads"][..]),
+        (&["--threads", "5000"][..], &["--threads"][..]),
         (&["--stale-after", "9000h"][..], &["--stale-after"][..]),
         (
             &["--dashboard-session-ttl", "31d0h"][..],

@@ -308,6 +308,11 @@ impl SidecarGuard {
         self.child.signal(signal);
     }
 
+    /// The sidecar's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
     /// Sends SIGTERM (graceful shutdown).
     pub fn terminate(&self) {
         self.signal(Signal::SIGTERM);
