@@ -1577,3 +1577,209 @@ async fn a_handoff_whose_releaser_hung_up_still_reaches_its_waiter() {
     );
     expect_handed_slowly(&server, &sidecar, &name, &holder, waiter, started).await;
 }
+
+/// A release that times out in a Cluster (every master busy with another
+/// client's 3 s script, past the call's 2 s limit) answers 503 and runs
+/// once at most: of a lock held twice by its owner, one hold or both are
+/// left, and nobody else gets it.
+#[tokio::test]
+async fn a_release_that_times_out_in_a_cluster_runs_once_at_most() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let name = unique_name("cluster-once");
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", "twice"), ("ttl", "60s")]).await;
+    let again = lock.acquire(&[("owner", "twice"), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (first.token.as_str(), 2)
+    );
+
+    let busy = "local s = tonumber(redis.call('TIME')[1]) \
+                while tonumber(redis.call('TIME')[1]) - s < 3 do end return 1";
+    let mut busy_nodes = tokio::task::JoinSet::new();
+    for node in &cluster.nodes {
+        let url = node.url();
+        let busy = busy.to_owned();
+        busy_nodes.spawn(async move {
+            let client = redis::Client::open(url.as_str()).expect("client");
+            let config = redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(Duration::from_secs(30)));
+            let mut c = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .expect("connection");
+            let _: i64 = redis::cmd("EVAL")
+                .arg(&busy)
+                .arg(0)
+                .query_async(&mut c)
+                .await
+                .expect("busy script");
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = lock.release_raw(&first.token).await;
+    assert_eq!(
+        released.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the release's answer timed out"
+    );
+    while busy_nodes.join_next().await.is_some() {}
+    // The release ran (at most) once: the owner holds the lock once more.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let other = lock.acquire_raw(&[("owner", "other")]).await;
+    assert_eq!(
+        other.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner still holds once"
+    );
+    // Once or not at all: one or two holds are left.
+    lock.keepalive(&first.token, &[]).await;
+    let mut left = lock.release(&first.token).await.count;
+    if left == 1 {
+        left = lock.release(&first.token).await.count;
+    }
+    assert_eq!(left, 0, "the owner's holds came down one release at a time");
+}
+
+/// A Cluster whose first master is announced (to every client that asks
+/// which node serves a slot) at a proxy that can lose an answer, and a lock
+/// name whose keys that master serves.
+async fn cluster_behind_a_proxy() -> (
+    common::redis::RedisCluster,
+    common::proxy::CuttingProxy,
+    String,
+) {
+    let cluster = common::redis::RedisCluster::start().await;
+    let first = &cluster.nodes[0];
+    let proxy = common::proxy::CuttingProxy::start(first.port()).await;
+    let port = proxy.port().to_string();
+    let _: String = first
+        .cmd(&["CONFIG", "SET", "cluster-announce-port", &port])
+        .await;
+    // Every master has heard (gossip) where the first one is now.
+    for node in &cluster.nodes {
+        common::eventually("the proxy announced", Duration::from_secs(20), async || {
+            let nodes: String = node.cmd(&["CLUSTER", "NODES"]).await;
+            nodes.contains(&format!(":{port}@")).then_some(())
+        })
+        .await;
+    }
+    let slots: Vec<redis::Value> = first.cmd(&["CLUSTER", "SLOTS"]).await;
+    let served: Vec<(i64, i64)> = slots
+        .iter()
+        .filter_map(|range| match range {
+            redis::Value::Array(r) => {
+                let port_of = match r.get(2) {
+                    Some(redis::Value::Array(node)) => node.get(1).cloned(),
+                    _ => None,
+                };
+                match (r.first(), r.get(1), port_of) {
+                    (
+                        Some(redis::Value::Int(from)),
+                        Some(redis::Value::Int(to)),
+                        Some(redis::Value::Int(p)),
+                    ) if p.to_string() == port => Some((*from, *to)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !served.is_empty(),
+        "no slot announced at the proxy: {slots:?}"
+    );
+    let mut name = unique_name("behind-proxy");
+    for i in 0.. {
+        let candidate = format!("{name}-{i}");
+        let slot: i64 = first
+            .cmd(&["CLUSTER", "KEYSLOT", &format!("sidelock:{candidate}")])
+            .await;
+        if served
+            .iter()
+            .any(|(from, to)| (*from..=*to).contains(&slot))
+        {
+            name = candidate;
+            break;
+        }
+    }
+    (cluster, proxy, name)
+}
+
+/// Loads the scripts of a lock's acquire, join and release (handing over)
+/// on the node that serves `name`: their first call is refused (`NOSCRIPT`)
+/// and sent again with the script, which a cut must not be mistaken for.
+async fn load_scripts(sidecar: &SidecarGuard, name: &str) {
+    let lock = sidecar.api().lock(name);
+    let holder = lock.acquire(&[("ttl", "60s")]).await;
+    let waiter = queue_waiter(sidecar, name, "30s").await;
+    lock.release(&holder.token).await;
+    let grant = waiter.await.expect("the waiter's task");
+    lock.release(&grant.token).await;
+}
+
+/// In a Cluster, a release whose answer is lost after it ran (the
+/// connection reset under it) is not sent again by the Cluster client: a
+/// second run of the release of a lock its owner holds twice let the lock
+/// go while the owner still held it once, and another owner got it. It
+/// answers 503, as on one Redis; the owner's one release took one hold.
+#[tokio::test]
+async fn a_release_whose_answer_is_lost_in_a_cluster_is_not_sent_again() {
+    let (cluster, proxy, name) = cluster_behind_a_proxy().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    load_scripts(&sidecar, &name).await;
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", "twice"), ("ttl", "60s")]).await;
+    let again = lock.acquire(&[("owner", "twice"), ("ttl", "60s")]).await;
+    assert_eq!(again.count, 2);
+    proxy.cut_after(first.token.as_bytes());
+    let released = lock.release_raw(&first.token).await;
+    assert!(!proxy.armed(), "the release went through the proxy");
+    assert_eq!(
+        released.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "its answer was lost"
+    );
+    let other = lock.acquire_raw(&[("owner", "other")]).await;
+    assert_eq!(
+        other.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner still holds once"
+    );
+    let last = lock.release(&first.token).await;
+    assert_eq!(last.count, 0, "one hold was left: {last:?}");
+}
+
+/// In a Cluster, a release that hands the lock to a waiter of its own
+/// sidecar and whose answer is lost after it ran still reaches the waiter
+/// at once (the Cluster's handoff is published, not carried in the answer).
+#[tokio::test]
+async fn a_cluster_handoff_whose_release_answer_is_lost_reaches_its_waiter_at_once() {
+    let (cluster, proxy, name) = cluster_behind_a_proxy().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    load_scripts(&sidecar, &name).await;
+    let lock = sidecar.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = queue_waiter(&sidecar, &name, "30s").await;
+    proxy.cut_after(holder.token.as_bytes());
+    let started = Instant::now();
+    let released = lock.release_raw(&holder.token).await;
+    assert!(!proxy.armed(), "the release went through the proxy");
+    assert!(
+        !released.status().is_success(),
+        "its answer was lost: {}",
+        released.status()
+    );
+    let grant = within("the waiter's grant", Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter's task");
+    assert_eq!(grant.owner, "waiter");
+    assert!(grant.fence > holder.fence);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "granted {:?} after the release",
+        started.elapsed()
+    );
+    lock.release(&grant.token).await;
+}

@@ -12,10 +12,12 @@
 //! * [`postgres`]: a schema per test on the machine's PostgreSQL, and
 //!   throwaway clusters for tests that restart the server.
 //! * [`netns`]: network namespaces with veth links to cut, for partition tests.
+//! * [`proxy`]: a TCP proxy that loses the answer to a chosen request.
 
 pub mod netns;
 pub mod postgres;
 pub mod process;
+pub mod proxy;
 pub mod redis;
 pub mod zookeeper;
 

@@ -44,9 +44,11 @@ end
 -- instead (Redlock, where each node orders its queue its own way), as for a
 -- shared or semaphore head: "h<seq> <main key>" on its process's own channel
 -- names an exclusive head, "r" on the lock's channel lets every sidecar's
--- head try. With `keep` (a release, whose caller reads its reply), a lock
--- handed to a claim of the caller's own process is published to nobody: the
--- message goes into KEPT, for the reply. Returns true when it granted; the
+-- head try. With `keep` (a release, whose caller reads its reply) on one
+-- Redis, a lock handed to a claim of the caller's own process is published
+-- to nobody: the message goes into KEPT, for the reply. (Not in a Cluster,
+-- whose client may send a call again after losing its answer: the second
+-- run would find the lease handed over and tell nobody.) Returns true when it granted; the
 -- caller frees the main key otherwise.
 local KEPT
 local function hand_over(mode, alive, stem, keep)
@@ -88,7 +90,7 @@ local function hand_over(mode, alive, stem, keep)
       redis.call("SET", MAIN, lease_value(e.token, fence, NOW, NOW + len, 1, e.spec),
         "PX", string.format("%d", len + e.dl))
       local told = string.format("t%s %d %d %d %s", e.seq, fence, NOW, NOW + len, MAIN)
-      if keep and e.inst == alive then
+      if keep and mode == "1" and e.inst == alive then
         -- The caller's own claim: its sidecar reads the grant in the reply
         -- (and, should the reply be lost, has its head look again).
         KEPT = told

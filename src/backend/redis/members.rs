@@ -223,6 +223,10 @@ impl Member {
         let (holds, handed) = self.check(key, result)?;
         if let Some(h) = handed {
             deliver(&self.node, &self.tickets, &self.wakeups, key, h);
+        } else if holds.is_none() && self.wakeups.len(key) > 0 {
+            // Nothing to release: perhaps a run of this release whose answer
+            // was lost handed the lock to one of our waiters already.
+            lock(&self.suspect).insert(key.clone());
         }
         Ok(holds)
     }

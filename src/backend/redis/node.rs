@@ -155,6 +155,12 @@ impl Node {
                 let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(CALL_TIMEOUT)
                     .response_timeout(CALL_TIMEOUT)
+                    // Never sent twice: a script whose answer was lost may
+                    // have run, and a second run of a release takes a second
+                    // hold (or finds a lease it already handed over). A
+                    // moved slot answers 503 once; the client then reads
+                    // the new slot map.
+                    .retries(0)
                     .build()
                     .map_err(|e| bad_url(url, e))?;
                 let seeds = nodes

@@ -25,7 +25,7 @@ pub mod sidecar;
 pub mod sse;
 
 pub use sidelock_test_support::{
-    POLL_INTERVAL, eventually, free_port, netns, postgres, process, redis, within, zookeeper,
+    POLL_INTERVAL, eventually, free_port, netns, postgres, process, proxy, redis, within, zookeeper,
 };
 
 pub use api::{Api, Grant, Keepalive, Kind, Released, Resource};
