@@ -720,8 +720,10 @@ class Sidecar:
     proc: subprocess.Popen
 
 
-def start_sidecar(procs: Processes, sidelock: Path, backend: Backend, sidecar_id: str) -> Sidecar:
-    """``sidelock serve`` on a free port, ready (``GET /readyz`` 200)."""
+def start_sidecar(
+    procs: Processes, sidelock: Path, backend: Backend, sidecar_id: str, threads: int | None = None
+) -> Sidecar:
+    """``sidelock serve`` on a free port, ready (``GET /readyz`` 200); ``threads``: its ``--threads``."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDELOCK_")}
     env["SIDELOCK_LOG"] = "warn"
@@ -729,6 +731,8 @@ def start_sidecar(procs: Processes, sidelock: Path, backend: Backend, sidecar_id
         str(sidelock), "serve", "--listen", f"127.0.0.1:{port}", "--backend", backend.sidecar_url(),
         "--sidecar-id", sidecar_id, "--max-waiters", "100000",
     ]  # fmt: skip
+    if threads is not None:
+        argv += ["--threads", str(threads)]
     proc = procs.start(sidecar_id, argv, env)
     url = f"http://127.0.0.1:{port}"
     procs.wait_ready(sidecar_id, proc, lambda: http_status(f"{url}/readyz") == 200, f"sidecar {sidecar_id}")
@@ -948,7 +952,7 @@ def run_system(args, ctx, procs: Processes, system: str, backend: Backend, run_i
     try:
         if system.startswith("sidelock-"):
             for i in (0, 1):
-                sidecars.append(start_sidecar(procs, args.sidelock, backend, f"{system}-{run_id}-{i}"))
+                sidecars.append(start_sidecar(procs, args.sidelock, backend, f"{system}-{run_id}-{i}", args.sidecar_threads))
         meter = Meter(backend, sidecars)
         for workload in args.workloads:
             for n in args.procs_uncontended if workload == "uncontended" else args.procs_contended:
@@ -1148,6 +1152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the sidelock binary (default: target/release/sidelock)",
     )
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per point (default 5)")
+    p.add_argument(
+        "--sidecar-threads", type=int, help="the sidecars' --threads (default: unset, one worker per CPU)"
+    )
     p.add_argument(
         "--warmup", type=float, default=1.0, help="seconds of load before each point's counters are read (default 1)"
     )
