@@ -863,3 +863,94 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
     assert_eq!(java.ask("rrelease"), "RELEASED");
     java.send("quit");
 }
+
+/// An acquire whose create ran but whose answer was lost (a proxy resets
+/// the connection after it) leaves a claim node the sidecar deletes once
+/// it is back — unless its owner took that lease up meanwhile through
+/// another sidecar (re-entering it: count 2). Deleting it then took the
+/// owner's lease without a word and granted the lock to the next waiter.
+#[tokio::test]
+async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_it_up() {
+    let server = ZkServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let through_proxy = sidecar(&format!("zk://127.0.0.1:{}/lost", proxy.port())).await;
+    let direct = sidecar(&server.url("/lost")).await;
+    let name = unique_name("adopted");
+    let owner = unique_name("owner");
+    // The lock's node exists, so that the cut request is the claim's create.
+    let warm = direct.api().lock(&name).acquire(&[]).await;
+    direct.api().lock(&name).release(&warm.token).await;
+
+    proxy.cut_later(owner.as_bytes(), Duration::from_secs(2));
+    let lost = {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        tokio::spawn(async move { lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await })
+    };
+    // The create ran: its node holds the lock. Its owner takes the lease up
+    // through the other sidecar before the first one is back (its answer
+    // is held back, then cut 2 s after the create went through).
+    let lock = direct.api().lock(&name);
+    let port = server.client_port(0);
+    common::eventually(
+        "the unanswered create's node",
+        Duration::from_secs(10),
+        async || {
+            // Off this runtime, which also runs the proxy.
+            let dump = tokio::task::spawn_blocking(move || {
+                common::zookeeper::four_letter(port, "dump").unwrap_or_default()
+            })
+            .await
+            .expect("dump");
+            dump.contains(&format!("locks/{name}/_c_")).then_some(())
+        },
+    )
+    .await;
+    let taken_up = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        taken_up.count, 2,
+        "the owner re-entered the lease the lost create made"
+    );
+    let lost = lost.await.expect("the lost acquire's task");
+    assert!(!proxy.armed(), "the create went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    let waiter = {
+        let lock = direct.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "next"), ("wait", "60s")])
+                .await
+        })
+    };
+    // The sidecar behind the proxy reconnects and goes after its node.
+    common::eventually(
+        "the unanswered node handled",
+        Duration::from_secs(30),
+        async || {
+            let log = through_proxy.log();
+            (log.contains("claim node")).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the next waiter got the lock its owner holds"
+    );
+    lock.keepalive(&taken_up.token, &[]).await;
+    assert!(
+        through_proxy.log().contains("its owner took the lease up"),
+        "{}",
+        through_proxy.log()
+    );
+    assert_eq!(lock.release(&taken_up.token).await.count, 1);
+    assert!(
+        !waiter.is_finished(),
+        "the next waiter got the lock its owner holds once"
+    );
+    assert_eq!(lock.release(&taken_up.token).await.count, 0);
+    let granted = common::within("the next waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert_eq!(granted.status(), StatusCode::OK);
+}

@@ -13,13 +13,17 @@ use tokio::task::JoinHandle;
 /// already open keep going until either side closes).
 pub struct CuttingProxy {
     port: u16,
-    /// Bytes whose next client-to-server chunk is forwarded and then cut.
-    trigger: Arc<Mutex<Option<Vec<u8>>>>,
+    /// Bytes whose next client-to-server chunk is forwarded and then cut,
+    /// and how long after.
+    trigger: Arc<Trigger>,
     task: JoinHandle<()>,
 }
 
 /// How long the server has to run the cut request before the reset.
 const CUT_AFTER: Duration = Duration::from_millis(150);
+
+/// The trigger of a [`CuttingProxy`]: the bytes to look for, and the delay.
+type Trigger = Mutex<Option<(Vec<u8>, Duration)>>;
 
 impl CuttingProxy {
     /// Listens on a free loopback port, forwarding to `127.0.0.1:<target>`.
@@ -28,7 +32,7 @@ impl CuttingProxy {
             .await
             .expect("bind the proxy's port");
         let port = listener.local_addr().expect("proxy address").port();
-        let trigger: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let trigger: Arc<Trigger> = Arc::default();
         let armed = trigger.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -54,7 +58,12 @@ impl CuttingProxy {
     /// The next request (client-to-server chunk) containing `needle` is
     /// forwarded, and 150 ms later its client connection is reset.
     pub fn cut_after(&self, needle: &[u8]) {
-        *self.trigger.lock().expect("trigger") = Some(needle.to_vec());
+        self.cut_later(needle, CUT_AFTER);
+    }
+
+    /// As [`cut_after`](Self::cut_after), the reset `delay` after the request.
+    pub fn cut_later(&self, needle: &[u8], delay: Duration) {
+        *self.trigger.lock().expect("trigger") = Some((needle.to_vec(), delay));
     }
 
     /// Whether the armed cut is still to come.
@@ -69,33 +78,39 @@ impl Drop for CuttingProxy {
     }
 }
 
-/// Copies both ways until either side closes, or the trigger fires.
-async fn relay(client: TcpStream, server: TcpStream, trigger: &Mutex<Option<Vec<u8>>>) {
+/// Copies both ways until either side closes, or the trigger fires: then
+/// nothing more goes back to the client (what the client still sends goes
+/// on, so that a request split over several writes arrives whole), and
+/// after the trigger's delay the client's connection is reset.
+async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger) {
     let (mut from_client, mut to_client) = client.into_split();
     let (mut from_server, mut to_server) = server.into_split();
+    let cut: tokio::sync::watch::Sender<Option<Duration>> = tokio::sync::watch::Sender::new(None);
     let upstream = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match from_client.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
+                Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
             let chunk = &buf[..n];
-            let cut = {
+            let hit = {
                 let mut t = trigger.lock().expect("trigger");
-                let hit = t
-                    .as_deref()
-                    .is_some_and(|needle| chunk.windows(needle.len()).any(|w| w == needle));
+                let hit = t.as_ref().is_some_and(|(needle, _)| {
+                    chunk.windows(needle.len()).any(|w| w == needle.as_slice())
+                });
                 if hit {
-                    *t = None;
+                    t.take().map(|(_, delay)| delay)
+                } else {
+                    None
                 }
-                hit
             };
-            if to_server.write_all(chunk).await.is_err() {
-                return false;
+            // Before the request goes: its answer must not get back.
+            if hit.is_some() {
+                cut.send_replace(hit);
             }
-            if cut {
-                return true;
+            if to_server.write_all(chunk).await.is_err() {
+                return;
             }
         }
     };
@@ -106,22 +121,33 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Mutex<Option<Vec<
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if cut.borrow().is_some() {
+                continue;
+            }
             if to_client.write_all(&buf[..n]).await.is_err() {
                 return;
             }
         }
     };
-    let cut = tokio::select! {
-        cut = upstream => cut,
-        () = downstream => false,
+    let mut fired = cut.subscribe();
+    let reset = async {
+        let Ok(delay) = fired
+            .wait_for(Option::is_some)
+            .await
+            .map(|d| d.unwrap_or_default())
+        else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep(delay).await;
     };
-    if cut {
-        // Nothing more goes back to the client (the answer stays in the
-        // proxy's socket), and then a reset (linger 0) instead of a close.
-        tokio::time::sleep(CUT_AFTER).await;
-        if let Ok(client) = from_client.reunite(to_client) {
-            let _ = client.set_zero_linger();
-            drop(client);
-        }
+    let reset_now = tokio::select! {
+        () = upstream => false,
+        () = downstream => false,
+        () = reset => true,
+    };
+    if reset_now && let Ok(client) = from_client.reunite(to_client) {
+        // A reset (linger 0) instead of a close.
+        let _ = client.set_zero_linger();
+        drop(client);
     }
 }

@@ -68,6 +68,13 @@ struct Unclaimed {
     parent: String,
     /// The node's name without its sequence: `_c_<uuid>-<infix>`.
     prefix: String,
+    /// The node's data version after this sidecar's own writes (0: as
+    /// created), and whether a write of its own whose answer may be lost
+    /// is on its way (one version more). A later version means its owner
+    /// took the lease up through another sidecar (re-entered it): then the
+    /// node is left alone.
+    version: i32,
+    writing: bool,
     armed: bool,
 }
 
@@ -93,6 +100,7 @@ impl Drop for Unclaimed {
                 self.zk.clone(),
                 std::mem::take(&mut self.parent),
                 std::mem::take(&mut self.prefix),
+                Some((self.version, self.writing)),
             );
             runtime.spawn(discard);
         }
@@ -225,20 +233,39 @@ impl Inner {
     /// Deletes the children of `parent` whose names start with `prefix`,
     /// retrying while ZooKeeper is unreachable, until they are gone, the
     /// session that owns them ends (which deletes them) or the backend
-    /// closes.
-    async fn discard(self: Arc<Self>, zk: zk::Client, parent: String, prefix: String) {
+    /// closes. With `expected` (this sidecar's last version of the node,
+    /// and whether a write of its own may have added one), a node written
+    /// since by someone else — its owner re-entered the lease through
+    /// another sidecar — is theirs, and stays.
+    pub(super) async fn discard(
+        self: Arc<Self>,
+        zk: zk::Client,
+        parent: String,
+        prefix: String,
+        expected: Option<(i32, bool)>,
+    ) {
         let mut pause = Duration::from_millis(100);
         loop {
             let attempt = async {
                 for name in zk.list_children(&parent).await? {
-                    if name.starts_with(&prefix) {
-                        match zk.delete(&format!("{parent}/{name}"), None).await {
-                            Ok(()) | Err(zk::Error::NoNode) => {
-                                tracing::info!(backend = "zookeeper", node = %name, %parent,
-                                    "deleted a claim node its request could not account for");
-                            }
-                            Err(e) => return Err(e),
+                    if !name.starts_with(&prefix) {
+                        continue;
+                    }
+                    let path = format!("{parent}/{name}");
+                    let mut deleted = zk.delete(&path, expected.map(|(v, _)| v)).await;
+                    if let (Err(zk::Error::BadVersion), Some((v, true))) = (&deleted, expected) {
+                        deleted = zk.delete(&path, Some(v + 1)).await;
+                    }
+                    match deleted {
+                        Ok(()) | Err(zk::Error::NoNode) => {
+                            tracing::info!(backend = "zookeeper", node = %name, %parent,
+                                "deleted a claim node its request could not account for");
                         }
+                        Err(zk::Error::BadVersion) => {
+                            tracing::info!(backend = "zookeeper", node = %name, %parent,
+                                "left a claim node its request could not account for: its owner took the lease up");
+                        }
+                        Err(e) => return Err(e),
                     }
                 }
                 Ok(())
@@ -353,6 +380,8 @@ impl ZooKeeper {
                     zk: zk.clone(),
                     parent: parent.clone(),
                     prefix: node_prefix(infix),
+                    version: 0,
+                    writing: false,
                     armed: true,
                 };
                 let prefix = format!("{parent}/{}", unclaimed.prefix);
@@ -402,10 +431,16 @@ impl ZooKeeper {
                 let data = granted(own.data.clone(), max_hold, now_ms());
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 // Sent as the request's future is made, before the listing's.
+                if let Some(node) = unclaimed.as_mut() {
+                    node.writing = true;
+                }
                 let write = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
                 let (written, listing) = tokio::join!(write, me.children(&zk, op, &parent));
                 match written? {
                     Ok(stat) => {
+                        if let Some(node) = unclaimed.as_mut() {
+                            (node.version, node.writing) = (stat.version, false);
+                        }
                         own = Own { data, stat, ..own };
                         if let Turn::Queued(t) = turn
                             && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
@@ -525,8 +560,16 @@ impl ZooKeeper {
                     };
                     Some(me.hold(&zk, lease, listing.parent.clone()).await?)
                 } else {
-                    me.grant(&zk, &path, &own, max_hold, &listing.parent)
-                        .await?
+                    if let Some(node) = unclaimed.as_mut() {
+                        node.writing = true;
+                    }
+                    let grant = me
+                        .grant(&zk, &path, &own, max_hold, &listing.parent)
+                        .await?;
+                    if let Some(node) = unclaimed.as_mut() {
+                        node.writing = false;
+                    }
+                    grant
                 };
                 if let Some(grant) = grant {
                     if let Turn::Queued(t) = turn {
@@ -654,7 +697,7 @@ impl ZooKeeper {
             Ok(Err(e)) => Err(unavailable("dequeue", e)),
             // The ticket is forgotten already: its node must not outlive it.
             Err(e) => {
-                tokio::spawn(me.clone().discard(zk, parent, name));
+                tokio::spawn(me.clone().discard(zk, parent, name, None));
                 Err(e)
             }
         }
