@@ -472,18 +472,10 @@ impl Backend for Redlock {
                 m.node.release(key, token)
             })
             .await;
-        let remaining: Vec<u32> = answers
-            .iter()
-            .filter_map(|a| a.as_ref().ok().copied().flatten())
-            .collect();
-        let gone = answers.iter().filter(|a| matches!(a, Ok(None))).count();
-        if remaining.len() >= self.quorum {
-            return Ok(remaining.into_iter().max());
+        if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
+            return Err(timed_out("release"));
         }
-        if gone > self.members.len() - self.quorum {
-            return Ok(None);
-        }
-        Err(timed_out("release"))
+        Ok(majority_holds(&answers, self.quorum))
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
@@ -641,5 +633,64 @@ impl Backend for Redlock {
 
     async fn close(&self) {
         self.stop.cancel();
+    }
+}
+
+/// What a release answered by at least a quorum of nodes leaves the
+/// owner: `None` when a quorum held nothing of the token (the lease was
+/// gone before it), else the holds a majority of the nodes still keeps (a
+/// node that did not answer, or holds nothing, counts as keeping none:
+/// never tell an owner it holds what a majority let go). Nodes differ when
+/// an attempt's answer was lost after a node counted it (a failed re-entry
+/// leaves that node one hold ahead).
+fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32> {
+    if answers.iter().filter(|a| matches!(a, Ok(None))).count() >= quorum {
+        return None;
+    }
+    let mut holds: Vec<u32> = answers
+        .iter()
+        .map(|a| a.as_ref().ok().copied().flatten().unwrap_or(0))
+        .collect();
+    holds.sort_unstable_by(|x, y| y.cmp(x));
+    Some(holds.get(quorum - 1).copied().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{majority_holds, timed_out};
+
+    #[test]
+    fn a_release_reports_what_a_majority_keeps() {
+        let gone = || Ok(None);
+        let down = || Err(timed_out("release"));
+        // Every node released one of two holds.
+        assert_eq!(
+            majority_holds(&[Ok(Some(1)), Ok(Some(1)), Ok(Some(1))], 2),
+            Some(1)
+        );
+        // One node a hold ahead (a failed re-entry's lost answer): the
+        // majority let go.
+        assert_eq!(
+            majority_holds(&[Ok(Some(0)), Ok(Some(1)), gone()], 2),
+            Some(0)
+        );
+        assert_eq!(
+            majority_holds(&[Ok(Some(0)), Ok(Some(1)), down()], 2),
+            Some(0)
+        );
+        assert_eq!(
+            majority_holds(&[Ok(Some(2)), Ok(Some(1)), Ok(Some(1))], 2),
+            Some(1)
+        );
+        // Gone on a quorum before this release: lost.
+        assert_eq!(majority_holds(&[gone(), gone(), Ok(Some(0))], 2), None);
+        assert_eq!(
+            majority_holds(&[gone(), gone(), gone(), Ok(Some(3)), Ok(Some(3))], 3),
+            None
+        );
+        assert_eq!(
+            majority_holds(&[gone(), gone(), down(), Ok(Some(3)), Ok(Some(3))], 3),
+            Some(0)
+        );
     }
 }

@@ -308,3 +308,54 @@ async fn a_semaphore_in_use_with_more_than_one_permit_is_refused_without_limit()
         assert!(state.waiters.is_empty(), "{state:?}");
     }
 }
+
+/// A re-entry that fails for want of a quorum (one node down, another's
+/// answer lost after it counted the hold) leaves that node one hold ahead;
+/// the owner's next release must not then report the highest count left on
+/// any node: it said "one hold left" while a majority had let the lock go,
+/// and another owner got it. A release reports the holds a majority keeps.
+#[tokio::test]
+async fn a_release_reports_the_holds_a_majority_keeps_not_the_most_any_node_keeps() {
+    let mut nodes = RedisNodes::start(3).await;
+    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await;
+    let through_proxy = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        nodes.nodes[0].port(),
+        proxy.port(),
+        nodes.nodes[2].port()
+    );
+    let a = SidecarBuilder::new(&through_proxy).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("majority-count");
+    let owner = unique_name("owner");
+    let lock = a.api().lock(&name);
+    nodes.nodes[2].kill();
+    let first = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(first.count, 1);
+
+    proxy.cut_after(owner.as_bytes());
+    let again = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the re-entry went through the proxy");
+    assert!(
+        !again.status().is_success(),
+        "one node answered: no quorum ({})",
+        again.status()
+    );
+    nodes.nodes[2].restart().await;
+    // The nodes the sidecar reaches again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let released = lock.release_raw(&first.token).await;
+    let status = released.status();
+    let body: serde_json::Value = released.json().await.expect("release's answer");
+    let other = b
+        .api()
+        .lock(&name)
+        .acquire_raw(&[("owner", "other"), ("ttl", "60s")])
+        .await;
+    let told_it_holds = status.is_success() && body["count"].as_u64().unwrap_or(0) > 0;
+    assert!(
+        !(told_it_holds && other.status().is_success()),
+        "the owner was told it still holds ({body}) and another owner got the lock"
+    );
+}
