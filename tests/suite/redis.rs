@@ -1783,3 +1783,40 @@ async fn a_cluster_handoff_whose_release_answer_is_lost_reaches_its_waiter_at_on
     );
     lock.release(&grant.token).await;
 }
+
+/// An acquire whose answer is lost after Redis granted it (a proxy resets
+/// the connection under it) answers 503 — and the lease it made, which
+/// nobody holds, is released in the background: another owner gets the
+/// lock within seconds, not when that lease's ttl ends.
+#[tokio::test]
+async fn a_lease_granted_while_its_answer_was_lost_is_released() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let direct = sidecar(&server).await;
+    let name = unique_name("grant-lost");
+    let owner = unique_name("owner");
+    // Loads the scripts, so that the cut call is the acquire itself.
+    let lock = through_proxy.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let started = Instant::now();
+    let other = direct
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "other"), ("wait", "20s")])
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "granted after {:?}: the unanswered lease had to run out",
+        started.elapsed()
+    );
+    direct.api().lock(&name).release(&other.token).await;
+}

@@ -69,7 +69,7 @@ use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{
-    Attempt, Backend, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
+    Attempt, Backend, Cause, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
     Ticket, Turn, Watch,
 };
 use crate::lock::{Claim, LockKey, Token};
@@ -134,9 +134,19 @@ impl Backend for Redis {
             Turn::Join => Step::Join,
             Turn::Queued(t) => Step::Queued(t.seq),
         };
-        self.member
-            .try_acquire(claim, step, &Token::generate(), true, 0)
-            .await
+        let token = Token::generate();
+        let result = self.member.try_acquire(claim, step, &token, true, 0).await;
+        let lost = result.as_ref().err().and_then(Error::cause);
+        if matches!(step, Step::Once | Step::Join)
+            && matches!(lost, Some(Cause::TimedOut | Cause::ConnectionLost))
+        {
+            // The script may have granted the new token all the same (its
+            // answer lost): nobody would hold that lease until its ttl.
+            let (member, key, stop) = (self.member.clone(), claim.key.clone(), self.stop.clone());
+            let until = tokio::time::Instant::now() + claim.ttl;
+            tokio::spawn(release_unanswered(member, key, token, until, stop));
+        }
+        result
     }
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
@@ -201,6 +211,39 @@ impl Backend for Redis {
 
     async fn close(&self) {
         self.stop.cancel();
+    }
+}
+
+/// Releases `token`, the new lease of an attempt on `key` whose answer was
+/// lost, retrying until Redis answers, and once more after a call's time
+/// limit (the script may run after its answer timed out); never past
+/// `until`, when such a lease would have ended anyway. Harmless when the
+/// attempt granted nothing or re-entered another lease: a release by a
+/// token that holds nothing changes nothing.
+async fn release_unanswered(
+    member: Arc<Member>,
+    key: LockKey,
+    token: Token,
+    until: tokio::time::Instant,
+    stop: CancellationToken,
+) {
+    let mut pause = Duration::from_millis(250);
+    for round in 0..2 {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep_until(until) => return,
+                () = tokio::time::sleep(if round == 0 { pause } else { CALL_TIMEOUT }) => {}
+            }
+            match member.release(&key, &token).await {
+                Ok(Some(_)) => {
+                    tracing::info!(lock = %key, "released a lease whose grant never reached its client");
+                    break;
+                }
+                Ok(None) => break,
+                Err(_) => pause = (pause * 2).min(Duration::from_secs(5)),
+            }
+        }
     }
 }
 
