@@ -1619,11 +1619,23 @@ async fn a_release_that_times_out_in_a_cluster_runs_once_at_most() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let released = lock.release_raw(&first.token).await;
-    assert_eq!(
-        released.status(),
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the release's answer timed out"
-    );
+    // On a loaded machine the release may come before the busy scripts:
+    // then it answered, and one hold is left.
+    let answered = match released.status() {
+        StatusCode::OK => {
+            let body: Value = released.json().await.expect("release's answer");
+            assert_eq!(body["count"], 1, "{body}");
+            true
+        }
+        status => {
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the release's answer timed out"
+            );
+            false
+        }
+    };
     while busy_nodes.join_next().await.is_some() {}
     // The release ran (at most) once: the owner holds the lock once more.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1633,10 +1645,11 @@ async fn a_release_that_times_out_in_a_cluster_runs_once_at_most() {
         StatusCode::CONFLICT,
         "another owner got the lock its owner still holds once"
     );
-    // Once or not at all: one or two holds are left.
+    // Once or not at all: one or two holds are left (one when it answered).
     lock.keepalive(&first.token, &[]).await;
     let mut left = lock.release(&first.token).await.count;
     if left == 1 {
+        assert!(!answered, "two holds were left after an answered release");
         left = lock.release(&first.token).await.count;
     }
     assert_eq!(left, 0, "the owner's holds came down one release at a time");
