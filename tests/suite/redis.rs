@@ -1833,3 +1833,100 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
     );
     direct.api().lock(&name).release(&other.token).await;
 }
+
+/// A slot moving between Cluster masters while its lock is held and waited
+/// for never lets a script run on part of the lock's keys, and once it has
+/// moved the lock answers at once. `MIGRATE` moves keys one at a time: with
+/// the fence counter already on the new master, the old one (which still
+/// had the lease and the queue) ran the release told of the main key only,
+/// took the waiter out of the queue and stopped at the fence counter it no
+/// longer had (Redis 7 checks each key a script touches; a server that did
+/// not would have counted fences from 1 again): the waiter was lost from the
+/// queue. Now nothing runs until the slot has moved (503), and the first
+/// call after it, answered MOVED, is sent again rather than answered 503.
+#[tokio::test]
+async fn a_lock_whose_slot_is_moving_keeps_its_fences_increasing() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let name = unique_name("moving");
+    let lock = sidecar.api().lock(&name);
+    for _ in 0..3 {
+        let g = lock.acquire(&[]).await;
+        lock.release(&g.token).await;
+    }
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = queue_waiter(&sidecar, &name, "60s").await;
+
+    let main = format!("sidelock:{name}");
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", &main]).await;
+    let slot = slot.to_string();
+    let mut source = None;
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        let keys: i64 = node.cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).await;
+        if keys > 0 {
+            source = Some(i);
+        }
+    }
+    let source = source.expect("the master that has the lock's keys");
+    let target = (source + 1) % cluster.nodes.len();
+    let (from, to) = (&cluster.nodes[source], &cluster.nodes[target]);
+    let from_id: String = from.cmd(&["CLUSTER", "MYID"]).await;
+    let to_id: String = to.cmd(&["CLUSTER", "MYID"]).await;
+    let to_port = to.port().to_string();
+    let _: String = to
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])
+        .await;
+    let _: String = from
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])
+        .await;
+    // The fence counter goes first, as it may in `redis-cli --cluster reshard`.
+    let fence_key = format!("{{{main}}}:fence");
+    let moved: String = from
+        .cmd(&["MIGRATE", "127.0.0.1", &to_port, &fence_key, "0", "5000"])
+        .await;
+    assert_eq!(moved, "OK");
+
+    let released = lock.release_raw(&holder.token).await;
+    if released.status().is_success() {
+        let grant = within("the waiter's grant", Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter's task");
+        panic!(
+            "a release ran on a master that had part of the lock's keys: the waiter got fence {} after the holder's {}",
+            grant.fence, holder.fence
+        );
+    }
+    assert_eq!(released.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    // The rest of the slot moves, and the slot is the new master's.
+    let keys: Vec<String> = from.cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]).await;
+    for key in &keys {
+        let moved: String = from
+            .cmd(&["MIGRATE", "127.0.0.1", &to_port, key, "0", "5000"])
+            .await;
+        assert_eq!(moved, "OK", "{key}");
+    }
+    for node in &cluster.nodes {
+        let _: String = node
+            .cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])
+            .await;
+    }
+    let state = lock.inspect().await;
+    assert_eq!(
+        (state.holders.len(), state.waiters.len()),
+        (1, 1),
+        "the holder and its waiter after the move: {state:?}"
+    );
+    let released = lock.release(&holder.token).await;
+    assert_eq!(released.count, 0);
+    let grant = within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(
+        grant.fence > holder.fence,
+        "the waiter's fence {} is not above the holder's {}",
+        grant.fence,
+        holder.fence
+    );
+    lock.release(&grant.token).await;
+}

@@ -2,9 +2,11 @@
 -- cases need, so that they pay for neither the prelude's set-up nor keys
 -- and arguments they do not read.
 --
--- KEYS[1] is the lock's main key, the only key a script is given: its side
--- keys are "{<main>}:<suffix>", in the main key's Cluster slot (the braces
--- are a hash tag), derived here when needed. ARGV[1] is the kind: "l" (a
+-- KEYS[1] is the lock's main key, the only key a script reads from KEYS: its
+-- side keys are "{<main>}:<suffix>", in the main key's Cluster slot (the
+-- braces are a hash tag), derived here when needed. (A Cluster is given
+-- them too, so that a master runs no script while it has only part of
+-- them: SIDE_KEYS in scripts.rs.) ARGV[1] is the kind: "l" (a
 -- lock or an election) or "s" (a semaphore); the rest is each script's own.
 --
 -- An exclusive lease lives in the main key alone: "<token> <fence> <since

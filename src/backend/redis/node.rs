@@ -158,8 +158,8 @@ impl Node {
                     // Never sent twice: a script whose answer was lost may
                     // have run, and a second run of a release takes a second
                     // hold (or finds a lease it already handed over). A
-                    // moved slot answers 503 once; the client then reads
-                    // the new slot map.
+                    // call answered MOVED, which ran nowhere, is sent
+                    // again by `run`.
                     .retries(0)
                     .build()
                     .map_err(|e| bad_url(url, e))?;
@@ -313,7 +313,8 @@ impl Node {
     /// Prepares a script call on the lock's main key (the scripts derive its
     /// side keys) with its kind as the first argument.
     pub(super) fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> Call<'a> {
-        let mut inv = Call::new(script, &self.base(key));
+        let cluster = matches!(self.target, Target::Cluster { .. });
+        let mut inv = Call::new(script, &self.base(key), cluster);
         inv.arg(match key.kind {
             // An election is an exclusive lock to the scripts.
             Kind::Lock | Kind::Election => "l",
@@ -327,9 +328,38 @@ impl Node {
         op: &'static str,
         inv: Call<'_>,
     ) -> Result<T, Error> {
-        self.with_conn(op, async |c| inv.invoke(c).await).await
+        let mut redirects = 0;
+        loop {
+            let mut moved = false;
+            let answer = self
+                .with_conn(op, async |c| {
+                    let answer = inv.invoke(c).await;
+                    moved = answer.as_ref().is_err_and(|e| {
+                        e.kind() == ErrorKind::Server(redis::ServerErrorKind::Moved)
+                    });
+                    answer
+                })
+                .await;
+            // A Cluster master that no longer serves the slot answers MOVED
+            // having run nothing, so the call is sent again once the client
+            // has read the new slot map (which that answer starts): a slot
+            // that moved is not an outage. (Lost answers are never sent
+            // again: see `retries(0)` in [`Node::open`].)
+            if !moved || redirects == MAX_REDIRECTS {
+                return answer;
+            }
+            redirects += 1;
+            tokio::time::sleep(REDIRECT_PAUSE * redirects).await;
+        }
     }
 }
+
+/// How often a call a Cluster master answered MOVED is sent again.
+const MAX_REDIRECTS: u32 = 5;
+
+/// The pause before the first resend after a MOVED (longer before each
+/// next): the client reads the new slot map meanwhile.
+const REDIRECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// String keys matching `pattern` that have no expiry, on one server.
 pub(super) async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, RedisError> {

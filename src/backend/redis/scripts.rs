@@ -34,20 +34,6 @@ pub(super) fn handing_script(fast: &str, body: &str) -> Script {
     Script::new(&format!("{LEAN}\n{HAND_OVER}\n{fast}\n{PRELUDE}\n{body}"))
 }
 
-/// The suffixes of a lock's side keys `{<base>}:<suffix>` (the scripts
-/// derive them from the main key, their only key).
-#[cfg(test)]
-pub(super) const SIDE_KEYS: [&str; 8] = [
-    "fence",
-    "seq",
-    "q",
-    "heartbeat",
-    "holders",
-    "expiry",
-    "delay",
-    "limit",
-];
-
 /// The compiled scripts.
 pub(super) struct Scripts {
     pub(super) acquire: Script,
@@ -100,11 +86,41 @@ pub(super) struct Call<'a> {
     pub(super) cmd: Cmd,
 }
 
+/// The suffixes of a lock's side keys, `{<main>}:<suffix>` (prelude.lua;
+/// the scripts derive them from the main key).
+///
+/// A Cluster is told all of a script's keys, not only the main key: while
+/// a slot moves between masters (`MIGRATE` moves its keys one at a time),
+/// a master runs a script only when it has every key it was told of, and
+/// otherwise answers `TRYAGAIN` or `ASK` (the call answers 503). Told only
+/// the main key, the old master ran a release on part of the lock's keys:
+/// with the fence counter already moved, it counted fences from 1 again.
+pub(super) const SIDE_KEYS: [&str; 8] = [
+    "fence",
+    "seq",
+    "q",
+    "heartbeat",
+    "holders",
+    "expiry",
+    "delay",
+    "limit",
+];
+
 impl<'a> Call<'a> {
-    /// A call on the lock whose main key is `main`.
-    pub(super) fn new(script: &'a Script, main: &str) -> Self {
-        let mut cmd = Cmd::with_capacity(16, 256);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(main);
+    /// A call on the lock whose main key is `main`. The scripts read only
+    /// the main key from `KEYS` and derive the side keys; `all_keys` also
+    /// names the side keys, for a Cluster (see [`SIDE_KEYS`]).
+    pub(super) fn new(script: &'a Script, main: &str, all_keys: bool) -> Self {
+        let mut cmd = Cmd::with_capacity(if all_keys { 24 } else { 16 }, 256);
+        cmd.arg("EVALSHA").arg(script.get_hash());
+        if all_keys {
+            cmd.arg(1 + SIDE_KEYS.len()).arg(main);
+            for suffix in SIDE_KEYS {
+                cmd.arg(format!("{{{main}}}:{suffix}"));
+            }
+        } else {
+            cmd.arg(1).arg(main);
+        }
         Self { script, cmd }
     }
 
