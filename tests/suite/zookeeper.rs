@@ -15,6 +15,7 @@ use common::zookeeper::ZkServer;
 use common::{SidecarBuilder, SidecarGuard, unique_name};
 use nix::sys::signal::Signal;
 use reqwest::StatusCode;
+use serde_json::Value;
 
 async fn sidecar(url: &str) -> SidecarGuard {
     SidecarBuilder::new(url).start().await
@@ -894,7 +895,8 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
     let port = server.client_port(0);
     common::eventually(
         "the unanswered create's node",
-        Duration::from_secs(10),
+        // A cold server and the reconnecting proxy can take a while.
+        Duration::from_secs(30),
         async || {
             // Off this runtime, which also runs the proxy.
             let dump = tokio::task::spawn_blocking(move || {
@@ -953,4 +955,57 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
         .await
         .expect("the waiter's task");
     assert_eq!(granted.status(), StatusCode::OK);
+}
+
+/// A connection reset while a listing's multi-read is on its way is an
+/// outage, not a server without multi-reads: it took the sidecar to three
+/// requests per listing for the rest of its life (4 per uncontended pair
+/// instead of 3).
+#[tokio::test]
+async fn a_reset_during_a_listing_keeps_listings_in_one_request() {
+    const PAIRS: u64 = 50;
+    let server = ZkServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let a = sidecar(&format!("zk://127.0.0.1:{}/reset", proxy.port())).await;
+    let lock = a.api().lock(&unique_name("reset"));
+    let grant = lock.acquire(&[]).await;
+    lock.release(&grant.token).await;
+
+    // Only a listing reads the delay node.
+    proxy.cut_after(b"_sidelock_delay");
+    let cut = lock.acquire_raw(&[]).await;
+    assert!(!proxy.armed(), "a listing went through the proxy");
+    if cut.status().is_success() {
+        let body: Value = cut.json().await.expect("json");
+        lock.release(body["token"].as_str().expect("token")).await;
+    }
+    // The sidecar is back.
+    common::eventually(
+        "an acquire after the reset",
+        Duration::from_secs(30),
+        async || {
+            let r = lock.acquire_raw(&[]).await;
+            if !r.status().is_success() {
+                return None;
+            }
+            let body: Value = r.json().await.ok()?;
+            lock.release(body["token"].as_str()?).await;
+            Some(())
+        },
+    )
+    .await;
+
+    let before = server.packets_received();
+    for _ in 0..PAIRS {
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+    }
+    // Less this second `mntr`.
+    let requests = server.packets_received() - before - 1;
+    let per_pair = requests as f64 / PAIRS as f64;
+    assert!(
+        per_pair < 3.5,
+        "{per_pair:.2} ZooKeeper requests per uncontended pair after a reset; 3 expected:\n{}",
+        a.log()
+    );
 }

@@ -197,13 +197,18 @@ impl Inner {
             }
             match call(op, reader.commit()).await? {
                 Ok(results) => return Self::listing_of(op, results),
-                // Not an outage, and no answer to one of the reads (those
-                // come in the results): a server that has no multi-read.
-                Err(e) => {
-                    tracing::info!(backend = "zookeeper", error = %e,
-                        "ZooKeeper refused a multi-read (it has one from 3.6 on); listing with separate requests");
+                // A server that has no multi-read answers UNIMPLEMENTED.
+                // Anything else (a connection reset comes as an I/O error)
+                // says nothing of the server: an outage, and the next
+                // listing is a multi-read again.
+                Err(zk::Error::Unimplemented) => {
+                    tracing::info!(
+                        backend = "zookeeper",
+                        "ZooKeeper refused a multi-read (it has one from 3.6 on); listing with separate requests"
+                    );
                     self.multi_read.store(false, Relaxed);
                 }
+                Err(e) => return Err(unavailable(op, e)),
             }
         }
         let names = match call(op, zk.list_children(path)).await? {
