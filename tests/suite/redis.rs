@@ -1930,3 +1930,57 @@ async fn a_lock_whose_slot_is_moving_keeps_its_fences_increasing() {
     );
     lock.release(&grant.token).await;
 }
+
+/// The wall clock in ms, as the sidecar reports times.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64
+}
+
+/// A lease's `expires_at_ms` is never later than its end in Redis, however
+/// slowly answers come back. The sidecar took the server's clock off a
+/// reply as the reply arrived: with answers held back 300 ms it told its
+/// client that the lease ran 300 ms longer than it did (a client that stops
+/// writing at its expiry wrote on after another was granted). An expiry is
+/// now read with the server's clock as of the call's sending.
+#[tokio::test]
+async fn a_leases_expiry_is_never_later_than_its_end_when_answers_are_slow() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let name = unique_name("slow");
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+    // The lease's end, read straight from Redis (not through the proxy).
+    let end = async || {
+        let left: i64 = server.cmd(&["PTTL", &format!("sidelock:{name}")]).await;
+        assert!(left > 0, "the lease's key has a ttl: {left}");
+        wall_ms() + left as u64
+    };
+
+    proxy.slow_answers(Duration::from_millis(300));
+    for _ in 0..3 {
+        let grant = lock.acquire(&[("ttl", "5s")]).await;
+        let ends = end().await;
+        assert!(
+            grant.expires_at_ms <= ends + 1,
+            "the lease ends at {ends} in Redis, its acquire said {} ({} ms late)",
+            grant.expires_at_ms,
+            grant.expires_at_ms - ends
+        );
+        let kept = lock.keepalive(&grant.token, &[("ttl", "5s")]).await;
+        let ends = end().await;
+        assert!(
+            kept.expires_at_ms <= ends + 1,
+            "the lease ends at {ends} in Redis, its keepalive said {} ({} ms late)",
+            kept.expires_at_ms,
+            kept.expires_at_ms - ends
+        );
+        lock.release(&grant.token).await;
+    }
+}

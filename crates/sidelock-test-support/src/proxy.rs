@@ -1,6 +1,7 @@
 //! A loopback TCP proxy that can lose one answer: the request carrying
 //! chosen bytes reaches the server, and its client's connection is reset
-//! before the answer comes back (the call ran; its caller cannot know).
+//! before the answer comes back (the call ran; its caller cannot know). It
+//! can also hold every answer back for a while (a slow way back).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,6 +17,8 @@ pub struct CuttingProxy {
     /// Bytes whose next client-to-server chunk is forwarded and then cut,
     /// and how long after.
     trigger: Arc<Trigger>,
+    /// How long each answer is held back before it goes to the client.
+    slow: Arc<Mutex<Duration>>,
     task: JoinHandle<()>,
 }
 
@@ -33,13 +36,14 @@ impl CuttingProxy {
             .expect("bind the proxy's port");
         let port = listener.local_addr().expect("proxy address").port();
         let trigger: Arc<Trigger> = Arc::default();
-        let armed = trigger.clone();
+        let slow: Arc<Mutex<Duration>> = Arc::default();
+        let (armed, slowed) = (trigger.clone(), slow.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let armed = armed.clone();
+                let (armed, slowed) = (armed.clone(), slowed.clone());
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await {
-                        relay(client, server, &armed).await;
+                        relay(client, server, &armed, &slowed).await;
                     }
                 });
             }
@@ -47,6 +51,7 @@ impl CuttingProxy {
         Self {
             port,
             trigger,
+            slow,
             task,
         }
     }
@@ -66,6 +71,12 @@ impl CuttingProxy {
         *self.trigger.lock().expect("trigger") = Some((needle.to_vec(), delay));
     }
 
+    /// Holds every answer (server-to-client chunk) back for `delay` from
+    /// now on; requests go at once.
+    pub fn slow_answers(&self, delay: Duration) {
+        *self.slow.lock().expect("slow") = delay;
+    }
+
     /// Whether the armed cut is still to come.
     pub fn armed(&self) -> bool {
         self.trigger.lock().expect("trigger").is_some()
@@ -82,7 +93,7 @@ impl Drop for CuttingProxy {
 /// nothing more goes back to the client (what the client still sends goes
 /// on, so that a request split over several writes arrives whole), and
 /// after the trigger's delay the client's connection is reset.
-async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger) {
+async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &Mutex<Duration>) {
     let (mut from_client, mut to_client) = client.into_split();
     let (mut from_server, mut to_server) = server.into_split();
     let cut: tokio::sync::watch::Sender<Option<Duration>> = tokio::sync::watch::Sender::new(None);
@@ -123,6 +134,10 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger) {
             };
             if cut.borrow().is_some() {
                 continue;
+            }
+            let delay = *slow.lock().expect("slow");
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
             }
             if to_client.write_all(&buf[..n]).await.is_err() {
                 return;

@@ -100,15 +100,16 @@ impl Node {
             .arg(claim.limit.unwrap_or(0))
             .arg(if fifo { "1" } else { "0" })
             .arg(max_permits);
+        let sent = now_ms();
         let reply: Vec<Value> = self.run("try_acquire", inv).await?;
-        let clock = self.clock(&reply, 1);
+        let clock = self.clock(&reply, 1, sent);
         match int(&reply, 0) {
             1 => Ok(Attempt::Granted(Grant {
                 token: Token::from_client(text(&reply, 2)),
                 fence: int(&reply, 3) as u64,
                 count: int(&reply, 4) as u32,
                 since_ms: clock.local(int(&reply, 5)),
-                expires_at_ms: clock.local(int(&reply, 6)),
+                expires_at_ms: clock.end(int(&reply, 6)),
             })),
             0 => {
                 let seq = int(&reply, 6);
@@ -168,10 +169,11 @@ impl Node {
     ) -> Result<Option<u64>, Error> {
         let mut inv = self.invocation(&self.scripts.renew, key);
         inv.arg(token.expose()).arg(ttl.map_or(0, ms));
+        let sent = now_ms();
         let reply: Vec<Value> = self.run("renew", inv).await?;
-        let clock = self.clock(&reply, 0);
+        let clock = self.clock(&reply, 0, sent);
         let e = int(&reply, 1);
-        Ok((e >= 0).then(|| clock.local(e)))
+        Ok((e >= 0).then(|| clock.end(e)))
     }
 
     /// Releases one hold: the holds left (`None`: the token holds nothing).
@@ -208,12 +210,13 @@ impl Node {
     pub async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
         let mut inv = self.invocation(&self.scripts.status, key);
         inv.arg(token.expose());
+        let sent = now_ms();
         let reply: Vec<Value> = self.run("status", inv).await?;
-        let clock = self.clock(&reply, 0);
+        let clock = self.clock(&reply, 0, sent);
         let e = int(&reply, 1);
         Ok(if e >= 0 {
             Status::Held {
-                expires_at_ms: clock.local(e),
+                expires_at_ms: clock.end(e),
             }
         } else {
             Status::Gone(Loss::Expired)
@@ -223,6 +226,7 @@ impl Node {
     /// The global state of one key.
     pub async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
         let inv = self.invocation(&self.scripts.inspect, key);
+        let sent = now_ms();
         let reply: Vec<Value> = self.run("inspect", inv).await?;
         if reply.len() > 5 {
             return Err(Error::KeyConflict {
@@ -230,7 +234,7 @@ impl Node {
                 found: text(&reply, 6),
             });
         }
-        let clock = self.clock(&reply, 0);
+        let clock = self.clock(&reply, 0, sent);
         let limit = int(&reply, 2);
         Ok(State {
             fence: int(&reply, 1) as u64,

@@ -87,6 +87,11 @@ pub struct Node {
     pub(super) prefix: String,
     /// Server clock minus ours, in ms, as last settled (`i64::MIN`: not yet).
     pub(super) skew: std::sync::atomic::AtomicI64,
+    /// The server's clock in the last reply that had it, minus ours when
+    /// that call was sent (`i64::MIN`: not yet): at least the true offset,
+    /// since the server read its clock after the call left (see
+    /// [`Clock::end`]).
+    pub(super) ahead: std::sync::atomic::AtomicI64,
     /// Where this node's URL is shown (without password).
     pub url: String,
     /// The keys in use, as the last listing found them (see [`super::listing`]).
@@ -183,6 +188,7 @@ impl Node {
             scripts: Scripts::new(),
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
+            ahead: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: crate::backend::redact(url),
             listed: Mutex::new(None),
             instance: crate::lock::Token::generate().expose()[..16].to_owned(),
@@ -402,11 +408,26 @@ pub enum Step {
 pub(super) struct Clock {
     /// Server milliseconds minus local milliseconds.
     pub(super) skew: i64,
+    /// [`Node::ahead`] as last measured, if ever.
+    pub(super) ahead: Option<i64>,
 }
 
 impl Clock {
     pub(super) fn local(&self, server_ms: i64) -> u64 {
         (server_ms - self.skew).max(0) as u64
+    }
+
+    /// The local time of a lease's end at `server_ms`, never later than
+    /// that end. The offset is read off replies as they arrive, so a slow
+    /// way back makes every server time look later than it is; counted
+    /// with the offset at the sending of a call instead (at least the true
+    /// one), the end is early by at most the way there.
+    pub(super) fn end(&self, server_ms: i64) -> u64 {
+        let local = self.local(server_ms);
+        match self.ahead {
+            Some(ahead) => local.min((server_ms - ahead).max(0) as u64),
+            None => local,
+        }
     }
 }
 
@@ -421,7 +442,7 @@ impl Node {
 
     /// The clock as settled, for server times that came without one.
     pub(super) fn settled_clock(&self) -> Clock {
-        self.clock(&[], 0)
+        self.clock(&[], 0, 0)
     }
 }
 
@@ -429,28 +450,39 @@ impl Node {
 pub(super) const SKEW_NOISE_MS: i64 = 5;
 
 impl Node {
-    /// The clock of a reply whose element `at` is the server time. The
-    /// offset is settled per node and moves only when it changes by more
-    /// than [`SKEW_NOISE_MS`], so one expiry reads the same in every reply.
-    pub(super) fn clock(&self, reply: &[Value], at: usize) -> Clock {
+    /// The clock of a reply, sent at `sent` (local ms), whose element `at`
+    /// is the server time. The offset is settled per node and moves only
+    /// when it changes by more than [`SKEW_NOISE_MS`], so one time reads
+    /// the same in every reply.
+    pub(super) fn clock(&self, reply: &[Value], at: usize, sent: u64) -> Clock {
         use std::sync::atomic::Ordering::Relaxed;
         let settled = self.skew.load(Relaxed);
         let server = match reply.get(at) {
-            Some(Value::Int(server)) if *server > 0 => server,
+            Some(Value::Int(server)) if *server > 0 => *server,
             // A reply that did not need the server's clock (a queued join):
-            // the offset as settled.
+            // the offsets as settled.
             _ => {
+                let ahead = self.ahead.load(Relaxed);
                 return Clock {
                     skew: if settled == i64::MIN { 0 } else { settled },
+                    ahead: (ahead != i64::MIN).then_some(ahead),
                 };
             }
         };
-        let measured = server.saturating_sub(i64::try_from(now_ms()).unwrap_or(i64::MAX));
-        if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
+        let local = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
+        let ahead = server.saturating_sub(local(sent));
+        self.ahead.store(ahead, Relaxed);
+        let measured = server.saturating_sub(local(now_ms()));
+        let skew = if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
             self.skew.store(measured, Relaxed);
-            return Clock { skew: measured };
+            measured
+        } else {
+            settled
+        };
+        Clock {
+            skew,
+            ahead: Some(ahead),
         }
-        Clock { skew: settled }
     }
 }
 

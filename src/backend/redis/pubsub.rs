@@ -300,7 +300,7 @@ fn hand(
         token,
         fence: h.fence,
         since_ms: clock.local(h.since),
-        expires_at_ms: clock.local(h.expires),
+        expires_at_ms: clock.end(h.expires),
     };
     if wakeups.granted(key, h.seq, lease) {
         track(tickets, key, h.seq, None);

@@ -206,7 +206,7 @@ pub(super) fn holders(v: Option<&Value>, kind: Kind, clock: &Clock) -> Vec<Holde
                 sidecar,
                 mode: Held::of(kind, mode_of(text(row, 1).as_bytes())),
                 since_ms: if t0 > 0 { clock.local(t0) } else { 0 },
-                expires_at_ms: if e > 0 { clock.local(e) } else { 0 },
+                expires_at_ms: if e > 0 { clock.end(e) } else { 0 },
                 fence: int(row, 2) as u64,
                 count: int(row, 3) as u32,
             }
