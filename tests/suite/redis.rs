@@ -1984,3 +1984,98 @@ async fn a_leases_expiry_is_never_later_than_its_end_when_answers_are_slow() {
         lock.release(&grant.token).await;
     }
 }
+
+/// A claim that finds the lock free while others are queued for it (a lease
+/// that lapsed with waiters; on every Redlock node, each handoff, between
+/// the release and the head's grant) queues behind them on the scripts'
+/// short path. It ran the full script, which checks the type of every side
+/// key first: about 20 commands where a join behind a holder costs 4 (on
+/// Redlock, a quarter of all commands per handoff).
+#[tokio::test]
+async fn a_claim_behind_the_queue_of_a_free_lock_takes_the_short_path() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url()).start().await;
+    let name = unique_name("behind");
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    // Another sidecar process's claim heads the queue of the free lock,
+    // its process alive (its heartbeat runs for another minute).
+    let time: Vec<String> = server.cmd(&["TIME"]).await;
+    let now: u64 = time[0].parse::<u64>().expect("seconds") * 1000;
+    let tag = format!("{{sidelock:{name}}}");
+    let entry = format!(
+        "1 x {} {now} beef 60000 0 0 [\"other\",\"elsewhere\"]",
+        "ab".repeat(16)
+    );
+    let _: i64 = server.cmd(&["RPUSH", &format!("{tag}:q"), &entry]).await;
+    let _: i64 = server
+        .cmd(&[
+            "HSET",
+            &format!("{tag}:heartbeat"),
+            "beef",
+            &(now + 60_000).to_string(),
+        ])
+        .await;
+    let _: String = server.cmd(&["SET", &format!("{tag}:seq"), "1"]).await;
+
+    // Trying once: busy behind the queue.
+    let types = |c: &std::collections::BTreeMap<String, u64>| c.get("type").copied().unwrap_or(0);
+    let before = server.command_counts().await;
+    let once = lock.acquire_raw(&[("owner", "once")]).await;
+    let after = server.command_counts().await;
+    assert_eq!(once.status(), StatusCode::CONFLICT);
+    assert!(
+        types(&after) == types(&before) && ran(&before, &after) <= 8,
+        "a try-once claim behind the queue of a free lock ran the full script:\n{}",
+        command_diff(&before, &after)
+    );
+
+    // The sidecar's first claim on the lock writes its heartbeat (the full
+    // script); its second is a plain join.
+    let first = {
+        let lock = sidecar.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "waiter"), ("wait", "30s")])
+                .await
+        })
+    };
+    common::eventually(
+        "the first waiter queued",
+        Duration::from_secs(5),
+        async || {
+            let n: i64 = server.cmd(&["LLEN", &format!("{tag}:q")]).await;
+            (n == 2).then_some(())
+        },
+    )
+    .await;
+    let before = server.command_counts().await;
+    let second = {
+        let lock = sidecar.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "second"), ("wait", "30s")])
+                .await
+        })
+    };
+    common::eventually(
+        "the second waiter queued",
+        Duration::from_secs(5),
+        async || {
+            let n: i64 = server.cmd(&["LLEN", &format!("{tag}:q")]).await;
+            (n == 3).then_some(())
+        },
+    )
+    .await;
+    let after = server.command_counts().await;
+    assert!(
+        types(&after) == types(&before) && ran(&before, &after) <= 12,
+        "a join behind the queue of a free lock ran the full script:\n{}",
+        command_diff(&before, &after)
+    );
+    let state = lock.inspect().await;
+    let owners: Vec<&str> = state.waiters.iter().map(|w| w.owner.as_str()).collect();
+    assert_eq!(owners, ["other", "waiter", "second"]);
+    first.abort();
+    second.abort();
+}

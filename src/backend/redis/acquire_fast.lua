@@ -2,7 +2,8 @@
 -- nobody waits for is granted (the main key takes the lease, the fence
 -- counter moves: 4 commands inside the script); a claim on a lock another
 -- owner holds joins the queue's tail (3) or, trying once, is told who holds
--- it (2); a queued claim whose turn came (the lock free, it first in line,
+-- it (2), and so is one on a free lock that claims are queued for
+-- (4, or 3 trying once); a queued claim whose turn came (the lock free, it first in line,
 -- or anywhere in line without FIFO) is granted, and one the lock was handed
 -- to already (its message missed) gets that grant. Everything else — shared
 -- and semaphore claims, re-entry, foreign holders and markers, lock-delay,
@@ -30,6 +31,31 @@ do
         if redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" then return grant(fence) end
+        elseif (turn == "o" or ARGV[12] == "0")
+            and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
+          -- Free, and only claims wait: behind them. Retry when the first
+          -- of their processes' heartbeats lapses (a dead process's claims
+          -- hold the queue until then), as the full script's first_lapse().
+          local beats = redis.pcall("HGETALL", TAG .. "heartbeat")
+          if type(beats) == "table" and beats.err == nil then
+            local first = 0
+            for i = 2, #beats, 2 do
+              local d = tonumber(beats[i])
+              if d and (first == 0 or d < first) then first = d end
+            end
+            local retry = first > 0 and first + 1 or 0
+            if turn == "o" then
+              local n = redis.pcall("LLEN", TAG .. "q")
+              if type(n) == "number" then return {0, 0, {}, n, 0, retry, 0} end
+            else
+              local seq = redis.pcall("INCR", TAG .. "seq")
+              if type(seq) == "number" then
+                local n = redis.pcall("RPUSH", TAG .. "q",
+                  string.format("%d x %s %s %s %s", seq, token, ARGV[11], ARGV[9], spec))
+                if type(n) == "number" then return {0, 0, {}, n, n, retry, seq} end
+              end
+            end
+          end
         end
       else
         local l = lease_of(v)
