@@ -1834,6 +1834,54 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
     direct.api().lock(&name).release(&other.token).await;
 }
 
+/// The background release of a grant whose answer was lost takes that
+/// grant's one hold, once. It released the token once more after the call
+/// limit even when its first release had found the lease: the owner, who
+/// had asked again and re-entered the lost grant (200, count 2), lost its
+/// own hold — the lease was deleted under it and another owner got the lock.
+#[tokio::test]
+async fn a_lost_grant_its_owner_re_entered_is_released_once() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let direct = sidecar(&server).await;
+    let name = unique_name("re-entered");
+    let owner = unique_name("owner");
+    let lock = through_proxy.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The owner asks again at once (through the other sidecar) and
+    // re-enters the grant it was not told of.
+    let other_lock = direct.api().lock(&name);
+    let again = other_lock
+        .acquire(&[("owner", &owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(again.count, 2, "the owner re-entered the lost grant");
+    // Past the background release's rounds (the second one after 2 s).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    let released = other_lock.release(&again.token).await;
+    assert_eq!(released.count, 0, "the owner's one hold was left");
+}
+
 /// A slot moving between Cluster masters while its lock is held and waited
 /// for never lets a script run on part of the lock's keys, and once it has
 /// moved the lock answers at once. `MIGRATE` moves keys one at a time: with

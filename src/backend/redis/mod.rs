@@ -215,11 +215,14 @@ impl Backend for Redis {
 }
 
 /// Releases `token`, the new lease of an attempt on `key` whose answer was
-/// lost, retrying until Redis answers, and once more after a call's time
-/// limit (the script may run after its answer timed out); never past
-/// `until`, when such a lease would have ended anyway. Harmless when the
-/// attempt granted nothing or re-entered another lease: a release by a
-/// token that holds nothing changes nothing.
+/// lost, retrying until Redis answers; when that release found nothing,
+/// once more after a call's time limit (the script may run after its
+/// answer timed out). Never past `until`, when such a lease would have
+/// ended anyway. It takes the lost grant's one hold, once: its owner may
+/// have asked again meanwhile and re-entered that lease (the same token,
+/// one more hold), and a second release would take the owner's own hold.
+/// Harmless when the attempt granted nothing or re-entered another lease:
+/// a release by a token that holds nothing changes nothing.
 async fn release_unanswered(
     member: Arc<Member>,
     key: LockKey,
@@ -238,7 +241,7 @@ async fn release_unanswered(
             match member.release(&key, &token).await {
                 Ok(Some(_)) => {
                     tracing::info!(lock = %key, "released a lease whose grant never reached its client");
-                    break;
+                    return;
                 }
                 Ok(None) => break,
                 Err(_) => pause = (pause * 2).min(Duration::from_secs(5)),
