@@ -1882,6 +1882,88 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
     assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
+/// A waiter whose queued attempt was granted while its answer was lost
+/// (503: the waiter goes) leaves no shared lease or semaphore permit
+/// behind. Leaving the queue gave back only an exclusive lease its token
+/// held: the permit or read lease stayed until its ttl, and everyone else
+/// waited for it.
+#[tokio::test]
+async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
+    for (kind, param) in [
+        ("semaphore", ("limit", "1")),
+        ("shared", ("mode", "shared")),
+    ] {
+        let server = RedisServer::start().await;
+        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+            .start()
+            .await;
+        let direct = sidecar(&server).await;
+        let name = unique_name("lost-permit");
+        let owner = unique_name("waiter");
+        let resource = |s: &SidecarGuard| {
+            if kind == "semaphore" {
+                s.api().semaphore(&name)
+            } else {
+                s.api().lock(&name)
+            }
+        };
+        // The blocker: the permit, or an exclusive lease before the reader.
+        let blocker = if kind == "semaphore" {
+            resource(&direct)
+                .acquire(&[param, ("owner", "holder"), ("ttl", "60s")])
+                .await
+        } else {
+            resource(&direct)
+                .acquire(&[("owner", "holder"), ("ttl", "60s")])
+                .await
+        };
+        let waiter = {
+            let r = resource(&through_proxy);
+            let owner = owner.clone();
+            tokio::spawn(async move {
+                r.acquire_raw(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+                    .await
+            })
+        };
+        let view = resource(&direct);
+        common::eventually("the waiter queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        // Its attempt after the release is granted; the answer is lost.
+        proxy.cut_after(owner.as_bytes());
+        resource(&direct).release(&blocker.token).await;
+        let lost = within("the waiter's answer", Duration::from_secs(20), waiter)
+            .await
+            .expect("the waiter's task");
+        assert!(
+            !proxy.armed(),
+            "{kind}: the waiter's attempt went through the proxy"
+        );
+        assert_eq!(
+            lost.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{kind}: the waiter's answer was lost"
+        );
+        let started = Instant::now();
+        // Another permit, or a writer.
+        let next_params: &[(&str, &str)] = if kind == "semaphore" {
+            &[param, ("owner", "next"), ("wait", "15s")]
+        } else {
+            &[("owner", "next"), ("wait", "15s")]
+        };
+        let next = resource(&direct).acquire_raw(next_params).await;
+        assert_eq!(
+            next.status(),
+            StatusCode::OK,
+            "{kind}: the lost grant still blocks after {:?}: {:?}",
+            started.elapsed(),
+            resource(&direct).inspect().await
+        );
+    }
+}
+
 /// A slot moving between Cluster masters while its lock is held and waited
 /// for never lets a script run on part of the lock's keys, and once it has
 /// moved the lock answers at once. `MIGRATE` moves keys one at a time: with
@@ -2098,6 +2180,8 @@ async fn a_claim_behind_the_queue_of_a_free_lock_takes_the_short_path() {
         },
     )
     .await;
+    // Its join's answer read: the sidecar knows its heartbeat is kept.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let before = server.command_counts().await;
     let second = {
         let lock = sidecar.api().lock(&name);

@@ -148,16 +148,17 @@ impl Node {
         }
     }
 
-    /// Leaves the queue: removes `entry`, or releases `token`'s lease when
-    /// the lock was handed to it meanwhile. Whether the lease was released.
-    pub async fn dequeue(&self, key: &LockKey, entry: &str, token: &Token) -> Result<bool, Error> {
+    /// Leaves the queue: removes `entry`, or releases `token`'s exclusive
+    /// lease when the lock was handed to it meanwhile. 1 when the entry was
+    /// queued, 2 when the lease was released, 0 when neither.
+    pub async fn dequeue(&self, key: &LockKey, entry: &str, token: &Token) -> Result<i64, Error> {
         let mut inv = self.invocation(&self.scripts.dequeue, key);
         inv.arg(entry)
             .arg(token.expose())
             .arg(self.handoff_arg())
             .arg(&self.instance)
             .arg(&self.stem);
-        self.run::<i64>("dequeue", inv).await.map(|n| n == 2)
+        self.run::<i64>("dequeue", inv).await
     }
 
     /// Renews; `Some(local expiry)` or `None` when the token holds nothing.

@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Attempt, Busy, Error};
-use crate::lock::{Claim, LockKey, Token};
+use crate::lock::{Claim, Kind, LockKey, Token};
 use crate::wakeups::Wakeups;
 
 use super::HEARTBEAT_EVERY;
@@ -310,9 +310,22 @@ impl Member {
             return Ok(());
         };
         self.track(key, seq, None);
-        let result = self.node.dequeue(key, &q.entry, &q.token).await;
-        self.check(key, result).map(|_| ())
+        let result = match self.node.dequeue(key, &q.entry, &q.token).await {
+            // Neither queued nor holding the lock exclusively: a shared or
+            // semaphore claim may have been granted by an attempt whose
+            // answer was lost (its waiter then left): that hold goes too.
+            Ok(0) if key.kind == Kind::Semaphore || !exclusive(&q.entry) => {
+                self.release(key, &q.token).await.map(|_| ())
+            }
+            other => other.map(|_| ()),
+        };
+        self.check(key, result)
     }
+}
+
+/// Whether a queue entry (`<seq> <mode> …`, lean.lua) is an exclusive claim.
+fn exclusive(entry: &str) -> bool {
+    entry.split(' ').nth(1) == Some("x")
 }
 
 /// A call in flight whose answer may hand this process a lock: dropped
