@@ -1964,6 +1964,87 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
     }
 }
 
+/// A claim granted while its sidecar queues its claims again (`p` on the
+/// lock's channel: a release passed some by) is not put back in the queue.
+/// Queueing again skipped only a claim holding the exclusive lease: a
+/// semaphore permit or read lease granted whose answer was still on its way
+/// went back in the queue as well, where it held a place that nobody would
+/// ever take (its sidecar's heartbeats for other waiters kept it alive).
+#[tokio::test]
+async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue() {
+    for (kind, param) in [
+        ("semaphore", ("limit", "1")),
+        ("shared", ("mode", "shared")),
+    ] {
+        let server = RedisServer::start().await;
+        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+            .start()
+            .await;
+        let direct = sidecar(&server).await;
+        let name = unique_name("queued-again");
+        let owner = unique_name("waiter");
+        let resource = |s: &SidecarGuard| {
+            if kind == "semaphore" {
+                s.api().semaphore(&name)
+            } else {
+                s.api().lock(&name)
+            }
+        };
+        let main = if kind == "semaphore" {
+            format!("sidelock:semaphores/{name}")
+        } else {
+            format!("sidelock:{name}")
+        };
+        let blocker = if kind == "semaphore" {
+            resource(&direct)
+                .acquire(&[param, ("owner", "holder"), ("ttl", "60s")])
+                .await
+        } else {
+            resource(&direct)
+                .acquire(&[("owner", "holder"), ("ttl", "60s")])
+                .await
+        };
+        let waiter = {
+            let r = resource(&through_proxy);
+            let owner = owner.clone();
+            tokio::spawn(async move {
+                r.acquire(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+                    .await
+            })
+        };
+        let view = resource(&direct);
+        common::eventually("the waiter queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        // The waiter's attempt after the release is granted; its answer
+        // comes a second late, and meanwhile its sidecar queues again.
+        proxy.hold_answer_after(owner.as_bytes(), Duration::from_secs(1));
+        resource(&direct).release(&blocker.token).await;
+        common::eventually("the waiter's grant", Duration::from_secs(5), async || {
+            let holders = view.inspect().await.holders;
+            holders.iter().any(|h| h.owner == owner).then_some(())
+        })
+        .await;
+        let _: i64 = server
+            .cmd(&["PUBLISH", &format!("{{{main}}}:wake"), "p"])
+            .await;
+        let grant = within("the waiter's answer", Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter's task");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let queue: Vec<String> = server
+            .cmd(&["LRANGE", &format!("{{{main}}}:q"), "0", "-1"])
+            .await;
+        assert!(
+            queue.is_empty(),
+            "{kind}: the granted claim went back in the queue: {queue:?}"
+        );
+        resource(&through_proxy).release(&grant.token).await;
+    }
+}
+
 /// A slot moving between Cluster masters while its lock is held and waited
 /// for never lets a script run on part of the lock's keys, and once it has
 /// moved the lock answers at once. `MIGRATE` moves keys one at a time: with

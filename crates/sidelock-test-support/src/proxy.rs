@@ -17,8 +17,8 @@ pub struct CuttingProxy {
     /// Bytes whose next client-to-server chunk is forwarded and then cut,
     /// and how long after.
     trigger: Arc<Trigger>,
-    /// How long each answer is held back before it goes to the client.
-    slow: Arc<Mutex<Duration>>,
+    /// How answers are held back before they go to the client.
+    slow: Arc<Mutex<Slow>>,
     task: JoinHandle<()>,
 }
 
@@ -28,6 +28,14 @@ const CUT_AFTER: Duration = Duration::from_millis(150);
 /// The trigger of a [`CuttingProxy`]: the bytes to look for, and the delay.
 type Trigger = Mutex<Option<(Vec<u8>, Duration)>>;
 
+/// Answers held back: every one by `all`; the next one on the connection
+/// of the next request containing `once`'s bytes, by its delay.
+#[derive(Default)]
+struct Slow {
+    all: Duration,
+    once: Option<(Vec<u8>, Duration)>,
+}
+
 impl CuttingProxy {
     /// Listens on a free loopback port, forwarding to `127.0.0.1:<target>`.
     pub async fn start(target: u16) -> Self {
@@ -36,7 +44,7 @@ impl CuttingProxy {
             .expect("bind the proxy's port");
         let port = listener.local_addr().expect("proxy address").port();
         let trigger: Arc<Trigger> = Arc::default();
-        let slow: Arc<Mutex<Duration>> = Arc::default();
+        let slow: Arc<Mutex<Slow>> = Arc::default();
         let (armed, slowed) = (trigger.clone(), slow.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -74,7 +82,14 @@ impl CuttingProxy {
     /// Holds every answer (server-to-client chunk) back for `delay` from
     /// now on; requests go at once.
     pub fn slow_answers(&self, delay: Duration) {
-        *self.slow.lock().expect("slow") = delay;
+        self.slow.lock().expect("slow").all = delay;
+    }
+
+    /// Holds back, by `delay`, the next answer on the connection of the
+    /// next request containing `needle` (the request goes at once; other
+    /// connections, such as a pub/sub one, are not held).
+    pub fn hold_answer_after(&self, needle: &[u8], delay: Duration) {
+        self.slow.lock().expect("slow").once = Some((needle.to_vec(), delay));
     }
 
     /// Whether the armed cut is still to come.
@@ -93,10 +108,12 @@ impl Drop for CuttingProxy {
 /// nothing more goes back to the client (what the client still sends goes
 /// on, so that a request split over several writes arrives whole), and
 /// after the trigger's delay the client's connection is reset.
-async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &Mutex<Duration>) {
+async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &Mutex<Slow>) {
     let (mut from_client, mut to_client) = client.into_split();
     let (mut from_server, mut to_server) = server.into_split();
     let cut: tokio::sync::watch::Sender<Option<Duration>> = tokio::sync::watch::Sender::new(None);
+    // This connection's next answer is held back this long.
+    let held: Mutex<Option<Duration>> = Mutex::new(None);
     let upstream = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -120,6 +137,15 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
             if hit.is_some() {
                 cut.send_replace(hit);
             }
+            {
+                let mut slowed = slow.lock().expect("slow");
+                let hold = slowed.once.as_ref().is_some_and(|(needle, _)| {
+                    chunk.windows(needle.len()).any(|w| w == needle.as_slice())
+                });
+                if hold {
+                    *held.lock().expect("held") = slowed.once.take().map(|(_, d)| d);
+                }
+            }
             if to_server.write_all(chunk).await.is_err() {
                 return;
             }
@@ -135,7 +161,8 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
             if cut.borrow().is_some() {
                 continue;
             }
-            let delay = *slow.lock().expect("slow");
+            let once = held.lock().expect("held").take().unwrap_or_default();
+            let delay = slow.lock().expect("slow").all + once;
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }

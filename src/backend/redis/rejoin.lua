@@ -3,7 +3,8 @@
 -- Puts back, each at its place (by ticket), the entries of this process that
 -- are no longer queued though it still waits on them: a release passed them
 -- by while the process's pub/sub connection was down or its heartbeat late.
--- An entry the lock was handed to meanwhile is not one of them.
+-- An entry the lock was handed to meanwhile, or that was granted a read
+-- lease or a permit (its answer still on its way), is not one of them.
 -- Returns how many went back.
 clock()
 local x = IS_LOCK and xlease()
@@ -17,7 +18,7 @@ end
 local back = 0
 for i = 4, #ARGV do
   local e = entry_of(ARGV[i])
-  if e and not present[ARGV[i]] and not (x and x.token == e.token) then
+  if e and not present[ARGV[i]] and not (x and x.token == e.token) and not meta_of(e.token) then
     local before = nil
     for _, q in ipairs(queued) do
       if tonumber(q.seq) > tonumber(e.seq) then before = q.raw break end
