@@ -2045,6 +2045,58 @@ async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue()
     }
 }
 
+/// A waiter that stops waiting while its sidecar cannot reach Redis (its
+/// leaving never arrives) leaves no lease behind: a release that hands the
+/// lock to its claim, still queued, has the lease given back at once. The
+/// sidecar took the ticket for gone: the lock went to nobody's claim, and
+/// everyone waited for that lease's ttl.
+#[tokio::test]
+async fn a_lock_handed_to_a_waiter_whose_leaving_was_lost_is_given_back() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let direct = sidecar(&server).await;
+    let name = unique_name("left");
+    let owner = unique_name("waiter");
+    let lock = direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", &owner), ("wait", "2s"), ("ttl", "60s")])
+                .await
+        })
+    };
+    common::eventually("the waiter queued", Duration::from_secs(5), async || {
+        (lock.inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    // Its last attempt, as its wait ends, and its leaving are lost on the
+    // way (the sidecar's next heartbeat tick would drop the claim).
+    proxy.refuse(owner.as_bytes(), 2);
+    let gone = within("the waiter's answer", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(!gone.status().is_success(), "{}", gone.status());
+    proxy.refuse(b"", 0);
+    // The release hands the lock to that claim, unless it is gone.
+    lock.release(&holder.token).await;
+    let started = Instant::now();
+    let next = lock
+        .acquire_raw(&[("owner", "next"), ("wait", "15s")])
+        .await;
+    assert_eq!(
+        next.status(),
+        StatusCode::OK,
+        "the lock went to the claim that left; still blocked after {:?}: {:?}",
+        started.elapsed(),
+        lock.inspect().await
+    );
+}
+
 /// A slot moving between Cluster masters while its lock is held and waited
 /// for never lets a script run on part of the lock's keys, and once it has
 /// moved the lock answers at once. `MIGRATE` moves keys one at a time: with

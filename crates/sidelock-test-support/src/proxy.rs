@@ -34,6 +34,10 @@ type Trigger = Mutex<Option<(Vec<u8>, Duration)>>;
 struct Slow {
     all: Duration,
     once: Option<(Vec<u8>, Duration)>,
+    /// The next requests (how many) containing these bytes are not
+    /// forwarded: their client's connection is reset instead (requests
+    /// lost on their way).
+    refuse: Option<(Vec<u8>, usize)>,
 }
 
 impl CuttingProxy {
@@ -92,6 +96,12 @@ impl CuttingProxy {
         self.slow.lock().expect("slow").once = Some((needle.to_vec(), delay));
     }
 
+    /// The next `times` requests containing `needle` never reach the
+    /// server: each one's client connection is reset instead.
+    pub fn refuse(&self, needle: &[u8], times: usize) {
+        self.slow.lock().expect("slow").refuse = (times > 0).then(|| (needle.to_vec(), times));
+    }
+
     /// Whether the armed cut is still to come.
     pub fn armed(&self) -> bool {
         self.trigger.lock().expect("trigger").is_some()
@@ -137,14 +147,34 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
             if hit.is_some() {
                 cut.send_replace(hit);
             }
-            {
+            let refused = {
                 let mut slowed = slow.lock().expect("slow");
-                let hold = slowed.once.as_ref().is_some_and(|(needle, _)| {
-                    chunk.windows(needle.len()).any(|w| w == needle.as_slice())
-                });
-                if hold {
+                let contains =
+                    |needle: &Vec<u8>| chunk.windows(needle.len()).any(|w| w == needle.as_slice());
+                if slowed
+                    .once
+                    .as_ref()
+                    .is_some_and(|(needle, _)| contains(needle))
+                {
                     *held.lock().expect("held") = slowed.once.take().map(|(_, d)| d);
                 }
+                let refused = slowed
+                    .refuse
+                    .as_mut()
+                    .filter(|(needle, _)| contains(needle))
+                    .map(|(_, left)| {
+                        *left -= 1;
+                        *left
+                    });
+                if refused == Some(0) {
+                    slowed.refuse = None;
+                }
+                refused.is_some()
+            };
+            if refused {
+                cut.send_replace(Some(Duration::ZERO));
+                // The reset comes next.
+                return std::future::pending().await;
             }
             if to_server.write_all(chunk).await.is_err() {
                 return;

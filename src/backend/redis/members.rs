@@ -37,6 +37,10 @@ pub(super) struct Tickets {
     /// Tickets that left the queue lately (granted, handed over, dequeued):
     /// a handoff message for one of them is no lease nobody knows.
     pub(super) finished: Finished,
+    /// Tickets whose waiter left while the node could not be told: their
+    /// leaving is sent again (the key's reconciling, the caller's retries),
+    /// and a lock handed to one meanwhile is given back.
+    pub(super) abandoned: HashMap<(LockKey, u64), Queued>,
 }
 
 /// Tickets that left the queue in the last [`FINISHED_FOR`]. Each is
@@ -192,6 +196,18 @@ impl Member {
         if !lock(&self.suspect).remove(key) {
             return;
         }
+        let abandoned: Vec<u64> = lock(&self.tickets)
+            .abandoned
+            .keys()
+            .filter(|(k, _)| k == key)
+            .map(|(_, seq)| *seq)
+            .collect();
+        for seq in abandoned {
+            // Kept (and the key suspect) when the node is still away.
+            if self.dequeue(key, seq).await.is_err() {
+                return;
+            }
+        }
         let live: Vec<u64> = lock(&self.tickets)
             .queued
             .get(key)
@@ -304,12 +320,21 @@ impl Member {
     }
 
     /// Leaves the queue (releasing the lease the lock was handed to meanwhile,
-    /// if it was); a failure is reconciled later.
+    /// if it was). A ticket whose leaving failed is kept as abandoned and
+    /// sent again by the next call for it or the key's reconciling:
+    /// forgotten, a lock handed to its claim later went to nobody until the
+    /// lease's ttl.
     pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
-        let Some(q) = self.queued(key, seq) else {
-            return Ok(());
+        let q = match self.queued(key, seq) {
+            Some(q) => {
+                self.track(key, seq, None);
+                q
+            }
+            None => match lock(&self.tickets).abandoned.remove(&(key.clone(), seq)) {
+                Some(q) => q,
+                None => return Ok(()),
+            },
         };
-        self.track(key, seq, None);
         let result = match self.node.dequeue(key, &q.entry, &q.token).await {
             // Neither queued nor holding the lock exclusively: a shared or
             // semaphore claim may have been granted by an attempt whose
@@ -319,6 +344,9 @@ impl Member {
             }
             other => other.map(|_| ()),
         };
+        if result.is_err() {
+            lock(&self.tickets).abandoned.insert((key.clone(), seq), q);
+        }
         self.check(key, result)
     }
 }

@@ -243,8 +243,9 @@ const UNKNOWN_GRACE: Duration = CALL_TIMEOUT;
 /// ticket is done with once it took it). A ticket this process never knew
 /// (its join's answer came back later, or was lost) is looked at again after
 /// [`UNKNOWN_GRACE`]: delivered if known by then, the lease given back if
-/// the ticket never was (one that finished meanwhile is the waiter's own
-/// business: its grant or dequeue saw to the lease).
+/// the ticket never was or its waiter left while the node could not be
+/// told (one that finished otherwise is the waiter's own business: its
+/// grant or dequeue saw to the lease).
 pub(super) fn deliver(
     node: &Arc<Node>,
     tickets: &Arc<std::sync::Mutex<Tickets>>,
@@ -265,18 +266,20 @@ pub(super) fn deliver(
         (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
     tokio::spawn(async move {
         tokio::time::sleep(UNKNOWN_GRACE).await;
-        let (known, mine) = {
+        let (known, mine, abandoned) = {
             let t = lock(&tickets);
             let mine = t
                 .queued
                 .get(&key)
                 .and_then(|s| s.get(&h.seq))
                 .map(|q| q.token.clone());
-            (t.knows(&key, h.seq), mine)
+            let abandoned = t.abandoned.contains_key(&(key.clone(), h.seq));
+            (t.knows(&key, h.seq), mine, abandoned)
         };
         match mine {
             Some(token) => hand(&node, &tickets, &wakeups, &key, &h, token),
-            None if !known => {
+            // Unknown, or its waiter left while the node could not be told.
+            None if !known || abandoned => {
                 if let Err(e) = node.give_back(&key, h.fence).await {
                     tracing::debug!(lock = %key, error = %e, "could not give back a lease nobody waits for");
                 }
