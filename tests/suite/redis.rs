@@ -1882,6 +1882,96 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
     assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
+/// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
+/// permit held through a sidecar straight on Redis, and a waiter queued
+/// through a sidecar behind a proxy.
+struct Blocked {
+    server: RedisServer,
+    proxy: common::proxy::CuttingProxy,
+    through_proxy: SidecarGuard,
+    direct: SidecarGuard,
+    kind: &'static str,
+    name: String,
+    /// The waiter's owner, in every call its sidecar makes for it.
+    owner: String,
+    blocker: common::api::Grant,
+    /// The waiter's acquire, until a test awaits it.
+    waiter: Option<tokio::task::JoinHandle<reqwest::Response>>,
+}
+
+impl Blocked {
+    async fn start(kind: &'static str) -> Self {
+        let server = RedisServer::start().await;
+        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+            .start()
+            .await;
+        let direct = sidecar(&server).await;
+        let (name, owner) = (unique_name("blocked"), unique_name("waiter"));
+        // The permit, or an exclusive lease before the reader.
+        let mut params = vec![("owner", "holder"), ("ttl", "60s")];
+        params.extend(Self::param_of(kind));
+        let blocker = Self::resource_of(kind, &name, &direct)
+            .acquire(&params)
+            .await;
+        let waiter = {
+            let r = Self::resource_of(kind, &name, &through_proxy);
+            let owner = owner.clone();
+            let param = Self::param_of(kind).unwrap_or(("mode", "shared"));
+            tokio::spawn(async move {
+                r.acquire_raw(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+                    .await
+            })
+        };
+        let view = Self::resource_of(kind, &name, &direct);
+        common::eventually("the waiter queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        Self {
+            server,
+            proxy,
+            through_proxy,
+            direct,
+            kind,
+            name,
+            owner,
+            blocker,
+            waiter: Some(waiter),
+        }
+    }
+
+    fn resource_of(kind: &str, name: &str, s: &SidecarGuard) -> common::api::Resource {
+        if kind == "semaphore" {
+            s.api().semaphore(name)
+        } else {
+            s.api().lock(name)
+        }
+    }
+
+    /// The blocker's and the next claim's own parameter.
+    fn param_of(kind: &str) -> Option<(&'static str, &'static str)> {
+        (kind == "semaphore").then_some(("limit", "1"))
+    }
+
+    fn resource(&self, s: &SidecarGuard) -> common::api::Resource {
+        Self::resource_of(self.kind, &self.name, s)
+    }
+
+    fn param(&self) -> Option<(&'static str, &'static str)> {
+        Self::param_of(self.kind)
+    }
+
+    /// The lock's main key.
+    fn main(&self) -> String {
+        if self.kind == "semaphore" {
+            format!("sidelock:semaphores/{}", self.name)
+        } else {
+            format!("sidelock:{}", self.name)
+        }
+    }
+}
+
 /// A waiter whose queued attempt was granted while its answer was lost
 /// (503: the waiter goes) leaves no shared lease or semaphore permit
 /// behind. Leaving the queue gave back only an exclusive lease its token
@@ -1889,56 +1979,20 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
 /// waited for it.
 #[tokio::test]
 async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
-    for (kind, param) in [
-        ("semaphore", ("limit", "1")),
-        ("shared", ("mode", "shared")),
-    ] {
-        let server = RedisServer::start().await;
-        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-            .start()
-            .await;
-        let direct = sidecar(&server).await;
-        let name = unique_name("lost-permit");
-        let owner = unique_name("waiter");
-        let resource = |s: &SidecarGuard| {
-            if kind == "semaphore" {
-                s.api().semaphore(&name)
-            } else {
-                s.api().lock(&name)
-            }
-        };
-        // The blocker: the permit, or an exclusive lease before the reader.
-        let blocker = if kind == "semaphore" {
-            resource(&direct)
-                .acquire(&[param, ("owner", "holder"), ("ttl", "60s")])
-                .await
-        } else {
-            resource(&direct)
-                .acquire(&[("owner", "holder"), ("ttl", "60s")])
-                .await
-        };
-        let waiter = {
-            let r = resource(&through_proxy);
-            let owner = owner.clone();
-            tokio::spawn(async move {
-                r.acquire_raw(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
-                    .await
-            })
-        };
-        let view = resource(&direct);
-        common::eventually("the waiter queued", Duration::from_secs(5), async || {
-            (view.inspect().await.waiters.len() == 1).then_some(())
-        })
-        .await;
+    for kind in ["semaphore", "shared"] {
+        let mut b = Blocked::start(kind).await;
         // Its attempt after the release is granted; the answer is lost.
-        proxy.cut_after(owner.as_bytes());
-        resource(&direct).release(&blocker.token).await;
-        let lost = within("the waiter's answer", Duration::from_secs(20), waiter)
-            .await
-            .expect("the waiter's task");
+        b.proxy.cut_after(b.owner.as_bytes());
+        b.resource(&b.direct).release(&b.blocker.token).await;
+        let lost = within(
+            "the waiter's answer",
+            Duration::from_secs(20),
+            b.waiter.take().expect("the waiter"),
+        )
+        .await
+        .expect("the waiter's task");
         assert!(
-            !proxy.armed(),
+            !b.proxy.armed(),
             "{kind}: the waiter's attempt went through the proxy"
         );
         assert_eq!(
@@ -1946,20 +2000,17 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
             StatusCode::SERVICE_UNAVAILABLE,
             "{kind}: the waiter's answer was lost"
         );
-        let started = Instant::now();
         // Another permit, or a writer.
-        let next_params: &[(&str, &str)] = if kind == "semaphore" {
-            &[param, ("owner", "next"), ("wait", "15s")]
-        } else {
-            &[("owner", "next"), ("wait", "15s")]
-        };
-        let next = resource(&direct).acquire_raw(next_params).await;
+        let started = Instant::now();
+        let mut params = vec![("owner", "next"), ("wait", "15s")];
+        params.extend(b.param());
+        let next = b.resource(&b.direct).acquire_raw(&params).await;
         assert_eq!(
             next.status(),
             StatusCode::OK,
             "{kind}: the lost grant still blocks after {:?}: {:?}",
             started.elapsed(),
-            resource(&direct).inspect().await
+            b.resource(&b.direct).inspect().await
         );
     }
 }
@@ -1972,76 +2023,42 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
 /// ever take (its sidecar's heartbeats for other waiters kept it alive).
 #[tokio::test]
 async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue() {
-    for (kind, param) in [
-        ("semaphore", ("limit", "1")),
-        ("shared", ("mode", "shared")),
-    ] {
-        let server = RedisServer::start().await;
-        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-            .start()
-            .await;
-        let direct = sidecar(&server).await;
-        let name = unique_name("queued-again");
-        let owner = unique_name("waiter");
-        let resource = |s: &SidecarGuard| {
-            if kind == "semaphore" {
-                s.api().semaphore(&name)
-            } else {
-                s.api().lock(&name)
-            }
-        };
-        let main = if kind == "semaphore" {
-            format!("sidelock:semaphores/{name}")
-        } else {
-            format!("sidelock:{name}")
-        };
-        let blocker = if kind == "semaphore" {
-            resource(&direct)
-                .acquire(&[param, ("owner", "holder"), ("ttl", "60s")])
-                .await
-        } else {
-            resource(&direct)
-                .acquire(&[("owner", "holder"), ("ttl", "60s")])
-                .await
-        };
-        let waiter = {
-            let r = resource(&through_proxy);
-            let owner = owner.clone();
-            tokio::spawn(async move {
-                r.acquire(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
-                    .await
-            })
-        };
-        let view = resource(&direct);
-        common::eventually("the waiter queued", Duration::from_secs(5), async || {
-            (view.inspect().await.waiters.len() == 1).then_some(())
-        })
-        .await;
+    for kind in ["semaphore", "shared"] {
+        let mut b = Blocked::start(kind).await;
         // The waiter's attempt after the release is granted; its answer
         // comes a second late, and meanwhile its sidecar queues again.
-        proxy.hold_answer_after(owner.as_bytes(), Duration::from_secs(1));
-        resource(&direct).release(&blocker.token).await;
+        b.proxy
+            .hold_answer_after(b.owner.as_bytes(), Duration::from_secs(1));
+        b.resource(&b.direct).release(&b.blocker.token).await;
+        let view = b.resource(&b.direct);
         common::eventually("the waiter's grant", Duration::from_secs(5), async || {
             let holders = view.inspect().await.holders;
-            holders.iter().any(|h| h.owner == owner).then_some(())
+            holders.iter().any(|h| h.owner == b.owner).then_some(())
         })
         .await;
-        let _: i64 = server
+        let main = b.main();
+        let _: i64 = b
+            .server
             .cmd(&["PUBLISH", &format!("{{{main}}}:wake"), "p"])
             .await;
-        let grant = within("the waiter's answer", Duration::from_secs(10), waiter)
-            .await
-            .expect("the waiter's task");
+        let answer = within(
+            "the waiter's answer",
+            Duration::from_secs(10),
+            b.waiter.take().expect("the waiter"),
+        )
+        .await
+        .expect("the waiter's task");
+        let grant: common::api::Grant = common::api::expect_json(answer, StatusCode::OK).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let queue: Vec<String> = server
+        let queue: Vec<String> = b
+            .server
             .cmd(&["LRANGE", &format!("{{{main}}}:q"), "0", "-1"])
             .await;
         assert!(
             queue.is_empty(),
             "{kind}: the granted claim went back in the queue: {queue:?}"
         );
-        resource(&through_proxy).release(&grant.token).await;
+        b.resource(&b.through_proxy).release(&grant.token).await;
     }
 }
 

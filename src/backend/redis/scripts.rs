@@ -94,7 +94,9 @@ pub(super) struct Call<'a> {
 /// a master runs a script only when it has every key it was told of, and
 /// otherwise answers `TRYAGAIN` or `ASK` (the call answers 503). Told only
 /// the main key, the old master ran a release on part of the lock's keys:
-/// with the fence counter already moved, it counted fences from 1 again.
+/// with the fence counter already moved, it took the waiter out of the
+/// queue and stopped at the counter (Redis 7 checks each key a script
+/// touches; a server that did not would have counted fences from 1 again).
 pub(super) const SIDE_KEYS: [&str; 8] = [
     "fence",
     "seq",
