@@ -1797,18 +1797,44 @@ async fn a_cluster_handoff_whose_release_answer_is_lost_reaches_its_waiter_at_on
     lock.release(&grant.token).await;
 }
 
+/// A Redis server, a cutting proxy in front of it, a sidecar through the
+/// proxy and one straight on the server.
+struct Proxied {
+    server: RedisServer,
+    proxy: common::proxy::CuttingProxy,
+    through_proxy: SidecarGuard,
+    direct: SidecarGuard,
+}
+
+impl Proxied {
+    async fn start() -> Self {
+        let server = RedisServer::start().await;
+        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+            .start()
+            .await;
+        let direct = sidecar(&server).await;
+        Self {
+            server,
+            proxy,
+            through_proxy,
+            direct,
+        }
+    }
+}
+
 /// An acquire whose answer is lost after Redis granted it (a proxy resets
 /// the connection under it) answers 503 — and the lease it made, which
 /// nobody holds, is released in the background: another owner gets the
 /// lock within seconds, not when that lease's ttl ends.
 #[tokio::test]
 async fn a_lease_granted_while_its_answer_was_lost_is_released() {
-    let server = RedisServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-        .start()
-        .await;
-    let direct = sidecar(&server).await;
+    let Proxied {
+        server: _server,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
     let name = unique_name("grant-lost");
     let owner = unique_name("owner");
     // Loads the scripts, so that the cut call is the acquire itself.
@@ -1841,12 +1867,12 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
 /// own hold — the lease was deleted under it and another owner got the lock.
 #[tokio::test]
 async fn a_lost_grant_its_owner_re_entered_is_released_once() {
-    let server = RedisServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-        .start()
-        .await;
-    let direct = sidecar(&server).await;
+    let Proxied {
+        server: _server,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
     let name = unique_name("re-entered");
     let owner = unique_name("owner");
     let lock = through_proxy.api().lock(&name);
@@ -1901,12 +1927,12 @@ struct Blocked {
 
 impl Blocked {
     async fn start(kind: &'static str) -> Self {
-        let server = RedisServer::start().await;
-        let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-        let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-            .start()
-            .await;
-        let direct = sidecar(&server).await;
+        let Proxied {
+            server,
+            proxy,
+            through_proxy,
+            direct,
+        } = Proxied::start().await;
         let (name, owner) = (unique_name("blocked"), unique_name("waiter"));
         // The permit, or an exclusive lease before the reader.
         let mut params = vec![("owner", "holder"), ("ttl", "60s")];
@@ -2069,12 +2095,12 @@ async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue()
 /// everyone waited for that lease's ttl.
 #[tokio::test]
 async fn a_lock_handed_to_a_waiter_whose_leaving_was_lost_is_given_back() {
-    let server = RedisServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-    let through_proxy = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-        .start()
-        .await;
-    let direct = sidecar(&server).await;
+    let Proxied {
+        server: _server,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
     let name = unique_name("left");
     let owner = unique_name("waiter");
     let lock = direct.api().lock(&name);
