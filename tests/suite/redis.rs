@@ -1909,8 +1909,9 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
 }
 
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
-/// permit held through a sidecar straight on Redis, and a waiter queued
-/// through a sidecar behind a proxy.
+/// permit ("semaphore") or of two ("semaphore of 2": the other permit kept
+/// by another owner throughout) held through a sidecar straight on Redis,
+/// and a waiter queued through a sidecar behind a proxy.
 struct Blocked {
     server: RedisServer,
     proxy: common::proxy::CuttingProxy,
@@ -1934,9 +1935,17 @@ impl Blocked {
             direct,
         } = Proxied::start().await;
         let (name, owner) = (unique_name("blocked"), unique_name("waiter"));
-        // The permit, or an exclusive lease before the reader.
+        // The permit, or an exclusive lease before the reader; of two
+        // permits, the other one is kept throughout.
         let mut params = vec![("owner", "holder"), ("ttl", "60s")];
         params.extend(Self::param_of(kind));
+        if kind == "semaphore of 2" {
+            let mut keeper = vec![("owner", "keeper"), ("ttl", "60s")];
+            keeper.extend(Self::param_of(kind));
+            Self::resource_of(kind, &name, &direct)
+                .acquire(&keeper)
+                .await;
+        }
         let blocker = Self::resource_of(kind, &name, &direct)
             .acquire(&params)
             .await;
@@ -1968,7 +1977,7 @@ impl Blocked {
     }
 
     fn resource_of(kind: &str, name: &str, s: &SidecarGuard) -> common::api::Resource {
-        if kind == "semaphore" {
+        if kind.starts_with("semaphore") {
             s.api().semaphore(name)
         } else {
             s.api().lock(name)
@@ -1977,7 +1986,11 @@ impl Blocked {
 
     /// The blocker's and the next claim's own parameter.
     fn param_of(kind: &str) -> Option<(&'static str, &'static str)> {
-        (kind == "semaphore").then_some(("limit", "1"))
+        match kind {
+            "semaphore" => Some(("limit", "1")),
+            "semaphore of 2" => Some(("limit", "2")),
+            _ => None,
+        }
     }
 
     fn resource(&self, s: &SidecarGuard) -> common::api::Resource {
@@ -1990,7 +2003,7 @@ impl Blocked {
 
     /// The lock's main key.
     fn main(&self) -> String {
-        if self.kind == "semaphore" {
+        if self.kind.starts_with("semaphore") {
             format!("sidelock:semaphores/{}", self.name)
         } else {
             format!("sidelock:{}", self.name)
@@ -2005,7 +2018,7 @@ impl Blocked {
 /// waited for it.
 #[tokio::test]
 async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
-    for kind in ["semaphore", "shared"] {
+    for kind in ["semaphore", "semaphore of 2", "shared"] {
         let mut b = Blocked::start(kind).await;
         // Its attempt after the release is granted; the answer is lost.
         b.proxy.cut_after(b.owner.as_bytes());
@@ -2049,7 +2062,7 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
 /// ever take (its sidecar's heartbeats for other waiters kept it alive).
 #[tokio::test]
 async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue() {
-    for kind in ["semaphore", "shared"] {
+    for kind in ["semaphore", "semaphore of 2", "shared"] {
         let mut b = Blocked::start(kind).await;
         // The waiter's attempt after the release is granted; its answer
         // comes a second late, and meanwhile its sidecar queues again.
