@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Attempt, Busy, Error};
-use crate::lock::{Claim, LockKey, Token};
+use crate::lock::{Claim, Kind, LockKey, Token};
 use crate::wakeups::Wakeups;
 
 use super::HEARTBEAT_EVERY;
@@ -336,11 +336,12 @@ impl Member {
             },
         };
         let result = match self.node.dequeue(key, &q.entry, &q.token).await {
-            // Neither queued nor holding the exclusive lease: a read lease
-            // or permit may have been granted by an attempt whose answer was
-            // lost (its waiter then left): that hold goes too (a release by
-            // a token that holds nothing changes nothing).
-            Ok(0) => self.release(key, &q.token).await.map(|_| ()),
+            // Neither queued nor holding the lock exclusively: a shared or
+            // semaphore claim may have been granted by an attempt whose
+            // answer was lost (its waiter then left): that hold goes too.
+            Ok(0) if key.kind == Kind::Semaphore || !exclusive(&q.entry) => {
+                self.release(key, &q.token).await.map(|_| ())
+            }
             other => other.map(|_| ()),
         };
         if result.is_err() {
@@ -348,6 +349,11 @@ impl Member {
         }
         self.check(key, result)
     }
+}
+
+/// Whether a queue entry (`<seq> <mode> …`, lean.lua) is an exclusive claim.
+fn exclusive(entry: &str) -> bool {
+    entry.split(' ').nth(1) == Some("x")
 }
 
 /// A call in flight whose answer may hand this process a lock: dropped
