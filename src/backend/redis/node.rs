@@ -470,8 +470,16 @@ impl Node {
             }
         };
         let local = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
-        let ahead = server.saturating_sub(local(sent));
-        self.ahead.store(ahead, Relaxed);
+        // Settled like the skew, so one lease's end reads the same in every
+        // reply: every such measurement is at least the true offset.
+        let measured_ahead = server.saturating_sub(local(sent));
+        let was = self.ahead.load(Relaxed);
+        let ahead = if was == i64::MIN || (measured_ahead - was).abs() > SKEW_NOISE_MS {
+            self.ahead.store(measured_ahead, Relaxed);
+            measured_ahead
+        } else {
+            was
+        };
         let measured = server.saturating_sub(local(now_ms()));
         let skew = if settled == i64::MIN || (measured - settled).abs() > SKEW_NOISE_MS {
             self.skew.store(measured, Relaxed);
