@@ -17,6 +17,9 @@
 //! * [`zookeeper`]: `zk://` — `names`, `session`, `tree`, `watch`, `acquire`,
 //!   `lease`, `admin`, `request` (with the one compare-and-set helper), `data`.
 //!
+//! `unanswered` gives back the lease of a grant whose answer was lost, for
+//! the backends that can lose one (Redis, PostgreSQL).
+//!
 //! Adding a backend is a module here, one match arm in [`open`] (and its
 //! schemes in [`SCHEMES`]) and one `#[case]` line in the conformance suite's
 //! backend list (`tests/suite/common/backend.rs`).
@@ -25,6 +28,7 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 pub mod redlock;
+mod unanswered;
 pub mod url;
 pub mod zookeeper;
 

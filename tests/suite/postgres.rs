@@ -1536,3 +1536,117 @@ async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
     }
     drop(streams);
 }
+
+/// A database of the test's own on the machine's server, a cutting proxy in
+/// front of the server, a sidecar through the proxy and one straight on
+/// the server.
+struct Proxied {
+    _database: TestDatabase,
+    proxy: common::proxy::CuttingProxy,
+    through_proxy: SidecarGuard,
+    direct: SidecarGuard,
+}
+
+impl Proxied {
+    async fn start() -> Self {
+        let database = TestDatabase::new().await;
+        let proxy = common::proxy::CuttingProxy::start(common::postgres::PORT).await;
+        let through_proxy =
+            SidecarBuilder::new(&common::postgres::url(proxy.port(), &database.name))
+                .start()
+                .await;
+        let direct = SidecarBuilder::new(&database.url()).start().await;
+        Self {
+            _database: database,
+            proxy,
+            through_proxy,
+            direct,
+        }
+    }
+}
+
+/// An acquire whose answer is lost after PostgreSQL committed the grant (a
+/// proxy resets the connection under it, as a server stopped between the
+/// commit and the answer does) answers 503 — and the lease it made, which
+/// nobody holds, is released in the background: another owner gets the
+/// lock within seconds, not when that lease's ttl ends. A clean-clone CI
+/// run saw the effect under a restart: the unanswered client asked again,
+/// re-entered the lease (count 2) and released once per round, holding
+/// the lock until the ttl ended.
+#[tokio::test]
+async fn a_lease_granted_while_its_answer_was_lost_is_released() {
+    let Proxied {
+        _database,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
+    let name = unique_name("grant-lost");
+    let owner = unique_name("owner");
+    // Prepares the statement, so that the cut request is the acquire itself.
+    let lock = through_proxy.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let started = Instant::now();
+    let other = direct
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "other"), ("wait", "20s")])
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "granted after {:?}: the unanswered lease had to run out",
+        started.elapsed()
+    );
+    direct.api().lock(&name).release(&other.token).await;
+}
+
+/// The background release of a grant whose answer was lost takes that
+/// grant's one hold, once: the owner, who asked again at once and
+/// re-entered the lost grant (count 2), keeps its own hold.
+#[tokio::test]
+async fn a_lost_grant_its_owner_re_entered_is_released_once() {
+    let Proxied {
+        _database,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
+    let name = unique_name("re-entered");
+    let owner = unique_name("owner");
+    let lock = through_proxy.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let other_lock = direct.api().lock(&name);
+    let again = other_lock
+        .acquire(&[("owner", &owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(again.count, 2, "the owner re-entered the lost grant");
+    // Past the background release's rounds (the second one a statement's
+    // time limit after the first).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    let released = other_lock.release(&again.token).await;
+    assert_eq!(released.count, 0, "the owner's one hold was left");
+}

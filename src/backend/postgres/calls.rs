@@ -2,7 +2,7 @@
 //! function call per operation, failures as 503s while the schema is not
 //! ready, and database times mapped onto this process's clock.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use deadpool_postgres::{Object, Pool, PoolError, TimeoutType};
 use serde::Deserialize;
@@ -98,22 +98,19 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, Error> {
-        self.rows_or_refusal(op, sql, params)
-            .await
-            .map_err(|(e, _)| e)
+        self.rows_or_fate(op, sql, params).await.map_err(|(e, _)| e)
     }
 
-    /// As [`Inner::rows`], telling with the error whether the database
-    /// refused the statement itself (not an outage: the same statement
-    /// will be refused again).
-    pub(super) async fn rows_or_refusal(
+    /// As [`Inner::rows`], telling with the error what became of the
+    /// statement.
+    pub(super) async fn rows_or_fate(
         &self,
         op: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, (Error, bool)> {
+    ) -> Result<Vec<Row>, (Error, Fate)> {
         if let Some(e) = self.not_ready(op) {
-            return Err((e, false));
+            return Err((e, Fate::NotRun));
         }
         let mut tries = 0;
         loop {
@@ -124,10 +121,14 @@ impl Inner {
                 "renew" | "release" | "status" => &self.upkeep,
                 _ => &self.pool,
             };
+            // Set once the statement is on its way: from then on a failure
+            // may come after the database ran it.
+            let sent = AtomicBool::new(false);
             let run = async {
                 let client = self.connection(pool).await?;
                 let query = async {
                     let statement = client.prepare_cached(sql).await?;
+                    sent.store(true, Ordering::Relaxed);
                     Ok::<_, Failure>(client.query(&statement, params).await?)
                 };
                 tokio::time::timeout(OP_TIMEOUT, query)
@@ -144,8 +145,12 @@ impl Inner {
                 }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
                 Err(f) => {
-                    let refused = f.class == Class::Fatal;
-                    return Err((f.into_error(op), refused));
+                    let fate = match f.class {
+                        Class::Fatal => Fate::Refused,
+                        _ if sent.load(Ordering::Relaxed) => Fate::Unknown,
+                        _ => Fate::NotRun,
+                    };
+                    return Err((f.into_error(op), fate));
                 }
             }
         }
@@ -182,12 +187,32 @@ impl Inner {
     where
         T: for<'a> tokio_postgres::types::FromSql<'a>,
     {
-        let rows = self.rows(op, sql, params).await?;
-        let row = rows.first().ok_or_else(|| Error::Unavailable {
-            op,
-            source: "the function returned no row".into(),
+        self.value_or_fate(op, sql, params)
+            .await
+            .map_err(|(e, _)| e)
+    }
+
+    /// As [`Inner::value`], telling with the error what became of the
+    /// statement (an answer that cannot be read came after it ran).
+    async fn value_or_fate<T>(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<T, (Error, Fate)>
+    where
+        T: for<'a> tokio_postgres::types::FromSql<'a>,
+    {
+        let rows = self.rows_or_fate(op, sql, params).await?;
+        let row = rows.first().ok_or_else(|| {
+            let e = Error::Unavailable {
+                op,
+                source: "the function returned no row".into(),
+            };
+            (e, Fate::Unknown)
         })?;
-        row.try_get(0).map_err(|e| Failure::from(e).into_error(op))
+        row.try_get(0)
+            .map_err(|e| (Failure::from(e).into_error(op), Fate::Unknown))
     }
 
     /// A function's JSON answer (`NULL` as `None`).
@@ -197,13 +222,38 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<T>, Error> {
-        let text: Option<String> = self.value(op, sql, params).await?;
+        self.json_or_fate(op, sql, params).await.map_err(|(e, _)| e)
+    }
+
+    /// As [`Inner::json`], telling with the error what became of the statement.
+    pub(super) async fn json_or_fate<T: for<'de> Deserialize<'de>>(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<T>, (Error, Fate)> {
+        let text: Option<String> = self.value_or_fate(op, sql, params).await?;
         text.map(|t| {
-            serde_json::from_str(&t).map_err(|e| Error::Unavailable {
-                op,
-                source: format!("unexpected answer {t:?}: {e}").into(),
+            serde_json::from_str(&t).map_err(|e| {
+                let e = Error::Unavailable {
+                    op,
+                    source: format!("unexpected answer {t:?}: {e}").into(),
+                };
+                (e, Fate::Unknown)
             })
         })
         .transpose()
     }
+}
+
+/// What became of a statement that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// It never reached the database (no connection, schema not ready).
+    NotRun,
+    /// The database refused it (not an outage: it will be refused again).
+    Refused,
+    /// It was sent and no answer came back (or one that cannot be read):
+    /// the database may have run and committed it.
+    Unknown,
 }

@@ -51,6 +51,7 @@
 //! * [`renewals`]: renewals sent together, one statement at a time.
 //! * [`open`]: the URL, the pools and the background tasks.
 
+use calls::Fate;
 use schema::LegacyTable;
 use sql::{AcquireReply, InspectReply, Sql, ms_i64, parse_kind};
 
@@ -72,6 +73,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::unanswered::release_unanswered;
 use crate::backend::{
     Attempt, Backend, Busy, Cause, Description, Error, Grant, Loss, Safety, StaleKey, State,
     Status, Summary, Ticket, Turn, Waiter, Watch,
@@ -212,6 +214,26 @@ struct Tickets {
     gone: HashSet<u64>,
 }
 
+impl Inner {
+    /// Releases one hold of `token`'s lease on `key`: the holds left, or
+    /// `None` when the token holds nothing there.
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let remaining: Option<i32> = self
+            .value(
+                "release",
+                &self.sql.release,
+                &[
+                    &key.kind.as_str(),
+                    &key.name.as_str(),
+                    &token.expose(),
+                    &ms_i64(LAPSE_AFTER),
+                ],
+            )
+            .await?;
+        Ok(remaining.map(|n| u32::try_from(n).unwrap_or(0)))
+    }
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         self.inner.stop.cancel();
@@ -253,8 +275,8 @@ impl Backend for Postgres {
         if matches!(turn, Turn::Join) && inner.heartbeat_is_old() {
             inner.heartbeat_now("try_acquire").await?;
         }
-        let reply: Option<AcquireReply> = inner
-            .json(
+        let reply: Option<AcquireReply> = match inner
+            .json_or_fate(
                 "try_acquire",
                 &inner.sql.acquire,
                 &[
@@ -275,7 +297,29 @@ impl Backend for Postgres {
                     &true,
                 ],
             )
-            .await?;
+            .await
+        {
+            Ok(reply) => reply,
+            Err((e, fate)) => {
+                if fate == Fate::Unknown && matches!(turn, Turn::Once | Turn::Join) {
+                    // The database may have granted the new token all the
+                    // same: nobody would hold that lease until its ttl.
+                    let (inner, key) = (self.inner.clone(), claim.key.clone());
+                    let release = move || {
+                        let (inner, key, token) = (inner.clone(), key.clone(), token.clone());
+                        async move { inner.release(&key, &token).await }
+                    };
+                    tokio::spawn(release_unanswered(
+                        claim.key.clone(),
+                        release,
+                        OP_TIMEOUT,
+                        tokio::time::Instant::now() + claim.ttl,
+                        self.inner.stop.clone(),
+                    ));
+                }
+                return Err(e);
+            }
+        };
         let reply = reply.ok_or_else(|| Error::Unavailable {
             op: "try_acquire",
             source: "acquire returned NULL".into(),
@@ -376,20 +420,7 @@ impl Backend for Postgres {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
-        let remaining: Option<i32> = self
-            .inner
-            .value(
-                "release",
-                &self.inner.sql.release,
-                &[
-                    &key.kind.as_str(),
-                    &key.name.as_str(),
-                    &token.expose(),
-                    &ms_i64(LAPSE_AFTER),
-                ],
-            )
-            .await?;
-        Ok(remaining.map(|n| u32::try_from(n).unwrap_or(0)))
+        self.inner.release(key, token).await
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {

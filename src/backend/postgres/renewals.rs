@@ -28,6 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::Inner;
+use super::calls::Fate;
 use super::errors::Failure;
 use super::sql::RenewReply;
 use crate::backend::{Cause, Error, Outage, chain};
@@ -145,7 +146,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Element>) {
     let tokens: Vec<&str> = batch.iter().map(|e| e.token.expose()).collect();
     let ttls: Vec<Option<i64>> = batch.iter().map(|e| e.ttl_ms).collect();
     let rows = inner
-        .rows_or_refusal(
+        .rows_or_fate(
             "renew",
             &inner.sql.renew_many,
             &[&kinds, &names, &tokens, &ttls],
@@ -157,8 +158,8 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Element>) {
     let outcome = rows.and_then(|rows| {
         let mut found: Vec<Option<Option<i64>>> = vec![None; batch.len()];
         for row in rows {
-            let i: i32 = row.try_get(0).map_err(|e| (read(e), false))?;
-            let at: Option<i64> = row.try_get(1).map_err(|e| (read(e), false))?;
+            let i: i32 = row.try_get(0).map_err(|e| (read(e), Fate::Unknown))?;
+            let at: Option<i64> = row.try_get(1).map_err(|e| (read(e), Fate::Unknown))?;
             if let Some(slot) = usize::try_from(i)
                 .ok()
                 .and_then(|i| i.checked_sub(1))
@@ -182,7 +183,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Element>) {
         }
         // The database refused the statement: one renewal at a time, so
         // that only the one it refuses fails.
-        Err((_, true)) if batch.len() > 1 => {
+        Err((_, Fate::Refused)) if batch.len() > 1 => {
             for e in batch {
                 alone(inner, e);
             }

@@ -68,6 +68,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::unanswered::release_unanswered;
 use crate::backend::{
     Attempt, Backend, Cause, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
     Ticket, Turn, Watch,
@@ -142,9 +143,19 @@ impl Backend for Redis {
         {
             // The script may have granted the new token all the same (its
             // answer lost): nobody would hold that lease until its ttl.
-            let (member, key, stop) = (self.member.clone(), claim.key.clone(), self.stop.clone());
+            let (member, key) = (self.member.clone(), claim.key.clone());
             let until = tokio::time::Instant::now() + claim.ttl;
-            tokio::spawn(release_unanswered(member, key, token, until, stop));
+            let release = move || {
+                let (member, key, token) = (member.clone(), key.clone(), token.clone());
+                async move { member.release(&key, &token).await }
+            };
+            tokio::spawn(release_unanswered(
+                claim.key.clone(),
+                release,
+                CALL_TIMEOUT,
+                until,
+                self.stop.clone(),
+            ));
         }
         result
     }
@@ -211,42 +222,6 @@ impl Backend for Redis {
 
     async fn close(&self) {
         self.stop.cancel();
-    }
-}
-
-/// Releases `token`, the new lease of an attempt on `key` whose answer was
-/// lost, retrying until Redis answers; when that release found nothing,
-/// once more after a call's time limit (the script may run after its
-/// answer timed out). Never past `until`, when such a lease would have
-/// ended anyway. It takes the lost grant's one hold, once: its owner may
-/// have asked again meanwhile and re-entered that lease (the same token,
-/// one more hold), and a second release would take the owner's own hold.
-/// Harmless when the attempt granted nothing or re-entered another lease:
-/// a release by a token that holds nothing changes nothing.
-async fn release_unanswered(
-    member: Arc<Member>,
-    key: LockKey,
-    token: Token,
-    until: tokio::time::Instant,
-    stop: CancellationToken,
-) {
-    let mut pause = Duration::from_millis(250);
-    for round in 0..2 {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep_until(until) => return,
-                () = tokio::time::sleep(if round == 0 { pause } else { CALL_TIMEOUT }) => {}
-            }
-            match member.release(&key, &token).await {
-                Ok(Some(_)) => {
-                    tracing::info!(lock = %key, "released a lease whose grant never reached its client");
-                    return;
-                }
-                Ok(None) => break,
-                Err(_) => pause = (pause * 2).min(Duration::from_secs(5)),
-            }
-        }
     }
 }
 

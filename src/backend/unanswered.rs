@@ -1,0 +1,58 @@
+//! Leases whose grant never reached its client: an acquire whose answer
+//! was lost (a connection reset or a timeout after the backend ran it) may
+//! have made a lease nobody knows of, which would keep the lock until its
+//! ttl ends. The backends that can lose an answer give it back here.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Error;
+use crate::lock::LockKey;
+
+/// First pause before the release, and the longest between its retries.
+const FIRST_PAUSE: Duration = Duration::from_millis(250);
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// Releases the new lease of an attempt on `key` whose answer was lost
+/// (`release` releases its token once), retrying until the backend answers;
+/// when that release found nothing, once more `late` later (the statement
+/// or script may run after its answer timed out). Never past `until`, when
+/// such a lease would have ended anyway, nor past `stop`.
+///
+/// It takes the lost grant's one hold, once: its owner may have asked again
+/// meanwhile and re-entered that lease (the same token, one more hold), and
+/// a second release would take the owner's own hold. Harmless when the
+/// attempt granted nothing or re-entered another lease: a release by a
+/// token that holds nothing changes nothing.
+pub(crate) async fn release_unanswered<F, Fut>(
+    key: LockKey,
+    release: F,
+    late: Duration,
+    until: Instant,
+    stop: CancellationToken,
+) where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Option<u32>, Error>>,
+{
+    let mut pause = FIRST_PAUSE;
+    for round in 0..2 {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep_until(until) => return,
+                () = tokio::time::sleep(if round == 0 { pause } else { late }) => {}
+            }
+            match release().await {
+                Ok(Some(_)) => {
+                    tracing::info!(lock = %key, "released a lease whose grant never reached its client");
+                    return;
+                }
+                Ok(None) => break,
+                Err(_) => pause = (pause * 2).min(MAX_PAUSE),
+            }
+        }
+    }
+}
