@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::{RedisServer, command_diff};
-use common::{SidecarBuilder, SidecarGuard, unique_name, within};
+use common::{SidecarBuilder, SidecarGuard, eventually, unique_name, within};
 use reqwest::StatusCode;
 use serde_json::Value;
 use tokio::sync::Mutex;
@@ -2399,4 +2399,64 @@ async fn a_claim_behind_the_queue_of_a_free_lock_takes_the_short_path() {
     assert_eq!(owners, ["other", "waiter", "second"]);
     first.abort();
     second.abort();
+}
+
+/// The Cluster node a sidecar's pub/sub connection is on, removed from the
+/// cluster (`--cluster del-node`: it is reset, and keeps answering, but
+/// hears no cluster PUBLISH any more), is left for a node that hears the
+/// cluster: a waiter of that sidecar is handed the lock a release passes
+/// to it within seconds. Before, it was told only when the holder's lease
+/// would have ended, and a restart of the sidecar did not help (the node
+/// is the first seed of its URL).
+#[tokio::test]
+async fn a_pubsub_node_removed_from_the_cluster_is_left_for_one_that_hears_it() {
+    let mut cluster = common::redis::RedisCluster::start().await;
+    let members = cluster
+        .nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let spare = cluster.add_empty_node().await;
+    let spare_port = spare.port();
+    let waiting = SidecarBuilder::new(&format!("redis+cluster://127.0.0.1:{spare_port},{members}"))
+        .start()
+        .await;
+    let holding = SidecarBuilder::new(&format!("redis+cluster://{members}"))
+        .start()
+        .await;
+    let spare = cluster.nodes.len() - 1;
+    eventually(
+        "the waiting sidecar's pub/sub connection on the spare node",
+        Duration::from_secs(10),
+        async || {
+            let channels: Vec<String> = cluster.nodes[spare].cmd(&["PUBSUB", "CHANNELS"]).await;
+            (!channels.is_empty()).then_some(())
+        },
+    )
+    .await;
+    cluster.remove_node(spare).await;
+
+    let name = unique_name("scaled-in");
+    let lock = holding.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut waiter = waiting
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "waiter"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    lock.release(&holder.token).await;
+    let released = Instant::now();
+    let grant = waiter.expect_acquired_within(Duration::from_secs(30)).await;
+    assert_eq!(grant.owner, "waiter");
+    eprintln!(
+        "the waiter was handed the lock {:?} after the release",
+        released.elapsed()
+    );
+    assert!(
+        released.elapsed() < Duration::from_secs(20),
+        "the waiter was handed the lock {:?} after the release",
+        released.elapsed()
+    );
 }

@@ -333,19 +333,7 @@ impl RedisCluster {
         require("redis-cli");
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            // The bus port defaults to port + 10000, which does not exist for
-            // ephemeral ports above 55535: Redis then refuses to start.
-            nodes.push(
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-port",
-                    FREE_PORT,
-                ])
-                .await,
-            );
+            nodes.push(Self::start_node().await);
         }
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
@@ -378,6 +366,92 @@ impl RedisCluster {
     pub fn url(&self) -> String {
         format!("redis+cluster://{}", host_list(&self.nodes))
     }
+
+    /// A server with cluster mode on, in no cluster yet.
+    async fn start_node() -> RedisServer {
+        // The bus port defaults to port + 10000, which does not exist for
+        // ephemeral ports above 55535: Redis then refuses to start.
+        RedisServer::start_with(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "2000",
+            "--cluster-port",
+            FREE_PORT,
+        ])
+        .await
+    }
+
+    /// Adds a master without slots (`redis-cli --cluster add-node`), once
+    /// every node knows it and it sees the cluster `ok`.
+    pub async fn add_empty_node(&mut self) -> &RedisServer {
+        let node = Self::start_node().await;
+        run_cli(&[
+            "add-node",
+            &format!("127.0.0.1:{}", node.port()),
+            &format!("127.0.0.1:{}", self.nodes[0].port()),
+        ]);
+        self.nodes.push(node);
+        let count = self.nodes.len();
+        let deadline = Instant::now() + READY_TIMEOUT;
+        for n in &self.nodes {
+            loop {
+                let info: String = n.cmd(&["CLUSTER", "INFO"]).await;
+                if info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_known_nodes:{count}\r"))
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the new node is not known to all: {info}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        &self.nodes[count - 1]
+    }
+
+    /// Removes the slot-less node `index` from the cluster (`redis-cli
+    /// --cluster del-node`: the others forget it, and it is reset). The
+    /// server keeps running and answering, alone.
+    pub async fn remove_node(&self, index: usize) {
+        let id: String = self.nodes[index].cmd(&["CLUSTER", "MYID"]).await;
+        let other = usize::from(index == 0);
+        run_cli(&[
+            "del-node",
+            &format!("127.0.0.1:{}", self.nodes[other].port()),
+            &id,
+        ]);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let info: String = self.nodes[index].cmd(&["CLUSTER", "INFO"]).await;
+            if info.contains("cluster_known_nodes:1\r") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the removed node still knows the cluster: {info}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Runs `redis-cli --cluster <args> --cluster-yes`, failing on an error.
+fn run_cli(args: &[&str]) {
+    let out = Command::new("redis-cli")
+        .arg("--cluster")
+        .args(args)
+        .arg("--cluster-yes")
+        .output()
+        .expect("run redis-cli --cluster");
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Independent Redis masters for Redlock.

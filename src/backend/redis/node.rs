@@ -224,17 +224,32 @@ impl Node {
             Target::Single(c) => Ok(c.clone()),
             Target::Sentinel(s) => s.lock().await.async_get_client().await,
             Target::Cluster { seeds, .. } => {
+                // The first seed that sees its cluster `ok`: a node removed
+                // from the cluster (reset, still answering) hears no
+                // cluster PUBLISH. Failing that, the first that answers.
+                let mut answering = None;
                 let mut last = None;
                 for seed in seeds {
                     match seed
                         .get_multiplexed_async_connection_with_config(&config())
                         .await
                     {
-                        Ok(_) => return Ok(seed.clone()),
+                        Ok(mut c) => {
+                            let info = redis::cmd("CLUSTER")
+                                .arg("INFO")
+                                .query_async::<String>(&mut c)
+                                .await;
+                            if info.is_ok_and(|i| i.contains("cluster_state:ok")) {
+                                return Ok(seed.clone());
+                            }
+                            answering.get_or_insert_with(|| seed.clone());
+                        }
                         Err(e) => last = Some(e),
                     }
                 }
-                Err(last.unwrap_or_else(|| RedisError::from((ErrorKind::Io, "no cluster node"))))
+                answering.ok_or_else(|| {
+                    last.unwrap_or_else(|| RedisError::from((ErrorKind::Io, "no cluster node")))
+                })
             }
         }
     }
@@ -311,6 +326,29 @@ impl Node {
         format!("{}{}", self.stem, self.instance)
     }
 
+    /// Whether this is a Redis Cluster.
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster { .. })
+    }
+
+    /// Publishes `payload` on this sidecar's own channel from a script on
+    /// the master of that channel's slot, as the scripts' own messages go:
+    /// in a Cluster, to every node the cluster bus reaches.
+    pub(super) async fn publish_own(&self, payload: &str) -> Result<(), Error> {
+        let channel = self.own_channel();
+        self.with_conn("probe", async |c| {
+            redis::cmd("EVAL")
+                .arg("return redis.call('PUBLISH', KEYS[1], ARGV[1])")
+                .arg(1)
+                .arg(&channel)
+                .arg(payload)
+                .query_async::<i64>(c)
+                .await
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// The wake channel of `key`, on which the scripts publish.
     pub(super) fn channel(&self, key: &LockKey) -> String {
         format!("{{{}}}:wake", self.base(key))
@@ -319,8 +357,7 @@ impl Node {
     /// Prepares a script call on the lock's main key (the scripts derive its
     /// side keys) with its kind as the first argument.
     pub(super) fn invocation<'a>(&self, script: &'a Script, key: &LockKey) -> Call<'a> {
-        let cluster = matches!(self.target, Target::Cluster { .. });
-        let mut inv = Call::new(script, &self.base(key), cluster);
+        let mut inv = Call::new(script, &self.base(key), self.is_cluster());
         inv.arg(match key.kind {
             // An election is an exclusive lock to the scripts.
             Kind::Lock | Kind::Election => "l",

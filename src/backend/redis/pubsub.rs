@@ -147,9 +147,25 @@ pub(super) async fn pubsub(
         for key in &waiting {
             rejoin(&node, &tickets, &wakeups, key);
         }
+        let mut probe = Probe::default();
+        let mut probe_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + PROBE_EVERY, PROBE_EVERY);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
+                _ = probe_tick.tick(), if node.is_cluster() => {
+                    if probe.unheard().await {
+                        tracing::warn!(
+                            url = %node.url,
+                            "the pub/sub node no longer hears the cluster's messages; reconnecting"
+                        );
+                        break;
+                    }
+                    let waits = !lock(&watchers).is_empty() || !lock(&tickets).queued.is_empty();
+                    if waits {
+                        probe.send(&node);
+                    }
+                }
                 sub = rx.recv() => match sub {
                     None => return,
                     Some(Sub::Subscribe(channel, ack)) => {
@@ -167,6 +183,9 @@ pub(super) async fn pubsub(
                     wakeups.heard();
                     if own == msg.get_channel_name() {
                         let payload = msg.get_payload_bytes();
+                        if probe.heard(payload) {
+                            continue;
+                        }
                         if let Some(h) = handed(payload)
                             && let Some(key) = node.lock_of(&h.main)
                         {
@@ -205,6 +224,63 @@ pub(super) async fn pubsub(
         }
         up.store(false, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
+    }
+}
+
+/// How often, while this sidecar has waiters, a Cluster's pub/sub
+/// connection is checked with a probe.
+const PROBE_EVERY: Duration = super::HEARTBEAT_EVERY;
+
+/// A message this sidecar publishes to itself through the cluster, to see
+/// that its pub/sub node still hears the cluster's messages (a node removed
+/// from the cluster keeps answering, and hears none): `probe <n>`.
+#[derive(Default)]
+struct Probe {
+    sent: u64,
+    /// The probe on its way: its number, and the call that publishes it
+    /// (`true` once published).
+    pending: Option<(u64, tokio::task::JoinHandle<bool>)>,
+}
+
+impl Probe {
+    /// Publishes the next probe, in the background.
+    fn send(&mut self, node: &Arc<Node>) {
+        self.sent += 1;
+        let payload = format!("probe {}", self.sent);
+        let node = node.clone();
+        let call = tokio::spawn(async move { node.publish_own(&payload).await.is_ok() });
+        if let Some((_, old)) = self.pending.replace((self.sent, call)) {
+            old.abort();
+        }
+    }
+
+    /// Whether `payload` is a probe (the pending one is then heard).
+    fn heard(&mut self, payload: &[u8]) -> bool {
+        let Some(n) = payload.strip_prefix(b"probe ") else {
+            return false;
+        };
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|(sent, _)| n == sent.to_string().as_bytes())
+        {
+            self.pending = None;
+        }
+        true
+    }
+
+    /// Whether the pending probe was published and never heard. One whose
+    /// call failed or is still going (the cluster itself is in trouble)
+    /// tells nothing about the pub/sub node.
+    async fn unheard(&mut self) -> bool {
+        match self.pending.take() {
+            Some((_, call)) if call.is_finished() => call.await.unwrap_or(false),
+            Some((_, call)) => {
+                call.abort();
+                false
+            }
+            None => false,
+        }
     }
 }
 
