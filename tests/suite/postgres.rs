@@ -1588,10 +1588,11 @@ impl Proxied {
 /// proxy resets the connection under it, as a server stopped between the
 /// commit and the answer does) answers 503 — and the lease it made, which
 /// nobody holds, is released in the background: another owner gets the
-/// lock within seconds, not when that lease's ttl ends. A clean-clone CI
-/// run saw the effect under a restart: the unanswered client asked again,
-/// re-entered the lease (count 2) and released once per round, holding
-/// the lock until the ttl ended.
+/// lock (a writer, after a lost read lease; the one permit of a semaphore)
+/// within seconds, not when that lease's ttl ends. A clean-clone CI run saw
+/// the effect under a restart: the unanswered client asked again,
+/// re-entered the lease (count 2) and released once per round, holding the
+/// lock until the ttl ended.
 #[tokio::test]
 async fn a_lease_granted_while_its_answer_was_lost_is_released() {
     let Proxied {
@@ -1600,29 +1601,44 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
         through_proxy,
         direct,
     } = Proxied::start().await;
-    let name = unique_name("grant-lost");
-    let owner = unique_name("owner");
-    // Prepares the statement, so that the cut request is the acquire itself.
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
+    for kind in ["exclusive", "shared", "semaphore"] {
+        let name = unique_name("grant-lost");
+        let owner = unique_name("owner");
+        let resource = |s: &SidecarGuard| {
+            if kind == "semaphore" {
+                s.api().semaphore(&name)
+            } else {
+                s.api().lock(&name)
+            }
+        };
+        let mut lost_params = vec![("owner", owner.as_str()), ("ttl", "60s")];
+        match kind {
+            "shared" => lost_params.push(("mode", "shared")),
+            "semaphore" => lost_params.push(("limit", "1")),
+            _ => {}
+        }
+        // Prepares the statement, so that the cut request is the acquire itself.
+        let through = resource(&through_proxy);
+        let warm = through.acquire(&lost_params[2..]).await;
+        through.release(&warm.token).await;
 
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let started = Instant::now();
-    let other = direct
-        .api()
-        .lock(&name)
-        .acquire(&[("owner", "other"), ("wait", "20s")])
-        .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "granted after {:?}: the unanswered lease had to run out",
-        started.elapsed()
-    );
-    direct.api().lock(&name).release(&other.token).await;
+        proxy.cut_after(owner.as_bytes());
+        let lost = through.acquire_raw(&lost_params).await;
+        assert!(!proxy.armed(), "{kind}: the acquire went through the proxy");
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE, "{kind}");
+        let started = Instant::now();
+        let mut params = vec![("owner", "other"), ("wait", "20s")];
+        if kind == "semaphore" {
+            params.push(("limit", "1"));
+        }
+        let other = resource(&direct).acquire(&params).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{kind}: granted after {:?}: the unanswered lease had to run out",
+            started.elapsed()
+        );
+        resource(&direct).release(&other.token).await;
+    }
 }
 
 /// The background release of a grant whose answer was lost takes that
