@@ -9,24 +9,34 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::Error;
 use crate::lock::LockKey;
 
 /// First pause before the release, and the longest between its retries.
 const FIRST_PAUSE: Duration = Duration::from_millis(250);
 const MAX_PAUSE: Duration = Duration::from_secs(5);
 
+/// How a release of [`release_unanswered`] failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failed {
+    /// It never reached the backend (no connection): it did not run.
+    NotSent,
+    /// It was sent and no answer came back: it may have run.
+    Unanswered,
+}
+
 /// Releases the new lease of an attempt on `key` whose answer was lost
-/// (`release` releases its token once), retrying until the backend answers;
-/// when that release found nothing, once more `late` later (the statement
-/// or script may run after its answer timed out). Never past `until`, when
-/// such a lease would have ended anyway, nor past `stop`.
+/// (`release` releases its token once), again while the backend cannot be
+/// reached; when that release found nothing, once more `late` later (the
+/// statement or script may run after its answer timed out). Never past
+/// `until`, when such a lease would have ended anyway, nor past `stop`.
 ///
 /// It takes the lost grant's one hold, once: its owner may have asked again
 /// meanwhile and re-entered that lease (the same token, one more hold), and
-/// a second release would take the owner's own hold. Harmless when the
-/// attempt granted nothing or re-entered another lease: a release by a
-/// token that holds nothing changes nothing.
+/// a second release would take the owner's own hold. So a release whose
+/// own answer is lost is not sent again (it may have run): the lease, if it
+/// is still there, is left to its ttl — a lock held too long rather than a
+/// lock held twice. Harmless when the attempt granted nothing or re-entered
+/// another lease: a release by a token that holds nothing changes nothing.
 pub(crate) async fn release_unanswered<F, Fut>(
     key: LockKey,
     release: F,
@@ -35,7 +45,7 @@ pub(crate) async fn release_unanswered<F, Fut>(
     stop: CancellationToken,
 ) where
     F: Fn() -> Fut,
-    Fut: Future<Output = Result<Option<u32>, Error>>,
+    Fut: Future<Output = Result<Option<u32>, Failed>>,
 {
     let mut pause = FIRST_PAUSE;
     for round in 0..2 {
@@ -51,7 +61,16 @@ pub(crate) async fn release_unanswered<F, Fut>(
                     return;
                 }
                 Ok(None) => break,
-                Err(_) => pause = (pause * 2).min(MAX_PAUSE),
+                Err(Failed::NotSent) => pause = (pause * 2).min(MAX_PAUSE),
+                Err(Failed::Unanswered) => {
+                    tracing::info!(
+                        lock = %key,
+                        "the release of a lease whose grant never reached its client went unanswered; \
+                         not sent again (a second run could take a re-entered hold): \
+                         the lease, if any, ends with its ttl"
+                    );
+                    return;
+                }
             }
         }
     }

@@ -1908,6 +1908,65 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
     assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
+/// The background release of a grant whose answer was lost is not sent
+/// again when its own answer is lost (it may have run): the owner, who had
+/// asked again and re-entered the lost grant (count 2), keeps its one hold.
+/// It was sent again after a pause, and its second run took the owner's
+/// own hold — the lease was deleted under it and another owner got the
+/// lock.
+#[tokio::test]
+async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
+    let Proxied {
+        server: _server,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
+    let name = unique_name("twice-lost");
+    let owner = unique_name("owner");
+    let lock = through_proxy.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The next call on this lock through the proxy is the background
+    // release (250 ms after the lost answer): it runs, its answer is lost.
+    proxy.cut_after(name.as_bytes());
+    let other_lock = direct.api().lock(&name);
+    let again = other_lock
+        .acquire(&[("owner", &owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(
+        again.count, 2,
+        "the owner re-entered the lost grant (before its background release)"
+    );
+    within("the background release", Duration::from_secs(5), async {
+        while proxy.armed() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Past any retry and second round of the background release.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    let released = other_lock.release(&again.token).await;
+    assert_eq!(released.count, 0, "the owner's one hold was left");
+}
+
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
 /// permit ("semaphore") or of two ("semaphore of 2": the other permit kept
 /// by another owner throughout) held through a sidecar straight on Redis,

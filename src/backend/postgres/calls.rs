@@ -194,7 +194,7 @@ impl Inner {
 
     /// As [`Inner::value`], telling with the error what became of the
     /// statement (an answer that cannot be read came after it ran).
-    async fn value_or_fate<T>(
+    pub(super) async fn value_or_fate<T>(
         &self,
         op: &'static str,
         sql: &str,

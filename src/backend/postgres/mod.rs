@@ -73,7 +73,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::unanswered::release_unanswered;
+use crate::backend::unanswered::{Failed, release_unanswered};
 use crate::backend::{
     Attempt, Backend, Busy, Cause, Description, Error, Grant, Loss, Safety, StaleKey, State,
     Status, Summary, Ticket, Turn, Waiter, Watch,
@@ -216,10 +216,11 @@ struct Tickets {
 
 impl Inner {
     /// Releases one hold of `token`'s lease on `key`: the holds left, or
-    /// `None` when the token holds nothing there.
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+    /// `None` when the token holds nothing there; with an error, what
+    /// became of the statement.
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, (Error, Fate)> {
         let remaining: Option<i32> = self
-            .value(
+            .value_or_fate(
                 "release",
                 &self.sql.release,
                 &[
@@ -307,7 +308,15 @@ impl Backend for Postgres {
                     let (inner, key) = (self.inner.clone(), claim.key.clone());
                     let release = move || {
                         let (inner, key, token) = (inner.clone(), key.clone(), token.clone());
-                        async move { inner.release(&key, &token).await }
+                        async move {
+                            inner
+                                .release(&key, &token)
+                                .await
+                                .map_err(|(_, fate)| match fate {
+                                    Fate::Unknown => Failed::Unanswered,
+                                    Fate::NotRun | Fate::Refused => Failed::NotSent,
+                                })
+                        }
                     };
                     tokio::spawn(release_unanswered(
                         claim.key.clone(),
@@ -420,7 +429,7 @@ impl Backend for Postgres {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
-        self.inner.release(key, token).await
+        self.inner.release(key, token).await.map_err(|(e, _)| e)
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {

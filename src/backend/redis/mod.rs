@@ -68,7 +68,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::unanswered::release_unanswered;
+use crate::backend::unanswered::{Failed, release_unanswered};
 use crate::backend::{
     Attempt, Backend, Cause, Description, Error, Options, Safety, StaleKey, State, Status, Summary,
     Ticket, Turn, Watch,
@@ -147,7 +147,17 @@ impl Backend for Redis {
             let until = tokio::time::Instant::now() + claim.ttl;
             let release = move || {
                 let (member, key, token) = (member.clone(), key.clone(), token.clone());
-                async move { member.release(&key, &token).await }
+                async move {
+                    // Connected first: a failure after that may come after
+                    // the release ran.
+                    if member.node.connection("release").await.is_err() {
+                        return Err(Failed::NotSent);
+                    }
+                    member
+                        .release(&key, &token)
+                        .await
+                        .map_err(|_| Failed::Unanswered)
+                }
             };
             tokio::spawn(release_unanswered(
                 claim.key.clone(),
