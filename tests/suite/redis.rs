@@ -2519,3 +2519,47 @@ async fn a_pubsub_node_removed_from_the_cluster_is_left_for_one_that_hears_it() 
         released.elapsed()
     );
 }
+
+/// Probes of a Cluster's pub/sub connection cost nothing while a sidecar
+/// has no claim queued: every sidecar watches the monitor election, idle
+/// or not, and probing while anything was watched sent a cluster-wide
+/// PUBLISH every 5 s from every idle sidecar. With a waiter queued, probes
+/// go (which shows the count below sees them).
+#[tokio::test]
+async fn an_idle_sidecar_sends_no_cluster_probes() {
+    let cluster = common::redis::RedisCluster::start().await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let evals = async || {
+        let mut n = 0;
+        for node in &cluster.nodes {
+            n += node
+                .command_counts()
+                .await
+                .get("eval")
+                .copied()
+                .unwrap_or(0);
+        }
+        n
+    };
+    // Past the sidecar's start, then two probe periods.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = evals().await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(evals().await - before, 0, "an idle sidecar sent probes");
+
+    let name = unique_name("probed");
+    let lock = sidecar.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut waiter = lock
+        .hold(&[("owner", "waiter"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    let before = evals().await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(
+        evals().await - before >= 1,
+        "a sidecar with a queued claim sent no probe"
+    );
+    drop(waiter);
+    lock.release(&holder.token).await;
+}

@@ -218,18 +218,25 @@ impl Node {
     }
 
     /// A client for the pub/sub connection: the server, the current master,
-    /// or a reachable Cluster node (Cluster PUBLISH reaches every node).
-    pub(super) async fn pubsub_client(&self) -> Result<redis::Client, RedisError> {
+    /// or a reachable Cluster node (Cluster PUBLISH reaches every node),
+    /// with the node's place among the seeds. Seeds are tried from place
+    /// `from` on (round the list), so that one that failed is tried last.
+    pub(super) async fn pubsub_client(
+        &self,
+        from: usize,
+    ) -> Result<(redis::Client, usize), RedisError> {
         match &self.target {
-            Target::Single(c) => Ok(c.clone()),
-            Target::Sentinel(s) => s.lock().await.async_get_client().await,
+            Target::Single(c) => Ok((c.clone(), 0)),
+            Target::Sentinel(s) => Ok((s.lock().await.async_get_client().await?, 0)),
             Target::Cluster { seeds, .. } => {
                 // The first seed that sees its cluster `ok`: a node removed
                 // from the cluster (reset, still answering) hears no
                 // cluster PUBLISH. Failing that, the first that answers.
                 let mut answering = None;
                 let mut last = None;
-                for seed in seeds {
+                let order = (0..seeds.len()).map(|i| (from + i) % seeds.len());
+                for place in order {
+                    let seed = &seeds[place];
                     match seed
                         .get_multiplexed_async_connection_with_config(&config())
                         .await
@@ -240,9 +247,9 @@ impl Node {
                                 .query_async::<String>(&mut c)
                                 .await;
                             if info.is_ok_and(|i| i.contains("cluster_state:ok")) {
-                                return Ok(seed.clone());
+                                return Ok((seed.clone(), place));
                             }
-                            answering.get_or_insert_with(|| seed.clone());
+                            answering.get_or_insert_with(|| (seed.clone(), place));
                         }
                         Err(e) => last = Some(e),
                     }

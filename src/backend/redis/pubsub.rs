@@ -94,16 +94,19 @@ pub(super) async fn pubsub(
     numbering: Numbering,
 ) {
     let mut backoff = Duration::from_millis(50);
+    // The Cluster seed to try first: the next one after a seed that failed.
+    let mut first_seed = 0;
     loop {
         let connected = async {
-            let client = node.pubsub_client().await?;
-            client.get_async_pubsub().await
+            let (client, place) = node.pubsub_client(first_seed).await?;
+            Ok::<_, RedisError>((client.get_async_pubsub().await?, place))
         };
         let ps = tokio::select! {
             () = stop.cancelled() => return,
             r = tokio::time::timeout(CALL_TIMEOUT, connected) => r,
         };
-        let Ok(Ok(ps)) = ps else {
+        let Ok(Ok((ps, place))) = ps else {
+            first_seed += 1;
             // Fail waiting subscribers now rather than at their timeout.
             while let Ok(sub) = rx.try_recv() {
                 if let Sub::Subscribe(_, ack) = sub {
@@ -159,10 +162,13 @@ pub(super) async fn pubsub(
                             url = %node.url,
                             "the pub/sub node no longer hears the cluster's messages; reconnecting"
                         );
+                        first_seed = place + 1;
                         break;
                     }
-                    let waits = !lock(&watchers).is_empty() || !lock(&tickets).queued.is_empty();
-                    if waits {
+                    // Claims queued in the cluster, whose handoffs come on
+                    // this connection (not watchers: every sidecar watches
+                    // the monitor election, idle or not).
+                    if lock(&tickets).queued.values().any(|q| !q.is_empty()) {
                         probe.send(&node);
                     }
                 }
