@@ -14,6 +14,8 @@ use crate::lock::LockKey;
 /// First pause before the release, and the longest between its retries.
 const FIRST_PAUSE: Duration = Duration::from_millis(250);
 const MAX_PAUSE: Duration = Duration::from_secs(5);
+/// How often a release that found nothing looks again, until `look_until`.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
 
 /// How a release of [`release_unanswered`] failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,9 +28,11 @@ pub(crate) enum Failed {
 
 /// Releases the new lease of an attempt on `key` whose answer was lost
 /// (`release` releases its token once), again while the backend cannot be
-/// reached; when that release found nothing, once more `late` later (the
-/// statement or script may run after its answer timed out). Never past
-/// `until`, when such a lease would have ended anyway, nor past `stop`.
+/// reached; while that release finds nothing, again every [`LOOK_EVERY`]
+/// until `look_until` (a join's waiter row may be handed the lock until it
+/// is removed as nobody's), then once more `late` later (the statement or
+/// script may run after its answer timed out). Never past `until`, when
+/// such a lease would have ended anyway, nor past `stop`.
 ///
 /// It takes the lost grant's one hold, once: its owner may have asked again
 /// meanwhile and re-entered that lease (the same token, one more hold), and
@@ -41,6 +45,7 @@ pub(crate) async fn release_unanswered<F, Fut>(
     key: LockKey,
     release: F,
     late: Duration,
+    look_until: Instant,
     until: Instant,
     stop: CancellationToken,
 ) where
@@ -60,6 +65,7 @@ pub(crate) async fn release_unanswered<F, Fut>(
                     tracing::info!(lock = %key, "released a lease whose grant never reached its client");
                     return;
                 }
+                Ok(None) if round == 0 && Instant::now() < look_until => pause = LOOK_EVERY,
                 Ok(None) => break,
                 Err(Failed::NotSent) => pause = (pause * 2).min(MAX_PAUSE),
                 Err(Failed::Unanswered) => {

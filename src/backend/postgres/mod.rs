@@ -318,11 +318,21 @@ impl Backend for Postgres {
                                 })
                         }
                     };
+                    // A join's waiter row, which nobody waits for, may be
+                    // handed the lock until it is removed: by this
+                    // sidecar's heartbeat after GHOST_AFTER, or as a
+                    // silent sidecar's after LAPSE_AFTER.
+                    let now = tokio::time::Instant::now();
+                    let look_until = match turn {
+                        Turn::Join => now + GHOST_AFTER + LAPSE_AFTER + HEARTBEAT_EVERY,
+                        _ => now,
+                    };
                     tokio::spawn(release_unanswered(
                         claim.key.clone(),
                         release,
                         OP_TIMEOUT,
-                        tokio::time::Instant::now() + claim.ttl,
+                        look_until,
+                        now + claim.ttl,
                         self.inner.stop.clone(),
                     ));
                 }

@@ -163,6 +163,7 @@ impl Backend for Redis {
                 claim.key.clone(),
                 release,
                 CALL_TIMEOUT,
+                tokio::time::Instant::now(),
                 until,
                 self.stop.clone(),
             ));
