@@ -10,7 +10,8 @@
 //! * [`safety`]: the safety checker — several sidecars, random clients, faults.
 //! * [`hostile`]: the hostile-client suite.
 //! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
-//! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract.
+//! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract;
+//!   [`lost_answers`]: checks of answers lost on the way back, shared by Redis and PostgreSQL.
 //! * [`dashboard`], [`metrics`]: the operator's views.
 //! * [`global_work`]: backend-wide work done once, by the elected monitor.
 //! * [`cli_run`], [`listen`], [`first_run`], [`readme`]: the command line, its settings and the README.
@@ -26,6 +27,7 @@ mod global_work;
 mod hostile;
 mod layers;
 mod listen;
+mod lost_answers;
 mod metrics;
 mod outage;
 mod partition;

@@ -8,6 +8,7 @@
 //! statements, which start a throwaway cluster.
 
 use crate::common;
+use crate::lost_answers;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -1612,50 +1613,8 @@ impl Proxied {
 /// lock until the ttl ended.
 #[tokio::test]
 async fn a_lease_granted_while_its_answer_was_lost_is_released() {
-    let Proxied {
-        _database,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    for kind in ["exclusive", "shared", "semaphore"] {
-        let name = unique_name("grant-lost");
-        let owner = unique_name("owner");
-        let resource = |s: &SidecarGuard| {
-            if kind == "semaphore" {
-                s.api().semaphore(&name)
-            } else {
-                s.api().lock(&name)
-            }
-        };
-        let mut lost_params = vec![("owner", owner.as_str()), ("ttl", "60s")];
-        match kind {
-            "shared" => lost_params.push(("mode", "shared")),
-            "semaphore" => lost_params.push(("limit", "1")),
-            _ => {}
-        }
-        // Prepares the statement, so that the cut request is the acquire itself.
-        let through = resource(&through_proxy);
-        let warm = through.acquire(&lost_params[2..]).await;
-        through.release(&warm.token).await;
-
-        proxy.cut_after(owner.as_bytes());
-        let lost = through.acquire_raw(&lost_params).await;
-        assert!(!proxy.armed(), "{kind}: the acquire went through the proxy");
-        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE, "{kind}");
-        let started = Instant::now();
-        let mut params = vec![("owner", "other"), ("wait", "20s")];
-        if kind == "semaphore" {
-            params.push(("limit", "1"));
-        }
-        let other = resource(&direct).acquire(&params).await;
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{kind}: granted after {:?}: the unanswered lease had to run out",
-            started.elapsed()
-        );
-        resource(&direct).release(&other.token).await;
-    }
+    let p = Proxied::start().await;
+    lost_answers::a_lost_grant_is_released(&p.proxy, &p.through_proxy, &p.direct).await;
 }
 
 /// The background release of a grant whose answer was lost takes that
@@ -1663,44 +1622,17 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
 /// re-entered the lost grant (count 2), keeps its own hold.
 #[tokio::test]
 async fn a_lost_grant_its_owner_re_entered_is_released_once() {
-    let Proxied {
-        _database,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("re-entered");
-    let owner = unique_name("owner");
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let other_lock = direct.api().lock(&name);
-    let again = other_lock
-        .acquire(&[("owner", &owner), ("ttl", "60s")])
-        .await;
-    assert_eq!(again.count, 2, "the owner re-entered the lost grant");
+    let p = Proxied::start().await;
     // Past the background release's rounds (the second one a statement's
     // time limit after the first).
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
-    assert_eq!(
-        kept.status(),
-        StatusCode::OK,
-        "the owner's hold was released under it"
-    );
-    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    let released = other_lock.release(&again.token).await;
-    assert_eq!(released.count, 0, "the owner's one hold was left");
+    let rounds = Duration::from_secs(8);
+    lost_answers::a_re_entered_lost_grant_is_released_once(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+        rounds,
+    )
+    .await;
 }
 
 /// The background release of a grant whose answer was lost is not sent
@@ -1711,55 +1643,13 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
 /// lock.
 #[tokio::test]
 async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
-    let Proxied {
-        _database,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("twice-lost");
-    let owner = unique_name("owner");
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // The next call on this lock through the proxy is the background
-    // release (250 ms after the lost answer): it runs, its answer is lost.
-    proxy.cut_after(name.as_bytes());
-    let other_lock = direct.api().lock(&name);
-    let again = other_lock
-        .acquire(&[("owner", &owner), ("ttl", "60s")])
-        .await;
-    assert_eq!(
-        again.count, 2,
-        "the owner re-entered the lost grant (before its background release)"
-    );
-    within("the background release", Duration::from_secs(5), async {
-        while proxy.armed() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    let p = Proxied::start().await;
+    lost_answers::a_lost_grants_release_whose_answer_is_lost_is_not_sent_again(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
     .await;
-    // Past any retry and second round of the background release.
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
-    assert_eq!(
-        kept.status(),
-        StatusCode::OK,
-        "the owner's hold was released under it"
-    );
-    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    let released = other_lock.release(&again.token).await;
-    assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
 /// A join whose answer is lost after PostgreSQL queued it leaves a waiter

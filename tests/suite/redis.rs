@@ -4,6 +4,7 @@
 //! backends share is in `conformance.rs`.
 
 use crate::common;
+use crate::lost_answers;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1824,40 +1825,14 @@ impl Proxied {
 }
 
 /// An acquire whose answer is lost after Redis granted it (a proxy resets
-/// the connection under it) answers 503 — and the lease it made, which
-/// nobody holds, is released in the background: another owner gets the
-/// lock within seconds, not when that lease's ttl ends.
+/// the connection under it) answers 503 — and the lease it made (an
+/// exclusive or read lease, a semaphore permit), which nobody holds, is
+/// released in the background: another owner gets the lock within seconds,
+/// not when that lease's ttl ends.
 #[tokio::test]
 async fn a_lease_granted_while_its_answer_was_lost_is_released() {
-    let Proxied {
-        server: _server,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("grant-lost");
-    let owner = unique_name("owner");
-    // Loads the scripts, so that the cut call is the acquire itself.
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let started = Instant::now();
-    let other = direct
-        .api()
-        .lock(&name)
-        .acquire(&[("owner", "other"), ("wait", "20s")])
-        .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "granted after {:?}: the unanswered lease had to run out",
-        started.elapsed()
-    );
-    direct.api().lock(&name).release(&other.token).await;
+    let p = Proxied::start().await;
+    lost_answers::a_lost_grant_is_released(&p.proxy, &p.through_proxy, &p.direct).await;
 }
 
 /// The background release of a grant whose answer was lost takes that
@@ -1867,45 +1842,16 @@ async fn a_lease_granted_while_its_answer_was_lost_is_released() {
 /// own hold — the lease was deleted under it and another owner got the lock.
 #[tokio::test]
 async fn a_lost_grant_its_owner_re_entered_is_released_once() {
-    let Proxied {
-        server: _server,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("re-entered");
-    let owner = unique_name("owner");
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // The owner asks again at once (through the other sidecar) and
-    // re-enters the grant it was not told of.
-    let other_lock = direct.api().lock(&name);
-    let again = other_lock
-        .acquire(&[("owner", &owner), ("ttl", "60s")])
-        .await;
-    assert_eq!(again.count, 2, "the owner re-entered the lost grant");
+    let p = Proxied::start().await;
     // Past the background release's rounds (the second one after 2 s).
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
-    assert_eq!(
-        kept.status(),
-        StatusCode::OK,
-        "the owner's hold was released under it"
-    );
-    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    let released = other_lock.release(&again.token).await;
-    assert_eq!(released.count, 0, "the owner's one hold was left");
+    let rounds = Duration::from_secs(4);
+    lost_answers::a_re_entered_lost_grant_is_released_once(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+        rounds,
+    )
+    .await;
 }
 
 /// The background release of a grant whose answer was lost is not sent
@@ -1916,55 +1862,13 @@ async fn a_lost_grant_its_owner_re_entered_is_released_once() {
 /// lock.
 #[tokio::test]
 async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
-    let Proxied {
-        server: _server,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("twice-lost");
-    let owner = unique_name("owner");
-    let lock = through_proxy.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert!(!proxy.armed(), "the acquire went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // The next call on this lock through the proxy is the background
-    // release (250 ms after the lost answer): it runs, its answer is lost.
-    proxy.cut_after(name.as_bytes());
-    let other_lock = direct.api().lock(&name);
-    let again = other_lock
-        .acquire(&[("owner", &owner), ("ttl", "60s")])
-        .await;
-    assert_eq!(
-        again.count, 2,
-        "the owner re-entered the lost grant (before its background release)"
-    );
-    within("the background release", Duration::from_secs(5), async {
-        while proxy.armed() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    let p = Proxied::start().await;
+    lost_answers::a_lost_grants_release_whose_answer_is_lost_is_not_sent_again(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
     .await;
-    // Past any retry and second round of the background release.
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    let kept = other_lock.keepalive_raw(&again.token, &[]).await;
-    assert_eq!(
-        kept.status(),
-        StatusCode::OK,
-        "the owner's hold was released under it"
-    );
-    let intruder = other_lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    let released = other_lock.release(&again.token).await;
-    assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one

@@ -1,0 +1,165 @@
+//! Answers lost on their way back from the backend (a cutting proxy in
+//! front of it resets the connection after the backend ran the call): the
+//! grants they hide are given back in the background, once, and never by
+//! a second run of a release whose own answer was lost. The same checks
+//! for every backend whose answers can be lost (Redis, PostgreSQL); each
+//! backend's tests set up the proxy, a sidecar through it (`through`) and
+//! one straight on the backend (`direct`).
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+
+use crate::common::proxy::CuttingProxy;
+use crate::common::{SidecarGuard, unique_name, within};
+
+/// An acquire whose answer is lost after the backend granted it answers
+/// 503 — and the lease it made, which nobody holds, is released in the
+/// background: another owner gets the lock (a writer, after a lost read
+/// lease; the one permit of a semaphore) within seconds, not when that
+/// lease's ttl ends.
+pub async fn a_lost_grant_is_released(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    for kind in ["exclusive", "shared", "semaphore"] {
+        let name = unique_name("grant-lost");
+        let owner = unique_name("owner");
+        let resource = |s: &SidecarGuard| {
+            if kind == "semaphore" {
+                s.api().semaphore(&name)
+            } else {
+                s.api().lock(&name)
+            }
+        };
+        let mut lost_params = vec![("owner", owner.as_str()), ("ttl", "60s")];
+        match kind {
+            "shared" => lost_params.push(("mode", "shared")),
+            "semaphore" => lost_params.push(("limit", "1")),
+            _ => {}
+        }
+        // Loads the scripts or prepares the statement, so that the cut
+        // call is the acquire itself.
+        let through = resource(through_proxy);
+        let warm = through.acquire(&lost_params[2..]).await;
+        through.release(&warm.token).await;
+
+        proxy.cut_after(owner.as_bytes());
+        let lost = through.acquire_raw(&lost_params).await;
+        assert!(!proxy.armed(), "{kind}: the acquire went through the proxy");
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE, "{kind}");
+        let started = Instant::now();
+        let mut params = vec![("owner", "other"), ("wait", "20s")];
+        if kind == "semaphore" {
+            params.push(("limit", "1"));
+        }
+        let other = resource(direct).acquire(&params).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{kind}: granted after {:?}: the unanswered lease had to run out",
+            started.elapsed()
+        );
+        resource(direct).release(&other.token).await;
+    }
+}
+
+/// The background release of a grant whose answer was lost takes that
+/// grant's one hold, once: the owner, who asked again at once and
+/// re-entered the lost grant (count 2), keeps its own hold. `rounds` is
+/// how long the background release's rounds take on this backend.
+pub async fn a_re_entered_lost_grant_is_released_once(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+    rounds: Duration,
+) {
+    let (name, owner) = lose_a_grant(proxy, through_proxy, "re-entered").await;
+    // The owner asks again at once (through the other sidecar) and
+    // re-enters the grant it was not told of.
+    let other_lock = direct.api().lock(&name);
+    let again = other_lock
+        .acquire(&[("owner", &owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(again.count, 2, "the owner re-entered the lost grant");
+    tokio::time::sleep(rounds).await;
+    assert_owner_keeps_its_hold(direct, &name, &again.token).await;
+}
+
+/// The background release of a grant whose answer was lost is not sent
+/// again when its own answer is lost (it may have run): the owner, who had
+/// asked again and re-entered the lost grant (count 2), keeps its one hold.
+/// It was sent again after a pause, and its second run took the owner's
+/// own hold — the lease was deleted under it and another owner got the
+/// lock.
+pub async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    let (name, owner) = lose_a_grant(proxy, through_proxy, "twice-lost").await;
+    // The next call on this lock through the proxy is the background
+    // release (250 ms after the lost answer): it runs, its answer is lost.
+    proxy.cut_after(name.as_bytes());
+    let again = direct
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", &owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(
+        again.count, 2,
+        "the owner re-entered the lost grant (before its background release)"
+    );
+    within("the background release", Duration::from_secs(5), async {
+        while proxy.armed() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Past any retry and second round of the background release.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_owner_keeps_its_hold(direct, &name, &again.token).await;
+}
+
+/// Has a lock named after `prefix` granted through the proxy to a new
+/// owner, the answer lost (503): the lock's name and the owner.
+async fn lose_a_grant(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    prefix: &str,
+) -> (String, String) {
+    let name = unique_name(prefix);
+    let owner = unique_name("owner");
+    let lock = through_proxy.api().lock(&name);
+    // Loads the scripts or prepares the statement, so that the cut call is
+    // the acquire itself.
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert!(!proxy.armed(), "the acquire went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    (name, owner)
+}
+
+/// The owner of `token`, which re-entered a lost grant, still holds lock
+/// `name` once: its keepalive works, another owner is refused, and its one
+/// release leaves nothing.
+async fn assert_owner_keeps_its_hold(direct: &SidecarGuard, name: &str, token: &str) {
+    let lock = direct.api().lock(name);
+    let kept = lock.keepalive_raw(token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    let released = lock.release(token).await;
+    assert_eq!(released.count, 0, "the owner's one hold was left");
+}
