@@ -20,8 +20,9 @@ const LOOK_EVERY: Duration = Duration::from_secs(1);
 /// How a release of [`release_unanswered`] failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Failed {
-    /// It never reached the backend (no connection): it did not run.
-    NotSent,
+    /// It did not run: it never reached the backend (no connection), or
+    /// the backend refused it.
+    NotRun,
     /// It was sent and no answer came back: it may have run.
     Unanswered,
 }
@@ -67,7 +68,7 @@ pub(crate) async fn release_unanswered<F, Fut>(
                 }
                 Ok(None) if round == 0 && Instant::now() < look_until => pause = LOOK_EVERY,
                 Ok(None) => break,
-                Err(Failed::NotSent) => pause = (pause * 2).min(MAX_PAUSE),
+                Err(Failed::NotRun) => pause = (pause * 2).min(MAX_PAUSE),
                 Err(Failed::Unanswered) => {
                     tracing::info!(
                         lock = %key,

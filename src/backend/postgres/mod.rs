@@ -235,6 +235,41 @@ impl Inner {
     }
 }
 
+/// Gives back, in the background, the lease an attempt of `claim` with
+/// `token` may have been granted although its answer was lost (see
+/// [`release_unanswered`]). A join's waiter row, which nobody waits for,
+/// may be handed the lock until it is removed — by this sidecar's heartbeat
+/// after [`GHOST_AFTER`], or as a silent sidecar's after [`LAPSE_AFTER`] —
+/// so after a join the release looks for that long.
+fn give_back_unanswered(inner: &Arc<Inner>, claim: &Claim, token: Token, join: bool) {
+    let (me, key) = (inner.clone(), claim.key.clone());
+    let release = move || {
+        let (me, key, token) = (me.clone(), key.clone(), token.clone());
+        async move {
+            me.release(&key, &token)
+                .await
+                .map_err(|(_, fate)| match fate {
+                    Fate::Unknown => Failed::Unanswered,
+                    Fate::NotRun | Fate::Refused => Failed::NotRun,
+                })
+        }
+    };
+    let now = tokio::time::Instant::now();
+    let look_until = if join {
+        now + GHOST_AFTER + LAPSE_AFTER + HEARTBEAT_EVERY
+    } else {
+        now
+    };
+    tokio::spawn(release_unanswered(
+        claim.key.clone(),
+        release,
+        OP_TIMEOUT,
+        look_until,
+        now + claim.ttl,
+        inner.stop.clone(),
+    ));
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         self.inner.stop.cancel();
@@ -305,36 +340,7 @@ impl Backend for Postgres {
                 if fate == Fate::Unknown && matches!(turn, Turn::Once | Turn::Join) {
                     // The database may have granted the new token all the
                     // same: nobody would hold that lease until its ttl.
-                    let (inner, key) = (self.inner.clone(), claim.key.clone());
-                    let release = move || {
-                        let (inner, key, token) = (inner.clone(), key.clone(), token.clone());
-                        async move {
-                            inner
-                                .release(&key, &token)
-                                .await
-                                .map_err(|(_, fate)| match fate {
-                                    Fate::Unknown => Failed::Unanswered,
-                                    Fate::NotRun | Fate::Refused => Failed::NotSent,
-                                })
-                        }
-                    };
-                    // A join's waiter row, which nobody waits for, may be
-                    // handed the lock until it is removed: by this
-                    // sidecar's heartbeat after GHOST_AFTER, or as a
-                    // silent sidecar's after LAPSE_AFTER.
-                    let now = tokio::time::Instant::now();
-                    let look_until = match turn {
-                        Turn::Join => now + GHOST_AFTER + LAPSE_AFTER + HEARTBEAT_EVERY,
-                        _ => now,
-                    };
-                    tokio::spawn(release_unanswered(
-                        claim.key.clone(),
-                        release,
-                        OP_TIMEOUT,
-                        look_until,
-                        now + claim.ttl,
-                        self.inner.stop.clone(),
-                    ));
+                    give_back_unanswered(&self.inner, claim, token, matches!(turn, Turn::Join));
                 }
                 return Err(e);
             }

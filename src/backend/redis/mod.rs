@@ -151,7 +151,7 @@ impl Backend for Redis {
                     // Connected first: a failure after that may come after
                     // the release ran.
                     if member.node.connection("release").await.is_err() {
-                        return Err(Failed::NotSent);
+                        return Err(Failed::NotRun);
                     }
                     member
                         .release(&key, &token)
