@@ -163,3 +163,44 @@ async fn assert_owner_keeps_its_hold(direct: &SidecarGuard, name: &str, token: &
     let released = lock.release(token).await;
     assert_eq!(released.count, 0, "the owner's one hold was left");
 }
+
+/// A join whose answer is lost after the backend queued it leaves a queue
+/// entry nobody waits for; a release that hands the lock to that entry
+/// before it is removed as nobody's makes a lease nobody holds, which kept
+/// the lock for its ttl (PostgreSQL: the background release had looked for
+/// a lease only at about 0.25 s and 5.25 s). That lease is given back
+/// within seconds: the next waiter is granted.
+pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    let name = unique_name("ghost-join");
+    let owner = unique_name("owner");
+    let through = through_proxy.api().lock(&name);
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let lock = direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = through
+        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+        .await;
+    assert!(!proxy.armed(), "the join went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Past the background release's first look and its second round.
+    tokio::time::sleep(Duration::from_millis(6500)).await;
+    lock.release(&holder.token).await;
+    let started = Instant::now();
+    let next = lock
+        .acquire_raw(&[("owner", "next"), ("wait", "20s")])
+        .await;
+    assert_eq!(
+        next.status(),
+        StatusCode::OK,
+        "the lock handed to the lost join's row still blocks after {:?}: {:?}",
+        started.elapsed(),
+        lock.inspect().await
+    );
+}

@@ -1653,45 +1653,17 @@ async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
 }
 
 /// A join whose answer is lost after PostgreSQL queued it leaves a waiter
-/// row nobody waits for; a release that hands the lock to that row before
-/// it is removed as nobody's made a lease nobody holds, which kept the lock
+/// row nobody waits for; a release that handed the lock to that row before
+/// it was removed as nobody's made a lease nobody held, which kept the lock
 /// for its ttl (found by review: the background release had looked for a
-/// lease only at about 0.25 s and 5.25 s). Now that lease is given back
-/// within seconds.
+/// lease only at about 0.25 s and 5.25 s).
 #[tokio::test]
 async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
-    let Proxied {
-        _database,
-        proxy,
-        through_proxy,
-        direct,
-    } = Proxied::start().await;
-    let name = unique_name("ghost-join");
-    let owner = unique_name("owner");
-    let through = through_proxy.api().lock(&name);
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let lock = direct.api().lock(&name);
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = through
-        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
-        .await;
-    assert!(!proxy.armed(), "the join went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // Past the background release's first look and its second round.
-    tokio::time::sleep(Duration::from_millis(6500)).await;
-    lock.release(&holder.token).await;
-    let started = Instant::now();
-    let next = lock
-        .acquire_raw(&[("owner", "next"), ("wait", "20s")])
-        .await;
-    assert_eq!(
-        next.status(),
-        StatusCode::OK,
-        "the lock handed to the lost join's row still blocks after {:?}: {:?}",
-        started.elapsed(),
-        lock.inspect().await
-    );
+    let p = Proxied::start().await;
+    lost_answers::a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
+    .await;
 }

@@ -1871,6 +1871,22 @@ async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
     .await;
 }
 
+/// A join whose answer is lost after Redis queued it leaves a queue entry
+/// nobody waits for; the release that hands the lock to that entry must
+/// not leave a lease nobody holds until its ttl. (Passes since the handoff
+/// to a ticket this sidecar never knew is given back; without that give-back
+/// the next waiter is still refused after 20 s.)
+#[tokio::test]
+async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
+    let p = Proxied::start().await;
+    lost_answers::a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
+    .await;
+}
+
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
 /// permit ("semaphore") or of two ("semaphore of 2": the other permit kept
 /// by another owner throughout) held through a sidecar straight on Redis,
