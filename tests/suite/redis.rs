@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::{RedisServer, command_diff};
 use common::{SidecarBuilder, SidecarGuard, eventually, unique_name, within};
+use nix::sys::signal::Signal;
 use reqwest::StatusCode;
 use serde_json::Value;
 use tokio::sync::Mutex;
@@ -2498,4 +2499,76 @@ async fn an_idle_sidecar_sends_no_cluster_probes() {
     );
     drop(waiter);
     lock.release(&holder.token).await;
+}
+
+/// A Cluster master that hangs (SIGSTOP: its connections stay open and
+/// nothing is answered) and is failed over to its replica: once the
+/// cluster is `ok` again, locks in every slot — the hung master's, now its
+/// replica's, and the others' — are served within seconds. The hung node
+/// is the first seed, the one a cluster client asks first.
+#[tokio::test]
+async fn a_hung_cluster_master_failed_over_serves_every_slot_again_within_seconds() {
+    let cluster = common::redis::RedisCluster::start_replicated(1).await;
+    let sidecar = SidecarBuilder::new(&cluster.url()).start().await;
+    let hung = &cluster.nodes[0];
+    let hung_id: String = hung.cmd(&["CLUSTER", "MYID"]).await;
+    // Names over many slots: some on each master.
+    let names: Vec<String> = (0..24).map(|_| unique_name("hung")).collect();
+    for name in &names {
+        let lock = sidecar.api().lock(name);
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+    }
+
+    hung.signal(Signal::SIGSTOP);
+    // The cluster fails it over: a replica of it is master, every other
+    // node sees the cluster ok.
+    let watcher = &cluster.nodes[1];
+    eventually(
+        "the hung master failed over",
+        Duration::from_secs(30),
+        async || {
+            let info: String = watcher.cmd(&["CLUSTER", "INFO"]).await;
+            let nodes: String = watcher.cmd(&["CLUSTER", "NODES"]).await;
+            let promoted = nodes.lines().any(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                f.get(2).is_some_and(|flags| flags.contains("master"))
+                    && f.get(3) == Some(&"-")
+                    && !f[2].contains("fail")
+                    && nodes.lines().any(|old| {
+                        old.starts_with(&hung_id) && old.contains("fail") && !old.contains("fail?")
+                    })
+            });
+            (info.contains("cluster_state:ok") && promoted).then_some(())
+        },
+    )
+    .await;
+    let failed_over = Instant::now();
+    let mut slow = Vec::new();
+    for name in &names {
+        let lock = sidecar.api().lock(name);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let answer = lock.acquire_raw(&[("owner", "after")]).await;
+            if answer.status() == StatusCode::OK {
+                let grant: Value = answer.json().await.expect("grant body");
+                lock.release(grant["token"].as_str().expect("token")).await;
+                break;
+            }
+            assert_eq!(
+                answer.status(),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "only an outage may refuse it"
+            );
+            assert!(Instant::now() < deadline, "{name} still unavailable");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        slow.push(failed_over.elapsed());
+    }
+    let all = failed_over.elapsed();
+    hung.signal(Signal::SIGCONT);
+    assert!(
+        all < Duration::from_secs(12),
+        "every slot served again {all:?} after the failover (times per lock: {slow:?})"
+    );
 }

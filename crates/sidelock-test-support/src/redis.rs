@@ -200,6 +200,14 @@ impl RedisServer {
         self.command_counts().await.values().sum()
     }
 
+    /// Sends `signal` to the server (SIGSTOP hangs it: connections stay
+    /// open and nothing is answered, as with a frozen machine).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        if let Some(child) = &self.child {
+            child.signal(signal);
+        }
+    }
+
     /// Kills the server (SIGKILL), keeping its port and directory.
     pub fn kill(&mut self) {
         drop(self.child.take());
@@ -329,10 +337,18 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
+    /// Three masters, no replicas.
     pub async fn start() -> Self {
+        Self::start_replicated(0).await
+    }
+
+    /// Three masters (`nodes[0..3]`), each with `replicas` replicas after
+    /// them in `nodes`; the cluster `ok` on every node and every replica
+    /// in sync with its master.
+    pub async fn start_replicated(replicas: usize) -> Self {
         require("redis-cli");
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             nodes.push(Self::start_node().await);
         }
         let mut create = Command::new("redis-cli");
@@ -340,7 +356,7 @@ impl RedisCluster {
         for n in &nodes {
             create.arg(format!("127.0.0.1:{}", n.port()));
         }
-        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        create.args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"]);
         let out = create.output().expect("run redis-cli --cluster create");
         assert!(
             out.status.success(),
@@ -349,13 +365,18 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         let deadline = Instant::now() + READY_TIMEOUT;
-        for n in &nodes {
+        for (i, n) in nodes.iter().enumerate() {
             loop {
                 let info: String = n.cmd(&["CLUSTER", "INFO"]).await;
-                if info.contains("cluster_state:ok") {
+                let role: String = if i < 3 {
+                    "master_link_status:up".to_owned()
+                } else {
+                    n.cmd(&["INFO", "replication"]).await
+                };
+                if info.contains("cluster_state:ok") && role.contains("master_link_status:up") {
                     break;
                 }
-                assert!(Instant::now() < deadline, "cluster not ok: {info}");
+                assert!(Instant::now() < deadline, "cluster not ok: {info}\n{role}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }

@@ -5,6 +5,9 @@
 
 use std::sync::Mutex;
 
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -30,6 +33,13 @@ pub(super) enum Target {
         seeds: Vec<redis::Client>,
     },
 }
+
+/// A Cluster connect under way, shared by every caller waiting for it.
+pub(super) type Connecting = Shared<BoxFuture<'static, Result<Conn, RedisError>>>;
+
+/// The longest a Cluster connect may take: it waits for every seed (a hung
+/// one for its connect time limit), then for the nodes of its slot map.
+const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A live connection of either shape.
 #[derive(Clone)]
@@ -83,6 +93,9 @@ pub struct Node {
     pub(super) conn: Mutex<Option<Conn>>,
     /// Held while connecting, so that callers finding no connection make one.
     pub(super) connecting: tokio::sync::Mutex<()>,
+    /// A Cluster connect under way, if any: callers finding no connection
+    /// wait for this one rather than start their own.
+    pub(super) cluster_connect: Mutex<Option<Connecting>>,
     pub(super) scripts: Scripts,
     pub(super) prefix: String,
     /// Server clock minus ours, in ms, as last settled (`i64::MIN`: not yet).
@@ -185,6 +198,7 @@ impl Node {
             target,
             conn: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            cluster_connect: Mutex::new(None),
             scripts: Scripts::new(),
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
@@ -197,7 +211,7 @@ impl Node {
         })
     }
 
-    pub(super) async fn connect(&self) -> Result<Conn, RedisError> {
+    async fn connect(&self) -> Result<Conn, RedisError> {
         match &self.target {
             Target::Single(c) => Ok(Conn::Plain(
                 c.get_multiplexed_async_connection_with_config(&config())
@@ -215,6 +229,31 @@ impl Node {
                 Ok(Conn::Cluster(client.get_async_connection().await?))
             }
         }
+    }
+
+    /// Starts a Cluster connect as a task of its own, so that it goes on
+    /// when the caller that started it gives up: it waits for every seed,
+    /// and with one seed hung it takes longer than a call may wait (cut off
+    /// at every call, it never finished, and the backend stayed unavailable
+    /// after the cluster had failed over).
+    fn start_cluster_connect(client: &ClusterClient) -> Connecting {
+        let client = client.clone();
+        let task = tokio::spawn(tokio::time::timeout(CONNECT_LIMIT, async move {
+            client.get_async_connection().await.map(Conn::Cluster)
+        }));
+        async move {
+            match task.await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(RedisError::from((ErrorKind::Io, "connect timed out"))),
+                Err(e) => Err(RedisError::from((
+                    ErrorKind::Io,
+                    "connect failed",
+                    e.to_string(),
+                ))),
+            }
+        }
+        .boxed()
+        .shared()
     }
 
     /// A client for the pub/sub connection: the server, the current master,
@@ -289,6 +328,9 @@ impl Node {
         if let Some(c) = lock(&self.conn).clone() {
             return Ok(c);
         }
+        if let Target::Cluster { client, .. } = &self.target {
+            return self.cluster_connection(op, client).await;
+        }
         let _connecting = self.connecting.lock().await;
         // Made by the caller that held the lock before.
         if let Some(c) = lock(&self.conn).clone() {
@@ -300,6 +342,32 @@ impl Node {
             .map_err(|e| unavailable(op, e))?;
         *lock(&self.conn) = Some(c.clone());
         Ok(c)
+    }
+
+    /// A new Cluster connection: the caller waits for the connect under
+    /// way at most a call's time limit; the connect goes on for the callers
+    /// after it.
+    async fn cluster_connection(
+        &self,
+        op: &'static str,
+        client: &ClusterClient,
+    ) -> Result<Conn, Error> {
+        let connecting = lock(&self.cluster_connect)
+            .get_or_insert_with(|| Self::start_cluster_connect(client))
+            .clone();
+        let result = tokio::time::timeout(CALL_TIMEOUT, connecting.clone())
+            .await
+            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?;
+        let mut under_way = lock(&self.cluster_connect);
+        // Done with: the next caller without a connection starts anew.
+        if under_way.as_ref().is_some_and(|c| c.ptr_eq(&connecting)) {
+            *under_way = None;
+            if let Ok(c) = &result {
+                *lock(&self.conn) = Some(c.clone());
+            }
+        }
+        drop(under_way);
+        result.map_err(|e| unavailable(op, e))
     }
 
     /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
