@@ -475,7 +475,7 @@ impl Backend for Redlock {
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
             return Err(timed_out("release"));
         }
-        Ok(majority_holds(&answers, self.quorum))
+        majority_holds(&answers, self.quorum).map_err(|()| timed_out("release"))
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
@@ -639,20 +639,38 @@ impl Backend for Redlock {
 /// What a release answered by at least a quorum of nodes leaves the
 /// owner: `None` when a quorum held nothing of the token (the lease was
 /// gone before it), else the holds a majority of the nodes still keeps (a
-/// node that did not answer, or holds nothing, counts as keeping none:
-/// never tell an owner it holds what a majority let go). Nodes differ when
-/// an attempt's answer was lost after a node counted it (a failed re-entry
-/// leaves that node one hold ahead).
-fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32> {
+/// node that holds nothing counts as keeping none: never tell an owner it
+/// holds what a majority let go). Nodes differ when an attempt's answer
+/// was lost after a node counted it (a failed re-entry leaves that node
+/// one hold ahead) or a node lost its data. `Err` when that depends on a
+/// node that did not answer: counted as keeping none, it told an owner of
+/// three holds that its release of one had let the lock go, while the
+/// nodes that answered still kept two (a node restarted empty, another
+/// down) — an answer the owner cannot check.
+fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Result<Option<u32>, ()> {
     if answers.iter().filter(|a| matches!(a, Ok(None))).count() >= quorum {
-        return None;
+        return Ok(None);
     }
-    let mut holds: Vec<u32> = answers
-        .iter()
-        .map(|a| a.as_ref().ok().copied().flatten().unwrap_or(0))
-        .collect();
-    holds.sort_unstable_by(|x, y| y.cmp(x));
-    Some(holds.get(quorum - 1).copied().unwrap_or(0))
+    // The holds a majority keeps with every silent node keeping none, and
+    // with every silent node keeping as many as any: equal unless a silent
+    // node decides it.
+    let kept = |silent: u32| {
+        let mut holds: Vec<u32> = answers
+            .iter()
+            .map(|a| match a {
+                Ok(held) => held.unwrap_or(0),
+                Err(_) => silent,
+            })
+            .collect();
+        holds.sort_unstable_by(|x, y| y.cmp(x));
+        holds.get(quorum - 1).copied().unwrap_or(0)
+    };
+    let least = kept(0);
+    if kept(u32::MAX) == least {
+        Ok(Some(least))
+    } else {
+        Err(())
+    }
 }
 
 #[cfg(test)]
@@ -666,31 +684,45 @@ mod tests {
         // Every node released one of two holds.
         assert_eq!(
             majority_holds(&[Ok(Some(1)), Ok(Some(1)), Ok(Some(1))], 2),
-            Some(1)
+            Ok(Some(1))
+        );
+        assert_eq!(
+            majority_holds(&[Ok(Some(1)), Ok(Some(1)), down()], 2),
+            Ok(Some(1))
+        );
+        assert_eq!(
+            majority_holds(&[Ok(Some(0)), gone(), down()], 2),
+            Ok(Some(0))
         );
         // One node a hold ahead (a failed re-entry's lost answer): the
         // majority let go.
         assert_eq!(
             majority_holds(&[Ok(Some(0)), Ok(Some(1)), gone()], 2),
-            Some(0)
-        );
-        assert_eq!(
-            majority_holds(&[Ok(Some(0)), Ok(Some(1)), down()], 2),
-            Some(0)
+            Ok(Some(0))
         );
         assert_eq!(
             majority_holds(&[Ok(Some(2)), Ok(Some(1)), Ok(Some(1))], 2),
-            Some(1)
+            Ok(Some(1))
         );
-        // Gone on a quorum before this release: lost.
-        assert_eq!(majority_holds(&[gone(), gone(), Ok(Some(0))], 2), None);
+        // Whether a majority let go depends on the node that did not answer.
         assert_eq!(
-            majority_holds(&[gone(), gone(), gone(), Ok(Some(3)), Ok(Some(3))], 3),
-            None
+            majority_holds(&[Ok(Some(0)), Ok(Some(1)), down()], 2),
+            Err(())
         );
+        assert_eq!(majority_holds(&[Ok(Some(2)), gone(), down()], 2), Err(()));
         assert_eq!(
             majority_holds(&[gone(), gone(), down(), Ok(Some(3)), Ok(Some(3))], 3),
-            Some(0)
+            Err(())
+        );
+        // Gone on a quorum before this release: lost.
+        assert_eq!(majority_holds(&[gone(), gone(), Ok(Some(0))], 2), Ok(None));
+        assert_eq!(
+            majority_holds(&[gone(), gone(), gone(), Ok(Some(3)), Ok(Some(3))], 3),
+            Ok(None)
+        );
+        assert_eq!(
+            majority_holds(&[gone(), gone(), down(), down(), down()], 2),
+            Ok(None)
         );
     }
 }
