@@ -3,7 +3,7 @@
 //! key and channel names, script calls, and the server clock. Redis and
 //! Redlock both use it by its public surface.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
@@ -38,8 +38,9 @@ pub(super) enum Target {
 pub(super) type Connecting = Shared<BoxFuture<'static, Result<Conn, RedisError>>>;
 
 /// The longest a Cluster connect may take: it waits for every seed (a hung
-/// one for its connect time limit), then for the nodes of its slot map.
-const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// one for its connect and response time limits), asks them for the slot
+/// map one by one, then connects to the nodes of that map.
+const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A live connection of either shape.
 #[derive(Clone)]
@@ -88,14 +89,14 @@ pub struct Node {
     pub(super) target: Target,
     /// The cached connection; dropped after a connection-level error so the
     /// next call reconnects (and, with Sentinel, asks for the master again).
+    /// A Cluster's is replaced instead, by a connect in the background.
     /// A plain mutex, held only to clone or replace it: every call takes it,
     /// and an async mutex would park and wake callers that contend for it.
-    pub(super) conn: Mutex<Option<Conn>>,
+    pub(super) conn: Arc<Mutex<Option<Conn>>>,
     /// Held while connecting, so that callers finding no connection make one.
     pub(super) connecting: tokio::sync::Mutex<()>,
-    /// A Cluster connect under way, if any: callers finding no connection
-    /// wait for this one rather than start their own.
-    pub(super) cluster_connect: Mutex<Option<Connecting>>,
+    /// A Cluster connect under way, if any (see [`Node::cluster_connect`]).
+    pub(super) cluster_connect: Arc<Mutex<Option<Connecting>>>,
     pub(super) scripts: Scripts,
     pub(super) prefix: String,
     /// Server clock minus ours, in ms, as last settled (`i64::MIN`: not yet).
@@ -196,9 +197,9 @@ impl Node {
         }
         Ok(Self {
             target,
-            conn: Mutex::new(None),
+            conn: Arc::new(Mutex::new(None)),
             connecting: tokio::sync::Mutex::new(()),
-            cluster_connect: Mutex::new(None),
+            cluster_connect: Arc::new(Mutex::new(None)),
             scripts: Scripts::new(),
             prefix: prefix.to_owned(),
             skew: std::sync::atomic::AtomicI64::new(i64::MIN),
@@ -231,29 +232,51 @@ impl Node {
         }
     }
 
-    /// Starts a Cluster connect as a task of its own, so that it goes on
-    /// when the caller that started it gives up: it waits for every seed,
-    /// and with one seed hung it takes longer than a call may wait (cut off
-    /// at every call, it never finished, and the backend stayed unavailable
-    /// after the cluster had failed over).
-    fn start_cluster_connect(client: &ClusterClient) -> Connecting {
-        let client = client.clone();
-        let task = tokio::spawn(tokio::time::timeout(CONNECT_LIMIT, async move {
-            client.get_async_connection().await.map(Conn::Cluster)
-        }));
-        async move {
-            match task.await {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(RedisError::from((ErrorKind::Io, "connect timed out"))),
-                Err(e) => Err(RedisError::from((
+    /// The Cluster connect under way, started if there is none: a task of
+    /// its own that puts its connection in place of the cached one. It
+    /// goes on when the caller that started it gives up: it waits for every
+    /// seed, and with one seed hung it takes longer than a call may wait
+    /// (cut off at every call, it never finished, and the backend stayed
+    /// unavailable after the cluster had failed over). Until it is done,
+    /// the old connection serves the slots that still answer.
+    fn cluster_connect(&self, client: &ClusterClient) -> Connecting {
+        let mut under_way = lock(&self.cluster_connect);
+        if let Some(connecting) = under_way.as_ref() {
+            return connecting.clone();
+        }
+        let (client, cached, slot) = (
+            client.clone(),
+            self.conn.clone(),
+            self.cluster_connect.clone(),
+        );
+        // The slot is held until this connect is in it, so the task's
+        // clearing of it comes after.
+        let task = tokio::spawn(async move {
+            let result =
+                match tokio::time::timeout(CONNECT_LIMIT, client.get_async_connection()).await {
+                    Ok(Ok(c)) => Ok(Conn::Cluster(c)),
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(RedisError::from((ErrorKind::Io, "connect timed out"))),
+                };
+            if let Ok(c) = &result {
+                *lock(&cached) = Some(c.clone());
+            }
+            *lock(&slot) = None;
+            result
+        });
+        let connecting = async move {
+            task.await.unwrap_or_else(|e| {
+                Err(RedisError::from((
                     ErrorKind::Io,
                     "connect failed",
                     e.to_string(),
-                ))),
-            }
+                )))
+            })
         }
         .boxed()
-        .shared()
+        .shared();
+        *under_way = Some(connecting.clone());
+        connecting
     }
 
     /// A client for the pub/sub connection: the server, the current master,
@@ -316,7 +339,12 @@ impl Node {
                     || e.is_connection_refusal()
                     || e.kind() == ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
                 {
-                    *lock(&self.conn) = None;
+                    match &self.target {
+                        // Replaced in the background (a fresh slot map):
+                        // meanwhile the old one serves the other masters.
+                        Target::Cluster { client, .. } => drop(self.cluster_connect(client)),
+                        _ => *lock(&self.conn) = None,
+                    }
                 }
                 Err(unavailable(op, e))
             }
@@ -344,30 +372,17 @@ impl Node {
         Ok(c)
     }
 
-    /// A new Cluster connection: the caller waits for the connect under
-    /// way at most a call's time limit; the connect goes on for the callers
-    /// after it.
+    /// A Cluster connection when none is cached: the caller waits for the
+    /// connect under way at most a call's time limit.
     async fn cluster_connection(
         &self,
         op: &'static str,
         client: &ClusterClient,
     ) -> Result<Conn, Error> {
-        let connecting = lock(&self.cluster_connect)
-            .get_or_insert_with(|| Self::start_cluster_connect(client))
-            .clone();
-        let result = tokio::time::timeout(CALL_TIMEOUT, connecting.clone())
+        tokio::time::timeout(CALL_TIMEOUT, self.cluster_connect(client))
             .await
-            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?;
-        let mut under_way = lock(&self.cluster_connect);
-        // Done with: the next caller without a connection starts anew.
-        if under_way.as_ref().is_some_and(|c| c.ptr_eq(&connecting)) {
-            *under_way = None;
-            if let Ok(c) = &result {
-                *lock(&self.conn) = Some(c.clone());
-            }
-        }
-        drop(under_way);
-        result.map_err(|e| unavailable(op, e))
+            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
+            .map_err(|e| unavailable(op, e))
     }
 
     /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
