@@ -336,7 +336,7 @@ impl Backend for Redlock {
                 .filter(|(_, g)| g.token.expose() == winner)
                 .collect();
             let fence = won.iter().map(|(_, g)| g.fence).max().unwrap_or(0);
-            let count = won.iter().map(|(_, g)| g.count).max().unwrap_or(1);
+            let count = majority_count(won.iter().map(|(_, g)| g.count), self.quorum);
             let behind = won
                 .iter()
                 .filter(|(_, g)| g.fence < fence)
@@ -475,7 +475,7 @@ impl Backend for Redlock {
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
             return Err(timed_out("release"));
         }
-        majority_holds(&answers, self.quorum).map_err(|()| timed_out("release"))
+        Ok(majority_holds(&answers, self.quorum))
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
@@ -636,20 +636,35 @@ impl Backend for Redlock {
     }
 }
 
+/// The holds a majority of the granting nodes keeps: a re-entry answers
+/// that, not the most any node keeps (a node one hold ahead, after a
+/// re-entry whose answer was lost, told the owner of a hold the majority
+/// does not have, which its releases then could not match).
+fn majority_count(counts: impl Iterator<Item = u32>, quorum: usize) -> u32 {
+    let mut counts: Vec<u32> = counts.collect();
+    counts.sort_unstable_by(|x, y| y.cmp(x));
+    counts
+        .get(quorum.saturating_sub(1))
+        .copied()
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// What a release answered by at least a quorum of nodes leaves the
 /// owner: `None` when a quorum held nothing of the token (the lease was
 /// gone before it), else the holds a majority of the nodes still keeps (a
 /// node that holds nothing counts as keeping none: never tell an owner it
 /// holds what a majority let go). Nodes differ when an attempt's answer
 /// was lost after a node counted it (a failed re-entry leaves that node
-/// one hold ahead) or a node lost its data. `Err` when that depends on a
-/// node that did not answer: counted as keeping none, it told an owner of
-/// three holds that its release of one had let the lock go, while the
-/// nodes that answered still kept two (a node restarted empty, another
-/// down) — an answer the owner cannot check.
-fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Result<Option<u32>, ()> {
+/// one hold ahead) or a node lost its data. When that number depends on a
+/// node that did not answer, the lease is lost (`None`): counted as keeping
+/// none, that node made an owner of three holds, releasing one, hear that
+/// the lock was let go while the nodes that answered still kept two (a
+/// node restarted empty, another down); and a 503 would have the owner
+/// send the release again, on nodes that ran it already.
+fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32> {
     if answers.iter().filter(|a| matches!(a, Ok(None))).count() >= quorum {
-        return Ok(None);
+        return None;
     }
     // The holds a majority keeps with every silent node keeping none, and
     // with every silent node keeping as many as any: equal unless a silent
@@ -666,16 +681,22 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Result<Opti
         holds.get(quorum - 1).copied().unwrap_or(0)
     };
     let least = kept(0);
-    if kept(u32::MAX) == least {
-        Ok(Some(least))
-    } else {
-        Err(())
-    }
+    (kept(u32::MAX) == least).then_some(least)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{majority_holds, timed_out};
+    use super::{majority_count, majority_holds, timed_out};
+
+    #[test]
+    fn a_re_entry_reports_the_holds_a_majority_keeps() {
+        assert_eq!(majority_count([2, 2, 2].into_iter(), 2), 2);
+        // One node a hold ahead (a re-entry's lost answer).
+        assert_eq!(majority_count([3, 2, 2].into_iter(), 2), 2);
+        assert_eq!(majority_count([2, 3].into_iter(), 2), 2);
+        assert_eq!(majority_count([4, 4, 3, 3, 3].into_iter(), 3), 3);
+        assert_eq!(majority_count([1, 1].into_iter(), 2), 1);
+    }
 
     #[test]
     fn a_release_reports_what_a_majority_keeps() {
@@ -684,45 +705,37 @@ mod tests {
         // Every node released one of two holds.
         assert_eq!(
             majority_holds(&[Ok(Some(1)), Ok(Some(1)), Ok(Some(1))], 2),
-            Ok(Some(1))
+            Some(1)
         );
         assert_eq!(
             majority_holds(&[Ok(Some(1)), Ok(Some(1)), down()], 2),
-            Ok(Some(1))
+            Some(1)
         );
-        assert_eq!(
-            majority_holds(&[Ok(Some(0)), gone(), down()], 2),
-            Ok(Some(0))
-        );
+        assert_eq!(majority_holds(&[Ok(Some(0)), gone(), down()], 2), Some(0));
         // One node a hold ahead (a failed re-entry's lost answer): the
         // majority let go.
         assert_eq!(
             majority_holds(&[Ok(Some(0)), Ok(Some(1)), gone()], 2),
-            Ok(Some(0))
+            Some(0)
         );
         assert_eq!(
             majority_holds(&[Ok(Some(2)), Ok(Some(1)), Ok(Some(1))], 2),
-            Ok(Some(1))
+            Some(1)
         );
-        // Whether a majority let go depends on the node that did not answer.
-        assert_eq!(
-            majority_holds(&[Ok(Some(0)), Ok(Some(1)), down()], 2),
-            Err(())
-        );
-        assert_eq!(majority_holds(&[Ok(Some(2)), gone(), down()], 2), Err(()));
+        // Whether a majority let go depends on the node that did not
+        // answer: lost. (An owner of three holds releasing one was told
+        // the lock was let go.)
+        assert_eq!(majority_holds(&[Ok(Some(2)), gone(), down()], 2), None);
+        assert_eq!(majority_holds(&[Ok(Some(0)), Ok(Some(1)), down()], 2), None);
         assert_eq!(
             majority_holds(&[gone(), gone(), down(), Ok(Some(3)), Ok(Some(3))], 3),
-            Err(())
+            None
         );
         // Gone on a quorum before this release: lost.
-        assert_eq!(majority_holds(&[gone(), gone(), Ok(Some(0))], 2), Ok(None));
+        assert_eq!(majority_holds(&[gone(), gone(), Ok(Some(0))], 2), None);
         assert_eq!(
             majority_holds(&[gone(), gone(), gone(), Ok(Some(3)), Ok(Some(3))], 3),
-            Ok(None)
-        );
-        assert_eq!(
-            majority_holds(&[gone(), gone(), down(), down(), down()], 2),
-            Ok(None)
+            None
         );
     }
 }

@@ -81,7 +81,9 @@ impl Core {
             (Some(n), None) => Ok(n),
             (None, local) => {
                 if let Some(local) = local {
-                    self.end(&local, End::Lost(LostReason::Expired));
+                    // Expired, or gone while still valid (data lost, or a
+                    // backend that cannot tell what its release left).
+                    self.end(&local, End::Lost(lapse_reason(&local)));
                 }
                 Err(Error::LeaseLost)
             }
