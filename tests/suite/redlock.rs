@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::RedisNodes;
 use common::{SidecarBuilder, SidecarGuard, SseStream, assert_problem, problem_type, unique_name};
+use nix::sys::signal::Signal;
 use reqwest::StatusCode;
 
 async fn five() -> (RedisNodes, SidecarGuard, SidecarGuard) {
@@ -357,5 +358,55 @@ async fn a_release_reports_the_holds_a_majority_keeps_not_the_most_any_node_keep
     assert!(
         !(told_it_holds && other.status().is_success()),
         "the owner was told it still holds ({body}) and another owner got the lock"
+    );
+}
+
+/// An owner of three holds releases one while one node was emptied (it
+/// restarted without the lease) and another hangs (SIGSTOP): the node that
+/// answers keeps two holds, and whether a majority does depends on the
+/// hung one. The owner must not be told the lock was let go (200, no holds
+/// left: a majority may still keep two of them until their ttl), nor be
+/// asked to send the release again (503: the answering node ran it): its
+/// lease is reported lost.
+#[tokio::test]
+async fn a_release_whose_count_a_silent_node_decides_reports_the_lease_lost() {
+    let mut nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("silent-decides");
+    let owner = unique_name("owner");
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    for count in 2..=3 {
+        let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+        assert_eq!(
+            (again.token.as_str(), again.count),
+            (first.token.as_str(), count)
+        );
+    }
+    nodes.nodes[2].restart().await;
+    // The sidecar's connection to the restarted node is made again (its
+    // first call after the restart fails), by another lock's calls.
+    let other = sidecar.api().lock(&unique_name("reconnect"));
+    for _ in 0..2 {
+        if let Ok(grant) = other
+            .acquire_raw(&[])
+            .await
+            .json::<serde_json::Value>()
+            .await
+            && let Some(token) = grant["token"].as_str()
+        {
+            other.release_raw(token).await;
+        }
+    }
+    nodes.nodes[1].signal(Signal::SIGSTOP);
+
+    let released = lock.release_raw(&first.token).await;
+    let status = released.status();
+    let body = released.text().await.unwrap_or_default();
+    nodes.nodes[1].signal(Signal::SIGCONT);
+    assert_eq!(
+        status,
+        StatusCode::GONE,
+        "one node keeps two holds, one lost the lease, one is silent: {body}"
     );
 }
