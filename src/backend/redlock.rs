@@ -641,13 +641,15 @@ impl Backend for Redlock {
 /// re-entry whose answer was lost, told the owner of a hold the majority
 /// does not have, which its releases then could not match).
 fn majority_count(counts: impl Iterator<Item = u32>, quorum: usize) -> u32 {
+    kept_by_a_majority(counts, quorum).max(1)
+}
+
+/// The largest number that at least `quorum` of `counts` reach (0 when
+/// there are fewer).
+fn kept_by_a_majority(counts: impl Iterator<Item = u32>, quorum: usize) -> u32 {
     let mut counts: Vec<u32> = counts.collect();
     counts.sort_unstable_by(|x, y| y.cmp(x));
-    counts
-        .get(quorum.saturating_sub(1))
-        .copied()
-        .unwrap_or(1)
-        .max(1)
+    counts.get(quorum.saturating_sub(1)).copied().unwrap_or(0)
 }
 
 /// What a release answered by at least a quorum of nodes leaves the
@@ -670,15 +672,11 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32>
     // with every silent node keeping as many as any: equal unless a silent
     // node decides it.
     let kept = |silent: u32| {
-        let mut holds: Vec<u32> = answers
-            .iter()
-            .map(|a| match a {
-                Ok(held) => held.unwrap_or(0),
-                Err(_) => silent,
-            })
-            .collect();
-        holds.sort_unstable_by(|x, y| y.cmp(x));
-        holds.get(quorum - 1).copied().unwrap_or(0)
+        let holds = answers.iter().map(|a| match a {
+            Ok(held) => held.unwrap_or(0),
+            Err(_) => silent,
+        });
+        kept_by_a_majority(holds, quorum)
     };
     let least = kept(0);
     (kept(u32::MAX) == least).then_some(least)

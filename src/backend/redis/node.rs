@@ -93,7 +93,8 @@ pub struct Node {
     /// A plain mutex, held only to clone or replace it: every call takes it,
     /// and an async mutex would park and wake callers that contend for it.
     pub(super) conn: Arc<Mutex<Option<Conn>>>,
-    /// Held while connecting, so that callers finding no connection make one.
+    /// Held while connecting to one Redis or a Sentinel master, so that
+    /// callers finding no connection make one.
     pub(super) connecting: tokio::sync::Mutex<()>,
     /// A Cluster connect under way, if any (see [`Node::cluster_connect`]).
     pub(super) cluster_connect: Arc<Mutex<Option<Connecting>>>,
