@@ -370,17 +370,32 @@ async fn a_release_reports_the_holds_a_majority_keeps_not_the_most_any_node_keep
 /// lease is reported lost.
 #[tokio::test]
 async fn a_release_whose_count_a_silent_node_decides_reports_the_lease_lost() {
+    // (A semaphore's permit is not re-entered: one hold each.)
+    for kind in ["exclusive", "shared"] {
+        release_a_hold_with_one_node_emptied_and_one_hung(kind).await;
+    }
+}
+
+/// An owner of three holds of `kind` (an exclusive or a read lease)
+/// releases one with node 2 emptied and node 1 hung: its lease is reported
+/// lost.
+async fn release_a_hold_with_one_node_emptied_and_one_hung(kind: &str) {
     let mut nodes = RedisNodes::start(3).await;
     let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
     let name = unique_name("silent-decides");
     let owner = unique_name("owner");
     let lock = sidecar.api().lock(&name);
-    let first = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    let mut params = vec![("owner", owner.as_str()), ("ttl", "60s")];
+    if kind == "shared" {
+        params.push(("mode", "shared"));
+    }
+    let first = lock.acquire(&params).await;
     for count in 2..=3 {
-        let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+        let again = lock.acquire(&params).await;
         assert_eq!(
             (again.token.as_str(), again.count),
-            (first.token.as_str(), count)
+            (first.token.as_str(), count),
+            "{kind}: re-entered"
         );
     }
     nodes.nodes[2].restart().await;
@@ -407,6 +422,6 @@ async fn a_release_whose_count_a_silent_node_decides_reports_the_lease_lost() {
     assert_eq!(
         status,
         StatusCode::GONE,
-        "one node keeps two holds, one lost the lease, one is silent: {body}"
+        "{kind}: one node keeps two holds, one lost the lease, one is silent: {body}"
     );
 }
