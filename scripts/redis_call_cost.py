@@ -11,10 +11,20 @@ db 0 before each measurement.
 
     redis-server --port 16380 --save '' --daemonize yes
     python scripts/redis_call_cost.py 16380
+
+With `--callgrind`, for a server run under
+`valgrind --tool=callgrind redis-server --port 16380 --save ''`, it prints
+the server's instructions per pair instead, which do not depend on the
+machine's load (fewer pairs: callgrind runs the server some 50 times
+slower).
 """
 
+import glob
 import pathlib
+import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import redis
@@ -51,37 +61,90 @@ def release_args(n, token):
     return [1, key(n), "l", token, "1", SIDECAR, "sidelock:/sidecars/"]
 
 
-def measure(r, pid, label, acquire, release):
+def run_pairs(r, label, acquire, release):
     """Runs PAIRS pairs; `acquire`/`release` add one call each to a pipeline."""
+    r.flushdb()
+    for _ in range(0, PAIRS, BATCH):
+        tokens = [uuid.uuid4().hex for _ in range(BATCH)]
+        for step, answered in ((acquire, granted), (release, released)):
+            pipe = r.pipeline(transaction=False)
+            for n, token in enumerate(tokens):
+                step(pipe, n, token)
+            for reply in pipe.execute():
+                assert answered(reply), f"{label}: unexpected reply {reply!r}"
+
+
+def granted(reply):
+    """`SET` → True, the fast path → the lease's value, no-op scripts → {1}."""
+    return reply is True or isinstance(reply, bytes) or reply == [1]
+
+
+def released(reply):
+    """1 (`DEL`), or 0 or {0, 0}: released, no holds left."""
+    return reply in (0, 1, [0, 0])
+
+
+def measure(r, pid, label, acquire, release):
+    """Prints the server's CPU per pair over PAIRS pairs."""
 
     def cpu():
         fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])
 
-    r.flushdb()
     r.config_resetstat()
     before = cpu()
-    for _ in range(0, PAIRS, BATCH):
-        tokens = [uuid.uuid4().hex for _ in range(BATCH)]
-        for step in (acquire, release):
-            pipe = r.pipeline(transaction=False)
-            for n, token in enumerate(tokens):
-                step(pipe, n, token)
-            for reply in pipe.execute():
-                # Granted (`SET` → True, scripts → {1, …}), then released
-                # (1, or {0, 0}: released, no holds left).
-                granted = reply is True or (isinstance(reply, list) and reply[:1] == [1])
-                released = reply == 1 or reply == [0, 0]
-                assert granted or released, f"{label}: unexpected reply {reply!r}"
+    run_pairs(r, label, acquire, release)
     used_us = (cpu() - before) * 1e6 / 100  # clock ticks of 10 ms
     evalsha = r.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0)
     print(f"{label:34} {used_us / PAIRS:6.1f} µs per pair   EVALSHA {evalsha:5.2f} µs per call")
 
 
+def count(r, pid, label, acquire, release):
+    """Prints the server's instructions per pair (callgrind) over PAIRS pairs."""
+
+    def control(*args):
+        # valgrind takes a request only while the server runs: ping meanwhile.
+        done = threading.Event()
+
+        def ping():
+            other = redis.Redis(port=r.connection_pool.connection_kwargs["port"])
+            while not done.is_set():
+                other.ping()
+                time.sleep(0.05)
+
+        pinger = threading.Thread(target=ping)
+        pinger.start()
+        subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
+        done.set()
+        pinger.join()
+
+    run_pairs(r, label, acquire, release)  # warm-up
+    control("-z")
+    run_pairs(r, label, acquire, release)
+    # A hint that starts with a digit would be taken for a process id.
+    hint = f"pairs-{uuid.uuid4().hex}"
+    control("-d", hint)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for dump in glob.glob(f"/proc/{pid}/cwd/callgrind.out.{pid}*"):
+            text = pathlib.Path(dump).read_text(errors="replace")
+            if f"Trigger: dump {hint}\n" in text:
+                total = int(next(l for l in text.splitlines() if l.startswith("summary:")).split()[1])
+                print(f"{label:34} {total / PAIRS:9,.0f} instructions per pair")
+                return
+        time.sleep(0.1)
+    sys.exit(f"no callgrind dump for {label}: is the server run under valgrind --tool=callgrind?")
+
+
 def main():
-    if len(sys.argv) != 2:
+    global PAIRS, BATCH
+    args = [a for a in sys.argv[1:] if a != "--callgrind"]
+    if len(args) != 1:
         sys.exit(__doc__)
-    port = int(sys.argv[1])
+    port = int(args[0])
+    measure = globals()["measure"]
+    if "--callgrind" in sys.argv:
+        PAIRS, BATCH, measure = 4_000, 50, count
     r = redis.Redis(port=port)
     pid = int(r.info("server")["process_id"])
     acquire = r.script_load(full_script("acquire_fast.lua", "acquire.lua"))

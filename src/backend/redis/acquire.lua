@@ -11,9 +11,10 @@
 -- still wait behind the queue, but queued claims are not ordered among
 -- themselves, as in Redlock, where each node may see joins in another
 -- order), 15 most permits a semaphore may have (0: any; Redlock: 1).
--- Returns {1, now, token, fence, count, since, expires} when granted,
--- {0, now, holders, queue_length, position, retry_at, seq} when busy
--- (holders as holder_rows() writes them; now is 0 when the fast path did
+-- Returns {1, now, token, fence, count, since, expires} when granted (the
+-- fast path's grant answers the main key's new value instead, whose since
+-- is now), {0, now, holders, queue_length, position, retry_at, seq} when
+-- busy (holders as holder_rows() writes them; now is 0 when the fast path did
 -- not read the clock), {2, now, active_limit} on a limit mismatch, {3, now}
 -- when limit is required, {4, now, limit} when the limit is above the most
 -- permits allowed, {5, now, key, found} when a key it would write holds

@@ -13,7 +13,7 @@ use crate::lock::{Claim, LockKey, Token};
 use super::HEARTBEAT_TTL;
 use super::node::Node;
 use super::pubsub::{Handed, handed};
-use super::scripts::{holders, int, mode_arg, text, waiters};
+use super::scripts::{granted, holders, int, list, mode_arg, text, waiters};
 
 /// How one attempt takes part in a node's queue.
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +101,10 @@ impl Node {
             .arg(if fifo { "1" } else { "0" })
             .arg(max_permits);
         let sent = now_ms();
-        let reply: Vec<Value> = self.run("try_acquire", inv).await?;
+        let reply = match self.run("try_acquire", inv).await? {
+            Value::BulkString(lease) => granted("try_acquire", &lease)?,
+            reply => list("try_acquire", reply)?,
+        };
         let clock = self.clock(&reply, 1, sent);
         match int(&reply, 0) {
             1 => Ok(Attempt::Granted(Grant {
@@ -198,7 +201,13 @@ impl Node {
             .arg(self.handoff_arg())
             .arg(&self.instance)
             .arg(&self.stem);
-        let reply: Vec<Value> = self.run("release", inv).await?;
+        let reply = match self.run("release", inv).await? {
+            // The fast path: no holds left, and the grant kept for this
+            // process, if any.
+            Value::Int(0) => return Ok((Some(0), None)),
+            Value::BulkString(told) => return Ok((Some(0), handed(&told))),
+            reply => list("release", reply)?,
+        };
         let n = int(&reply, 1);
         let kept = match reply.get(2) {
             Some(Value::BulkString(told)) => handed(told),

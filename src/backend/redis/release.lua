@@ -5,7 +5,8 @@
 -- Returns {now, remaining count} or {now, -1} when the token holds nothing
 -- (now is 0 when the fast path did not need the clock), and third, when the
 -- lock passed to a claim of this sidecar's process, its grant as the
--- message on its own channel would have told it (hand_over()'s KEPT).
+-- message on its own channel would have told it (hand_over()'s KEPT). The
+-- fast path, which leaves no holds, answers 0 or that grant alone.
 -- The common case runs first, in release_fast.lua.
 local token = ARGV[2]
 clock()

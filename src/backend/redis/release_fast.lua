@@ -18,7 +18,9 @@ do
       -- (A key without a lock-delay lives no longer than its lease.)
       if t == token and tonumber(c) == 1 and (tonumber(dl) == 0 or tonumber(e) > clock()) then
         if not hand_over(ARGV[3], ARGV[4], ARGV[5], true) then redis.call("DEL", MAIN) end
-        return {0, 0, KEPT}
+        -- No holds left: 0, or the grant kept for the caller. (A number or
+        -- a string costs Redis less than a table to answer.)
+        return KEPT or 0
       end
     end
   end

@@ -7,10 +7,10 @@
 
 use redis::{Cmd, ErrorKind, RedisError, Script, Value};
 
-use crate::backend::{Holder, Waiter};
+use crate::backend::{Error, Holder, Waiter};
 use crate::lock::{Held, Kind, Mode};
 
-use super::node::{Clock, Conn};
+use super::node::{Clock, Conn, unavailable};
 
 pub(super) const LEAN: &str = include_str!("lean.lua");
 pub(super) const HAND_OVER: &str = include_str!("hand_over.lua");
@@ -147,6 +147,51 @@ impl<'a> Call<'a> {
     }
 }
 
+/// A script's reply as a list, as every full script answers.
+///
+/// # Errors
+/// [`Error::Unavailable`] for any other reply: the server answered
+/// something no script of ours returns.
+pub(super) fn list(op: &'static str, reply: Value) -> Result<Vec<Value>, Error> {
+    match reply {
+        Value::Array(reply) => Ok(reply),
+        _ => Err(unexpected(op)),
+    }
+}
+
+/// The acquire script's reply for the fast path's grant, which answers the
+/// main key's new value (`<token> <fence> <since> <expires> <count> <SPEC>`,
+/// lean.lua; its since is the server's now), as the full script answers a
+/// grant: `{1, now, token, fence, count, since, expires}`.
+///
+/// # Errors
+/// [`Error::Unavailable`] when `lease` is no such value.
+pub(super) fn granted(op: &'static str, lease: &[u8]) -> Result<Vec<Value>, Error> {
+    let read = || {
+        let mut fields = std::str::from_utf8(lease).ok()?.splitn(6, ' ');
+        let token = fields.next()?;
+        let mut next = || fields.next()?.parse::<i64>().ok();
+        let (fence, since, expires, count) = (next()?, next()?, next()?, next()?);
+        Some(vec![
+            Value::Int(1),
+            Value::Int(since),
+            Value::BulkString(token.as_bytes().to_vec()),
+            Value::Int(fence),
+            Value::Int(count),
+            Value::Int(since),
+            Value::Int(expires),
+        ])
+    };
+    read().ok_or_else(|| unexpected(op))
+}
+
+fn unexpected(op: &'static str) -> Error {
+    unavailable(
+        op,
+        RedisError::from((ErrorKind::UnexpectedReturnType, "a reply no script answers")),
+    )
+}
+
 pub(super) fn int(reply: &[Value], i: usize) -> i64 {
     match reply.get(i) {
         Some(Value::Int(n)) => *n,
@@ -249,4 +294,37 @@ pub(super) fn glob_escape(s: &str) -> String {
         out.push(c);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::Value::{BulkString, Int};
+
+    use super::granted;
+
+    #[test]
+    fn a_fast_paths_grant_reads_as_the_full_scripts_grant() {
+        let lease = br#"ab12 77 1700000000123 1700000030123 1 30000 0 0 ["o","s"]"#;
+        assert_eq!(
+            granted("try_acquire", lease).expect("a lease"),
+            [
+                Int(1),
+                Int(1_700_000_000_123),
+                BulkString(b"ab12".to_vec()),
+                Int(77),
+                Int(1),
+                Int(1_700_000_000_123),
+                Int(1_700_000_030_123),
+            ]
+        );
+        for bad in [
+            &b""[..],
+            b"ab12",
+            b"ab12 77 x 2 1 s",
+            b"ab12 77 1 2",
+            b"\xff 1 2 3 4 s",
+        ] {
+            assert!(granted("try_acquire", bad).is_err(), "{bad:?}");
+        }
+    }
 }
