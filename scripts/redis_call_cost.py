@@ -39,10 +39,11 @@ OWNER, SIDECAR = "anonymous-e1bd4f8395a6", "vm-67353f"
 
 def full_script(fast, body):
     """As `fast_script` in src/backend/redis/scripts.rs (`handing_script` for the release):
-    lean part, fast head, the queue's helpers, prelude, body."""
+    lean part, fast head, the queue's helpers (then the release's handoff), prelude, body."""
     read = lambda name: (LUA / name).read_text()
     if fast == "release_fast.lua":
-        return f"{read('lean.lua')}\n{read('hand_over.lua')}\n{read(fast)}\n{read('prelude.lua')}\n{read(body)}"
+        return (f"{read('lean.lua')}\n{read(fast)}\n{read('hand_over.lua')}\n"
+                f"{read('release_handing.lua')}\n{read('prelude.lua')}\n{read(body)}")
     return f"{read('lean.lua')}\n{read(fast)}\n{read('hand_over.lua')}\n{read('prelude.lua')}\n{read(body)}"
 
 

@@ -1,7 +1,7 @@
--- The queue's helpers, shared by the release's fast path and every
--- script's slow path (after lean.lua; before release_fast.lua, after the
--- other fast paths, so that a fast path that does not hand over does not
--- create them). See lean.lua for the queue entry's layout.
+-- The queue's helpers, shared by the release's handoff and every script's
+-- slow path (after lean.lua and the fast paths, so that a fast path that
+-- does not hand over does not create them). See lean.lua for the queue
+-- entry's layout.
 
 -- How long a lease granted now runs (its ttl, or less under max_hold).
 local function span(ttl, mh)
@@ -48,15 +48,17 @@ end
 -- Redis, a lock handed to a claim of the caller's own process is published
 -- to nobody: the message goes into KEPT, for the reply. (Not in a Cluster,
 -- whose client may send a call again after losing its answer: the second
--- run would find the lease handed over and tell nobody.) Returns true when it granted; the
--- caller frees the main key otherwise.
+-- run would find the lease handed over and tell nobody.) `first`, when
+-- given, is the queue's head, taken from it already. Returns true when it
+-- granted; the caller frees the main key otherwise.
 local KEPT
-local function hand_over(mode, alive, stem, keep)
+local function hand_over(mode, alive, stem, keep, first)
   local direct, counted = mode ~= "0", mode ~= "2"
   local Q = TAG .. "q"
   local dropped, granted = false, false
   while true do
-    local head = redis.pcall("LPOP", Q)
+    local head = first or redis.pcall("LPOP", Q)
+    first = nil
     if type(head) ~= "string" then break end
     local e = entry_of(head)
     if e and not (direct and IS_LOCK and e.m == "x") then

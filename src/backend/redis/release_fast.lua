@@ -1,10 +1,13 @@
--- The exclusive holder's last hold, before the prelude: the lease goes and,
--- when someone waits, the lock passes to the next exclusive claim in line
--- at once (hand_over.lua). 3 commands inside the script with nobody
--- waiting, 6 or 7 on a handoff. Anything else — a re-entered hold, shared
--- and semaphore leases, a lease that expired into its lock-delay — goes on
--- to the full script, with nothing written here.
+-- The exclusive holder's last hold, before the queue's helpers and the
+-- prelude: the lease goes (3 commands inside the script) when nobody waits.
+-- When someone does, the head of the queue is taken here and the lock
+-- passes to the next exclusive claim in line from it at once, in
+-- release_handing.lua after hand_over.lua (6 or 7 commands in all): the
+-- helpers' closures are created only for a handoff. Anything else — a
+-- re-entered hold, shared and semaphore leases, a lease that expired into
+-- its lock-delay — goes on to the full script, with nothing written here.
 -- ARGV as in release.lua.
+local RELEASE_HEAD
 do
   if IS_LOCK then
     local token = ARGV[2]
@@ -17,10 +20,13 @@ do
       -- A lease in its lock-delay has expired: the full script finds nothing.
       -- (A key without a lock-delay lives no longer than its lease.)
       if t == token and tonumber(c) == 1 and (tonumber(dl) == 0 or tonumber(e) > clock()) then
-        if not hand_over(ARGV[3], ARGV[4], ARGV[5], true) then redis.call("DEL", MAIN) end
-        -- No holds left: 0, or the grant kept for the caller. (A number or
-        -- a string costs Redis less than a table to answer.)
-        return KEPT or 0
+        local head = redis.pcall("LPOP", TAG .. "q")
+        if type(head) ~= "string" then
+          redis.call("DEL", MAIN)
+          -- No holds left. (A number costs Redis less than a table to answer.)
+          return 0
+        end
+        RELEASE_HEAD = head
       end
     end
   end

@@ -1,9 +1,9 @@
 //! The Lua scripts and their protocol: each script is `lean.lua`, its fast
 //! path, `hand_over.lua`, `prelude.lua` and its body, in that order (the
 //! common cases return before the prelude; the release's fast path, which
-//! hands the lock over, comes after `hand_over.lua`); one [`Call`] writes
-//! an `EVALSHA` with the lock's main key straight into one command buffer,
-//! and the readers below decode the replies.
+//! may hand the lock over, has its handoff after `hand_over.lua`); one
+//! [`Call`] writes an `EVALSHA` with the lock's main key straight into one
+//! command buffer, and the readers below decode the replies.
 
 use redis::{Cmd, ErrorKind, RedisError, Script, Value};
 
@@ -28,10 +28,13 @@ pub(super) fn fast_script(fast: &str, body: &str) -> Script {
     Script::new(&format!("{LEAN}\n{fast}\n{HAND_OVER}\n{PRELUDE}\n{body}"))
 }
 
-/// As [`fast_script`], for a fast head that hands the lock over: the
-/// queue's helpers come before it.
-pub(super) fn handing_script(fast: &str, body: &str) -> Script {
-    Script::new(&format!("{LEAN}\n{HAND_OVER}\n{fast}\n{PRELUDE}\n{body}"))
+/// As [`fast_script`], for a fast path that may hand the lock over: its
+/// `handing` part runs after the queue's helpers, which only a handoff
+/// needs.
+pub(super) fn handing_script(fast: &str, handing: &str, body: &str) -> Script {
+    Script::new(&format!(
+        "{LEAN}\n{fast}\n{HAND_OVER}\n{handing}\n{PRELUDE}\n{body}"
+    ))
 }
 
 /// The compiled scripts.
@@ -60,6 +63,7 @@ impl Scripts {
             ),
             release: handing_script(
                 include_str!("release_fast.lua"),
+                include_str!("release_handing.lua"),
                 include_str!("release.lua"),
             ),
             renew: fast_script(include_str!("renew_fast.lua"), include_str!("renew.lua")),
