@@ -63,26 +63,16 @@ def release_args(n, token):
 
 
 def run_pairs(r, label, acquire, release):
-    """Runs PAIRS pairs; `acquire`/`release` add one call each to a pipeline."""
-    r.flushdb()
+    """Runs PAIRS pairs (the caller empties the db); `acquire`/`release` add one call
+    each to a pipeline and are (step, check of its reply)."""
     for _ in range(0, PAIRS, BATCH):
         tokens = [uuid.uuid4().hex for _ in range(BATCH)]
-        for step, answered in ((acquire, granted), (release, released)):
+        for step, answered in (acquire, release):
             pipe = r.pipeline(transaction=False)
             for n, token in enumerate(tokens):
                 step(pipe, n, token)
             for reply in pipe.execute():
                 assert answered(reply), f"{label}: unexpected reply {reply!r}"
-
-
-def granted(reply):
-    """`SET` → True, the fast path → the lease's value, no-op scripts → {1}."""
-    return reply is True or isinstance(reply, bytes) or reply == [1]
-
-
-def released(reply):
-    """1 (`DEL`), or 0 or {0, 0}: released, no holds left."""
-    return reply in (0, 1, [0, 0])
 
 
 def measure(r, pid, label, acquire, release):
@@ -92,6 +82,7 @@ def measure(r, pid, label, acquire, release):
         fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])
 
+    r.flushdb()
     r.config_resetstat()
     before = cpu()
     run_pairs(r, label, acquire, release)
@@ -119,7 +110,9 @@ def count(r, pid, label, acquire, release):
         done.set()
         pinger.join()
 
+    r.flushdb()
     run_pairs(r, label, acquire, release)  # warm-up
+    r.flushdb()
     control("-z")
     run_pairs(r, label, acquire, release)
     # A hint that starts with a digit would be taken for a process id.
@@ -153,15 +146,17 @@ def main():
     noop_acquire = r.script_load("return {1}")
     noop_release = r.script_load("return {0, 0}")
     direct_release = r.script_load(RELEASE_LUA)
+    # Each step with the check of its reply: sidelock's fast paths answer a
+    # grant with the lease's value and a release that leaves nothing with 0.
     measure(r, pid, "sidelock's scripts",
-            lambda p, n, t: p.evalsha(acquire, *acquire_args(n, t)),
-            lambda p, n, t: p.evalsha(release, *release_args(n, t)))
+            (lambda p, n, t: p.evalsha(acquire, *acquire_args(n, t)), lambda a: isinstance(a, bytes)),
+            (lambda p, n, t: p.evalsha(release, *release_args(n, t)), lambda a: a == 0))
     measure(r, pid, "no-op scripts, same arguments",
-            lambda p, n, t: p.evalsha(noop_acquire, *acquire_args(n, t)),
-            lambda p, n, t: p.evalsha(noop_release, *release_args(n, t)))
+            (lambda p, n, t: p.evalsha(noop_acquire, *acquire_args(n, t)), lambda a: a == [1]),
+            (lambda p, n, t: p.evalsha(noop_release, *release_args(n, t)), lambda a: a == [0, 0]))
     measure(r, pid, "direct: SET NX PX + release script",
-            lambda p, n, t: p.set(key(n), t, nx=True, px=30_000),
-            lambda p, n, t: p.evalsha(direct_release, 1, key(n), t))
+            (lambda p, n, t: p.set(key(n), t, nx=True, px=30_000), lambda a: a is True),
+            (lambda p, n, t: p.evalsha(direct_release, 1, key(n), t), lambda a: a == 1))
 
 
 if __name__ == "__main__":
