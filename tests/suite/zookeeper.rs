@@ -878,10 +878,26 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
 /// owner's lease without a word and granted the lock to the next waiter.
 #[tokio::test]
 async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_it_up() {
-    let server = ZkServer::start().await;
+    // The lock's node, emptied by the warm-up's release, must still be there
+    // for the claim's create: removed first, the create fails, and nobody
+    // hears of it (its answer is cut), so no node ever shows. Two things
+    // remove an empty lock node: the server's reaping of empty containers
+    // (every second in these tests: here every minute), and the monitor's
+    // stale scan, which runs as a sidecar becomes the monitor, then every
+    // minute (so the warm-up comes after the first).
+    let server = ZkServer::start_reaping_slowly().await;
     let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
     let through_proxy = sidecar(&format!("zk://127.0.0.1:{}/lost", proxy.port())).await;
     let direct = sidecar(&server.url("/lost")).await;
+    common::eventually("a monitor", Duration::from_secs(30), async || {
+        [&through_proxy, &direct]
+            .iter()
+            .any(|s| s.log().contains("this sidecar is now the monitor"))
+            .then_some(())
+    })
+    .await;
+    // Its first scan reads a few nodes of an empty tree.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let name = unique_name("adopted");
     let owner = unique_name("owner");
     // The lock's node exists, so that the cut request is the claim's create.

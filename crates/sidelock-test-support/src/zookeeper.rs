@@ -57,6 +57,10 @@ pub fn four_letter(port: u16, word: &str) -> Option<String> {
     four_letter_at("127.0.0.1", port, word)
 }
 
+/// How often the servers reap empty container nodes unless told otherwise:
+/// every second instead of ZooKeeper's minute, so that tests see it.
+const QUICK_REAPING: Duration = Duration::from_secs(1);
+
 /// One member: its ports and process.
 struct Member {
     id: usize,
@@ -71,26 +75,36 @@ pub struct ZkServer {
     dir: TempDir,
     /// The address every member serves clients on.
     ip: String,
+    /// How often empty container nodes (an unused lock's node) are reaped.
+    reap_every: Duration,
 }
 
 impl ZkServer {
-    /// A standalone server.
+    /// A standalone server; empty container nodes are reaped every second
+    /// (ZooKeeper's default: every minute).
     pub async fn start() -> Self {
-        Self::start_members(1, "127.0.0.1").await
+        Self::start_members(1, "127.0.0.1", QUICK_REAPING).await
+    }
+
+    /// A standalone server that reaps empty container nodes every minute,
+    /// as ZooKeeper does by default: for a test that needs a lock's node to
+    /// outlive its last holder for a while.
+    pub async fn start_reaping_slowly() -> Self {
+        Self::start_members(1, "127.0.0.1", Duration::from_secs(60)).await
     }
 
     /// A standalone server serving clients on `ip` (e.g. the host end of a
     /// [`Link`](crate::netns::Link), so a namespace can reach it).
     pub async fn start_on(ip: &str) -> Self {
-        Self::start_members(1, ip).await
+        Self::start_members(1, ip, QUICK_REAPING).await
     }
 
     /// An ensemble of three.
     pub async fn ensemble() -> Self {
-        Self::start_members(3, "127.0.0.1").await
+        Self::start_members(3, "127.0.0.1", QUICK_REAPING).await
     }
 
-    async fn start_members(n: usize, ip: &str) -> Self {
+    async fn start_members(n: usize, ip: &str, reap_every: Duration) -> Self {
         require();
         let dir = tempfile::tempdir().expect("temp dir for ZooKeeper");
         let ports: Vec<(u16, u16, u16)> = (0..n)
@@ -134,6 +148,7 @@ impl ZkServer {
             members,
             dir,
             ip: ip.to_owned(),
+            reap_every,
         };
         for i in 0..n {
             server.launch(i);
@@ -160,9 +175,11 @@ impl ZkServer {
         ])
         .arg("-Dzookeeper.jmx.log4j.disable=true")
         // A system property, not a zoo.cfg key (the file's unknown keys become
-        // `zookeeper.`-prefixed properties): empty container nodes are reaped
-        // every second instead of every minute.
-        .arg("-Dznode.container.checkIntervalMs=1000")
+        // `zookeeper.`-prefixed properties).
+        .arg(format!(
+            "-Dznode.container.checkIntervalMs={}",
+            self.reap_every.as_millis()
+        ))
         .arg("-cp")
         .arg(cp.join(":"))
         .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
