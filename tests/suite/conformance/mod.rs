@@ -812,6 +812,65 @@ mod modes {
             .await;
     }
 
+    /// A re-entered exclusive holder's last release, with readers of two
+    /// sidecars (one where the backend keeps no shared state) in line: the
+    /// release passes the lock on from the queue's head whatever its mode
+    /// (on Redis, the fast path takes the head and hands over after it), so
+    /// both readers are granted together; a writer then queued gets in only
+    /// after both have gone.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn readers_queued_behind_a_re_entered_writer_are_granted_together(backend: TestBackend) {
+        let (backend, a) = setup(backend).await;
+        let b = match backend.backend().two_sidecars_share_state() {
+            true => Some(backend.start_sidecar().await),
+            false => None,
+        };
+        let name = unique_name("rw-handoff");
+        let la = a.api().lock(&name);
+        let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
+        let holder = la.acquire(&[("owner", "w0")]).await;
+        assert_eq!(la.acquire(&[("owner", "w0")]).await.count, 2);
+        let mut r1 = la
+            .hold(&[("owner", "r1"), ("mode", "shared"), ("wait", "30s")])
+            .await;
+        assert_eq!(r1.expect_queued().await.position, 1);
+        // (Redlock's nodes order queued claims each their own way: no
+        // position is checked for the second.)
+        let mut r2 = lb
+            .hold(&[("owner", "r2"), ("mode", "shared"), ("wait", "30s")])
+            .await;
+        r2.expect_queued().await;
+
+        assert_eq!(la.release(&holder.token).await.count, 1);
+        assert_eq!(la.inspect().await.holder_owners(), ["w0"]);
+        assert_eq!(la.release(&holder.token).await.count, 0);
+        // At once: a head the release dropped would be queued again only
+        // when its sidecar next looks (about 5 s on Redis).
+        let (g1, g2) = (
+            r1.expect_acquired_within(Duration::from_secs(3)).await,
+            r2.expect_acquired_within(Duration::from_secs(3)).await,
+        );
+        assert_eq!(
+            (g1.mode.as_deref(), g2.mode.as_deref()),
+            (Some("shared"), Some("shared"))
+        );
+        assert!(g1.fence > holder.fence && g2.fence > holder.fence);
+        assert_eq!(la.inspect().await.holder_owners(), ["r1", "r2"]);
+
+        let mut w1 = queue_hold(&lb, "w1", 1).await;
+        la.release(&g1.token).await;
+        assert_eq!(
+            la.inspect().await.holder_owners(),
+            ["r2"],
+            "the writer is not let in while a reader holds"
+        );
+        lb.release(&g2.token).await;
+        let writer = w1.expect_acquired().await;
+        assert_eq!(writer.owner, "w1");
+        assert!(writer.fence > g1.fence.max(g2.fence));
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn a_queued_writer_is_not_overtaken_by_readers(backend: TestBackend) {
