@@ -52,10 +52,10 @@ def key(n):
 
 
 def acquire_args(n, token):
-    """An uncontended try-once exclusive acquire with a 30 s ttl, as the sidecar sends it."""
+    """An uncontended try-once exclusive acquire with a 30 s ttl, as the sidecar sends it
+    (without the trailing arguments at their defaults)."""
     spec = f'30000 0 0 ["{OWNER}","{SIDECAR}"]'
-    return [1, key(n), "l", "o", "x", token, spec, "30000", "0", f'["{OWNER}",', SIDECAR,
-            "", "0", "0", "0", "1", "0"]
+    return [1, key(n), "l", "o", "x", token, spec, "30000", "0", f'["{OWNER}",', SIDECAR]
 
 
 def release_args(n, token):

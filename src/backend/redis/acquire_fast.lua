@@ -13,16 +13,9 @@
 do
   if IS_LOCK and ARGV[3] == "x" then
     local turn, token, spec = ARGV[2], ARGV[4], ARGV[5]
-    -- The main key takes the new lease, and the reply is its value (whose
-    -- since is now): one string costs Redis less than a table to answer.
-    local function grant(fence)
-      clock()
-      local len, dl = ARGV[6], ARGV[7]
-      local lease = lease_value(token, fence, NOW, NOW + tonumber(len), 1, spec)
-      -- PX as text: a number would be formatted by "%.17g".
-      redis.call("SET", MAIN, lease, "PX", dl == "0" and len or string.format("%d", len + dl))
-      return lease
-    end
+    -- The fence of a grant, granted below (not by a closure: creating one
+    -- costs every call).
+    local granted
     local v = redis.pcall("GET", MAIN)
     if turn ~= "q" then
       if v == false then
@@ -30,8 +23,8 @@ do
         -- whose lock-delay the full script starts) or a delay are about.
         if redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
-          if type(fence) == "number" then return grant(fence) end
-        elseif (turn == "o" or ARGV[12] == "0")
+          if type(fence) == "number" then granted = fence end
+        elseif (turn == "o" or (ARGV[12] or "0") == "0")
             and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
           -- Free, and only claims wait: behind them. Retry when the first
           -- of their processes' heartbeats lapses (a dead process's claims
@@ -51,7 +44,7 @@ do
               local seq = redis.pcall("INCR", TAG .. "seq")
               if type(seq) == "number" then
                 local n = redis.pcall("RPUSH", TAG .. "q",
-                  string.format("%d x %s %s %s %s", seq, token, ARGV[11], ARGV[9], spec))
+                  string.format("%d x %s %s %s %s", seq, token, ARGV[11] or "0", ARGV[9], spec))
                 if type(n) == "number" then return {0, 0, {}, n, n, retry, seq} end
               end
             end
@@ -66,11 +59,11 @@ do
           if turn == "o" then
             local n = redis.pcall("LLEN", TAG .. "q")
             if type(n) == "number" then return {0, 0, {holder}, n, 0, l.e, 0, l.dl} end
-          elseif ARGV[12] == "0" then
+          elseif (ARGV[12] or "0") == "0" then
             local seq = redis.pcall("INCR", TAG .. "seq")
             if type(seq) == "number" then
               local n = redis.pcall("RPUSH", TAG .. "q",
-                string.format("%d x %s %s %s %s", seq, token, ARGV[11], ARGV[9], spec))
+                string.format("%d x %s %s %s %s", seq, token, ARGV[11] or "0", ARGV[9], spec))
               if type(n) == "number" then
                 -- A queue this join started expires unless heartbeats keep it.
                 if n == 1 then redis.call("PEXPIRE", TAG .. "q", HEARTBEAT_TTL) end
@@ -88,22 +81,32 @@ do
       elseif l and string.sub(l.who, 1, #ARGV[8]) ~= ARGV[8] then
         -- Another owner holds it: still queued (else passed by, and the
         -- full script queues it again at its place).
-        local at = redis.pcall("LPOS", TAG .. "q", ARGV[10])
+        local at = redis.pcall("LPOS", TAG .. "q", ARGV[10] or "")
         if type(at) == "number" then
           return {0, 0, {{l.who, "x", l.f, l.c, l.t0, l.e}}, redis.call("LLEN", TAG .. "q"),
                   at + 1, l.e, 0, l.dl}
         end
       elseif v == false then
         local Q = TAG .. "q"
-        local entry = ARGV[10]
-        local first = ARGV[14] ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
+        local entry = ARGV[10] or ""
+        local first = (ARGV[14] or "1") ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
         if first and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" and redis.pcall("LREM", Q, 1, entry) == 1 then
-            return grant(fence)
+            granted = fence
           end
         end
       end
+    end
+    if granted then
+      -- The main key takes the new lease, and the reply is its value (whose
+      -- since is now): one string costs Redis less than a table to answer.
+      clock()
+      local len, dl = ARGV[6], ARGV[7]
+      local lease = string.format("%s %d %d %d 1 %s", token, granted, NOW, NOW + len, spec)
+      -- PX as text: a number would be formatted by "%.17g".
+      redis.call("SET", MAIN, lease, "PX", dl == "0" and len or string.format("%d", len + dl))
+      return lease
     end
   end
 end

@@ -30,13 +30,19 @@ local IS_LOCK = ARGV[1] == "l"
 -- none yet.
 local HEARTBEAT_TTL = 15000
 
+-- Text that is known to hold digits (what TIME answers, a pattern's %d+
+-- capture, a number the sidecar sent) is read with arithmetic, `s + 0`:
+-- tonumber(s) converts it twice, and each conversion is a strtod, about
+-- 900 instructions. tonumber() stays for text that may not be a number.
+
 -- The server clock in ms, read by clock() at most once: paths that never
 -- look at the time do not pay for TIME.
 local NOW = 0
 local function clock()
   if NOW == 0 then
     local t = redis.call("TIME")
-    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local us = t[2] + 0
+    NOW = t[1] * 1000 + (us - us % 1000) / 1000
   end
   return NOW
 end
@@ -48,13 +54,6 @@ local function lease_of(v)
   local token, f, t0, e, c, spec, ttl, mh, dl, who =
     string.match(v, "^(%x+) (%d+) (%d+) (%d+) (%d+) ((%d+) (%d+) (%d+) (.*))$")
   if not token then return nil end
-  return {token = token, f = tonumber(f), t0 = tonumber(t0), e = tonumber(e), c = tonumber(c),
-          spec = spec, ttl = tonumber(ttl), mh = tonumber(mh), dl = tonumber(dl), who = who}
-end
-
--- The main key's value for a lease. Numbers are written as integers by
--- one string.format: Lua's own number-to-text conversion goes through
--- printf's "%.14g", several times dearer.
-local function lease_value(token, f, t0, e, c, spec)
-  return string.format("%s %d %d %d %d %s", token, f, t0, e, c, spec)
+  return {token = token, f = f + 0, t0 = t0 + 0, e = e + 0, c = c + 0,
+          spec = spec, ttl = ttl + 0, mh = mh + 0, dl = dl + 0, who = who}
 end

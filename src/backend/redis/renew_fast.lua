@@ -11,11 +11,11 @@ do
       -- written back unchanged: only the times are read as numbers.
       local t, f, t0, e, c, spec, ttl, mh, dl =
         string.match(v, "^(%x+) (%d+) (%d+) (%d+) (%d+) ((%d+) (%d+) (%d+) .*)$")
-      if t == token and tonumber(e) > clock() then
-        local want = tonumber(ARGV[3])
-        if want == 0 then want = tonumber(ttl) end
+      if t == token and e + 0 > clock() then
+        local want = ARGV[3] + 0
+        if want == 0 then want = ttl + 0 end
         local ends = NOW + want
-        if tonumber(mh) > 0 and ends > t0 + mh then ends = t0 + mh end
+        if mh + 0 > 0 and ends > t0 + mh then ends = t0 + mh end
         -- Past its max_hold, it ends now.
         local kept = math.max(ends, NOW + 1)
         redis.call("SET", MAIN, string.format("%s %s %s %d %s %s", t, f, t0, kept, c, spec),
