@@ -1374,7 +1374,8 @@ async fn stale_reports_holders_whose_fence_was_written_by_hand() {
 /// A lease value written by hand with leading zeros in its numbers
 /// (`00` for no max_hold and no lock-delay, `01` for one hold) is read as
 /// the numbers say on every path: a keepalive extends it by its ttl, a
-/// release frees it. (A fast path comparing them as text once ended such a
+/// release frees it, also when its owner is not JSON (which only the full
+/// scripts read). (A fast path comparing them as text once ended such a
 /// lease at its keepalive.)
 #[tokio::test]
 async fn a_hand_written_lease_with_leading_zeros_renews_and_releases() {
@@ -1400,6 +1401,23 @@ async fn a_hand_written_lease_with_leading_zeros_renews_and_releases() {
         renewed.ttl_ms > 29_000 && renewed.expires_at_ms as i64 > now + 25_000,
         "{renewed:?}"
     );
+    assert!(lock.release(token).await.released);
+    assert!(lock.acquire(&[]).await.fence > 0);
+
+    // The same with an owner that is not JSON, which only the full
+    // script reads: the release still frees it. (With one hold and no
+    // lock-delay recognised only as the text "1" and "0", it went to the
+    // full script, which failed on the owner: 503.)
+    let name = unique_name("zeros-odd-owner");
+    let value = format!(
+        "{token} 5 {} {} 01 30000 0 00 not-json",
+        now - 1_000,
+        now + 20_000
+    );
+    let _: () = server
+        .cmd(&["SET", &format!("sidelock:{name}"), &value, "PX", "20000"])
+        .await;
+    let lock = sidecar.api().lock(&name);
     assert!(lock.release(token).await.released);
     assert!(lock.acquire(&[]).await.fence > 0);
 }

@@ -15,17 +15,17 @@ do
     if type(v) == "string" then
       -- Only what this needs of the lease (lean.lua): its token, expiry,
       -- hold count and lock-delay; the clock only when a lock-delay makes
-      -- the expiry matter.
-      local t, e, c, dl = string.match(v, "^(%x+) %d+ %d+ %d+ 1 %d+ %d+ 0 "), 0, "1", "0"
-      if t ~= token then
-        t, e, c, dl = string.match(v, "^(%x+) %d+ %d+ (%d+) (%d+) %d+ %d+ (%d+) ")
+      -- the expiry matter. The common lease (one hold, no lock-delay) is
+      -- matched with those two as text first, which reads no number (each
+      -- costs a strtod). A lease in its lock-delay has expired: the full
+      -- script finds nothing. (A key without a lock-delay lives no longer
+      -- than its lease.)
+      local mine = string.match(v, "^(%x+) %d+ %d+ %d+ 1 %d+ %d+ 0 ") == token
+      if not mine then
+        local t, e, c, dl = string.match(v, "^(%x+) %d+ %d+ (%d+) (%d+) %d+ %d+ (%d+) ")
+        mine = t == token and c + 0 == 1 and (dl + 0 == 0 or e + 0 > clock())
       end
-      -- A lease in its lock-delay has expired: the full script finds nothing.
-      -- (A key without a lock-delay lives no longer than its lease.) The
-      -- count and the lock-delay are compared as text, as written (a number
-      -- read from text costs a strtod); any other spelling takes the full
-      -- script.
-      if t == token and c == "1" and (dl == "0" or e + 0 > clock()) then
+      if mine then
         local head = redis.pcall("LPOP", TAG .. "q")
         if type(head) ~= "string" then
           redis.call("DEL", MAIN)
