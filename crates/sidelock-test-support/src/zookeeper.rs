@@ -18,6 +18,12 @@ use crate::process::ChildGuard;
 
 /// How long a server may take to answer `ruok` (a cold JVM on a busy machine).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Tries at starting a server before giving up (each on new ports).
+const START_ATTEMPTS: u32 = 3;
+
+/// What a member's log says when its port was taken before it bound it.
+const PORT_TAKEN: &str = "Address already in use";
 /// The server's jar; its manifest names the dependencies.
 pub const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 /// The log binding the package's own scripts use.
@@ -104,8 +110,24 @@ impl ZkServer {
         Self::start_members(3, "127.0.0.1", QUICK_REAPING).await
     }
 
+    /// Starts `n` members on free ports; again on new ports, up to
+    /// [`START_ATTEMPTS`] times, when a member finds its port taken (another
+    /// process may bind a port between its choice and the server's bind).
     async fn start_members(n: usize, ip: &str, reap_every: Duration) -> Self {
         require();
+        for attempt in 1..=START_ATTEMPTS {
+            match Self::try_start_members(n, ip, reap_every).await {
+                Ok(server) => return server,
+                Err(e) if attempt < START_ATTEMPTS && e.contains(PORT_TAKEN) => {
+                    eprintln!("{e}\nstarting again on new ports");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    async fn try_start_members(n: usize, ip: &str, reap_every: Duration) -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("temp dir for ZooKeeper");
         let ports: Vec<(u16, u16, u16)> = (0..n)
             .map(|_| (free_port(), free_port(), free_port()))
@@ -154,9 +176,9 @@ impl ZkServer {
             server.launch(i);
         }
         for i in 0..n {
-            server.wait_ready(i).await;
+            server.try_wait_ready(i).await?;
         }
-        server
+        Ok(server)
     }
 
     fn launch(&mut self, i: usize) {
@@ -190,6 +212,14 @@ impl ZkServer {
     }
 
     async fn wait_ready(&mut self, i: usize) {
+        if let Err(e) = self.try_wait_ready(i).await {
+            panic!("{e}");
+        }
+    }
+
+    /// Waits until member `i` serves; the reason, with its log, if it
+    /// exits first or does not serve within [`READY_TIMEOUT`].
+    async fn try_wait_ready(&mut self, i: usize) -> Result<(), String> {
         let deadline = Instant::now() + READY_TIMEOUT;
         let port = self.members[i].client_port;
         loop {
@@ -199,21 +229,23 @@ impl ZkServer {
                 .ok()
                 .flatten();
             if srvr.is_some_and(|s| s.contains("Mode:")) {
-                return;
+                return Ok(());
             }
             let child = self.members[i].child.as_mut().expect("member running");
-            assert!(
-                child.try_status().is_none(),
-                "ZooKeeper member {} exited at start-up; log:\n{}",
-                i + 1,
-                child.log()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "ZooKeeper member {} did not serve within {READY_TIMEOUT:?}; log:\n{}",
-                i + 1,
-                child.log()
-            );
+            if child.try_status().is_some() {
+                return Err(format!(
+                    "ZooKeeper member {} exited at start-up; log:\n{}",
+                    i + 1,
+                    child.log()
+                ));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "ZooKeeper member {} did not serve within {READY_TIMEOUT:?}; log:\n{}",
+                    i + 1,
+                    child.log()
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
