@@ -1381,45 +1381,43 @@ async fn stale_reports_holders_whose_fence_was_written_by_hand() {
 async fn a_hand_written_lease_with_leading_zeros_renews_and_releases() {
     let server = RedisServer::start().await;
     let sidecar = sidecar(&server).await;
-    let name = unique_name("zeros");
     let token = "0123456789abcdef0123456789abcdef";
     let now: i64 = {
         let t: Vec<String> = server.cmd(&["TIME"]).await;
         t[0].parse::<i64>().unwrap() * 1000 + t[1].parse::<i64>().unwrap() / 1000
     };
-    let value = format!(
-        r#"{token} 5 {} {} 01 30000 00 00 ["hand","written"]"#,
-        now - 1_000,
-        now + 20_000
-    );
-    let _: () = server
-        .cmd(&["SET", &format!("sidelock:{name}"), &value, "PX", "20000"])
-        .await;
-    let lock = sidecar.api().lock(&name);
-    let renewed = lock.keepalive(token, &[]).await;
-    assert!(
-        renewed.ttl_ms > 29_000 && renewed.expires_at_ms as i64 > now + 25_000,
-        "{renewed:?}"
-    );
-    assert!(lock.release(token).await.released);
-    assert!(lock.acquire(&[]).await.fence > 0);
-
-    // The same with an owner that is not JSON, which only the full
-    // script reads: the release still frees it. (With one hold and no
+    let (since, ends) = (now - 1_000, now + 20_000);
+    // The second has an owner that is not JSON, which only the full
+    // scripts read: the release still frees it. (With one hold and no
     // lock-delay recognised only as the text "1" and "0", it went to the
     // full script, which failed on the owner: 503.)
-    let name = unique_name("zeros-odd-owner");
-    let value = format!(
-        "{token} 5 {} {} 01 30000 0 00 not-json",
-        now - 1_000,
-        now + 20_000
-    );
-    let _: () = server
-        .cmd(&["SET", &format!("sidelock:{name}"), &value, "PX", "20000"])
-        .await;
-    let lock = sidecar.api().lock(&name);
-    assert!(lock.release(token).await.released);
-    assert!(lock.acquire(&[]).await.fence > 0);
+    for (name, value, renews) in [
+        (
+            "zeros",
+            format!(r#"{token} 5 {since} {ends} 01 30000 00 00 ["hand","written"]"#),
+            true,
+        ),
+        (
+            "zeros-odd-owner",
+            format!("{token} 5 {since} {ends} 01 30000 0 00 not-json"),
+            false,
+        ),
+    ] {
+        let name = unique_name(name);
+        let _: () = server
+            .cmd(&["SET", &format!("sidelock:{name}"), &value, "PX", "20000"])
+            .await;
+        let lock = sidecar.api().lock(&name);
+        if renews {
+            let renewed = lock.keepalive(token, &[]).await;
+            assert!(
+                renewed.ttl_ms > 29_000 && renewed.expires_at_ms as i64 > now + 25_000,
+                "{renewed:?}"
+            );
+        }
+        assert!(lock.release(token).await.released, "{value}");
+        assert!(lock.acquire(&[]).await.fence > 0);
+    }
 }
 
 /// `PUBLISH` calls Redis ran between two readings.
