@@ -29,17 +29,12 @@ fn mntr(server: &ZkServer, i: usize, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("{name} not in mntr output:\n{out}"))
 }
 
-/// The requests the server received per uncontended acquire (with
-/// `params`) and release of `lock`, over `pairs` pairs.
-async fn requests_per_pair(
-    server: &ZkServer,
-    lock: &common::api::Resource,
-    params: &[(&str, &str)],
-    pairs: u64,
-) -> f64 {
+/// The requests the server received per uncontended acquire and release
+/// of `lock`, over `pairs` pairs.
+async fn requests_per_pair(server: &ZkServer, lock: &common::api::Resource, pairs: u64) -> f64 {
     let before = server.packets_received();
     for _ in 0..pairs {
-        let grant = lock.acquire(params).await;
+        let grant = lock.acquire(&[]).await;
         lock.release(&grant.token).await;
     }
     // Less this second `mntr`.
@@ -60,36 +55,11 @@ async fn an_uncontended_acquire_and_release_costs_at_most_4_requests() {
     let grant = lock.acquire(&[]).await;
     lock.release(&grant.token).await;
 
-    let per_pair = requests_per_pair(&server, &lock, &[], PAIRS).await;
+    let per_pair = requests_per_pair(&server, &lock, PAIRS).await;
     eprintln!("{per_pair:.2} requests per uncontended pair");
     assert!(
         per_pair <= 4.0,
         "{per_pair:.2} ZooKeeper requests per uncontended acquire and release; at most 4 expected"
-    );
-}
-
-// An acquire that would wait finds the lock free as a try-once acquire does
-// (create and list in one round trip, delete to release): its node is
-// written as granted when its sidecar has nobody waiting for the lock, so
-// no granting write follows (4 requests per pair before). A join that is
-// not admitted at once is written back as waiting, and is granted in turn:
-// the conformance and safety suites wait on ZooKeeper that way.
-#[tokio::test]
-async fn an_uncontended_acquire_that_would_wait_costs_3_requests_per_pair() {
-    const PAIRS: u64 = 100;
-    let server = ZkServer::start().await;
-    let a = sidecar(&server.url("/cost-wait")).await;
-    let lock = a.api().lock(&unique_name("cost-wait"));
-    let wait = [("wait", "10s")];
-    let grant = lock.acquire(&wait).await;
-    lock.release(&grant.token).await;
-
-    let per_pair = requests_per_pair(&server, &lock, &wait, PAIRS).await;
-    eprintln!("{per_pair:.2} requests per uncontended pair with wait");
-    assert!(
-        per_pair < 3.5,
-        "{per_pair:.2} ZooKeeper requests per uncontended acquire (wait=10s) and release; 3 expected \
-         (and the session's pings)"
     );
 }
 
@@ -1047,7 +1017,7 @@ async fn a_reset_during_a_listing_keeps_listings_in_one_request() {
     )
     .await;
 
-    let per_pair = requests_per_pair(&server, &lock, &[], PAIRS).await;
+    let per_pair = requests_per_pair(&server, &lock, PAIRS).await;
     assert!(
         per_pair < 3.5,
         "{per_pair:.2} ZooKeeper requests per uncontended pair after a reset; 3 expected:\n{}",

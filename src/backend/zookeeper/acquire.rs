@@ -108,14 +108,6 @@ impl Drop for Unclaimed {
 }
 
 impl Inner {
-    /// Whether this sidecar has a claim waiting for `key`.
-    fn has_waiters(&self, key: &LockKey) -> bool {
-        lock(&self.tickets)
-            .range((key.clone(), 0)..)
-            .next()
-            .is_some_and(|((k, _), _)| k == key)
-    }
-
     /// Forgets the ticket of the waiting node `seq` of `key`.
     fn forget_ticket(&self, key: &LockKey, seq: u64) {
         lock(&self.tickets).remove(&(key.clone(), seq));
@@ -367,13 +359,8 @@ impl ZooKeeper {
                 };
                 // A try-once claim never waits: written as granted, it
                 // holds from its creation if it is admitted then, and is
-                // deleted again if not. So is a join when this sidecar has
-                // nobody waiting for the lock, which is then most likely
-                // free: admitted at once, it needs no granting write (one
-                // round trip and one durable write less); else it is
-                // written back as waiting below, as a queued claim
-                // written as granted with its listing is.
-                if matches!(turn, Turn::Once) || !me.has_waiters(key) {
+                // deleted again if not.
+                if matches!(turn, Turn::Once) {
                     data = granted(data, max_hold, now);
                 }
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
@@ -618,20 +605,13 @@ impl ZooKeeper {
                 .filter(|c| !ahead.iter().any(|n| n.child.name == c.name && n.is_held()))
                 .count()
                 + 1;
-            // A waiter written as granted (created so, or with its
-            // listing) waits again.
-            if own.data.held && !matches!(turn, Turn::Once) {
+            // A waiter written as granted with its listing waits again.
+            if own.data.held && matches!(turn, Turn::Queued(_)) {
                 let data = waiting(own.data.clone(), max_hold);
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
-                if let Some(node) = unclaimed.as_mut() {
-                    node.writing = true;
-                }
                 match call(op, zk.set_data(&path, &bytes, Some(own.stat.version))).await? {
                     Ok(stat) => own = Own { data, stat, ..own },
                     Err(e) => return Err(unavailable(op, e)),
-                }
-                if let Some(node) = unclaimed.as_mut() {
-                    (node.version, node.writing) = (own.stat.version, false);
                 }
                 if let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), seq)) {
                     queued.own = own.clone();
