@@ -871,11 +871,14 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
     java.send("quit");
 }
 
-/// An acquire whose create ran but whose answer was lost (a proxy resets
-/// the connection after it) leaves a claim node the sidecar deletes once
-/// it is back — unless its owner took that lease up meanwhile through
+/// An acquire whose granting write ran but whose answer was lost (a proxy
+/// resets the connection after it) leaves a claim node the sidecar deletes
+/// once it is back — unless its owner took that lease up meanwhile through
 /// another sidecar (re-entering it: count 2). Deleting it then took the
 /// owner's lease without a word and granted the lock to the next waiter.
+/// (The write is an acquire's that may wait: written after the listing
+/// that admitted it, it is a grant. A try-once claim's create is not one
+/// until its sidecar confirms it: see the next test.)
 #[tokio::test]
 async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_it_up() {
     // The lock's node, emptied by the warm-up's release, must still be there
@@ -887,7 +890,12 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
     // minute (so the warm-up comes after the first).
     let server = ZkServer::start_reaping_slowly().await;
     let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
-    let through_proxy = sidecar(&format!("zk://127.0.0.1:{}/lost", proxy.port())).await;
+    let id = unique_name("proxied");
+    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/lost", proxy.port()))
+        .arg("--sidecar-id")
+        .arg(&id)
+        .start()
+        .await;
     let direct = sidecar(&server.url("/lost")).await;
     common::eventually("a monitor", Duration::from_secs(30), async || {
         [&through_proxy, &direct]
@@ -904,29 +912,33 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
     let warm = direct.api().lock(&name).acquire(&[]).await;
     direct.api().lock(&name).release(&warm.token).await;
 
-    proxy.cut_later(owner.as_bytes(), Duration::from_secs(2));
+    // The claim node is created waiting; the write that grants it is the
+    // first of the owner's to carry `"held":true` (owner, sidecar and held
+    // are written in this order).
+    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
+    proxy.cut_later(granting.as_bytes(), Duration::from_secs(2));
     let lost = {
         let lock = through_proxy.api().lock(&name);
         let owner = owner.clone();
-        tokio::spawn(async move { lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await })
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "5s")])
+                .await
+        })
     };
-    // The create ran: its node holds the lock. Its owner takes the lease up
+    // The grant ran: its node holds the lock. Its owner takes the lease up
     // through the other sidecar before the first one is back (its answer
-    // is held back, then cut 2 s after the create went through).
+    // is held back, then cut 2 s after the write went through).
     let lock = direct.api().lock(&name);
-    let port = server.client_port(0);
     common::eventually(
-        "the unanswered create's node",
+        "the unanswered grant",
         // A cold server and the reconnecting proxy can take a while.
         Duration::from_secs(30),
         async || {
-            // Off this runtime, which also runs the proxy.
-            let dump = tokio::task::spawn_blocking(move || {
-                common::zookeeper::four_letter(port, "dump").unwrap_or_default()
-            })
-            .await
-            .expect("dump");
-            dump.contains(&format!("locks/{name}/_c_")).then_some(())
+            let state = lock.inspect().await;
+            state
+                .holder_owners()
+                .contains(&owner.as_str())
+                .then_some(())
         },
     )
     .await;
@@ -936,7 +948,7 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
         "the owner re-entered the lease the lost create made"
     );
     let lost = lost.await.expect("the lost acquire's task");
-    assert!(!proxy.armed(), "the create went through the proxy");
+    assert!(!proxy.armed(), "the grant went through the proxy");
     assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
 
     let waiter = {
@@ -977,6 +989,115 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
         .await
         .expect("the waiter's task");
     assert_eq!(granted.status(), StatusCode::OK);
+}
+
+/// A try-once claim is created as a held node, and holds from its create
+/// only if the listing right behind it admits it; its sidecar then confirms
+/// it. If the create's answer is lost, nobody knows whether it was a
+/// grant: here it was not (a holder and a waiter were ahead of it), and
+/// the waiter was granted after it. Its owner acquiring through another
+/// sidecar while the node lingers must not re-enter it — that re-entry's
+/// fence was the create's zxid, below the waiter's — but gets the lock
+/// afresh once the node is gone, with a fence above the waiter's.
+#[tokio::test]
+async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later_grant() {
+    let server = ZkServer::start_reaping_slowly().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let through_proxy = sidecar(&format!("zk://127.0.0.1:{}/phantom", proxy.port())).await;
+    let direct = sidecar(&server.url("/phantom")).await;
+    let name = unique_name("phantom");
+    let owner = unique_name("owner");
+    let lock = direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = {
+        let lock = direct.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "60s")])
+                .await
+        })
+    };
+    common::eventually("the waiter queued", Duration::from_secs(10), async || {
+        (lock.inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+
+    // The try-once create runs behind both; its answer is held back, and
+    // 4 s later its connection is reset.
+    proxy.cut_later(owner.as_bytes(), Duration::from_secs(4));
+    let lost = {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        tokio::spawn(async move { lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await })
+    };
+    let port = server.client_port(0);
+    let node = format!("locks/{name}/_c_");
+    common::eventually(
+        "the unanswered create's node",
+        Duration::from_secs(30),
+        async || {
+            // Off this runtime, which also runs the proxy.
+            let dump = tokio::task::spawn_blocking(move || {
+                common::zookeeper::four_letter(port, "dump").unwrap_or_default()
+            })
+            .await
+            .expect("dump");
+            (dump.matches(&node).count() == 3).then_some(())
+        },
+    )
+    .await;
+    // The waiter is granted after that create, then releases.
+    lock.release(&holder.token).await;
+    let granted = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    lock.release(&granted.token).await;
+
+    let again = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+    let status = again.status();
+    if status == StatusCode::OK {
+        let again: Value = again.json().await.expect("a grant");
+        assert_eq!(
+            (
+                again["count"].as_u64(),
+                again["fence"].as_u64() > Some(granted.fence)
+            ),
+            (Some(1), true),
+            "the owner re-entered a node that was never granted: {again} after the waiter's fence {}",
+            granted.fence
+        );
+        lock.release(again["token"].as_str().expect("token")).await;
+    } else {
+        assert_eq!(
+            status,
+            StatusCode::CONFLICT,
+            "{}",
+            again.text().await.unwrap_or_default()
+        );
+    }
+    let lost = lost.await.expect("the lost acquire's task");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    // Its sidecar, back, deletes the node: the owner gets the lock afresh.
+    let fresh = common::eventually(
+        "the owner's own grant",
+        Duration::from_secs(30),
+        async || {
+            let r = lock.acquire_raw(&[("owner", &owner), ("ttl", "60s")]).await;
+            if r.status() == StatusCode::OK {
+                r.json::<Value>().await.ok()
+            } else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                None
+            }
+        },
+    )
+    .await;
+    assert_eq!(fresh["count"].as_u64(), Some(1), "{fresh}");
+    assert!(
+        fresh["fence"].as_u64() > Some(granted.fence),
+        "fence {fresh} after {}",
+        granted.fence
+    );
 }
 
 /// A connection reset while a listing's multi-read is on its way is an

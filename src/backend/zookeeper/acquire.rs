@@ -32,6 +32,7 @@ pub(super) struct Own {
 /// the hold it asks for.
 fn waiting(mut data: NodeData, max_hold: Option<u64>) -> NodeData {
     data.held = false;
+    data.tentative = false;
     data.since_ms = 0;
     data.expires_at_ms = 0;
     data.cap_ms = max_hold;
@@ -40,9 +41,11 @@ fn waiting(mut data: NodeData, max_hold: Option<u64>) -> NodeData {
 }
 
 /// `data` as a grant at `now` writes it: held, expiring a ttl from now,
-/// and, for a claim with a `max_hold`, capped at `now` plus that.
-fn granted(mut data: NodeData, max_hold: Option<u64>, now: u64) -> NodeData {
+/// and, for a claim with a `max_hold`, capped at `now` plus that. A write
+/// sent before the listing that admits it is [`tentative`](NodeData::tentative).
+fn granted(mut data: NodeData, max_hold: Option<u64>, now: u64, tentative: bool) -> NodeData {
     data.held = true;
+    data.tentative = tentative;
     data.since_ms = now;
     data.cap_ms = max_hold.map(|hold| now.saturating_add(hold));
     data.expires_at_ms = now.saturating_add(data.ttl_ms);
@@ -107,7 +110,25 @@ impl Drop for Unclaimed {
     }
 }
 
+/// How long an attempt waits for another sidecar to confirm a tentative
+/// node of the attempt's owner ([`Inner::confirm_later`] writes it after
+/// [`CONFIRM_AFTER`](super::lease::CONFIRM_AFTER)).
+const CONFIRM_WAIT: Duration = Duration::from_secs(1);
+
 impl Inner {
+    /// Waits, at most [`CONFIRM_WAIT`], until the node at `path` is no
+    /// longer at `version` (rewritten, or gone).
+    async fn await_change(&self, zk: &zk::Client, path: &str, version: i32) -> Result<(), Error> {
+        let op = "try_acquire";
+        let watcher = match call(op, zk.check_and_watch_stat(path)).await? {
+            Ok((Some(stat), watcher)) if stat.version == version => watcher,
+            Ok(_) => return Ok(()),
+            Err(e) => return Err(unavailable(op, e)),
+        };
+        let _ = tokio::time::timeout(CONFIRM_WAIT, watcher.changed()).await;
+        Ok(())
+    }
+
     /// Forgets the ticket of the waiting node `seq` of `key`.
     fn forget_ticket(&self, key: &LockKey, seq: u64) {
         lock(&self.tickets).remove(&(key.clone(), seq));
@@ -123,7 +144,7 @@ impl Inner {
         max_hold: Option<u64>,
         parent: &Parent,
     ) -> Result<Option<Grant>, Error> {
-        let data = granted(own.data.clone(), max_hold, now_ms());
+        let data = granted(own.data.clone(), max_hold, now_ms(), false);
         let bytes = serde_json::to_vec(&data).unwrap_or_default();
         let stat = match call(
             "try_acquire",
@@ -356,12 +377,14 @@ impl ZooKeeper {
                     fence: 0,
                     limit: claim.limit,
                     queued_ms: now,
+                    tentative: false,
                 };
                 // A try-once claim never waits: written as granted, it
                 // holds from its creation if it is admitted then, and is
                 // deleted again if not.
+                // (Tentative on a lock only: nobody re-enters a permit.)
                 if matches!(turn, Turn::Once) {
-                    data = granted(data, max_hold, now);
+                    data = granted(data, max_hold, now, key.kind.is_lock());
                 }
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 let infix = match (key.kind, claim.mode) {
@@ -420,6 +443,9 @@ impl ZooKeeper {
             parent: &parent,
         };
 
+        // Whether this attempt waited for a tentative node of its owner, and
+        // whether that node is still unconfirmed.
+        let (mut awaited, mut unconfirmed) = (false, false);
         for round in 0..CLAIM_ROUNDS {
             // A lock waiter whose blocker went is first now, most likely:
             // the write that grants it goes out before the listing that
@@ -428,7 +454,7 @@ impl ZooKeeper {
             let listing = if let Some(listing) = listed.take() {
                 listing
             } else if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
-                let data = granted(own.data.clone(), max_hold, now_ms());
+                let data = granted(own.data.clone(), max_hold, now_ms(), true);
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 // Sent as the request's future is made, before the listing's.
                 if let Some(node) = unclaimed.as_mut() {
@@ -509,14 +535,32 @@ impl ZooKeeper {
                 continue;
             }
 
-            // Re-entry: the same owner holding the lock in the same mode.
+            // Re-entry: the same owner holding the lock in the same mode,
+            // by a grant this sidecar made or one its holder wrote since.
+            // A tentative node of another sidecar may never have been a
+            // grant: wait a moment for its sidecar to confirm it (or for it
+            // to go); unconfirmed, it is a holder like any other.
+            let same_owner = ahead.iter().find(|n| {
+                n.data
+                    .as_ref()
+                    .is_some_and(|d| d.held && d.owner == claim.owner)
+                    && n.child.mode == claim.mode
+            });
             if key.kind.is_lock()
-                && let Some(node) = ahead.iter().find(|n| {
-                    n.data
-                        .as_ref()
-                        .is_some_and(|d| d.held && d.owner == claim.owner)
-                        && n.child.mode == claim.mode
-                })
+                && let Some(node) = same_owner
+                && let Some(d) = node.data.as_ref()
+                && d.tentative
+                && !lock(&me.leases).contains_key(&Token::from_client(d.token.clone()))
+            {
+                if !awaited {
+                    awaited = true;
+                    let path = format!("{parent}/{}", node.child.name);
+                    me.await_change(&zk, &path, node.stat.version).await?;
+                    continue;
+                }
+                unconfirmed = true;
+            } else if key.kind.is_lock()
+                && let Some(node) = same_owner
             {
                 match me
                     .reenter(&zk, &parent, node, claim, (&path, own.stat.version))
@@ -551,14 +595,22 @@ impl ZooKeeper {
                 // before it). Else a claim ahead may have been granted
                 // after that write, and only a new write's zxid is sure to
                 // be above that.
-                let grant = if own.data.held && listing.untouched_since(own.stat.mzxid) {
+                // (Not after waiting for a tentative node: the write is
+                // then a second old, and a lock-delay may have ended in
+                // between — the write's zxid would be inside it.)
+                let grant = if own.data.held && !awaited && listing.untouched_since(own.stat.mzxid)
+                {
                     let lease = Lease {
                         path: path.clone(),
                         data: own.data.clone(),
                         version: own.stat.version,
                         fence: u64::try_from(own.stat.mzxid).unwrap_or(0),
                     };
-                    Some(me.hold(&zk, lease, listing.parent.clone()).await?)
+                    let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
+                    if own.data.tentative {
+                        me.confirm_later(&grant.token);
+                    }
+                    Some(grant)
                 } else {
                     if let Some(node) = unclaimed.as_mut() {
                         node.writing = true;
@@ -591,7 +643,13 @@ impl ZooKeeper {
                 .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
                 .map(|n| n.holder(claim.key.kind).expires_at_ms)
                 .min();
-            let retry_at_ms = if delayed { Some(delay_until) } else { blocking };
+            let mut retry_at_ms = if delayed { Some(delay_until) } else { blocking };
+            // A waiter's follower sees its blocker go, not its confirmation:
+            // one behind its owner's unconfirmed node looks again soon.
+            if unconfirmed {
+                let soon = now + ms(CONFIRM_WAIT);
+                retry_at_ms = Some(retry_at_ms.map_or(soon, |at| at.min(soon)));
+            }
             let waiting_total = children.len() - holders.len().min(children.len());
             let mut busy = Busy {
                 holders,

@@ -43,6 +43,15 @@ pub(super) struct NodeData {
     pub(super) limit: Option<u32>,
     /// When the claim joined the queue.
     pub(super) queued_ms: u64,
+    /// Written as held before the listing that could admit it (a try-once
+    /// claim's create, a waiter's write sent with its listing): until a
+    /// later write by the lease's holder, only the sidecar that wrote it
+    /// knows whether that listing made it a grant. Another sidecar does
+    /// not re-enter it: the write may never have been admitted (its answer
+    /// lost, its node not yet deleted), and its zxid would then be a fence
+    /// below a grant made since, or fall inside a lock-delay.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) tentative: bool,
 }
 
 /// What sidelock stores in a lock's parent node.
@@ -104,10 +113,12 @@ impl Lease {
     }
 
     /// The node's data for its next write, which moves its `mzxid`: with
-    /// the fence stored.
+    /// the fence stored, and no longer tentative (only a holder of the
+    /// lease, who knows it was granted, writes it again).
     pub(super) fn next(&self) -> NodeData {
         let mut d = self.data.clone();
         d.fence = self.fence;
+        d.tentative = false;
         d
     }
 }

@@ -21,7 +21,66 @@ use crate::backend::{Error, Loss, Status};
 use crate::clock::{ms, now_ms};
 use crate::lock::{LockKey, Token};
 
+/// How long after a tentative grant its sidecar confirms it, unless the
+/// lease was released or written (renewed, re-entered) before: most
+/// leases granted at once are released sooner, and cost no write more.
+pub(super) const CONFIRM_AFTER: Duration = Duration::from_millis(150);
+
 impl Inner {
+    /// Confirms the tentative grant of `token` after [`CONFIRM_AFTER`], so
+    /// that its owner can re-enter it through other sidecars
+    /// ([`NodeData::tentative`]); while ZooKeeper is unreachable, tries
+    /// again every second for as long as the lease lives here (a renewal
+    /// confirms it too), until the backend closes.
+    pub(super) fn confirm_later(self: &Arc<Self>, token: &Token) {
+        let (me, token) = (self.clone(), token.clone());
+        tokio::spawn(async move {
+            let mut pause = CONFIRM_AFTER;
+            loop {
+                let confirmed = tokio::select! {
+                    () = me.closing.cancelled() => return,
+                    confirmed = async {
+                        tokio::time::sleep(pause).await;
+                        me.confirm(&token).await
+                    } => confirmed,
+                };
+                if confirmed.is_ok() {
+                    return;
+                }
+                pause = Duration::from_secs(1);
+            }
+        });
+    }
+
+    /// Rewrites the node of `token` with its fence stored and no longer
+    /// tentative, if this sidecar still holds it as a tentative grant.
+    async fn confirm(self: &Arc<Self>, token: &Token) -> Result<(), Error> {
+        let tentative = || {
+            lock(&self.leases)
+                .get(token)
+                .filter(|r| r.lease.data.tentative && r.lease.data.expires_at_ms > now_ms())
+                .map(|r| Record::clone(r))
+        };
+        if tentative().is_none() || self.is_revoked(token) {
+            return Ok(());
+        }
+        let op = "renew";
+        let zk = self.client().await?;
+        let zk = &zk;
+        retry_on_conflict(CLAIM_ROUNDS, || async move {
+            let Some(record) = tentative() else {
+                return Ok(Round::Done(()));
+            };
+            let next = record.lease.next();
+            Ok(match self.rewrite(zk, op, token, &record, next).await? {
+                Round::Done(_) => Round::Done(()),
+                Round::Conflict => Round::Conflict,
+            })
+        })
+        .await?;
+        Ok(())
+    }
+
     /// The lease of `token` under `parent`: this sidecar's record, else
     /// found by a scan (a lease granted through another sidecar); `None`
     /// when it holds nothing there.

@@ -122,6 +122,21 @@
 //! * re-entry: create + listing + the holder's data + one multi-request that
 //!   raises the holder's count and deletes the new node = 4.
 //!
+//! # Tentative grants
+//!
+//! Both writes above that go out before the listing that admits them (a
+//! try-once create, a waiter's granting `setData` sent with its listing)
+//! are `tentative` in the node's data: only the sidecar that wrote one
+//! knows whether its listing made it a grant, and if its answer is lost
+//! nobody does. Had it not been admitted, its zxid may be below a grant
+//! made since (a claim ahead granted after it), or inside a lock-delay, so
+//! another sidecar never re-enters a tentative node for its owner: it waits
+//! (at most a second) for the node to change. The writing sidecar confirms
+//! a grant it holds after `CONFIRM_AFTER` with a `setData` that stores the
+//! fence (any later write by the holder does the same); a lease released
+//! before that costs no write more. Everyone else takes a tentative node
+//! for a holder, which only ever keeps claims behind it waiting.
+//!
 //! When a claim queues as its sidecar's first waiter on the key, the
 //! core's attempt that follows at once gets the queueing attempt's answer
 //! again, without a request, while its follower has seen nothing change.

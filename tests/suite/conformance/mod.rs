@@ -726,6 +726,53 @@ mod reentrancy {
         assert!(stranger.fence > first.fence);
     }
 
+    /// The same owner re-entering through another sidecar right after its
+    /// grant — a try-once acquire's, a waiter's — gets that lease. (On
+    /// ZooKeeper both grants are written before the listing that admits
+    /// them: another sidecar re-enters such a node only once the sidecar
+    /// that wrote it confirmed it, and waits for that.)
+    #[apply(backends)]
+    #[tokio::test]
+    async fn the_same_owner_reenters_through_another_sidecar_at_once(backend: TestBackend) {
+        let (backend, a) = setup(backend).await;
+        let b = match backend.backend().two_sidecars_share_state() {
+            true => Some(backend.start_sidecar().await),
+            false => None,
+        };
+        let name = unique_name("reentrant-elsewhere");
+        let la = a.api().lock(&name);
+        let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
+
+        let first = la.acquire(&[("owner", "worker")]).await;
+        let second = lb.acquire(&[("owner", "worker")]).await;
+        assert_eq!(
+            (second.token.as_str(), second.fence, second.count),
+            (first.token.as_str(), first.fence, 2)
+        );
+        assert_eq!(lb.release(&first.token).await.count, 1);
+        assert_eq!(la.release(&first.token).await.count, 0);
+
+        let holder = la.acquire(&[("owner", "holder")]).await;
+        let waiter = {
+            let la = a.api().lock(&name);
+            tokio::spawn(async move { la.acquire(&[("owner", "worker"), ("wait", "30s")]).await })
+        };
+        common::eventually("the waiter queued", Duration::from_secs(10), async || {
+            (la.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        la.release(&holder.token).await;
+        let granted = waiter.await.expect("the waiter's task");
+        let again = lb.acquire(&[("owner", "worker"), ("wait", "5s")]).await;
+        assert_eq!(
+            (again.token.as_str(), again.fence, again.count),
+            (granted.token.as_str(), granted.fence, 2)
+        );
+        assert!(granted.fence > holder.fence);
+        assert_eq!(la.release(&granted.token).await.count, 1);
+        assert_eq!(lb.release(&granted.token).await.count, 0);
+    }
+
     /// A queued waiter must not make one release end a re-entered lease: the
     /// owner still holds it until its count reaches 0.
     #[apply(backends)]
