@@ -153,6 +153,7 @@ impl Redlock {
                     &format!("{base}://{h}/{path}{query}"),
                     &options.redis_prefix,
                     false,
+                    stop.clone(),
                 )?;
                 Ok(Member::start(
                     node,

@@ -98,9 +98,9 @@ impl Redis {
     /// # Errors
     /// A sentence naming what is wrong with the URL or options.
     pub fn open(url: &str, options: &Options, wakeups: Wakeups) -> Result<Self, String> {
-        let node = Node::open(url, &options.redis_prefix, true)?;
-        let watchers = Watchers::default();
         let stop = CancellationToken::new();
+        let node = Node::open(url, &options.redis_prefix, true, stop.clone())?;
+        let watchers = Watchers::default();
         let member = Member::start(node, &watchers, &wakeups, &stop, Numbering::Shared);
         Ok(Self {
             member,
@@ -255,7 +255,13 @@ mod tests {
     #[test]
     fn no_name_reaches_another_names_key_or_channel() {
         for prefix in ["sidelock:", "", "lock:"] {
-            let node = Node::open("redis://127.0.0.1:1", prefix, true).expect("node");
+            let node = Node::open(
+                "redis://127.0.0.1:1",
+                prefix,
+                true,
+                tokio_util::sync::CancellationToken::new(),
+            )
+            .expect("node");
             let mut owner: HashMap<String, LockKey> = HashMap::new();
             let mut channels: HashMap<String, LockKey> = HashMap::new();
             let names = [

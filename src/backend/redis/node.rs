@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
+use tokio_util::sync::CancellationToken;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
@@ -122,6 +123,8 @@ pub struct Node {
     /// (one Redis), or wakes it to try (Redlock's nodes, each of which may
     /// order its queue its own way).
     pub(super) handoff: bool,
+    /// The backend's shutdown: stops a Cluster connect under way.
+    pub(super) stop: CancellationToken,
 }
 
 impl Node {
@@ -131,7 +134,12 @@ impl Node {
     ///
     /// # Errors
     /// A sentence naming what is wrong with the URL.
-    pub fn open(url: &str, prefix: &str, handoff: bool) -> Result<Self, String> {
+    pub fn open(
+        url: &str,
+        prefix: &str,
+        handoff: bool,
+        stop: CancellationToken,
+    ) -> Result<Self, String> {
         let parts = Parts::parse(url)?;
         let (scheme, hosts, path) = (parts.scheme, parts.hosts_with_userinfo(), parts.path);
         let base = if scheme.starts_with("rediss") {
@@ -210,6 +218,7 @@ impl Node {
             instance: crate::lock::Token::generate().expose()[..16].to_owned(),
             stem: format!("{prefix}/sidecars/"),
             handoff,
+            stop,
         })
     }
 
@@ -252,13 +261,15 @@ impl Node {
         );
         // The slot is held until this connect is in it, so the task's
         // clearing of it comes after.
+        let stop = self.stop.clone();
         let task = tokio::spawn(async move {
-            let result =
-                match tokio::time::timeout(CONNECT_LIMIT, client.get_async_connection()).await {
-                    Ok(Ok(c)) => Ok(Conn::Cluster(c)),
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(RedisError::from((ErrorKind::Io, "connect timed out"))),
-                };
+            let connect = tokio::time::timeout(CONNECT_LIMIT, client.get_async_connection());
+            let result = match stop.run_until_cancelled(connect).await {
+                Some(Ok(Ok(c))) => Ok(Conn::Cluster(c)),
+                Some(Ok(Err(e))) => Err(e),
+                Some(Err(_)) => Err(RedisError::from((ErrorKind::Io, "connect timed out"))),
+                None => Err(RedisError::from((ErrorKind::Io, "the backend is closing"))),
+            };
             if let Ok(c) = &result {
                 *lock(&cached) = Some(c.clone());
             }
@@ -626,5 +637,49 @@ pub(super) fn unavailable(op: &'static str, e: RedisError) -> Error {
     Error::Unavailable {
         op,
         source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::{Node, Target};
+
+    /// A Cluster connect under way ends with the backend's shutdown: with
+    /// a seed that accepts and never answers, it would otherwise go on for
+    /// the client's own timeouts, past the sidecar's shutdown.
+    #[tokio::test]
+    async fn a_cluster_connect_under_way_ends_when_the_backend_closes() {
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = hung.local_addr().expect("address").port();
+        // Accepted and kept, never answered.
+        let accepting = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((conn, _)) = hung.accept().await {
+                kept.push(conn);
+            }
+        });
+        let stop = CancellationToken::new();
+        let url = format!("redis+cluster://127.0.0.1:{port}");
+        let node = Node::open(&url, "sidelock:", true, stop.clone()).expect("node");
+        let Target::Cluster { client, .. } = &node.target else {
+            panic!("a Cluster target");
+        };
+        let connecting = node.cluster_connect(client);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let closed = Instant::now();
+        stop.cancel();
+        let ended = tokio::time::timeout(Duration::from_millis(500), connecting).await;
+        assert!(
+            matches!(ended, Ok(Err(_))),
+            "the connect went on {:?} after the backend closed",
+            closed.elapsed()
+        );
+        accepting.abort();
     }
 }
