@@ -1100,6 +1100,56 @@ async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later
     );
 }
 
+/// A waiter whose blocker went sends the write that grants it with its
+/// listing. When that write ran but its answer was lost (a reset; the
+/// session lives on), the sidecar's record of the node kept the old
+/// version: every later grant missed it, and the node — written held —
+/// blocked the lock until the waiter gave up. It is read again instead,
+/// and the waiter is granted.
+#[tokio::test]
+async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
+    let server = ZkServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let id = unique_name("proxied");
+    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/resync", proxy.port()))
+        .arg("--sidecar-id")
+        .arg(&id)
+        .start()
+        .await;
+    let direct = sidecar(&server.url("/resync")).await;
+    let name = unique_name("resync");
+    let owner = unique_name("owner");
+    let lock = direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "20s")])
+                .await
+        })
+    };
+    common::eventually("the waiter queued", Duration::from_secs(10), async || {
+        (lock.inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    // The waiter's first write as held is the one sent with its listing.
+    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
+    proxy.cut_after(granting.as_bytes());
+    lock.release(&holder.token).await;
+    let granted = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(!proxy.armed(), "the granting write went through the proxy");
+    assert_eq!(
+        granted.status(),
+        StatusCode::OK,
+        "{}",
+        granted.text().await.unwrap_or_default()
+    );
+    assert_eq!(lock.inspect().await.holder_owners(), [owner.as_str()]);
+}
+
 /// A connection reset while a listing's multi-read is on its way is an
 /// outage, not a server without multi-reads: it took the sidecar to three
 /// requests per listing for the rest of its life (4 per uncontended pair

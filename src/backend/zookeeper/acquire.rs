@@ -630,6 +630,37 @@ impl ZooKeeper {
                     Unclaimed::settle(&mut unclaimed);
                     return Ok(Attempt::Granted(grant));
                 }
+                // Nobody else writes a waiting node: its version moved by a
+                // write of this sidecar whose answer was lost (the granting
+                // write sent with a listing). Read it again, and look at the
+                // lock with what it holds: else every later grant missed
+                // the version, and the node, held, blocked the lock until
+                // the waiter gave up.
+                if let Turn::Queued(t) = turn {
+                    match call(op, zk.get_data(&path)).await? {
+                        Ok((bytes, stat)) => {
+                            if let Ok(data) = serde_json::from_slice::<NodeData>(&bytes) {
+                                own = Own { data, stat, ..own };
+                                if let Some(queued) =
+                                    lock(&me.tickets).get_mut(&(key.clone(), t.seq))
+                                {
+                                    queued.own = own.clone();
+                                }
+                                continue;
+                            }
+                        }
+                        Err(zk::Error::NoNode) => {
+                            me.forget_ticket(key, t.seq);
+                            return Err(unavailable(
+                                op,
+                                Message(
+                                    "this claim's node is gone (ZooKeeper session ended)".into(),
+                                ),
+                            ));
+                        }
+                        Err(e) => return Err(unavailable(op, e)),
+                    }
+                }
             }
             // Busy.
             let holders: Vec<Holder> = ahead
