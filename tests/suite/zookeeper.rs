@@ -29,12 +29,17 @@ fn mntr(server: &ZkServer, i: usize, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("{name} not in mntr output:\n{out}"))
 }
 
-/// The requests the server received per uncontended acquire and release
-/// of `lock`, over `pairs` pairs.
-async fn requests_per_pair(server: &ZkServer, lock: &common::api::Resource, pairs: u64) -> f64 {
+/// The requests the server received per uncontended acquire (with
+/// `params`) and release of `lock`, over `pairs` pairs.
+async fn requests_per_pair(
+    server: &ZkServer,
+    lock: &common::api::Resource,
+    params: &[(&str, &str)],
+    pairs: u64,
+) -> f64 {
     let before = server.packets_received();
     for _ in 0..pairs {
-        let grant = lock.acquire(&[]).await;
+        let grant = lock.acquire(params).await;
         lock.release(&grant.token).await;
     }
     // Less this second `mntr`.
@@ -55,11 +60,36 @@ async fn an_uncontended_acquire_and_release_costs_at_most_4_requests() {
     let grant = lock.acquire(&[]).await;
     lock.release(&grant.token).await;
 
-    let per_pair = requests_per_pair(&server, &lock, PAIRS).await;
+    let per_pair = requests_per_pair(&server, &lock, &[], PAIRS).await;
     eprintln!("{per_pair:.2} requests per uncontended pair");
     assert!(
         per_pair <= 4.0,
         "{per_pair:.2} ZooKeeper requests per uncontended acquire and release; at most 4 expected"
+    );
+}
+
+// An acquire that would wait finds the lock free as a try-once acquire does
+// (create and list in one round trip, delete to release): its node is
+// written as granted when its sidecar has nobody waiting for the lock, so
+// no granting write follows (4 requests per pair before). A join that is
+// not admitted at once is written back as waiting, and is granted in turn:
+// the conformance and safety suites wait on ZooKeeper that way.
+#[tokio::test]
+async fn an_uncontended_acquire_that_would_wait_costs_3_requests_per_pair() {
+    const PAIRS: u64 = 100;
+    let server = ZkServer::start().await;
+    let a = sidecar(&server.url("/cost-wait")).await;
+    let lock = a.api().lock(&unique_name("cost-wait"));
+    let wait = [("wait", "10s")];
+    let grant = lock.acquire(&wait).await;
+    lock.release(&grant.token).await;
+
+    let per_pair = requests_per_pair(&server, &lock, &wait, PAIRS).await;
+    eprintln!("{per_pair:.2} requests per uncontended pair with wait");
+    assert!(
+        per_pair < 3.5,
+        "{per_pair:.2} ZooKeeper requests per uncontended acquire (wait=10s) and release; 3 expected \
+         (and the session's pings)"
     );
 }
 
@@ -871,24 +901,19 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
     java.send("quit");
 }
 
-/// An acquire whose granting write ran but whose answer was lost (a proxy
-/// resets the connection after it) leaves a claim node the sidecar deletes
-/// once it is back — unless its owner took that lease up meanwhile through
-/// another sidecar (re-entering it: count 2). Deleting it then took the
-/// owner's lease without a word and granted the lock to the next waiter.
-/// (The write is an acquire's that may wait: written after the listing
-/// that admitted it, it is a grant. A try-once claim's create is not one
-/// until its sidecar confirms it: see the next test.)
+/// A waiter's granting write — sent after the listing that admitted it, so
+/// a grant — ran but its answer was lost (a reset; the session lives on),
+/// and its owner took that lease up meanwhile through another sidecar
+/// (re-entering it: count 2). Before, the waiter's sidecar kept writing at
+/// the version it knew, and the waiter ended busy when its wait ran out
+/// while its node held the lock; deleting such a node took the owner's
+/// lease without a word. Its sidecar reads the node again instead: that
+/// lease is the waiter's answer (same token and fence), and nobody else
+/// gets the lock while its owner holds it.
 #[tokio::test]
-async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_it_up() {
-    // The lock's node, emptied by the warm-up's release, must still be there
-    // for the claim's create: removed first, the create fails, and nobody
-    // hears of it (its answer is cut), so no node ever shows. Two things
-    // remove an empty lock node: the server's reaping of empty containers
-    // (every second in these tests: here every minute), and the monitor's
-    // stale scan, which runs as a sidecar becomes the monitor, then every
-    // minute (so the warm-up comes after the first).
-    let server = ZkServer::start_reaping_slowly().await;
+async fn a_lost_grant_its_owner_took_up_is_the_waiters_answer() {
+    const ADMIN: &str = "admin-token-for-the-lost-grant-test";
+    let server = ZkServer::start().await;
     let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
     let id = unique_name("proxied");
     let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/lost", proxy.port()))
@@ -896,46 +921,44 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
         .arg(&id)
         .start()
         .await;
-    let direct = sidecar(&server.url("/lost")).await;
-    common::eventually("a monitor", Duration::from_secs(30), async || {
-        [&through_proxy, &direct]
-            .iter()
-            .any(|s| s.log().contains("this sidecar is now the monitor"))
-            .then_some(())
-    })
-    .await;
-    // Its first scan reads a few nodes of an empty tree.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let direct = SidecarBuilder::new(&server.url("/lost"))
+        .admin_token(ADMIN)
+        .start()
+        .await;
     let name = unique_name("adopted");
     let owner = unique_name("owner");
-    // The lock's node exists, so that the cut request is the claim's create.
-    let warm = direct.api().lock(&name).acquire(&[]).await;
-    direct.api().lock(&name).release(&warm.token).await;
-
-    // The claim node is created waiting; the write that grants it is the
-    // first of the owner's to carry `"held":true` (owner, sidecar and held
-    // are written in this order).
-    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
-    proxy.cut_later(granting.as_bytes(), Duration::from_secs(2));
+    let lock = direct.api().lock(&name);
+    // A lock-delay with nobody holding the lock: the waiter queues, and its
+    // timer wakes it when the delay ends; it is granted by a write sent
+    // after its listing (no watch fired: nothing is written early).
+    lock.acquire(&[("owner", "blocker"), ("ttl", "60s"), ("lock_delay", "5s")])
+        .await;
+    let admin = direct.api_with_token(ADMIN);
+    assert_eq!(admin.lock(&name).force_release().await, 1);
     let lost = {
         let lock = through_proxy.api().lock(&name);
         let owner = owner.clone();
         tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "5s")])
+            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "20s")])
                 .await
         })
     };
-    // The grant ran: its node holds the lock. Its owner takes the lease up
-    // through the other sidecar before the first one is back (its answer
-    // is held back, then cut 2 s after the write went through).
-    let lock = direct.api().lock(&name);
+    common::eventually("the waiter queued", Duration::from_secs(10), async || {
+        let state = lock.inspect().await;
+        state.waiters.iter().any(|w| w.owner == owner).then_some(())
+    })
+    .await;
+    // Its granting write is the owner's next to carry `"held":true` (owner,
+    // sidecar and held are written in this order); its answer is held back,
+    // and 2 s later its connection is reset.
+    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
+    proxy.cut_later(granting.as_bytes(), Duration::from_secs(2));
     common::eventually(
         "the unanswered grant",
-        // A cold server and the reconnecting proxy can take a while.
         Duration::from_secs(30),
         async || {
-            let state = lock.inspect().await;
-            state
+            lock.inspect()
+                .await
                 .holder_owners()
                 .contains(&owner.as_str())
                 .then_some(())
@@ -945,11 +968,19 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
     let taken_up = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
     assert_eq!(
         taken_up.count, 2,
-        "the owner re-entered the lease the lost create made"
+        "the owner re-entered the lease the lost write granted"
     );
-    let lost = lost.await.expect("the lost acquire's task");
+    let lost = common::within("the waiter's answer", Duration::from_secs(30), lost)
+        .await
+        .expect("the waiter's task");
     assert!(!proxy.armed(), "the grant went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(lost.status(), StatusCode::OK);
+    let lost: Value = lost.json().await.expect("a grant");
+    assert_eq!(
+        (lost["token"].as_str(), lost["fence"].as_u64()),
+        (Some(taken_up.token.as_str()), Some(taken_up.fence)),
+        "{lost}"
+    );
 
     let waiter = {
         let lock = direct.api().lock(&name);
@@ -958,26 +989,10 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
                 .await
         })
     };
-    // The sidecar behind the proxy reconnects and goes after its node.
-    common::eventually(
-        "the unanswered node handled",
-        Duration::from_secs(30),
-        async || {
-            let log = through_proxy.log();
-            (log.contains("claim node")).then_some(())
-        },
-    )
-    .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
         !waiter.is_finished(),
         "the next waiter got the lock its owner holds"
-    );
-    lock.keepalive(&taken_up.token, &[]).await;
-    assert!(
-        through_proxy.log().contains("its owner took the lease up"),
-        "{}",
-        through_proxy.log()
     );
     assert_eq!(lock.release(&taken_up.token).await.count, 1);
     assert!(
@@ -988,6 +1003,93 @@ async fn a_claim_node_whose_answer_was_lost_is_not_deleted_once_its_owner_took_i
     let granted = common::within("the next waiter's grant", Duration::from_secs(10), waiter)
         .await
         .expect("the waiter's task");
+    assert_eq!(granted.status(), StatusCode::OK);
+}
+
+/// As above, but the waiter's client leaves (disconnects) while its
+/// attempt waits for the lost answer: leaving deleted its node without
+/// looking, which took the lease its owner had re-entered through the other
+/// sidecar, and gave the lock to the next waiter while the owner held it.
+#[tokio::test]
+async fn a_waiter_leaving_after_its_lost_grant_was_taken_up_leaves_the_lease() {
+    const ADMIN: &str = "admin-token-for-the-leaving-waiter-test";
+    let server = ZkServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let id = unique_name("proxied");
+    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/left", proxy.port()))
+        .arg("--sidecar-id")
+        .arg(&id)
+        .start()
+        .await;
+    let direct = SidecarBuilder::new(&server.url("/left"))
+        .admin_token(ADMIN)
+        .start()
+        .await;
+    let name = unique_name("left");
+    let owner = unique_name("owner");
+    let lock = direct.api().lock(&name);
+    lock.acquire(&[("owner", "blocker"), ("ttl", "60s"), ("lock_delay", "5s")])
+        .await;
+    let admin = direct.api_with_token(ADMIN);
+    assert_eq!(admin.lock(&name).force_release().await, 1);
+    let leaving = {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "30s")])
+                .await
+        })
+    };
+    common::eventually("the waiter queued", Duration::from_secs(10), async || {
+        let state = lock.inspect().await;
+        state.waiters.iter().any(|w| w.owner == owner).then_some(())
+    })
+    .await;
+    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
+    proxy.cut_later(granting.as_bytes(), Duration::from_secs(3));
+    common::eventually(
+        "the unanswered grant",
+        Duration::from_secs(30),
+        async || {
+            lock.inspect()
+                .await
+                .holder_owners()
+                .contains(&owner.as_str())
+                .then_some(())
+        },
+    )
+    .await;
+    let taken_up = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(taken_up.count, 2, "the owner re-entered the lost grant");
+    // The waiter's client goes while its attempt still waits for the answer.
+    leaving.abort();
+    let next = {
+        let lock = direct.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "next"), ("wait", "60s")])
+                .await
+        })
+    };
+    // The cut comes, its sidecar reconnects and deals with the node.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(!proxy.armed(), "the grant went through the proxy");
+    assert!(
+        !next.is_finished(),
+        "the next waiter got the lock its owner holds: {:?}",
+        lock.inspect().await
+    );
+    assert_eq!(lock.inspect().await.holder_owners(), [owner.as_str()]);
+    let mut count = lock.release(&taken_up.token).await.count;
+    while count > 0 {
+        assert!(
+            !next.is_finished(),
+            "the next waiter got the lock its owner holds"
+        );
+        count = lock.release(&taken_up.token).await.count;
+    }
+    let granted = common::within("the next waiter's grant", Duration::from_secs(10), next)
+        .await
+        .expect("the next waiter's task");
     assert_eq!(granted.status(), StatusCode::OK);
 }
 
@@ -1133,7 +1235,9 @@ async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
         (lock.inspect().await.waiters.len() == 1).then_some(())
     })
     .await;
-    // The waiter's first write as held is the one sent with its listing.
+    // Queued (its create, written as granted, already written back as
+    // waiting), the waiter's next write as held is the one sent with its
+    // listing.
     let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
     proxy.cut_after(granting.as_bytes());
     lock.release(&holder.token).await;
@@ -1188,7 +1292,7 @@ async fn a_reset_during_a_listing_keeps_listings_in_one_request() {
     )
     .await;
 
-    let per_pair = requests_per_pair(&server, &lock, PAIRS).await;
+    let per_pair = requests_per_pair(&server, &lock, &[], PAIRS).await;
     assert!(
         per_pair < 3.5,
         "{per_pair:.2} ZooKeeper requests per uncontended pair after a reset; 3 expected:\n{}",

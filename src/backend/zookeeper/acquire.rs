@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, Node, NodeData, Parent};
+use super::data::{Lease, Node, NodeData, Parent, fence_of};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
 use super::tree::{At, Found, admitted};
@@ -110,12 +110,29 @@ impl Drop for Unclaimed {
     }
 }
 
+/// A waiting node of this sidecar as read again ([`Inner::reread`]).
+enum Reread {
+    /// A grant written after the listing that admitted it, whose answer
+    /// was lost (its owner may have re-entered it since): the claim's.
+    Granted(Grant),
+    /// Anything else: the node as it is.
+    Own(Own),
+}
+
 /// How long an attempt waits for another sidecar to confirm a tentative
 /// node of the attempt's owner ([`Inner::confirm_later`] writes it after
 /// [`CONFIRM_AFTER`](super::lease::CONFIRM_AFTER)).
 const CONFIRM_WAIT: Duration = Duration::from_secs(1);
 
 impl Inner {
+    /// Whether this sidecar has a claim waiting for `key`.
+    fn has_waiters(&self, key: &LockKey) -> bool {
+        lock(&self.tickets)
+            .range((key.clone(), 0)..)
+            .next()
+            .is_some_and(|((k, _), _)| k == key)
+    }
+
     /// Waits, at most [`CONFIRM_WAIT`], until the node at `path` is no
     /// longer at `version` (rewritten, or gone).
     async fn await_change(&self, zk: &zk::Client, path: &str, version: i32) -> Result<(), Error> {
@@ -127,6 +144,70 @@ impl Inner {
         };
         let _ = tokio::time::timeout(CONFIRM_WAIT, watcher.changed()).await;
         Ok(())
+    }
+
+    /// Reads the waiting node `own` (ticket `seq` of `key` under `parent`)
+    /// again, after a write of this sidecar to it may have run without an
+    /// answer, and takes on what it holds. A grant written after its
+    /// listing is a grant, whoever wrote it since: this claim's answer,
+    /// with the fence it has (ended as an expiry ends a lease if it expired
+    /// meanwhile). A tentative write proved nothing, and is looked at again
+    /// with the lock.
+    async fn reread(
+        &self,
+        zk: &zk::Client,
+        key: &LockKey,
+        seq: u64,
+        parent: &str,
+        own: &Own,
+        listed: &Parent,
+    ) -> Result<Reread, Error> {
+        let op = "try_acquire";
+        let path = format!("{parent}/{}", own.name);
+        let (bytes, stat) = match call(op, zk.get_data(&path)).await? {
+            Ok(read) => read,
+            Err(zk::Error::NoNode) => {
+                self.forget_ticket(key, seq);
+                return Err(unavailable(
+                    op,
+                    Message("this claim's node is gone (ZooKeeper session ended)".into()),
+                ));
+            }
+            Err(e) => return Err(unavailable(op, e)),
+        };
+        let Ok(data) = serde_json::from_slice::<NodeData>(&bytes) else {
+            return Ok(Reread::Own(own.clone()));
+        };
+        if data.held && !data.tentative {
+            let lease = Lease {
+                path,
+                fence: fence_of(&data, &stat),
+                data,
+                version: stat.version,
+            };
+            if lease.data.expires_at_ms <= now_ms() {
+                // Changed since it was read (renewed elsewhere): the ticket
+                // stays, and the next attempt reads it again.
+                if self.expire_lease(zk, op, parent, &lease, None).await? {
+                    self.forget_ticket(key, seq);
+                }
+                return Err(unavailable(
+                    op,
+                    Message("this claim's grant was not answered before it expired".into()),
+                ));
+            }
+            self.forget_ticket(key, seq);
+            return Ok(Reread::Granted(self.hold(zk, lease, listed.clone()).await?));
+        }
+        let own = Own {
+            name: own.name.clone(),
+            data,
+            stat,
+        };
+        if let Some(queued) = lock(&self.tickets).get_mut(&(key.clone(), seq)) {
+            queued.own = own.clone();
+        }
+        Ok(Reread::Own(own))
     }
 
     /// Forgets the ticket of the waiting node `seq` of `key`.
@@ -333,27 +414,42 @@ impl ZooKeeper {
         let mut listed = None;
         let (mut own, mut unclaimed, hinted) = match turn {
             Turn::Queued(t) => {
-                let mut tickets = lock(&me.tickets);
-                let Some(queued) = tickets.get_mut(&(key.clone(), t.seq)) else {
-                    return Err(unavailable(
-                        op,
-                        Message(
-                            "the ZooKeeper session ended and this waiter's place went with it"
-                                .into(),
-                        ),
-                    ));
+                let (own, hinted, unsure) = {
+                    let mut tickets = lock(&me.tickets);
+                    let Some(queued) = tickets.get_mut(&(key.clone(), t.seq)) else {
+                        return Err(unavailable(
+                            op,
+                            Message(
+                                "the ZooKeeper session ended and this waiter's place went with it"
+                                    .into(),
+                            ),
+                        ));
+                    };
+                    // Nothing that blocks it changed since it was queued (its
+                    // follower would have dropped the answer): the answer then
+                    // still holds, unless a timer woke it.
+                    if let Some(busy) = queued.answer.take()
+                        && busy.retry_at_ms.is_none_or(|at| at > now_ms())
+                    {
+                        return Ok(Attempt::Busy(*busy));
+                    }
+                    (
+                        queued.own.clone(),
+                        std::mem::take(&mut queued.hint),
+                        std::mem::take(&mut queued.unsure),
+                    )
                 };
-                // Nothing that blocks it changed since it was queued (its
-                // follower would have dropped the answer): the answer then
-                // still holds, unless a timer woke it.
-                if let Some(busy) = queued.answer.take()
-                    && busy.retry_at_ms.is_none_or(|at| at > now_ms())
-                {
-                    return Ok(Attempt::Busy(*busy));
+                if unsure {
+                    match me
+                        .reread(&zk, key, t.seq, &parent, &own, &Parent::default())
+                        .await?
+                    {
+                        Reread::Granted(grant) => return Ok(Attempt::Granted(grant)),
+                        Reread::Own(own) => (own, None, false),
+                    }
+                } else {
+                    (own, None, hinted)
                 }
-                let (own, hinted) = (queued.own.clone(), std::mem::take(&mut queued.hint));
-                drop(tickets);
-                (own, None, hinted)
             }
             Turn::Once | Turn::Join => {
                 if key.kind == Kind::Semaphore
@@ -381,9 +477,15 @@ impl ZooKeeper {
                 };
                 // A try-once claim never waits: written as granted, it
                 // holds from its creation if it is admitted then, and is
-                // deleted again if not.
-                // (Tentative on a lock only: nobody re-enters a permit.)
-                if matches!(turn, Turn::Once) {
+                // deleted again if not. So is a join for a lock when this
+                // sidecar has nobody waiting for it, which is then most
+                // likely free: admitted at once, it needs no granting write
+                // (one round trip and one durable write less); else it is
+                // written back as waiting below, as a queued claim written
+                // as granted with its listing is. Both are tentative on a
+                // lock; a permit is never re-entered, and a semaphore
+                // waiter's data changes only when it is granted.
+                if matches!(turn, Turn::Once) || (key.kind == Kind::Lock && !me.has_waiters(key)) {
                     data = granted(data, max_hold, now, key.kind.is_lock());
                 }
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
@@ -446,6 +548,10 @@ impl ZooKeeper {
         // Whether this attempt waited for a tentative node of its owner, and
         // whether that node is still unconfirmed.
         let (mut awaited, mut unconfirmed) = (false, false);
+        // Whether `own` was written as granted by this attempt (its create,
+        // or the write sent with its first listing): only then is the
+        // listing that follows it the one that tells whether it is a grant.
+        let mut fresh = unclaimed.is_some() && own.data.held;
         for round in 0..CLAIM_ROUNDS {
             // A lock waiter whose blocker went is first now, most likely:
             // the write that grants it goes out before the listing that
@@ -468,6 +574,7 @@ impl ZooKeeper {
                             (node.version, node.writing) = (stat.version, false);
                         }
                         own = Own { data, stat, ..own };
+                        fresh = true;
                         if let Turn::Queued(t) = turn
                             && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
                         {
@@ -598,13 +705,19 @@ impl ZooKeeper {
                 // (Not after waiting for a tentative node: the write is
                 // then a second old, and a lock-delay may have ended in
                 // between — the write's zxid would be inside it.)
-                let grant = if own.data.held && !awaited && listing.untouched_since(own.stat.mzxid)
+                // (Nor when a lock-delay ended after the write was made:
+                // the write would be inside it.)
+                let grant = if own.data.held
+                    && fresh
+                    && !awaited
+                    && delay_until <= own.data.since_ms
+                    && listing.untouched_since(own.stat.mzxid)
                 {
                     let lease = Lease {
                         path: path.clone(),
                         data: own.data.clone(),
                         version: own.stat.version,
-                        fence: u64::try_from(own.stat.mzxid).unwrap_or(0),
+                        fence: fence_of(&own.data, &own.stat),
                     };
                     let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
                     if own.data.tentative {
@@ -631,34 +744,19 @@ impl ZooKeeper {
                     return Ok(Attempt::Granted(grant));
                 }
                 // Nobody else writes a waiting node: its version moved by a
-                // write of this sidecar whose answer was lost (the granting
-                // write sent with a listing). Read it again, and look at the
-                // lock with what it holds: else every later grant missed
-                // the version, and the node, held, blocked the lock until
-                // the waiter gave up.
+                // write of this sidecar whose answer was lost. Read it
+                // again: else every later grant missed the version, and the
+                // node, held, blocked the lock until the waiter gave up.
                 if let Turn::Queued(t) = turn {
-                    match call(op, zk.get_data(&path)).await? {
-                        Ok((bytes, stat)) => {
-                            if let Ok(data) = serde_json::from_slice::<NodeData>(&bytes) {
-                                own = Own { data, stat, ..own };
-                                if let Some(queued) =
-                                    lock(&me.tickets).get_mut(&(key.clone(), t.seq))
-                                {
-                                    queued.own = own.clone();
-                                }
-                                continue;
-                            }
+                    match me
+                        .reread(&zk, key, t.seq, &parent, &own, &listing.parent)
+                        .await?
+                    {
+                        Reread::Granted(grant) => return Ok(Attempt::Granted(grant)),
+                        Reread::Own(read) => {
+                            (own, fresh) = (read, false);
+                            continue;
                         }
-                        Err(zk::Error::NoNode) => {
-                            me.forget_ticket(key, t.seq);
-                            return Err(unavailable(
-                                op,
-                                Message(
-                                    "this claim's node is gone (ZooKeeper session ended)".into(),
-                                ),
-                            ));
-                        }
-                        Err(e) => return Err(unavailable(op, e)),
                     }
                 }
             }
@@ -694,13 +792,30 @@ impl ZooKeeper {
                 .filter(|c| !ahead.iter().any(|n| n.child.name == c.name && n.is_held()))
                 .count()
                 + 1;
-            // A waiter written as granted with its listing waits again.
-            if own.data.held && matches!(turn, Turn::Queued(_)) {
+            // A waiter written as granted (created so, or with its
+            // listing) waits again.
+            if own.data.held && !matches!(turn, Turn::Once) {
                 let data = waiting(own.data.clone(), max_hold);
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                if let Some(node) = unclaimed.as_mut() {
+                    node.writing = true;
+                }
                 match call(op, zk.set_data(&path, &bytes, Some(own.stat.version))).await? {
                     Ok(stat) => own = Own { data, stat, ..own },
-                    Err(e) => return Err(unavailable(op, e)),
+                    Err(e) => {
+                        // Answered: the write did not run (a node written
+                        // since, by a sidecar that ignores `tentative`, is
+                        // not this one's to delete at a later version).
+                        if let (Some(node), zk::Error::BadVersion | zk::Error::NoNode) =
+                            (unclaimed.as_mut(), &e)
+                        {
+                            node.writing = false;
+                        }
+                        return Err(unavailable(op, e));
+                    }
+                }
+                if let Some(node) = unclaimed.as_mut() {
+                    (node.version, node.writing) = (own.stat.version, false);
                 }
                 if let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), seq)) {
                     queued.own = own.clone();
@@ -733,6 +848,7 @@ impl ZooKeeper {
                             following: false,
                             answer: first.then(|| Box::new(busy.clone())),
                             hint: false,
+                            unsure: false,
                         }),
                     );
                     drop(tickets);
@@ -774,19 +890,59 @@ impl ZooKeeper {
     /// while ZooKeeper is unreachable.
     pub(super) async fn dequeue_node(&self, ticket: &Ticket) -> Result<(), Error> {
         let me = &self.inner;
-        let name = lock(&me.tickets)
-            .remove(&(ticket.key.clone(), ticket.seq))
-            .map(|q| q.own.name);
-        let Some(name) = name else { return Ok(()) };
+        let queued = lock(&me.tickets).remove(&(ticket.key.clone(), ticket.seq));
+        let Some(queued) = queued else { return Ok(()) };
+        let (name, version) = (queued.own.name.clone(), queued.own.stat.version);
         let zk = me.client().await?;
         let parent = me.key_path(&ticket.key);
         let path = format!("{parent}/{name}");
-        match call("dequeue", zk.delete(&path, None)).await {
+        let mut deleted = call("dequeue", zk.delete(&path, Some(version))).await;
+        // Written since this sidecar last knew it: by a write of its own
+        // whose answer was lost, or whose attempt was given up. A granting
+        // write after the listing that admitted it made the node a lease
+        // (its owner may have re-entered it since): the waiter leaving
+        // gives back its one hold, as a grant that races with a disconnect
+        // is released. Anything else is deleted.
+        if let Ok(Err(zk::Error::BadVersion)) = deleted {
+            let read = match call("dequeue", zk.get_data(&path)).await {
+                Ok(read) => read,
+                Err(e) => {
+                    let expected = Some((version, true));
+                    tokio::spawn(me.clone().discard(zk, parent, name, expected));
+                    return Err(e);
+                }
+            };
+            match read {
+                Ok((bytes, stat)) => {
+                    if let Ok(data) = serde_json::from_slice::<NodeData>(&bytes)
+                        && data.held
+                        && !data.tentative
+                    {
+                        let token = Token::from_client(data.token.clone());
+                        let lease = Lease {
+                            path,
+                            fence: fence_of(&data, &stat),
+                            data,
+                            version: stat.version,
+                        };
+                        me.hold(&zk, lease, Parent::default()).await?;
+                        me.release(&ticket.key, &token).await?;
+                        return Ok(());
+                    }
+                    deleted = call("dequeue", zk.delete(&path, Some(stat.version))).await;
+                }
+                Err(zk::Error::NoNode) => return Ok(()),
+                Err(e) => return Err(unavailable("dequeue", e)),
+            }
+        }
+        match deleted {
             Ok(Ok(()) | Err(zk::Error::NoNode)) => Ok(()),
             Ok(Err(e)) => Err(unavailable("dequeue", e)),
-            // The ticket is forgotten already: its node must not outlive it.
+            // The ticket is forgotten already: its node must not outlive it
+            // (unless a write of its own since made it its owner's lease).
             Err(e) => {
-                tokio::spawn(me.clone().discard(zk, parent, name, None));
+                let expected = Some((version, true));
+                tokio::spawn(me.clone().discard(zk, parent, name, expected));
                 Err(e)
             }
         }

@@ -103,9 +103,11 @@
 //!   `czxid`. If a child came or went, a claim ahead may have been granted
 //!   after the create: one `setData` grants it again, with a newer zxid. Not
 //!   admitted, the node is deleted (busy: + the holders' data + the delete).
-//! * acquire that may wait: create (a waiting node) + listing + the `setData`
-//!   that grants it = 3; busy: + the holders' data and the watch on the
-//!   blocker.
+//! * acquire of a lock that may wait, with no other waiter of this sidecar
+//!   on it: created as granted, as a try-once claim (2); not admitted, it
+//!   is written back as waiting. Otherwise, and on a semaphore: create (a
+//!   waiting node) + listing + the `setData` that grants it = 3; busy: +
+//!   the holders' data and the watch on the blocker.
 //! * release: one multi-request that deletes the node at the version this
 //!   sidecar last wrote and records its fence in the parent at the version
 //!   the grant's listing saw = 1. Renewal: one `setData` = 1. A write
@@ -124,9 +126,9 @@
 //!
 //! # Tentative grants
 //!
-//! Both writes above that go out before the listing that admits them (a
-//! try-once create, a waiter's granting `setData` sent with its listing)
-//! are `tentative` in the node's data: only the sidecar that wrote one
+//! The writes above that go out before the listing that admits them (a
+//! create written as granted, a waiter's granting `setData` sent with its
+//! listing) are, on a lock, `tentative` in the node's data: only the sidecar that wrote one
 //! knows whether its listing made it a grant, and if its answer is lost
 //! nobody does. Had it not been admitted, its zxid may be below a grant
 //! made since (a claim ahead granted after it), or inside a lock-delay, so
@@ -136,6 +138,10 @@
 //! fence (any later write by the holder does the same); a lease released
 //! before that costs no write more. Everyone else takes a tentative node
 //! for a holder, which only ever keeps claims behind it waiting.
+//!
+//! Only the listing right behind such a write tells whether it is the grant:
+//! a later attempt (a waiter whose write's answer was lost reads its node
+//! again, `unsure`) grants with a new `setData`.
 //!
 //! When a claim queues as its sidecar's first waiter on the key, the
 //! core's attempt that follows at once gets the queueing attempt's answer
@@ -260,6 +266,10 @@ struct Queued {
     /// Set when its follower saw what blocked it go: its next attempt
     /// probably grants it, and sends the granting write with its listing.
     hint: bool,
+    /// Set when an attempt failed while ZooKeeper was unreachable: a write
+    /// of that attempt may have run without an answer, so `own` may be out
+    /// of date, and the next attempt reads the node first.
+    unsure: bool,
 }
 
 /// A lease granted through this sidecar: its node, which a release or
@@ -382,8 +392,9 @@ impl Backend for ZooKeeper {
         // A waiter keeps its place through a connection loss (e.g. a leader
         // election) as long as its session, and so its node, lives: retry soon.
         if let (Err(Error::Unavailable { .. }), Turn::Queued(t)) = (&result, turn)
-            && lock(&self.inner.tickets).contains_key(&(t.key.clone(), t.seq))
+            && let Some(queued) = lock(&self.inner.tickets).get_mut(&(t.key.clone(), t.seq))
         {
+            queued.unsure = true;
             return Ok(Attempt::Busy(Busy {
                 retry_at_ms: Some(now_ms() + 500),
                 ..Busy::default()
