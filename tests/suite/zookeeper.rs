@@ -901,6 +901,138 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
     java.send("quit");
 }
 
+/// A sidecar that reaches ZooKeeper through a [`CuttingProxy`] under a
+/// known `--sidecar-id` (so that a test can cut one owner's writes through
+/// it), and one that reaches it directly, with an admin token.
+///
+/// [`CuttingProxy`]: common::proxy::CuttingProxy
+struct Proxied {
+    proxy: common::proxy::CuttingProxy,
+    id: String,
+    through_proxy: SidecarGuard,
+    direct: SidecarGuard,
+}
+
+const PROXIED_ADMIN: &str = "admin-token-of-the-proxied-tests";
+
+impl Proxied {
+    async fn start(server: &ZkServer, chroot: &str) -> Self {
+        let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+        let id = unique_name("proxied");
+        let through_proxy =
+            SidecarBuilder::new(&format!("zk://127.0.0.1:{}{chroot}", proxy.port()))
+                .arg("--sidecar-id")
+                .arg(&id)
+                .start()
+                .await;
+        let direct = SidecarBuilder::new(&server.url(chroot))
+            .admin_token(PROXIED_ADMIN)
+            .start()
+            .await;
+        Self {
+            proxy,
+            id,
+            through_proxy,
+            direct,
+        }
+    }
+
+    /// The bytes of `owner`'s writes through the proxy that mark its node
+    /// held (a node's data names owner, sidecar and held in this order).
+    fn held_by(&self, owner: &str) -> String {
+        format!(r#""owner":"{owner}","sidecar":"{}","held":true"#, self.id)
+    }
+
+    /// A waiter of `owner` on `name` through the proxy, granted by a write
+    /// sent after its listing (a lock-delay with nobody holding the lock
+    /// queues it, and its timer wakes it: no watch fires, nothing is
+    /// written early), whose answer is held back and its connection reset
+    /// `cut` after it; its owner re-enters that lease through the direct
+    /// sidecar meanwhile. Returns the waiter's request and the re-entry.
+    async fn lose_a_grant_its_owner_takes_up(
+        &self,
+        name: &str,
+        owner: &str,
+        cut: Duration,
+    ) -> (
+        tokio::task::JoinHandle<reqwest::Response>,
+        common::api::Grant,
+    ) {
+        let lock = self.direct.api().lock(name);
+        lock.acquire(&[("owner", "blocker"), ("ttl", "60s"), ("lock_delay", "5s")])
+            .await;
+        let admin = self.direct.api_with_token(PROXIED_ADMIN);
+        assert_eq!(admin.lock(name).force_release().await, 1);
+        let waiter = {
+            let lock = self.through_proxy.api().lock(name);
+            let owner = owner.to_owned();
+            tokio::spawn(async move {
+                lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "30s")])
+                    .await
+            })
+        };
+        common::eventually("the waiter queued", Duration::from_secs(10), async || {
+            let state = lock.inspect().await;
+            state.waiters.iter().any(|w| w.owner == owner).then_some(())
+        })
+        .await;
+        // Queued, the waiter's next write as held is the granting one.
+        self.proxy.cut_later(self.held_by(owner).as_bytes(), cut);
+        common::eventually(
+            "the unanswered grant",
+            Duration::from_secs(30),
+            async || {
+                lock.inspect()
+                    .await
+                    .holder_owners()
+                    .contains(&owner)
+                    .then_some(())
+            },
+        )
+        .await;
+        let taken_up = lock.acquire(&[("owner", owner), ("ttl", "60s")]).await;
+        assert_eq!(
+            taken_up.count, 2,
+            "the owner re-entered the lease the lost write granted"
+        );
+        (waiter, taken_up)
+    }
+}
+
+/// Waits until the next waiter (`next`) gets the lock its owner holds
+/// with `token` only once every hold of it is released.
+async fn released_hold_by_hold(
+    lock: &common::api::Resource,
+    token: &str,
+    next: tokio::task::JoinHandle<reqwest::Response>,
+) {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut count = lock.inspect().await.holders[0].count;
+    while count > 0 {
+        assert!(
+            !next.is_finished(),
+            "the next waiter got the lock its owner holds: {:?}",
+            lock.inspect().await
+        );
+        let left = lock.release(token).await.count;
+        assert_eq!(left, count - 1, "one release gives back one hold");
+        count = left;
+    }
+    let granted = common::within("the next waiter's grant", Duration::from_secs(10), next)
+        .await
+        .expect("the next waiter's task");
+    assert_eq!(granted.status(), StatusCode::OK);
+}
+
+/// The next waiter on `name`, through `sidecar`.
+fn next_waiter(sidecar: &SidecarGuard, name: &str) -> tokio::task::JoinHandle<reqwest::Response> {
+    let lock = sidecar.api().lock(name);
+    tokio::spawn(async move {
+        lock.acquire_raw(&[("owner", "next"), ("wait", "60s")])
+            .await
+    })
+}
+
 /// A waiter's granting write — sent after the listing that admitted it, so
 /// a grant — ran but its answer was lost (a reset; the session lives on),
 /// and its owner took that lease up meanwhile through another sidecar
@@ -912,68 +1044,16 @@ async fn curator_read_write_lock_and_sidelock_shared_and_exclusive_locks_interop
 /// gets the lock while its owner holds it.
 #[tokio::test]
 async fn a_lost_grant_its_owner_took_up_is_the_waiters_answer() {
-    const ADMIN: &str = "admin-token-for-the-lost-grant-test";
     let server = ZkServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
-    let id = unique_name("proxied");
-    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/lost", proxy.port()))
-        .arg("--sidecar-id")
-        .arg(&id)
-        .start()
+    let p = Proxied::start(&server, "/lost").await;
+    let (name, owner) = (unique_name("adopted"), unique_name("owner"));
+    let (lost, taken_up) = p
+        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(2))
         .await;
-    let direct = SidecarBuilder::new(&server.url("/lost"))
-        .admin_token(ADMIN)
-        .start()
-        .await;
-    let name = unique_name("adopted");
-    let owner = unique_name("owner");
-    let lock = direct.api().lock(&name);
-    // A lock-delay with nobody holding the lock: the waiter queues, and its
-    // timer wakes it when the delay ends; it is granted by a write sent
-    // after its listing (no watch fired: nothing is written early).
-    lock.acquire(&[("owner", "blocker"), ("ttl", "60s"), ("lock_delay", "5s")])
-        .await;
-    let admin = direct.api_with_token(ADMIN);
-    assert_eq!(admin.lock(&name).force_release().await, 1);
-    let lost = {
-        let lock = through_proxy.api().lock(&name);
-        let owner = owner.clone();
-        tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "20s")])
-                .await
-        })
-    };
-    common::eventually("the waiter queued", Duration::from_secs(10), async || {
-        let state = lock.inspect().await;
-        state.waiters.iter().any(|w| w.owner == owner).then_some(())
-    })
-    .await;
-    // Its granting write is the owner's next to carry `"held":true` (owner,
-    // sidecar and held are written in this order); its answer is held back,
-    // and 2 s later its connection is reset.
-    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
-    proxy.cut_later(granting.as_bytes(), Duration::from_secs(2));
-    common::eventually(
-        "the unanswered grant",
-        Duration::from_secs(30),
-        async || {
-            lock.inspect()
-                .await
-                .holder_owners()
-                .contains(&owner.as_str())
-                .then_some(())
-        },
-    )
-    .await;
-    let taken_up = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert_eq!(
-        taken_up.count, 2,
-        "the owner re-entered the lease the lost write granted"
-    );
     let lost = common::within("the waiter's answer", Duration::from_secs(30), lost)
         .await
         .expect("the waiter's task");
-    assert!(!proxy.armed(), "the grant went through the proxy");
+    assert!(!p.proxy.armed(), "the grant went through the proxy");
     assert_eq!(lost.status(), StatusCode::OK);
     let lost: Value = lost.json().await.expect("a grant");
     assert_eq!(
@@ -981,29 +1061,9 @@ async fn a_lost_grant_its_owner_took_up_is_the_waiters_answer() {
         (Some(taken_up.token.as_str()), Some(taken_up.fence)),
         "{lost}"
     );
-
-    let waiter = {
-        let lock = direct.api().lock(&name);
-        tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", "next"), ("wait", "60s")])
-                .await
-        })
-    };
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(
-        !waiter.is_finished(),
-        "the next waiter got the lock its owner holds"
-    );
-    assert_eq!(lock.release(&taken_up.token).await.count, 1);
-    assert!(
-        !waiter.is_finished(),
-        "the next waiter got the lock its owner holds once"
-    );
-    assert_eq!(lock.release(&taken_up.token).await.count, 0);
-    let granted = common::within("the next waiter's grant", Duration::from_secs(10), waiter)
-        .await
-        .expect("the waiter's task");
-    assert_eq!(granted.status(), StatusCode::OK);
+    let lock = p.direct.api().lock(&name);
+    assert_eq!(lock.inspect().await.holders[0].count, 2);
+    released_hold_by_hold(&lock, &taken_up.token, next_waiter(&p.direct, &name)).await;
 }
 
 /// As above, but the waiter's client leaves (disconnects) while its
@@ -1012,85 +1072,21 @@ async fn a_lost_grant_its_owner_took_up_is_the_waiters_answer() {
 /// sidecar, and gave the lock to the next waiter while the owner held it.
 #[tokio::test]
 async fn a_waiter_leaving_after_its_lost_grant_was_taken_up_leaves_the_lease() {
-    const ADMIN: &str = "admin-token-for-the-leaving-waiter-test";
     let server = ZkServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
-    let id = unique_name("proxied");
-    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/left", proxy.port()))
-        .arg("--sidecar-id")
-        .arg(&id)
-        .start()
+    let p = Proxied::start(&server, "/left").await;
+    let (name, owner) = (unique_name("left"), unique_name("owner"));
+    let (leaving, taken_up) = p
+        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(3))
         .await;
-    let direct = SidecarBuilder::new(&server.url("/left"))
-        .admin_token(ADMIN)
-        .start()
-        .await;
-    let name = unique_name("left");
-    let owner = unique_name("owner");
-    let lock = direct.api().lock(&name);
-    lock.acquire(&[("owner", "blocker"), ("ttl", "60s"), ("lock_delay", "5s")])
-        .await;
-    let admin = direct.api_with_token(ADMIN);
-    assert_eq!(admin.lock(&name).force_release().await, 1);
-    let leaving = {
-        let lock = through_proxy.api().lock(&name);
-        let owner = owner.clone();
-        tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "30s")])
-                .await
-        })
-    };
-    common::eventually("the waiter queued", Duration::from_secs(10), async || {
-        let state = lock.inspect().await;
-        state.waiters.iter().any(|w| w.owner == owner).then_some(())
-    })
-    .await;
-    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
-    proxy.cut_later(granting.as_bytes(), Duration::from_secs(3));
-    common::eventually(
-        "the unanswered grant",
-        Duration::from_secs(30),
-        async || {
-            lock.inspect()
-                .await
-                .holder_owners()
-                .contains(&owner.as_str())
-                .then_some(())
-        },
-    )
-    .await;
-    let taken_up = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert_eq!(taken_up.count, 2, "the owner re-entered the lost grant");
     // The waiter's client goes while its attempt still waits for the answer.
     leaving.abort();
-    let next = {
-        let lock = direct.api().lock(&name);
-        tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", "next"), ("wait", "60s")])
-                .await
-        })
-    };
+    let next = next_waiter(&p.direct, &name);
     // The cut comes, its sidecar reconnects and deals with the node.
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    assert!(!proxy.armed(), "the grant went through the proxy");
-    assert!(
-        !next.is_finished(),
-        "the next waiter got the lock its owner holds: {:?}",
-        lock.inspect().await
-    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!p.proxy.armed(), "the grant went through the proxy");
+    let lock = p.direct.api().lock(&name);
     assert_eq!(lock.inspect().await.holder_owners(), [owner.as_str()]);
-    let mut count = lock.release(&taken_up.token).await.count;
-    while count > 0 {
-        assert!(
-            !next.is_finished(),
-            "the next waiter got the lock its owner holds"
-        );
-        count = lock.release(&taken_up.token).await.count;
-    }
-    let granted = common::within("the next waiter's grant", Duration::from_secs(10), next)
-        .await
-        .expect("the next waiter's task");
-    assert_eq!(granted.status(), StatusCode::OK);
+    released_hold_by_hold(&lock, &taken_up.token, next).await;
 }
 
 /// A try-once claim is created as a held node, and holds from its create
@@ -1104,9 +1100,12 @@ async fn a_waiter_leaving_after_its_lost_grant_was_taken_up_leaves_the_lease() {
 #[tokio::test]
 async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later_grant() {
     let server = ZkServer::start_reaping_slowly().await;
-    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
-    let through_proxy = sidecar(&format!("zk://127.0.0.1:{}/phantom", proxy.port())).await;
-    let direct = sidecar(&server.url("/phantom")).await;
+    let Proxied {
+        proxy,
+        through_proxy,
+        direct,
+        ..
+    } = Proxied::start(&server, "/phantom").await;
     let name = unique_name("phantom");
     let owner = unique_name("owner");
     let lock = direct.api().lock(&name);
@@ -1211,14 +1210,8 @@ async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later
 #[tokio::test]
 async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
     let server = ZkServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
-    let id = unique_name("proxied");
-    let through_proxy = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/resync", proxy.port()))
-        .arg("--sidecar-id")
-        .arg(&id)
-        .start()
-        .await;
-    let direct = sidecar(&server.url("/resync")).await;
+    let p = Proxied::start(&server, "/resync").await;
+    let (proxy, through_proxy, direct) = (&p.proxy, &p.through_proxy, &p.direct);
     let name = unique_name("resync");
     let owner = unique_name("owner");
     let lock = direct.api().lock(&name);
@@ -1238,8 +1231,7 @@ async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
     // Queued (its create, written as granted, already written back as
     // waiting), the waiter's next write as held is the one sent with its
     // listing.
-    let granting = format!(r#""owner":"{owner}","sidecar":"{id}","held":true"#);
-    proxy.cut_after(granting.as_bytes());
+    proxy.cut_after(p.held_by(&owner).as_bytes());
     lock.release(&holder.token).await;
     let granted = common::within("the waiter's grant", Duration::from_secs(10), waiter)
         .await

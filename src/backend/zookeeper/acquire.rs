@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, Node, NodeData, Parent, fence_of};
+use super::data::{Lease, Node, NodeData, Parent};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
 use super::tree::{At, Found, admitted};
@@ -179,12 +179,7 @@ impl Inner {
             return Ok(Reread::Own(own.clone()));
         };
         if data.held && !data.tentative {
-            let lease = Lease {
-                path,
-                fence: fence_of(&data, &stat),
-                data,
-                version: stat.version,
-            };
+            let lease = Lease::read(path, data, &stat);
             if lease.data.expires_at_ms <= now_ms() {
                 // Changed since it was read (renewed elsewhere): the ticket
                 // stays, and the next attempt reads it again.
@@ -713,12 +708,7 @@ impl ZooKeeper {
                     && delay_until <= own.data.since_ms
                     && listing.untouched_since(own.stat.mzxid)
                 {
-                    let lease = Lease {
-                        path: path.clone(),
-                        data: own.data.clone(),
-                        version: own.stat.version,
-                        fence: fence_of(&own.data, &own.stat),
-                    };
+                    let lease = Lease::read(path.clone(), own.data.clone(), &own.stat);
                     let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
                     if own.data.tentative {
                         me.confirm_later(&grant.token);
@@ -919,12 +909,7 @@ impl ZooKeeper {
                         && !data.tentative
                     {
                         let token = Token::from_client(data.token.clone());
-                        let lease = Lease {
-                            path,
-                            fence: fence_of(&data, &stat),
-                            data,
-                            version: stat.version,
-                        };
+                        let lease = Lease::read(path, data, &stat);
                         me.hold(&zk, lease, Parent::default()).await?;
                         me.release(&ticket.key, &token).await?;
                         return Ok(());

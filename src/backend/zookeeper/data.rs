@@ -104,11 +104,20 @@ pub(super) struct Lease {
 impl Lease {
     /// The lease of the held node `node` under `parent`.
     pub(super) fn of(parent: &str, node: &Node, data: &NodeData) -> Self {
+        Self::read(
+            format!("{parent}/{}", node.child.name),
+            data.clone(),
+            &node.stat,
+        )
+    }
+
+    /// The lease of the held node at `path`, as read: `data` at `stat`.
+    pub(super) fn read(path: String, data: NodeData, stat: &zk::Stat) -> Self {
         Self {
-            path: format!("{parent}/{}", node.child.name),
-            data: data.clone(),
-            version: node.stat.version,
-            fence: fence_of(data, &node.stat),
+            path,
+            fence: fence_of(&data, stat),
+            data,
+            version: stat.version,
         }
     }
 

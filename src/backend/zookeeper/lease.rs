@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, NodeData, fence_of};
+use super::data::{Lease, NodeData};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
 };
@@ -143,12 +143,7 @@ impl Inner {
             Ok((bytes, stat)) => serde_json::from_slice::<super::data::NodeData>(&bytes)
                 .ok()
                 .filter(|d| d.held && d.token == token.expose())
-                .map(|d| Lease {
-                    path: record.lease.path.clone(),
-                    fence: fence_of(&d, &stat),
-                    data: d,
-                    version: stat.version,
-                }),
+                .map(|d| Lease::read(record.lease.path.clone(), d, &stat)),
             Err(zk::Error::NoNode) => None,
             Err(e) => return Err(unavailable(op, e)),
         };
