@@ -97,9 +97,11 @@ async fn an_uncontended_acquire_that_would_wait_costs_3_requests_per_pair() {
 // contended workload does: every grant is a handoff to a waiter that may be
 // on either sidecar, and the client that released queues again at the tail.
 // Counted once every client has queued and the sidecars' start-up requests
-// are done.
+// are done. The waiter is granted by the listing that admits it (7 requests
+// per handoff when a write granted it): the release, that listing, and the
+// next join's create and listing, about as many as kazoo's recipe (6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handoff_among_waiters_on_two_sidecars_costs_at_most_8_requests() {
+async fn a_handoff_among_waiters_on_two_sidecars_costs_6_requests() {
     const CLIENTS: usize = 8;
     const WARM_UP: u64 = 40;
     const GRANTS: u64 = 200;
@@ -145,9 +147,51 @@ async fn a_handoff_among_waiters_on_two_sidecars_costs_at_most_8_requests() {
         "{requests} requests for {GRANTS} grants among {CLIENTS} clients: {per_grant:.2} per grant"
     );
     assert!(
-        per_grant <= 8.0,
-        "{per_grant:.2} ZooKeeper requests per handoff; at most 8 expected"
+        per_grant <= 6.5,
+        "{per_grant:.2} ZooKeeper requests per handoff; 6 expected (and the sessions' pings)"
     );
+}
+
+// A waiter granted by the listing that admits it holds the lock before its
+// node says so: its sidecar writes it held a moment later. Its client may
+// use the lease through any sidecar at once: another sidecar that finds the
+// token in a node still written as waiting waits for that write (a token is
+// given out only with a grant). Before, such a release answered 410 and left
+// the lease held.
+#[tokio::test]
+async fn a_lease_granted_by_its_listing_is_used_through_another_sidecar_at_once() {
+    let server = ZkServer::start().await;
+    let url = server.url("/unwritten");
+    let (a, b) = (sidecar(&url).await, sidecar(&url).await);
+    let name = unique_name("unwritten");
+    let on_a = a.api().lock(&name);
+    for round in 0..4 {
+        let holder = on_a.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+        let waiter = {
+            let lock = b.api().lock(&name);
+            tokio::spawn(async move {
+                lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "20s")])
+                    .await
+            })
+        };
+        on_a.wait_for_waiters(&["waiter"]).await;
+        on_a.release(&holder.token).await;
+        let grant = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter's task");
+        assert!(grant.fence > holder.fence);
+        if round % 2 == 0 {
+            on_a.keepalive(&grant.token, &[("ttl", "30s")]).await;
+        }
+        let released = on_a.release(&grant.token).await;
+        assert_eq!(released.count, 0, "round {round}: {released:?}");
+        let state = on_a.inspect().await;
+        assert!(state.holders.is_empty(), "round {round}: {state:?}");
+        assert_eq!(
+            state.fence, grant.fence,
+            "round {round}: the fence recorded"
+        );
+    }
 }
 
 // A waiter that only the lock-delay keeps out has nothing to watch: its
@@ -1202,7 +1246,8 @@ async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later
 }
 
 /// A waiter whose blocker went sends the write that grants it with its
-/// listing. When that write ran but its answer was lost (a reset; the
+/// listing (a reader's: an exclusive waiter is granted by its listing
+/// alone). When that write ran but its answer was lost (a reset; the
 /// session lives on), the sidecar's record of the node kept the old
 /// version: every later grant missed it, and the node — written held —
 /// blocked the lock until the waiter gave up. It is read again instead,
@@ -1220,16 +1265,20 @@ async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
         let lock = through_proxy.api().lock(&name);
         let owner = owner.clone();
         tokio::spawn(async move {
-            lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "20s")])
-                .await
+            lock.acquire_raw(&[
+                ("owner", &owner),
+                ("ttl", "60s"),
+                ("wait", "20s"),
+                ("mode", "shared"),
+            ])
+            .await
         })
     };
     common::eventually("the waiter queued", Duration::from_secs(10), async || {
         (lock.inspect().await.waiters.len() == 1).then_some(())
     })
     .await;
-    // Queued (its create, written as granted, already written back as
-    // waiting), the waiter's next write as held is the one sent with its
+    // Queued, the waiter's next write as held is the one sent with its
     // listing.
     proxy.cut_after(p.held_by(&owner).as_bytes());
     lock.release(&holder.token).await;

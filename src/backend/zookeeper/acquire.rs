@@ -119,6 +119,16 @@ enum Reread {
     Own(Own),
 }
 
+/// Whether a claim of `mode` on a key of `kind` is granted by the listing
+/// that admits it, without a write (an exclusive lock's: its fence is the
+/// lock node's `pzxid`, which no other claim admitted at the same listing
+/// shares). Its node stays written as waiting until its sidecar confirms
+/// it, as a [tentative](NodeData::tentative) grant is confirmed. Not an
+/// election's: observers take a leader from a node written held.
+fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
+    kind == Kind::Lock && mode == Mode::Exclusive
+}
+
 /// How long an attempt waits for another sidecar to confirm a tentative
 /// node of the attempt's owner ([`Inner::confirm_later`] writes it after
 /// [`CONFIRM_AFTER`](super::lease::CONFIRM_AFTER)).
@@ -135,8 +145,13 @@ impl Inner {
 
     /// Waits, at most [`CONFIRM_WAIT`], until the node at `path` is no
     /// longer at `version` (rewritten, or gone).
-    async fn await_change(&self, zk: &zk::Client, path: &str, version: i32) -> Result<(), Error> {
-        let op = "try_acquire";
+    pub(super) async fn await_change(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        path: &str,
+        version: i32,
+    ) -> Result<(), Error> {
         let watcher = match call(op, zk.check_and_watch_stat(path)).await? {
             Ok((Some(stat), watcher)) if stat.version == version => watcher,
             Ok(_) => return Ok(()),
@@ -272,22 +287,17 @@ impl Inner {
         Ok(grant)
     }
 
-    /// Re-enters the lease of `node` (held by `claim`'s owner) for `claim`
-    /// and deletes our own node `own_path` in the same request. `None`
-    /// when either changed meanwhile.
+    /// Re-enters `lease` (held by `claim`'s owner) for `claim` and deletes
+    /// our own node `own_path` in the same request. `None` when either
+    /// changed meanwhile.
     async fn reenter(
         &self,
         zk: &zk::Client,
-        parent: &str,
-        node: &Node,
+        lease: &Lease,
         claim: &Claim,
         own: (&str, i32),
     ) -> Result<Option<Grant>, Error> {
         let op = "try_acquire";
-        let Some(d) = node.data.as_ref().filter(|d| d.held) else {
-            return Ok(None);
-        };
-        let lease = Lease::of(parent, node, d);
         let mut next = lease.next();
         let now = now_ms();
         next.count += 1;
@@ -554,7 +564,12 @@ impl ZooKeeper {
             // write counts as the grant, and for its undoing).
             let listing = if let Some(listing) = listed.take() {
                 listing
-            } else if round == 0 && hinted && key.kind.is_lock() && !own.data.held {
+            } else if round == 0
+                && hinted
+                && key.kind.is_lock()
+                && !grants_by_listing(key.kind, claim.mode)
+                && !own.data.held
+            {
                 let data = granted(own.data.clone(), max_hold, now_ms(), true);
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 // Sent as the request's future is made, before the listing's.
@@ -642,30 +657,42 @@ impl ZooKeeper {
             // A tentative node of another sidecar may never have been a
             // grant: wait a moment for its sidecar to confirm it (or for it
             // to go); unconfirmed, it is a holder like any other.
+            // A waiting exclusive node first in line may be a lease its
+            // sidecar granted by its listing and has not written yet: the
+            // same.
             let same_owner = ahead.iter().find(|n| {
-                n.data
-                    .as_ref()
-                    .is_some_and(|d| d.held && d.owner == claim.owner)
-                    && n.child.mode == claim.mode
+                n.data.as_ref().is_some_and(|d| {
+                    d.owner == claim.owner && (d.held || grants_by_listing(key.kind, n.child.mode))
+                }) && n.child.mode == claim.mode
+            });
+            let reentered = same_owner.and_then(|node| {
+                let d = node.data.as_ref()?;
+                let ours = lock(&me.leases)
+                    .get(&Token::from_client(d.token.clone()))
+                    .map(|r| r.lease.clone());
+                match ours {
+                    Some(lease) if !d.held && lease.version == node.stat.version => Some(lease),
+                    Some(_) if d.held => Some(Lease::of(&parent, node, d)),
+                    None if d.held && !d.tentative => Some(Lease::of(&parent, node, d)),
+                    _ => None,
+                }
             });
             if key.kind.is_lock()
                 && let Some(node) = same_owner
-                && let Some(d) = node.data.as_ref()
-                && d.tentative
-                && !lock(&me.leases).contains_key(&Token::from_client(d.token.clone()))
+                && reentered.is_none()
             {
                 if !awaited {
                     awaited = true;
                     let path = format!("{parent}/{}", node.child.name);
-                    me.await_change(&zk, &path, node.stat.version).await?;
+                    me.await_change(&zk, op, &path, node.stat.version).await?;
                     continue;
                 }
                 unconfirmed = true;
             } else if key.kind.is_lock()
-                && let Some(node) = same_owner
+                && let Some(lease) = &reentered
             {
                 match me
-                    .reenter(&zk, &parent, node, claim, (&path, own.stat.version))
+                    .reenter(&zk, lease, claim, (&path, own.stat.version))
                     .await?
                 {
                     Some(grant) => {
@@ -713,6 +740,27 @@ impl ZooKeeper {
                     if own.data.tentative {
                         me.confirm_later(&grant.token);
                     }
+                    Some(grant)
+                } else if grants_by_listing(key.kind, claim.mode)
+                    && !own.data.held
+                    && let Some(stat) = listing.stat
+                {
+                    // Granted by this listing, without a write: every
+                    // earlier holder's node was deleted before it, so the
+                    // lock node's `pzxid` (the zxid of the last claim
+                    // created or deleted) is above every earlier fence, and
+                    // no later grant comes before this node is deleted.
+                    // Written held with that fence once it has been held
+                    // a moment (as a tentative grant is confirmed): a
+                    // lease released at once costs no write.
+                    let lease = Lease {
+                        path: path.clone(),
+                        data: granted(own.data.clone(), max_hold, now_ms(), true),
+                        version: own.stat.version,
+                        fence: u64::try_from(stat.pzxid).unwrap_or(0),
+                    };
+                    let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
+                    me.confirm_later(&grant.token);
                     Some(grant)
                 } else {
                     if let Some(node) = unclaimed.as_mut() {

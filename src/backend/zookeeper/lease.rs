@@ -115,11 +115,19 @@ impl Inner {
     ) -> Result<Option<Record>, Error> {
         let listing = self.children(zk, op, parent).await?;
         for c in &listing.children {
-            if let Some(node) = self.read(zk, op, parent, c).await?
+            if let Some(mut node) = self.read(zk, op, parent, c).await?
                 && let Some(d) = node.data.as_ref()
-                && d.held
                 && d.token == token.expose()
             {
+                if !d.held {
+                    match self.confirmed(zk, op, parent, &node).await? {
+                        Some(confirmed) => node = confirmed,
+                        None => return Ok(None),
+                    }
+                }
+                let Some(d) = node.data.as_ref() else {
+                    return Ok(None);
+                };
                 return Ok(Some(Record {
                     lease: Lease::of(parent, &node, d),
                     parent: listing.parent.clone(),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, Node, Parent, ParentData};
+use super::data::{Lease, Node, NodeData, Parent, ParentData};
 use super::names::{Child, DELAY_NODE, parse_child, sorted};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, commit, retry_on_conflict,
@@ -310,11 +310,27 @@ impl Inner {
         match call(op, zk.get_data(&format!("{parent}/{}", child.name))).await? {
             Ok((bytes, stat)) => Ok(Some(Node {
                 child: child.clone(),
-                data: serde_json::from_slice(&bytes).ok(),
+                data: self.as_kept(serde_json::from_slice(&bytes).ok(), &stat),
                 stat,
             })),
             Err(zk::Error::NoNode) => Ok(None),
             Err(e) => Err(unavailable(op, e)),
+        }
+    }
+
+    /// `data`, read at `stat`, or, for a lease this sidecar granted by the
+    /// listing that admitted it and has not written yet (its node still
+    /// reads as waiting), the lease as this sidecar keeps it: held, with
+    /// its fence. This sidecar's answers never show a lease it granted as
+    /// a waiter.
+    pub(super) fn as_kept(&self, data: Option<NodeData>, stat: &zk::Stat) -> Option<NodeData> {
+        let Some(d) = data.as_ref().filter(|d| !d.held) else {
+            return data;
+        };
+        let leases = lock(&self.leases);
+        match leases.get(&Token::from_client(d.token.clone())) {
+            Some(r) if r.lease.version == stat.version => Some(r.lease.next()),
+            _ => data,
         }
     }
 
@@ -676,14 +692,44 @@ impl Inner {
         }
         for c in &self.children(zk, op, parent).await?.children {
             if let Some(node) = self.read(zk, op, parent, c).await?
-                && node
-                    .data
-                    .as_ref()
-                    .is_some_and(|d| d.held && d.token == token.expose())
+                && let Some(d) = node.data.as_ref()
+                && d.token == token.expose()
             {
-                return Ok(Some(node));
+                return if d.held {
+                    Ok(Some(node))
+                } else {
+                    Box::pin(self.confirmed(zk, op, parent, &node)).await
+                };
             }
         }
         Ok(None)
+    }
+
+    /// A node of another sidecar that holds a client's token and still
+    /// reads as waiting: a lease that sidecar granted by its listing and
+    /// has not written yet (a token is given out only with a grant). Waits
+    /// at most a second for that sidecar to write it, and reads it again:
+    /// `None` once it is gone.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] while it is still unwritten: the client may
+    /// ask again.
+    pub(super) async fn confirmed(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        node: &Node,
+    ) -> Result<Option<Node>, Error> {
+        let path = format!("{parent}/{}", node.child.name);
+        self.await_change(zk, op, &path, node.stat.version).await?;
+        match self.read(zk, op, parent, &node.child).await? {
+            Some(n) if n.data.as_ref().is_some_and(|d| d.held) => Ok(Some(n)),
+            Some(_) => Err(unavailable(
+                op,
+                Message("the sidecar that granted this lease has not recorded it yet".into()),
+            )),
+            None => Ok(None),
+        }
     }
 }
