@@ -222,6 +222,52 @@ async fn a_waiter_kept_out_by_a_lock_delay_sends_nothing_until_it_ends() {
     );
 }
 
+// The same lease seen at once through another sidecar by an operator: its
+// GET shows it as the holder, with its fence (it showed the first waiter of
+// a free lock), and a force-release there takes it (it found no holder and
+// released nothing while the lease went on).
+#[tokio::test]
+async fn a_lease_granted_by_its_listing_is_shown_and_force_released_through_another_sidecar() {
+    const ADMIN: &str = "admin-token-of-the-unwritten-test";
+    let server = ZkServer::start().await;
+    let url = server.url("/unwritten-admin");
+    let a = SidecarBuilder::new(&url).admin_token(ADMIN).start().await;
+    let b = sidecar(&url).await;
+    let name = unique_name("unwritten-admin");
+    let on_a = a.api().lock(&name);
+    for round in 0..4 {
+        let holder = on_a.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+        let waiter = {
+            let lock = b.api().lock(&name);
+            tokio::spawn(async move {
+                lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "20s")])
+                    .await
+            })
+        };
+        on_a.wait_for_waiters(&["waiter"]).await;
+        on_a.release(&holder.token).await;
+        let grant = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter's task");
+        if round % 2 == 0 {
+            let state = on_a.inspect().await;
+            assert_eq!(
+                state.holder_owners(),
+                ["waiter"],
+                "round {round}: {state:?}"
+            );
+            assert_eq!(state.holders[0].fence, grant.fence, "round {round}");
+            assert!(state.waiters.is_empty(), "round {round}: {state:?}");
+            on_a.release(&grant.token).await;
+        } else {
+            let admin = a.api_with_token(ADMIN);
+            assert_eq!(admin.lock(&name).force_release().await, 1, "round {round}");
+            on_a.release_lost(&grant.token).await;
+            assert!(on_a.inspect().await.holders.is_empty(), "round {round}");
+        }
+    }
+}
+
 /// Blocked waiters cost ZooKeeper nothing but the sessions' own pings,
 /// however many there are: 10 and 300 waiters over two sidecars, the
 /// server's packets counted over 5 s once all are queued.

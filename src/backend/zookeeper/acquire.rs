@@ -3,6 +3,7 @@
 //! no request accounts for.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use zookeeper_client as zk;
@@ -125,7 +126,7 @@ enum Reread {
 /// shares). Its node stays written as waiting until its sidecar confirms
 /// it, as a [tentative](NodeData::tentative) grant is confirmed. Not an
 /// election's: observers take a leader from a node written held.
-fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
+pub(super) fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
     kind == Kind::Lock && mode == Mode::Exclusive
 }
 
@@ -567,7 +568,7 @@ impl ZooKeeper {
             } else if round == 0
                 && hinted
                 && key.kind.is_lock()
-                && !grants_by_listing(key.kind, claim.mode)
+                && !(grants_by_listing(key.kind, claim.mode) && me.multi_read.load(Relaxed))
                 && !own.data.held
             {
                 let data = granted(own.data.clone(), max_hold, now_ms(), true);
@@ -743,6 +744,7 @@ impl ZooKeeper {
                     Some(grant)
                 } else if grants_by_listing(key.kind, claim.mode)
                     && !own.data.held
+                    && me.multi_read.load(Relaxed)
                     && let Some(stat) = listing.stat
                 {
                     // Granted by this listing, without a write: every
@@ -752,7 +754,11 @@ impl ZooKeeper {
                     // no later grant comes before this node is deleted.
                     // Written held with that fence once it has been held
                     // a moment (as a tentative grant is confirmed): a
-                    // lease released at once costs no write.
+                    // lease released at once costs no write. Only with the
+                    // multi-read (ZooKeeper 3.6 and later): older servers
+                    // could revert a `pzxid` when replaying their log
+                    // over a snapshot (ZOOKEEPER-3145).
+
                     let lease = Lease {
                         path: path.clone(),
                         data: granted(own.data.clone(), max_hold, now_ms(), true),

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{NodeData, fence_of};
+use super::acquire::grants_by_listing;
+use super::data::{Node, NodeData, fence_of};
 use super::names::{DELAY_NODE, decode_name};
 use super::request::{call, unavailable};
+use super::tree::Listing;
 use super::{Inner, lock};
 use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
 use crate::clock::{ms, now_ms};
@@ -20,7 +22,17 @@ impl Inner {
     pub(super) async fn inspect(self: &Arc<Self>, key: &LockKey) -> Result<State, Error> {
         let zk = self.client().await?;
         let parent = self.key_path(key);
-        let (listing, nodes, limit) = self.snapshot(&zk, "inspect", key, &parent).await?;
+        let mut snapshot = self.snapshot(&zk, "inspect", key, &parent).await?;
+        // The first claim of a free lock, still written as waiting, may hold
+        // it (granted by its listing through another sidecar, which writes
+        // it held in a moment): shown once written. Still unwritten after
+        // the wait, it is shown as it reads.
+        if let Some(head) = self.unwritten_head(key, &snapshot.0, &snapshot.1)
+            && let Ok(_) = self.confirmed(&zk, "inspect", &parent, head).await
+        {
+            snapshot = self.snapshot(&zk, "inspect", key, &parent).await?;
+        }
+        let (listing, nodes, limit) = snapshot;
         let (children, pdata) = (&listing.children, &listing.parent.data);
         let holders: Vec<Holder> = nodes
             .iter()
@@ -234,6 +246,25 @@ impl Inner {
         Ok(out)
     }
 
+    /// The first claim of `key`'s listing when it may be a lease granted by
+    /// its listing and not written yet: an exclusive lock claim written as
+    /// waiting, first in line, with no holder and no lock-delay.
+    fn unwritten_head<'a>(
+        &self,
+        key: &LockKey,
+        listing: &Listing,
+        nodes: &'a [Node],
+    ) -> Option<&'a Node> {
+        let head = nodes.first()?;
+        let first = listing.children.first()?;
+        let waiting = head.data.as_ref().is_some_and(|d| !d.held);
+        (head.child.name == first.name
+            && waiting
+            && grants_by_listing(key.kind, head.child.mode)
+            && listing.delay_until_ms() <= now_ms())
+        .then_some(head)
+    }
+
     /// [`Backend::force_release`](crate::backend::Backend::force_release):
     /// deletes every holder's node of `key`, starting the longest of their
     /// lock-delays.
@@ -243,10 +274,31 @@ impl Inner {
     ) -> Result<Vec<Token>, Error> {
         let zk = self.client().await?;
         let parent = self.key_path(key);
-        let (_, nodes, _) = self.snapshot(&zk, "force_release", key, &parent).await?;
+        let (listing, nodes, _) = self.snapshot(&zk, "force_release", key, &parent).await?;
         let mut tokens = Vec::new();
         let (mut delay, mut fence) = (0, 0);
+        let head = self.unwritten_head(key, &listing, &nodes);
         for node in &nodes {
+            // The first claim of a free lock, still written as waiting, may
+            // hold it: granted by its listing through another sidecar,
+            // which writes it held in a moment. Released once it does; if
+            // it is still unwritten after the wait (that sidecar cut off),
+            // released all the same, with the listing's `pzxid`, which is
+            // at least its fence.
+            let mut node = node.clone();
+            if head.is_some_and(|h| h.child.name == node.child.name) {
+                match self.confirmed(&zk, "force_release", &parent, &node).await {
+                    Ok(Some(written)) => node = written,
+                    Ok(None) => continue,
+                    Err(_) => {
+                        let pzxid = listing.stat.map_or(0, |s| s.pzxid);
+                        if let Some(d) = node.data.as_mut() {
+                            d.held = true;
+                            d.fence = u64::try_from(pzxid).unwrap_or(0);
+                        }
+                    }
+                }
+            }
             let Some(d) = node.data.as_ref().filter(|d| d.held) else {
                 continue;
             };

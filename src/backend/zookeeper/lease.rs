@@ -53,12 +53,15 @@ impl Inner {
     }
 
     /// Rewrites the node of `token` with its fence stored and no longer
-    /// tentative, if this sidecar still holds it as a tentative grant.
+    /// tentative, if this sidecar still holds it as a tentative grant; one
+    /// that expired first is deleted as an expired lease is (a lease granted
+    /// by its listing still reads as waiting, and no other sidecar would
+    /// ever expire it).
     async fn confirm(self: &Arc<Self>, token: &Token) -> Result<(), Error> {
         let tentative = || {
             lock(&self.leases)
                 .get(token)
-                .filter(|r| r.lease.data.tentative && r.lease.data.expires_at_ms > now_ms())
+                .filter(|r| r.lease.data.tentative)
                 .map(|r| Record::clone(r))
         };
         if tentative().is_none() || self.is_revoked(token) {
@@ -71,6 +74,16 @@ impl Inner {
             let Some(record) = tentative() else {
                 return Ok(Round::Done(()));
             };
+            if record.lease.data.expires_at_ms <= now_ms() {
+                let parent = record.lease.path.rsplit_once('/').map_or("", |(p, _)| p);
+                return Ok(
+                    if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
+                        Round::Done(())
+                    } else {
+                        Round::Conflict
+                    },
+                );
+            }
             let next = record.lease.next();
             Ok(match self.rewrite(zk, op, token, &record, next).await? {
                 Round::Done(_) => Round::Done(()),
@@ -148,8 +161,11 @@ impl Inner {
         record: &Record,
     ) -> Result<Option<Lease>, Error> {
         let fresh = match call(op, zk.get_data(&record.lease.path)).await? {
-            Ok((bytes, stat)) => serde_json::from_slice::<super::data::NodeData>(&bytes)
-                .ok()
+            // A lease granted by its listing reads as written waiting until
+            // it is confirmed: as kept here, so that an expired one is
+            // deleted, not forgotten with its node left first in line.
+            Ok((bytes, stat)) => self
+                .as_kept(serde_json::from_slice(&bytes).ok(), &stat)
                 .filter(|d| d.held && d.token == token.expose())
                 .map(|d| Lease::read(record.lease.path.clone(), d, &stat)),
             Err(zk::Error::NoNode) => None,
