@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, Node, NodeData, Parent};
+use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent, grants_by_listing};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
 use super::tree::{At, Found, admitted};
@@ -120,21 +120,6 @@ enum Reread {
     Own(Own),
 }
 
-/// Whether a claim of `mode` on a key of `kind` is granted by the listing
-/// that admits it, without a write (an exclusive lock's: its fence is the
-/// lock node's `pzxid`, which no other claim admitted at the same listing
-/// shares). Its node stays written as waiting until its sidecar confirms
-/// it, as a [tentative](NodeData::tentative) grant is confirmed. Not an
-/// election's: observers take a leader from a node written held.
-pub(super) fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
-    kind == Kind::Lock && mode == Mode::Exclusive
-}
-
-/// How long an attempt waits for another sidecar to confirm a tentative
-/// node of the attempt's owner ([`Inner::confirm_later`] writes it after
-/// [`CONFIRM_AFTER`](super::lease::CONFIRM_AFTER)).
-const CONFIRM_WAIT: Duration = Duration::from_secs(1);
-
 impl Inner {
     /// Whether this sidecar has a claim waiting for `key`.
     fn has_waiters(&self, key: &LockKey) -> bool {
@@ -144,21 +129,22 @@ impl Inner {
             .is_some_and(|((k, _), _)| k == key)
     }
 
-    /// Waits, at most [`CONFIRM_WAIT`], until the node at `path` is no
-    /// longer at `version` (rewritten, or gone).
+    /// Waits, at most `wait`, until the node at `path` is no longer at
+    /// `version` (rewritten, or gone).
     pub(super) async fn await_change(
         &self,
         zk: &zk::Client,
         op: &'static str,
         path: &str,
         version: i32,
+        wait: Duration,
     ) -> Result<(), Error> {
         let watcher = match call(op, zk.check_and_watch_stat(path)).await? {
             Ok((Some(stat), watcher)) if stat.version == version => watcher,
             Ok(_) => return Ok(()),
             Err(e) => return Err(unavailable(op, e)),
         };
-        let _ = tokio::time::timeout(CONFIRM_WAIT, watcher.changed()).await;
+        let _ = tokio::time::timeout(wait, watcher.changed()).await;
         Ok(())
     }
 
@@ -685,7 +671,8 @@ impl ZooKeeper {
                 if !awaited {
                     awaited = true;
                     let path = format!("{parent}/{}", node.child.name);
-                    me.await_change(&zk, op, &path, node.stat.version).await?;
+                    me.await_change(&zk, op, &path, node.stat.version, CONFIRM_WAIT)
+                        .await?;
                     continue;
                 }
                 unconfirmed = true;

@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::acquire::grants_by_listing;
-use super::data::{Node, NodeData, fence_of};
+use super::data::{CONFIRM_WAIT, Node, NodeData, fence_of, grants_by_listing};
 use super::names::{DELAY_NODE, decode_name};
 use super::request::{call, unavailable};
 use super::tree::Listing;
@@ -15,6 +14,12 @@ use super::{Inner, lock};
 use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
 use crate::clock::{ms, now_ms};
 use crate::lock::{Held, Kind, LockKey, Token};
+
+/// How long a GET waits for a lease granted by its listing through another
+/// sidecar to be written: that sidecar writes it
+/// [`CONFIRM_AFTER`](super::lease::CONFIRM_AFTER) after the grant; a first
+/// claim not written by then is shown as it reads.
+const INSPECT_WAIT: Duration = Duration::from_millis(400);
 
 impl Inner {
     /// [`Backend::inspect`](crate::backend::Backend::inspect): the holders
@@ -28,7 +33,9 @@ impl Inner {
         // it held in a moment): shown once written. Still unwritten after
         // the wait, it is shown as it reads.
         if let Some(head) = self.unwritten_head(key, &snapshot.0, &snapshot.1)
-            && let Ok(_) = self.confirmed(&zk, "inspect", &parent, head).await
+            && let Ok(_) = self
+                .confirmed(&zk, "inspect", &parent, head, INSPECT_WAIT)
+                .await
         {
             snapshot = self.snapshot(&zk, "inspect", key, &parent).await?;
         }
@@ -255,6 +262,9 @@ impl Inner {
         listing: &Listing,
         nodes: &'a [Node],
     ) -> Option<&'a Node> {
+        if !self.multi_read.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
         let head = nodes.first()?;
         let first = listing.children.first()?;
         let waiting = head.data.as_ref().is_some_and(|d| !d.held);
@@ -281,22 +291,17 @@ impl Inner {
         for node in &nodes {
             // The first claim of a free lock, still written as waiting, may
             // hold it: granted by its listing through another sidecar,
-            // which writes it held in a moment. Released once it does; if
-            // it is still unwritten after the wait (that sidecar cut off),
-            // released all the same, with the listing's `pzxid`, which is
-            // at least its fence.
+            // which writes it held in a moment. Released once it does (503
+            // while it does not: it may be a waiter whose sidecar is cut
+            // off, which must not be deleted as a holder).
             let mut node = node.clone();
             if head.is_some_and(|h| h.child.name == node.child.name) {
-                match self.confirmed(&zk, "force_release", &parent, &node).await {
-                    Ok(Some(written)) => node = written,
-                    Ok(None) => continue,
-                    Err(_) => {
-                        let pzxid = listing.stat.map_or(0, |s| s.pzxid);
-                        if let Some(d) = node.data.as_mut() {
-                            d.held = true;
-                            d.fence = u64::try_from(pzxid).unwrap_or(0);
-                        }
-                    }
+                match self
+                    .confirmed(&zk, "force_release", &parent, &node, CONFIRM_WAIT)
+                    .await?
+                {
+                    Some(written) => node = written,
+                    None => continue,
                 }
             }
             let Some(d) = node.data.as_ref().filter(|d| d.held) else {

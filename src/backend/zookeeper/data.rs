@@ -1,12 +1,14 @@
 //! Node data: the JSON sidelock writes into claim nodes and lock nodes, and a
 //! claim read back with it.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use zookeeper_client as zk;
 
 use super::names::Child;
 use crate::backend::Holder;
-use crate::lock::{Held, Kind};
+use crate::lock::{Held, Kind, Mode};
 
 /// What sidelock stores in each claim node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -188,3 +190,20 @@ pub(super) fn fence_of(d: &NodeData, stat: &zk::Stat) -> u64 {
         0
     }
 }
+
+/// Whether a claim of `mode` on a key of `kind` is granted by the listing
+/// that admits it, without a write (an exclusive lock's: its fence is the
+/// lock node's `pzxid`, which no other claim admitted at the same listing
+/// shares). Its node stays written as waiting until its sidecar confirms
+/// it, as a [tentative](NodeData::tentative) grant is confirmed. Not an
+/// election's: observers take a leader from a node written held.
+pub(super) fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
+    kind == Kind::Lock && mode == Mode::Exclusive
+}
+
+/// How long an attempt (or a release, keepalive, status or force-release
+/// that finds a client's token in a node still written as waiting) waits
+/// for another sidecar to confirm a tentative
+/// node of the attempt's owner (`Inner::confirm_later` writes it after
+/// `CONFIRM_AFTER`).
+pub(super) const CONFIRM_WAIT: Duration = Duration::from_secs(1);

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, NodeData};
+use super::data::{CONFIRM_WAIT, Lease, NodeData};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
 };
@@ -90,8 +90,9 @@ impl Inner {
                 Round::Conflict => Round::Conflict,
             })
         })
-        .await?;
-        Ok(())
+        .await?
+        // Tried again, as while ZooKeeper is unreachable.
+        .ok_or_else(|| unavailable(op, Message("lease kept changing".into())))
     }
 
     /// The lease of `token` under `parent`: this sidecar's record, else
@@ -133,7 +134,7 @@ impl Inner {
                 && d.token == token.expose()
             {
                 if !d.held {
-                    match self.confirmed(zk, op, parent, &node).await? {
+                    match self.confirmed(zk, op, parent, &node, CONFIRM_WAIT).await? {
                         Some(confirmed) => node = confirmed,
                         None => return Ok(None),
                     }

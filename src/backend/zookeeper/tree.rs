@@ -5,10 +5,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{Lease, Node, NodeData, Parent, ParentData};
+use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent, ParentData};
 use super::names::{Child, DELAY_NODE, parse_child, sorted};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, commit, retry_on_conflict,
@@ -329,7 +330,12 @@ impl Inner {
         };
         let leases = lock(&self.leases);
         match leases.get(&Token::from_client(d.token.clone())) {
-            Some(r) if r.lease.version == stat.version => Some(r.lease.next()),
+            Some(r) if r.lease.version == stat.version => {
+                // Still to be written: its confirmation goes on.
+                let mut kept = r.lease.next();
+                kept.tentative = r.lease.data.tentative;
+                Some(kept)
+            }
             _ => data,
         }
     }
@@ -698,7 +704,7 @@ impl Inner {
                 return if d.held {
                     Ok(Some(node))
                 } else {
-                    Box::pin(self.confirmed(zk, op, parent, &node)).await
+                    Box::pin(self.confirmed(zk, op, parent, &node, CONFIRM_WAIT)).await
                 };
             }
         }
@@ -708,7 +714,7 @@ impl Inner {
     /// A node of another sidecar that holds a client's token and still
     /// reads as waiting: a lease that sidecar granted by its listing and
     /// has not written yet (a token is given out only with a grant). Waits
-    /// at most a second for that sidecar to write it, and reads it again:
+    /// at most `wait` for that sidecar to write it, and reads it again:
     /// `None` once it is gone.
     ///
     /// # Errors
@@ -720,9 +726,11 @@ impl Inner {
         op: &'static str,
         parent: &str,
         node: &Node,
+        wait: Duration,
     ) -> Result<Option<Node>, Error> {
         let path = format!("{parent}/{}", node.child.name);
-        self.await_change(zk, op, &path, node.stat.version).await?;
+        self.await_change(zk, op, &path, node.stat.version, wait)
+            .await?;
         match self.read(zk, op, parent, &node.child).await? {
             Some(n) if n.data.as_ref().is_some_and(|d| d.held) => Ok(Some(n)),
             Some(_) => Err(unavailable(
