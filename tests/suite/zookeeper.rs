@@ -1386,3 +1386,42 @@ async fn a_reset_during_a_listing_keeps_listings_in_one_request() {
         a.log()
     );
 }
+
+/// A waiter granted by its listing whose sidecar cannot reach its node
+/// around the lease's end: the write that would confirm the grant fails,
+/// then the sidecar's expiry check (the lease lapses, unrenewed). Nobody
+/// else expires a node still written as waiting, so its sidecar deletes it
+/// once ZooKeeper answers again. Before, the confirmation stopped at the
+/// expiry and the node stayed first in line for the rest of the session:
+/// the next waiter never got the lock.
+#[tokio::test]
+async fn an_unwritten_lease_that_lapses_while_its_node_is_unreachable_is_deleted_later() {
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/lapsed").await;
+    let name = unique_name("lapsed");
+    let lock = p.direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = {
+        let lock = p.through_proxy.api().lock(&name);
+        tokio::spawn(async move {
+            lock.acquire(&[("owner", "lapsing"), ("ttl", "1s"), ("wait", "20s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&["lapsing"]).await;
+    lock.release(&holder.token).await;
+    let granted = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    // Every request on this lock through the proxy fails (its connection
+    // reset, the session kept), three times: the confirmation at 150 ms,
+    // the expiry check at 1 s, and the next look at the node.
+    p.proxy.refuse(name.as_bytes(), 3);
+    let next = next_waiter(&p.direct, &name);
+    let answer = common::within("the next waiter's grant", Duration::from_secs(15), next)
+        .await
+        .expect("the next waiter's task");
+    assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
+    let next: Value = answer.json().await.expect("a grant");
+    assert!(next["fence"].as_u64() > Some(granted.fence));
+}
