@@ -152,6 +152,27 @@ async fn a_handoff_among_waiters_on_two_sidecars_costs_6_requests() {
     );
 }
 
+/// Hands the lock `on_a` (through sidecar A) from a holder there to a waiter
+/// on sidecar `b`, granted by its listing: the waiter's grant, above the
+/// holder's fence.
+async fn hand_to_a_waiter_on(b: &SidecarGuard, on_a: &common::api::Resource) -> common::api::Grant {
+    let holder = on_a.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let waiter = {
+        let lock = b.api().lock(on_a.name());
+        tokio::spawn(async move {
+            lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "20s")])
+                .await
+        })
+    };
+    on_a.wait_for_waiters(&["waiter"]).await;
+    on_a.release(&holder.token).await;
+    let grant = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(grant.fence > holder.fence);
+    grant
+}
+
 // A waiter granted by the listing that admits it holds the lock before its
 // node says so: its sidecar writes it held a moment later. Its client may
 // use the lease through any sidecar at once: another sidecar that finds the
@@ -166,20 +187,7 @@ async fn a_lease_granted_by_its_listing_is_used_through_another_sidecar_at_once(
     let name = unique_name("unwritten");
     let on_a = a.api().lock(&name);
     for round in 0..4 {
-        let holder = on_a.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
-        let waiter = {
-            let lock = b.api().lock(&name);
-            tokio::spawn(async move {
-                lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "20s")])
-                    .await
-            })
-        };
-        on_a.wait_for_waiters(&["waiter"]).await;
-        on_a.release(&holder.token).await;
-        let grant = common::within("the waiter's grant", Duration::from_secs(10), waiter)
-            .await
-            .expect("the waiter's task");
-        assert!(grant.fence > holder.fence);
+        let grant = hand_to_a_waiter_on(&b, &on_a).await;
         if round % 2 == 0 {
             on_a.keepalive(&grant.token, &[("ttl", "30s")]).await;
         }
@@ -236,19 +244,7 @@ async fn a_lease_granted_by_its_listing_is_shown_and_force_released_through_anot
     let name = unique_name("unwritten-admin");
     let on_a = a.api().lock(&name);
     for round in 0..4 {
-        let holder = on_a.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
-        let waiter = {
-            let lock = b.api().lock(&name);
-            tokio::spawn(async move {
-                lock.acquire(&[("owner", "waiter"), ("ttl", "60s"), ("wait", "20s")])
-                    .await
-            })
-        };
-        on_a.wait_for_waiters(&["waiter"]).await;
-        on_a.release(&holder.token).await;
-        let grant = common::within("the waiter's grant", Duration::from_secs(10), waiter)
-            .await
-            .expect("the waiter's task");
+        let grant = hand_to_a_waiter_on(&b, &on_a).await;
         if round % 2 == 0 {
             let state = on_a.inspect().await;
             assert_eq!(
