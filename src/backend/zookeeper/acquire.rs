@@ -3,12 +3,11 @@
 //! no request accounts for.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent, grants_by_listing};
+use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
 use super::tree::{At, Found, admitted};
@@ -554,7 +553,7 @@ impl ZooKeeper {
             } else if round == 0
                 && hinted
                 && key.kind.is_lock()
-                && !(grants_by_listing(key.kind, claim.mode) && me.multi_read.load(Relaxed))
+                && !me.grants_by_listing(key.kind, claim.mode)
                 && !own.data.held
             {
                 let data = granted(own.data.clone(), max_hold, now_ms(), true);
@@ -649,20 +648,16 @@ impl ZooKeeper {
             // same.
             let same_owner = ahead.iter().find(|n| {
                 n.data.as_ref().is_some_and(|d| {
-                    d.owner == claim.owner && (d.held || grants_by_listing(key.kind, n.child.mode))
+                    d.owner == claim.owner
+                        && (d.held || me.grants_by_listing(key.kind, n.child.mode))
                 }) && n.child.mode == claim.mode
             });
+            // (This sidecar reads its own lease granted by its listing as
+            // held and tentative: `Inner::read`.)
             let reentered = same_owner.and_then(|node| {
-                let d = node.data.as_ref()?;
-                let ours = lock(&me.leases)
-                    .get(&Token::from_client(d.token.clone()))
-                    .map(|r| r.lease.clone());
-                match ours {
-                    Some(lease) if !d.held && lease.version == node.stat.version => Some(lease),
-                    Some(_) if d.held => Some(Lease::of(&parent, node, d)),
-                    None if d.held && !d.tentative => Some(Lease::of(&parent, node, d)),
-                    _ => None,
-                }
+                let d = node.data.as_ref().filter(|d| d.held)?;
+                let ours = || lock(&me.leases).contains_key(&Token::from_client(d.token.clone()));
+                (!d.tentative || ours()).then(|| Lease::of(&parent, node, d))
             });
             if key.kind.is_lock()
                 && let Some(node) = same_owner
@@ -729,9 +724,8 @@ impl ZooKeeper {
                         me.confirm_later(&grant.token);
                     }
                     Some(grant)
-                } else if grants_by_listing(key.kind, claim.mode)
+                } else if me.grants_by_listing(key.kind, claim.mode)
                     && !own.data.held
-                    && me.multi_read.load(Relaxed)
                     && let Some(stat) = listing.stat
                 {
                     // Granted by this listing, without a write: every
@@ -741,11 +735,7 @@ impl ZooKeeper {
                     // no later grant comes before this node is deleted.
                     // Written held with that fence once it has been held
                     // a moment (as a tentative grant is confirmed): a
-                    // lease released at once costs no write. Only with the
-                    // multi-read (ZooKeeper 3.6 and later): older servers
-                    // could revert a `pzxid` when replaying their log
-                    // over a snapshot (ZOOKEEPER-3145).
-
+                    // lease released at once costs no write.
                     let lease = Lease {
                         path: path.clone(),
                         data: granted(own.data.clone(), max_hold, now_ms(), true),

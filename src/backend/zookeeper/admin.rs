@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{CONFIRM_WAIT, Node, NodeData, fence_of, grants_by_listing};
+use super::data::{CONFIRM_WAIT, Node, NodeData, fence_of};
 use super::names::{DELAY_NODE, decode_name};
 use super::request::{call, unavailable};
 use super::tree::Listing;
@@ -33,9 +33,10 @@ impl Inner {
         // it held in a moment): shown once written. Still unwritten after
         // the wait, it is shown as it reads.
         if let Some(head) = self.unwritten_head(key, &snapshot.0, &snapshot.1)
-            && let Ok(_) = self
+            && self
                 .confirmed(&zk, "inspect", &parent, head, INSPECT_WAIT)
                 .await
+                .is_ok()
         {
             snapshot = self.snapshot(&zk, "inspect", key, &parent).await?;
         }
@@ -262,15 +263,12 @@ impl Inner {
         listing: &Listing,
         nodes: &'a [Node],
     ) -> Option<&'a Node> {
-        if !self.multi_read.load(std::sync::atomic::Ordering::Relaxed) {
-            return None;
-        }
         let head = nodes.first()?;
         let first = listing.children.first()?;
         let waiting = head.data.as_ref().is_some_and(|d| !d.held);
         (head.child.name == first.name
             && waiting
-            && grants_by_listing(key.kind, head.child.mode)
+            && self.grants_by_listing(key.kind, head.child.mode)
             && listing.delay_until_ms() <= now_ms())
         .then_some(head)
     }

@@ -8,7 +8,7 @@ use zookeeper_client as zk;
 
 use super::names::Child;
 use crate::backend::Holder;
-use crate::lock::{Held, Kind, Mode};
+use crate::lock::{Held, Kind};
 
 /// What sidelock stores in each claim node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -191,19 +191,9 @@ pub(super) fn fence_of(d: &NodeData, stat: &zk::Stat) -> u64 {
     }
 }
 
-/// Whether a claim of `mode` on a key of `kind` is granted by the listing
-/// that admits it, without a write (an exclusive lock's: its fence is the
-/// lock node's `pzxid`, which no other claim admitted at the same listing
-/// shares). Its node stays written as waiting until its sidecar confirms
-/// it, as a [tentative](NodeData::tentative) grant is confirmed. Not an
-/// election's: observers take a leader from a node written held.
-pub(super) fn grants_by_listing(kind: Kind, mode: Mode) -> bool {
-    kind == Kind::Lock && mode == Mode::Exclusive
-}
-
-/// How long an attempt (or a release, keepalive, status or force-release
-/// that finds a client's token in a node still written as waiting) waits
-/// for another sidecar to confirm a tentative
-/// node of the attempt's owner (`Inner::confirm_later` writes it after
-/// `CONFIRM_AFTER`).
+/// How long an attempt waits for another sidecar to confirm a tentative
+/// node of the attempt's owner, or a lease granted by its listing, and a
+/// release, keepalive, status or force-release for a node that holds the
+/// client's token but still reads as waiting (`Inner::confirm_later`
+/// writes both `CONFIRM_AFTER` after the grant).
 pub(super) const CONFIRM_WAIT: Duration = Duration::from_secs(1);

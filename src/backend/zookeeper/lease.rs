@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zookeeper_client as zk;
 
-use super::data::{CONFIRM_WAIT, Lease, NodeData};
+use super::data::{Lease, NodeData};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
 };
@@ -128,27 +128,13 @@ impl Inner {
         token: &Token,
     ) -> Result<Option<Record>, Error> {
         let listing = self.children(zk, op, parent).await?;
-        for c in &listing.children {
-            if let Some(mut node) = self.read(zk, op, parent, c).await?
-                && let Some(d) = node.data.as_ref()
-                && d.token == token.expose()
-            {
-                if !d.held {
-                    match self.confirmed(zk, op, parent, &node, CONFIRM_WAIT).await? {
-                        Some(confirmed) => node = confirmed,
-                        None => return Ok(None),
-                    }
-                }
-                let Some(d) = node.data.as_ref() else {
-                    return Ok(None);
-                };
-                return Ok(Some(Record {
-                    lease: Lease::of(parent, &node, d),
-                    parent: listing.parent.clone(),
-                }));
-            }
-        }
-        Ok(None)
+        let Some(node) = self.scan_for(zk, op, parent, token, &listing).await? else {
+            return Ok(None);
+        };
+        Ok(node.data.as_ref().map(|d| Record {
+            lease: Lease::of(parent, &node, d),
+            parent: listing.parent.clone(),
+        }))
     }
 
     /// Reads the node of `record` again after a write to it failed on its

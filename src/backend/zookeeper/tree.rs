@@ -319,6 +319,21 @@ impl Inner {
         }
     }
 
+    /// Whether a claim of `mode` on a key of `kind` is granted by the
+    /// listing that admits it, without a write: an exclusive lock's (its
+    /// fence is the lock node's `pzxid`, which no other claim admitted by
+    /// the same listing shares), on a server with multi-reads (ZooKeeper
+    /// 3.6 and later: older ones could revert a `pzxid` when replaying
+    /// their log over a snapshot, ZOOKEEPER-3145). Its node stays written
+    /// as waiting until its sidecar confirms it, as a
+    /// [tentative](NodeData::tentative) grant is confirmed. Not an
+    /// election's: observers take a leader from a node written held.
+    pub(super) fn grants_by_listing(&self, kind: Kind, mode: Mode) -> bool {
+        kind == Kind::Lock
+            && mode == Mode::Exclusive
+            && self.multi_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// `data`, read at `stat`, or, for a lease this sidecar granted by the
     /// listing that admitted it and has not written yet (its node still
     /// reads as waiting), the lease as this sidecar keeps it: held, with
@@ -696,7 +711,22 @@ impl Inner {
             lock(&self.leases).remove(token);
             return Ok(None);
         }
-        for c in &self.children(zk, op, parent).await?.children {
+        let listing = self.children(zk, op, parent).await?;
+        self.scan_for(zk, op, parent, token, &listing).await
+    }
+
+    /// The node of `listing` (under `parent`) that holds `token` as a
+    /// lease, read; one that still reads as waiting is taken once its
+    /// sidecar writes it ([`Self::confirmed`]).
+    pub(super) async fn scan_for(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        token: &Token,
+        listing: &Listing,
+    ) -> Result<Option<Node>, Error> {
+        for c in &listing.children {
             if let Some(node) = self.read(zk, op, parent, c).await?
                 && let Some(d) = node.data.as_ref()
                 && d.token == token.expose()
