@@ -181,7 +181,9 @@ async fn hand_to_a_waiter_on(b: &SidecarGuard, on_a: &common::api::Resource) -> 
 // the lease held.
 #[tokio::test]
 async fn a_lease_granted_by_its_listing_is_used_through_another_sidecar_at_once() {
-    let server = ZkServer::start().await;
+    // The fence recorded on release is read from the lock node, which a
+    // server reaping every second could remove first.
+    let server = ZkServer::start_reaping_slowly().await;
     let url = server.url("/unwritten");
     let (a, b) = (sidecar(&url).await, sidecar(&url).await);
     let name = unique_name("unwritten");
