@@ -18,34 +18,8 @@ use crate::wakeups::{News, Place};
 
 use super::Core;
 use super::event::{Event, EventType};
-use super::expiry;
 use super::hold::{HoldEvent, HoldEvents};
-use super::lease::Local;
-
-/// A successful acquire.
-#[derive(Clone)]
-pub struct Granted {
-    pub lease: Arc<Local>,
-    pub count: u32,
-    pub expires_at_ms: u64,
-    pub waited: Duration,
-    /// The lease is new and its expiry timer is the caller's to run (a
-    /// hold runs it inside its watchdog); otherwise the shared timer has it
-    /// or, re-entered, had one already.
-    pub(super) supervise_here: bool,
-}
-
-/// The result of an acquire that did not fail.
-pub enum Outcome {
-    Granted(Granted),
-    /// Not granted within `wait` (`waited` is zero for try-once).
-    Busy {
-        busy: Busy,
-        waited: Duration,
-    },
-    /// The caller went away or the sidecar is shutting down.
-    Cancelled,
-}
+use super::lease::{Filing, Granted, Local, Outcome};
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
 pub(super) struct Slot<'a>(Option<&'a AtomicUsize>);
@@ -509,7 +483,7 @@ impl Core {
                         renewing: AtomicBool::new(false),
                         end: std::sync::OnceLock::new(),
                         ended: CancellationToken::new(),
-                        filing: expiry::Filing::default(),
+                        filing: Filing::default(),
                     });
                     leases.insert(g.token.clone(), local.clone());
                     slot.keep();

@@ -10,13 +10,14 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::sleep_until;
 
-use super::hold::{Look, expiry_checkpoint};
-use super::{Core, Local};
-use crate::clock::{instant_at, now_ms};
+use super::Core;
+use super::lease::Local;
+use crate::clock::{drift_ms, instant_at, ms, now_ms};
 
 /// Sleeping until this means: until a lease is filed.
 const NEVER: u64 = u64::MAX;
@@ -39,13 +40,6 @@ struct Due {
     wakes_at: u64,
     /// Whether the timer task has been started.
     started: bool,
-}
-
-/// Where a lease is filed: its checkpoint (0: not filed) and its id.
-#[derive(Default)]
-pub(super) struct Filing {
-    at: AtomicU64,
-    id: AtomicU64,
 }
 
 impl Default for Expiries {
@@ -161,6 +155,37 @@ impl Expiries {
             }
         }
     }
+}
+
+/// What the expiry timer found at a checkpoint, before asking the backend.
+pub(super) enum Look {
+    /// The lease has ended (or was given up now).
+    Ended,
+    /// Not due yet: look again at the next checkpoint.
+    Again,
+    /// Past its expiry by our clock: ask the backend.
+    Ask,
+}
+
+/// When the expiry timer next looks at `lease`: its expiry as seen now,
+/// and the safety margin before it (the expiry itself once inside the margin).
+pub(super) fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
+    let expires_at_ms = lease.expires_at_ms();
+    let margin = margin_ms(lease.ttl);
+    let checkpoint = if expires_at_ms > now_ms().saturating_add(margin) {
+        expires_at_ms - margin
+    } else {
+        expires_at_ms
+    };
+    (expires_at_ms, checkpoint)
+}
+
+/// How long before a lease's expiry the sidecar gives it up when its
+/// renewals cannot reach the backend: the drift allowance plus a tenth of the
+/// ttl, so that the holder is told `lost` before the backend can expire the
+/// lease and grant it to another sidecar.
+pub fn margin_ms(ttl: Duration) -> u64 {
+    drift_ms(ttl).saturating_add(ms(ttl) / 10)
 }
 
 #[cfg(test)]

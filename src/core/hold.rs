@@ -18,8 +18,8 @@ use crate::error::Error;
 use crate::lock::{Claim, LostReason};
 
 use super::Core;
-use super::acquire::{Granted, Outcome};
-use super::lease::{End, Local};
+use super::expiry::{Look, expiry_checkpoint};
+use super::lease::{End, Granted, Local, Outcome};
 
 /// What a hold stream reports, in order.
 pub enum HoldEvent {
@@ -394,37 +394,6 @@ pub(super) enum Tick {
     Renewed(Option<u64>),
     /// The expiry checkpoint came; whether a renewal was under way then.
     Checkpoint(bool),
-}
-
-/// What the expiry timer found at a checkpoint, before asking the backend.
-pub(super) enum Look {
-    /// The lease has ended (or was given up now).
-    Ended,
-    /// Not due yet: look again at the next checkpoint.
-    Again,
-    /// Past its expiry by our clock: ask the backend.
-    Ask,
-}
-
-/// When the expiry timer next looks at `lease`: its expiry as seen now,
-/// and the safety margin before it (the expiry itself once inside the margin).
-pub(super) fn expiry_checkpoint(lease: &Local) -> (u64, u64) {
-    let expires_at_ms = lease.expires_at_ms();
-    let margin = margin_ms(lease.ttl);
-    let checkpoint = if expires_at_ms > now_ms().saturating_add(margin) {
-        expires_at_ms - margin
-    } else {
-        expires_at_ms
-    };
-    (expires_at_ms, checkpoint)
-}
-
-/// How long before a lease's expiry the sidecar gives it up when its
-/// renewals cannot reach the backend: the drift allowance plus a tenth of the
-/// ttl, so that the holder is told `lost` before the backend can expire the
-/// lease and grant it to another sidecar.
-pub fn margin_ms(ttl: Duration) -> u64 {
-    drift_ms(ttl).saturating_add(ms(ttl) / 10)
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had

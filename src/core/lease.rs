@@ -1,17 +1,19 @@
 //! The leases granted through this sidecar ([`Local`]): their expiry and
-//! hold count as last seen, how each ended, and the mark a renewal under way
-//! leaves on one.
+//! hold count as last seen, how each ended, where the expiry timer has
+//! each filed, and the mark a renewal under way leaves on one; what an
+//! acquire gives back ([`Outcome`]).
 
+use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::Busy;
 use crate::lock::{LockKey, LostReason, Mode, Token};
 
 use super::event::{Event, EventType};
-use super::expiry;
 
 /// How a lease granted through this sidecar ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,7 +45,7 @@ pub struct Local {
     /// every lease has one, and a watch channel is several times larger.)
     pub(super) ended: CancellationToken,
     /// Where the shared expiry timer has it filed, if it has.
-    pub(super) filing: expiry::Filing,
+    pub(super) filing: Filing,
 }
 
 impl Local {
@@ -83,6 +85,31 @@ impl Local {
     }
 }
 
+/// A successful acquire.
+#[derive(Clone)]
+pub struct Granted {
+    pub lease: Arc<Local>,
+    pub count: u32,
+    pub expires_at_ms: u64,
+    pub waited: Duration,
+    /// The lease is new and its expiry timer is the caller's to run (a
+    /// hold runs it inside its watchdog); otherwise the shared timer has it
+    /// or, re-entered, had one already.
+    pub(super) supervise_here: bool,
+}
+
+/// The result of an acquire that did not fail.
+pub enum Outcome {
+    Granted(Granted),
+    /// Not granted within `wait` (`waited` is zero for try-once).
+    Busy {
+        busy: Busy,
+        waited: Duration,
+    },
+    /// The caller went away or the sidecar is shutting down.
+    Cancelled,
+}
+
 /// Clears a lease's `renewing` mark when a renewal is dropped unfinished (its
 /// client went away): it is no longer under way and may have worked, so the
 /// expiry timer asks the backend instead of giving the lease up.
@@ -94,4 +121,12 @@ impl Drop for Underway<'_> {
             renewing.store(false, Ordering::Relaxed);
         }
     }
+}
+
+/// Where the shared expiry timer has a lease filed: its checkpoint (0: not
+/// filed) and its id.
+#[derive(Default)]
+pub(super) struct Filing {
+    pub(super) at: AtomicU64,
+    pub(super) id: AtomicU64,
 }

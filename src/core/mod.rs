@@ -8,16 +8,19 @@
 //!
 //! # Layout
 //!
+//! Bottom layer first:
+//!
 //! * [`event`]: the events published to `/v1/events` and hold streams.
-//! * [`lease`]: the leases granted through this sidecar.
+//! * [`health`]: backend health as operators see it.
+//! * [`lease`]: the leases granted through this sidecar, and what an
+//!   acquire gives back.
+//! * [`expiry`]: the shared expiry timer, and when a lease is looked at.
+//! * [`hold`]: hold streams, the watchdog and the expiry checks.
 //! * [`acquire`]: caps, FIFO waiting, attempts and grants.
 //! * [`release`]: release, keepalive and revoked leases.
-//! * [`hold`]: hold streams, the watchdog and the expiry timer.
-//! * [`expiry`]: the shared expiry timer.
 //! * [`admin`]: inspect, list, stale keys and force-release.
 //! * [`election`]: elections over holds — leaders, observers, who leads here.
 //! * [`monitor`]: the one sidecar per backend that does backend-wide work.
-//! * [`health`]: backend health as operators see it.
 
 mod acquire;
 mod admin;
@@ -30,9 +33,8 @@ mod lease;
 pub mod monitor;
 mod release;
 
-pub use acquire::{Granted, Outcome};
 pub use hold::{HoldEvent, HoldEvents};
-pub use lease::Local;
+pub use lease::{Granted, Local, Outcome};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

@@ -12,7 +12,8 @@ use crate::lock::{LockKey, LostReason, Token};
 
 use super::Core;
 use super::event::EventType;
-use super::hold::{lapse_reason, margin_ms};
+use super::expiry::margin_ms;
+use super::hold::lapse_reason;
 use super::lease::{End, Local, Underway};
 
 impl Core {

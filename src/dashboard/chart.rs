@@ -4,7 +4,9 @@
 
 use super::format::{fmt_duration_ms, fmt_latency_ms, fmt_rate};
 use super::stats::{BUCKET_MS, Recent, StatsView};
-use super::view::CHART_BUCKETS;
+
+/// Buckets the charts show: the last 5 minutes (the history keeps 15).
+pub const CHART_BUCKETS: usize = 60;
 
 /// An axis label of a chart.
 #[derive(Debug, Clone)]

@@ -26,8 +26,6 @@ pub const LIMITS: [usize; 4] = [25, 50, 100, 200];
 pub const PING_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Inspections run at once while building a page.
 const INSPECT_CONCURRENCY: usize = 16;
-/// Buckets the charts show: the last 5 minutes (the history keeps 15).
-pub const CHART_BUCKETS: usize = 60;
 /// A TTL below this is highlighted.
 const TTL_WARN_MS: u64 = 5_000;
 

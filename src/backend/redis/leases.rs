@@ -373,7 +373,7 @@ impl Node {
     fn handoff_arg(&self) -> &'static str {
         match (self.handoff, &self.target) {
             (false, _) => "0",
-            (true, super::node::Target::Cluster { .. }) => "2",
+            (true, super::conn::Target::Cluster { .. }) => "2",
             (true, _) => "1",
         }
     }

@@ -19,14 +19,10 @@ const LEADS_FOREVER_MS: u64 = 10_000 * 365 * 24 * 3_600_000;
 /// page always scans, so it shows every key in use at the time.
 const LISTED_FOR: Duration = Duration::from_secs(2);
 
-use super::node::{Conn, Node, Target, config, scan, unavailable};
+use super::conn::{Conn, Target, config, scan, unavailable};
+use super::lock;
+use super::node::{Listed, Node};
 use super::scripts::{glob_escape, int, reason_of, text};
-
-/// The keys in use as one scan found them, sorted as listings page them.
-pub(super) struct Listed {
-    at: Instant,
-    keys: Vec<LockKey>,
-}
 
 impl Node {
     /// The lock a key of this prefix belongs to: a main key
@@ -56,7 +52,7 @@ impl Node {
     /// `fresh`, else from one at most [`LISTED_FOR`] old.
     pub(super) async fn keys_in_use(&self, fresh: bool) -> Result<Vec<LockKey>, Error> {
         if !fresh
-            && let Some(listed) = super::members::lock(&self.listed).as_ref()
+            && let Some(listed) = lock(&self.listed).as_ref()
             && listed.at.elapsed() < LISTED_FOR
         {
             return Ok(listed.keys.clone());
@@ -87,7 +83,7 @@ impl Node {
         }
         keys.sort_by_cached_key(ToString::to_string);
         keys.dedup();
-        *super::members::lock(&self.listed) = Some(Listed {
+        *lock(&self.listed) = Some(Listed {
             at: Instant::now(),
             keys: keys.clone(),
         });

@@ -1,115 +1,24 @@
 //! A node as a backend uses it ([`Member`]): this sidecar's queue tickets on
-//! it, kept alive by one heartbeat task, and the keys to reconcile after
-//! failed calls.
+//! it, kept alive by one heartbeat task, the keys to reconcile after failed
+//! calls, and the lock channels watched on every member ([`watch`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::mpsc;
+use redis::{ErrorKind, RedisError};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Attempt, Busy, Error};
+use crate::backend::{Attempt, Busy, Error, Watch};
 use crate::lock::{Claim, Kind, LockKey, Token};
 use crate::wakeups::Wakeups;
 
-use super::HEARTBEAT_EVERY;
+use super::conn::unavailable;
 use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
 use super::pubsub::{Sub, Watchers, deliver, pubsub};
-
-/// One of this sidecar's queue entries on a node: the token it queued with
-/// (the lease's, when the lock is handed to it) and the entry as its join
-/// wrote it, by which the scripts find it.
-#[derive(Clone)]
-pub(super) struct Queued {
-    pub(super) token: Token,
-    pub(super) entry: String,
-}
-
-/// How long a ticket that left the queue is remembered ([`Tickets::finished`]).
-const FINISHED_FOR: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// This sidecar's tickets on one node, shared by its member and its pub/sub task.
-#[derive(Default)]
-pub(super) struct Tickets {
-    /// Queued tickets per key, by the node's ticket numbers.
-    pub(super) queued: HashMap<LockKey, BTreeMap<u64, Queued>>,
-    /// Tickets that left the queue lately (granted, handed over, dequeued):
-    /// a handoff message for one of them is no lease nobody knows.
-    pub(super) finished: Finished,
-    /// Tickets whose waiter left while the node could not be told: their
-    /// leaving is sent again (the key's reconciling, the caller's retries),
-    /// and a lock handed to one meanwhile is given back.
-    pub(super) abandoned: HashMap<(LockKey, u64), Queued>,
-}
-
-/// Tickets that left the queue in the last [`FINISHED_FOR`]. Each is
-/// forgotten once, oldest first, when a later one is added: a sidecar that
-/// hands over a thousand locks a second remembers sixty thousand, and
-/// adding one must not look at all of them.
-#[derive(Default)]
-pub(super) struct Finished {
-    /// When each ticket last left.
-    at: HashMap<(LockKey, u64), std::time::Instant>,
-    /// The same tickets (a ticket that left twice: twice), oldest first.
-    order: std::collections::VecDeque<(std::time::Instant, LockKey, u64)>,
-}
-
-impl Finished {
-    /// Remembers that ticket `seq` on `key` left at `now`, and forgets the
-    /// tickets that left [`FINISHED_FOR`] before it. Returns how many it
-    /// forgot.
-    pub(super) fn add(&mut self, key: &LockKey, seq: u64, now: std::time::Instant) -> usize {
-        let mut forgot = 0;
-        while let Some((left, ..)) = self.order.front() {
-            if now.saturating_duration_since(*left) < FINISHED_FOR {
-                break;
-            }
-            let Some((left, old_key, old_seq)) = self.order.pop_front() else {
-                break;
-            };
-            let id = (old_key, old_seq);
-            // Not when it left again later: that entry is further back.
-            if self.at.get(&id) == Some(&left) {
-                self.at.remove(&id);
-                forgot += 1;
-            }
-        }
-        self.at.insert((key.clone(), seq), now);
-        self.order.push_back((now, key.clone(), seq));
-        forgot
-    }
-
-    /// Whether ticket `seq` on `key` left lately.
-    pub(super) fn has(&self, key: &LockKey, seq: u64) -> bool {
-        self.at.contains_key(&(key.clone(), seq))
-    }
-
-    /// How many tickets are remembered.
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.at.len()
-    }
-}
-
-impl Tickets {
-    /// Whether ticket `seq` on `key` is queued or left lately.
-    pub(super) fn knows(&self, key: &LockKey, seq: u64) -> bool {
-        self.queued.get(key).is_some_and(|s| s.contains_key(&seq)) || self.finished.has(key, seq)
-    }
-
-    /// This process's queued entries on `key`, in ticket order.
-    pub(super) fn entries(&self, key: &LockKey) -> Vec<String> {
-        self.queued
-            .get(key)
-            .map(|s| s.values().map(|q| q.entry.clone()).collect())
-            .unwrap_or_default()
-    }
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use super::tickets::{Numbering, Queued, Tickets, track};
+use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 
 /// One node as a backend uses it: the node, this sidecar's tickets on it
 /// (kept alive by a heartbeat task), keys to reconcile after failed calls,
@@ -126,18 +35,6 @@ pub struct Member {
     pub connected: Arc<std::sync::atomic::AtomicBool>,
     /// This sidecar's waiters, told of what the node's replies hand them.
     wakeups: Wakeups,
-}
-
-/// Whose numbering a node's queue tickets follow, which decides how a
-/// release message that names the next ticket (`h<seq>`) wakes.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Numbering {
-    /// The node's tickets are the local queues' own (one Redis): only the
-    /// named ticket is woken.
-    Shared,
-    /// Each node numbers its tickets its own way (Redlock): every named
-    /// ticket wakes the local queue head, as a plain release does.
-    PerNode,
 }
 
 impl Member {
@@ -351,6 +248,77 @@ impl Member {
     }
 }
 
+/// Subscribes `key`'s channel on every member (once per channel however many
+/// local waiters watch it) and resolves when `quorum` members confirmed.
+///
+/// # Errors
+/// [`Error::Unavailable`] when fewer than `quorum` members could subscribe.
+pub async fn watch(
+    members: &[Arc<Member>],
+    watchers: &Watchers,
+    key: &LockKey,
+    quorum: usize,
+) -> Result<Watch, Error> {
+    let channel = members[0].node.channel(key);
+    let first = {
+        let mut w = lock(watchers);
+        let entry = w.entry(channel.clone()).or_insert_with(|| (key.clone(), 0));
+        entry.1 += 1;
+        entry.1 == 1
+    };
+    let guard = WatchGuard {
+        channel: channel.clone(),
+        watchers: watchers.clone(),
+        subs: members.iter().map(|m| m.subs.clone()).collect(),
+    };
+    if first {
+        let acks = members.iter().map(|m| {
+            let (ack, done) = oneshot::channel();
+            let _ = m.subs.send(Sub::Subscribe(channel.clone(), ack));
+            async move {
+                matches!(
+                    tokio::time::timeout(CALL_TIMEOUT, done).await,
+                    Ok(Ok(Ok(())))
+                )
+            }
+        });
+        let confirmed = futures::future::join_all(acks)
+            .await
+            .into_iter()
+            .filter(|ok| *ok)
+            .count();
+        if confirmed < quorum {
+            return Err(unavailable(
+                "subscribe",
+                RedisError::from((ErrorKind::Io, "subscription not confirmed")),
+            ));
+        }
+    }
+    Ok(Box::new(guard))
+}
+
+/// Unsubscribes when the last local watcher of a channel goes.
+pub(super) struct WatchGuard {
+    pub(super) channel: String,
+    pub(super) watchers: Watchers,
+    pub(super) subs: Vec<mpsc::UnboundedSender<Sub>>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let mut watchers = lock(&self.watchers);
+        if let Some(entry) = watchers.get_mut(&self.channel) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                watchers.remove(&self.channel);
+                for subs in &self.subs {
+                    let _ = subs.send(Sub::Unsubscribe(self.channel.clone()));
+                }
+            }
+        }
+    }
+}
+
 /// Whether a queue entry (`<seq> <mode> …`, lean.lua) is an exclusive claim.
 fn exclusive(entry: &str) -> bool {
     entry.split(' ').nth(1) == Some("x")
@@ -368,30 +336,6 @@ impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key {
             lock(self.suspect).insert(key.clone());
-        }
-    }
-}
-
-/// Adds (`Some`) or removes this sidecar's ticket `seq` on `key`; a removed
-/// one is remembered as finished for a while.
-pub(super) fn track(tickets: &Mutex<Tickets>, key: &LockKey, seq: u64, queued: Option<Queued>) {
-    let mut tickets = lock(tickets);
-    match queued {
-        Some(q) => {
-            tickets
-                .queued
-                .entry(key.clone())
-                .or_default()
-                .insert(seq, q);
-        }
-        None => {
-            if let Some(seqs) = tickets.queued.get_mut(key) {
-                seqs.remove(&seq);
-                if seqs.is_empty() {
-                    tickets.queued.remove(key);
-                }
-            }
-            tickets.finished.add(key, seq, std::time::Instant::now());
         }
     }
 }
@@ -420,54 +364,5 @@ pub(super) async fn heartbeats(member: std::sync::Weak<Member>, stop: Cancellati
                 tracing::debug!(lock = %key, error = %e, "heartbeat failed");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::{Duration, Instant};
-
-    use super::{FINISHED_FOR, Finished};
-    use crate::lock::LockKey;
-
-    fn key(name: &str) -> LockKey {
-        LockKey::lock(name)
-    }
-
-    /// A ticket is known for [`FINISHED_FOR`] after it last left, and then
-    /// forgotten; adding one forgets only the tickets whose time is up, so
-    /// a busy sidecar's handoffs do not each look at every ticket of the
-    /// last minute (they did: sixty thousand at a thousand handoffs a second).
-    #[test]
-    fn finished_tickets_are_forgotten_oldest_first_one_by_one() {
-        let (a, b) = (key("a"), key("b"));
-        let t0 = Instant::now();
-        let mut finished = Finished::default();
-        let step = Duration::from_millis(1);
-        let n = 3 * FINISHED_FOR.as_millis() as u64;
-        let mut forgot = 0;
-        for i in 0..n {
-            forgot += finished.add(&a, i, t0 + step * i as u32);
-            // No more than a minute's worth is ever remembered.
-            assert!(finished.len() <= FINISHED_FOR.as_millis() as usize + 1);
-        }
-        assert_eq!(
-            forgot + finished.len(),
-            n as usize,
-            "each ticket forgotten once"
-        );
-        assert!(finished.has(&a, n - 1));
-        assert!(!finished.has(&a, 0));
-        assert!(!finished.has(&b, n - 1));
-
-        // A ticket that leaves again is kept from its last time.
-        let mut finished = Finished::default();
-        finished.add(&b, 7, t0);
-        finished.add(&b, 7, t0 + FINISHED_FOR / 2);
-        assert_eq!(finished.add(&a, 1, t0 + FINISHED_FOR), 0);
-        assert!(finished.has(&b, 7));
-        assert_eq!(finished.add(&a, 2, t0 + FINISHED_FOR * 2), 2);
-        assert!(!finished.has(&b, 7));
-        assert!(!finished.has(&a, 1));
     }
 }

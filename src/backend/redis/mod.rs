@@ -44,25 +44,34 @@
 //!
 //! # Layout
 //!
-//! * [`node`]: one logical Redis with sidelock's key layout (shared with Redlock).
+//! Bottom layer first:
+//!
+//! * [`conn`]: one connection to a deployment, its time limits, the server
+//!   clock as read here.
 //! * [`scripts`]: the Lua scripts, their calls and reply decoding.
-//! * [`leases`]: a node's lease operations.
+//! * [`tickets`]: this sidecar's queue tickets on a node.
+//! * [`node`]: one logical Redis with sidelock's key layout (shared with Redlock).
 //! * [`listing`]: the keys in use (by SCAN) and `/v1/stale`.
-//! * [`members`]: a node as a backend uses it, with its heartbeats.
-//! * [`pubsub`]: wake-ups over pub/sub.
+//! * [`pubsub`]: wake-ups and handoffs over pub/sub.
+//! * [`leases`]: a node's lease operations.
+//! * [`members`]: a node as a backend uses it, with its heartbeats and
+//!   subscriptions.
 
+mod conn;
 mod leases;
 mod listing;
 mod members;
 mod node;
 mod pubsub;
 mod scripts;
+mod tickets;
 
-pub use members::{Member, Numbering};
+pub use members::{Member, watch};
 pub use node::{Node, Step};
-pub use pubsub::{Watchers, watch};
+pub use pubsub::Watchers;
+pub use tickets::Numbering;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -82,6 +91,12 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 const HEARTBEAT_TTL: Duration = Duration::from_secs(15);
 /// Connect and response timeout of every Redis call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Locks `m`, also after a thread panicked holding it (the state it guards
+/// stays usable: every update is one step).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The `redis://` family backend: one [`Member`].
 pub struct Redis {

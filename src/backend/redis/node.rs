@@ -6,83 +6,25 @@
 use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
 use tokio_util::sync::CancellationToken;
 
-use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{AsyncConnectionConfig, Cmd, ErrorKind, RedisError, RedisFuture, Script, Value};
+use redis::{ErrorKind, RedisError, Script, Value};
 
 use crate::backend::Error;
 use crate::backend::url::{Parts, bad_url};
 use crate::clock::now_ms;
 use crate::lock::{Kind, LockKey};
 
-use super::CALL_TIMEOUT;
-use super::members::lock;
+use super::conn::{Clock, Conn, Connecting, Target, config, unavailable};
 use super::scripts::{Call, Scripts};
-
-/// How to reach the Redis deployment.
-pub(super) enum Target {
-    Single(redis::Client),
-    Sentinel(tokio::sync::Mutex<SentinelClient>),
-    Cluster {
-        client: ClusterClient,
-        /// The seed nodes, for the pub/sub connection.
-        seeds: Vec<redis::Client>,
-    },
-}
-
-/// A Cluster connect under way, shared by every caller waiting for it.
-pub(super) type Connecting = Shared<BoxFuture<'static, Result<Conn, RedisError>>>;
+use super::{CALL_TIMEOUT, lock};
 
 /// The longest a Cluster connect may take: it waits for every seed (a hung
 /// one for its connect and response time limits), asks them for the slot
 /// map one by one, then connects to the nodes of that map.
 const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// A live connection of either shape.
-#[derive(Clone)]
-pub(super) enum Conn {
-    Plain(MultiplexedConnection),
-    Cluster(ClusterConnection),
-}
-
-impl ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Plain(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Plain(c) => c.req_packed_commands(cmd, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Plain(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
-}
-
-pub(super) fn config() -> AsyncConnectionConfig {
-    AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(CALL_TIMEOUT))
-        .set_response_timeout(Some(CALL_TIMEOUT))
-}
 
 /// One logical Redis (a server, a Sentinel-managed master, or a Cluster)
 /// with sidelock's key layout and scripts. Redlock runs several of these.
@@ -111,7 +53,7 @@ pub struct Node {
     /// Where this node's URL is shown (without password).
     pub url: String,
     /// The keys in use, as the last listing found them (see [`super::listing`]).
-    pub(super) listed: Mutex<Option<super::listing::Listed>>,
+    pub(super) listed: Mutex<Option<Listed>>,
     /// This sidecar process, as its queue entries, heartbeats and own
     /// channel name it: random, so that a sidecar restarted under the same
     /// id is not taken for the process that queued.
@@ -125,6 +67,12 @@ pub struct Node {
     pub(super) handoff: bool,
     /// The backend's shutdown: stops a Cluster connect under way.
     pub(super) stop: CancellationToken,
+}
+
+/// The keys in use as one scan found them, sorted as listings page them.
+pub(super) struct Listed {
+    pub(super) at: std::time::Instant,
+    pub(super) keys: Vec<LockKey>,
 }
 
 impl Node {
@@ -506,34 +454,6 @@ const MAX_REDIRECTS: u32 = 5;
 /// next): the client reads the new slot map meanwhile.
 const REDIRECT_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// String keys matching `pattern` that have no expiry, on one server.
-pub(super) async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, RedisError> {
-    let mut found = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .arg("TYPE")
-            .arg("string")
-            .query_async(c)
-            .await?;
-        for k in keys {
-            let pttl: i64 = redis::cmd("PTTL").arg(&k).query_async(c).await?;
-            if pttl == -1 {
-                found.push(k);
-            }
-        }
-        if next == 0 {
-            return Ok(found);
-        }
-        cursor = next;
-    }
-}
-
 /// How one node takes part in the queue for one attempt (a [`Turn`] with
 /// the node's own ticket number).
 #[derive(Debug, Clone, Copy)]
@@ -541,33 +461,6 @@ pub enum Step {
     Once,
     Join,
     Queued(u64),
-}
-
-/// Translates server timestamps into this sidecar's clock.
-pub(super) struct Clock {
-    /// Server milliseconds minus local milliseconds.
-    pub(super) skew: i64,
-    /// [`Node::ahead`] as last measured, if ever.
-    pub(super) ahead: Option<i64>,
-}
-
-impl Clock {
-    pub(super) fn local(&self, server_ms: i64) -> u64 {
-        (server_ms - self.skew).max(0) as u64
-    }
-
-    /// The local time of a lease's end at `server_ms`, never later than
-    /// that end. The offset is read off replies as they arrive, so a slow
-    /// way back makes every server time look later than it is; counted
-    /// with the offset at the sending of a call instead (at least the true
-    /// one), the end is early by at most the way there.
-    pub(super) fn end(&self, server_ms: i64) -> u64 {
-        let local = self.local(server_ms);
-        match self.ahead {
-            Some(ahead) => local.min((server_ms - ahead).max(0) as u64),
-            None => local,
-        }
-    }
 }
 
 impl Node {
@@ -630,13 +523,6 @@ impl Node {
             skew,
             ahead: Some(ahead),
         }
-    }
-}
-
-pub(super) fn unavailable(op: &'static str, e: RedisError) -> Error {
-    Error::Unavailable {
-        op,
-        source: Box::new(e),
     }
 }
 

@@ -11,13 +11,12 @@ use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Error, Watch};
 use crate::lock::LockKey;
 use crate::wakeups::{Handoff, Wakeups};
 
-use super::CALL_TIMEOUT;
-use super::members::{Member, Numbering, Tickets, lock, track};
-use super::node::{Node, unavailable};
+use super::node::Node;
+use super::tickets::{Numbering, Tickets, track};
+use super::{CALL_TIMEOUT, lock};
 
 /// Requests to a pub/sub task.
 pub(super) enum Sub {
@@ -27,55 +26,6 @@ pub(super) enum Sub {
 
 /// Local watchers per wake channel; subscriptions live while above zero.
 pub type Watchers = Arc<Mutex<HashMap<String, (LockKey, usize)>>>;
-
-/// Subscribes `key`'s channel on every member (once per channel however many
-/// local waiters watch it) and resolves when `quorum` members confirmed.
-///
-/// # Errors
-/// [`Error::Unavailable`] when fewer than `quorum` members could subscribe.
-pub async fn watch(
-    members: &[Arc<Member>],
-    watchers: &Watchers,
-    key: &LockKey,
-    quorum: usize,
-) -> Result<Watch, Error> {
-    let channel = members[0].node.channel(key);
-    let first = {
-        let mut w = lock(watchers);
-        let entry = w.entry(channel.clone()).or_insert_with(|| (key.clone(), 0));
-        entry.1 += 1;
-        entry.1 == 1
-    };
-    let guard = WatchGuard {
-        channel: channel.clone(),
-        watchers: watchers.clone(),
-        subs: members.iter().map(|m| m.subs.clone()).collect(),
-    };
-    if first {
-        let acks = members.iter().map(|m| {
-            let (ack, done) = oneshot::channel();
-            let _ = m.subs.send(Sub::Subscribe(channel.clone(), ack));
-            async move {
-                matches!(
-                    tokio::time::timeout(CALL_TIMEOUT, done).await,
-                    Ok(Ok(Ok(())))
-                )
-            }
-        });
-        let confirmed = futures::future::join_all(acks)
-            .await
-            .into_iter()
-            .filter(|ok| *ok)
-            .count();
-        if confirmed < quorum {
-            return Err(unavailable(
-                "subscribe",
-                RedisError::from((ErrorKind::Io, "subscription not confirmed")),
-            ));
-        }
-    }
-    Ok(Box::new(guard))
-}
 
 /// Keeps one subscription per watched channel on one pub/sub connection;
 /// a message wakes the local queue head of its lock, or delivers the lease
@@ -427,26 +377,4 @@ pub(super) fn next_ticket(msg: &redis::Msg) -> Option<u64> {
         .ok()?
         .parse()
         .ok()
-}
-
-/// Unsubscribes when the last local watcher of a channel goes.
-pub(super) struct WatchGuard {
-    pub(super) channel: String,
-    pub(super) watchers: Watchers,
-    pub(super) subs: Vec<mpsc::UnboundedSender<Sub>>,
-}
-
-impl Drop for WatchGuard {
-    fn drop(&mut self) {
-        let mut watchers = lock(&self.watchers);
-        if let Some(entry) = watchers.get_mut(&self.channel) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                watchers.remove(&self.channel);
-                for subs in &self.subs {
-                    let _ = subs.send(Sub::Unsubscribe(self.channel.clone()));
-                }
-            }
-        }
-    }
 }

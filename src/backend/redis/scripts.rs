@@ -10,7 +10,7 @@ use redis::{Cmd, ErrorKind, RedisError, Script, Value};
 use crate::backend::{Error, Holder, Waiter};
 use crate::lock::{Held, Kind, Mode};
 
-use super::node::{Clock, Conn, unavailable};
+use super::conn::{Clock, Conn, unavailable};
 
 pub(super) const LEAN: &str = include_str!("lean.lua");
 pub(super) const HAND_OVER: &str = include_str!("hand_over.lua");
