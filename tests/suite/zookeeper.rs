@@ -266,6 +266,95 @@ async fn a_lease_granted_by_its_listing_is_shown_and_force_released_through_anot
     }
 }
 
+// A force-release ends the holders' leases and starts their lock-delay in
+// one request. It deleted their nodes first and wrote the lock-delay after:
+// a sidecar cut off between the two left the lock free, and the next claim
+// was granted at once, inside the lock-delay (and above no recorded fence).
+#[tokio::test]
+async fn a_force_release_cut_off_midway_never_frees_the_lock_inside_its_lock_delay() {
+    const ADMIN: &str = "admin-token-of-the-cut-force-release-test";
+    let server = ZkServer::start_reaping_slowly().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let cut = SidecarBuilder::new(&format!("zk://127.0.0.1:{}/cutforce", proxy.port()))
+        .admin_token(ADMIN)
+        .start()
+        .await;
+    let direct = sidecar(&server.url("/cutforce")).await;
+    let name = unique_name("cutforce");
+    let lock = direct.api().lock(&name);
+    let holder = lock
+        .acquire(&[("owner", "holder"), ("ttl", "60s"), ("lock_delay", "30s")])
+        .await;
+
+    // The first write of a lock record (the lock node's or the delay node's
+    // JSON, with `delay_until_ms`, which no read sends) never reaches the
+    // server: the lock-delay's, with or after the deletes.
+    proxy.refuse(br#""delay_until_ms""#, 1);
+    let admin = cut.api_with_token(ADMIN).lock(&name);
+    let cut_off = admin.force_release_raw().await;
+    assert!(
+        cut_off.status() == StatusCode::SERVICE_UNAVAILABLE,
+        "a force-release whose write was lost: {}",
+        cut_off.status()
+    );
+    assert!(!proxy.refusing(), "the write was refused");
+    let busy = lock.acquire_busy(&[("owner", "next")]).await;
+    assert_eq!(
+        lock.inspect().await.holder_owners(),
+        ["holder"],
+        "nothing was force-released: {busy}"
+    );
+
+    // Done again, it ends the lease and the lock-delay runs.
+    assert_eq!(admin.force_release().await, 1);
+    lock.keepalive_lost(&holder.token).await;
+    let busy = lock.acquire_busy(&[("owner", "next")]).await;
+    assert!(
+        lock.inspect().await.holders.is_empty(),
+        "free, inside its lock-delay: {busy}"
+    );
+    assert!(lock.inspect().await.fence >= holder.fence);
+}
+
+// A force-release of many holders that renew all the time, through another
+// sidecar: renewals rewrite the holders' nodes, and deleting each node only
+// at the version it was read at made every attempt fail (30 hold streams
+// renewing every 100 ms: 503 after every round). A lease written held stays
+// held until its node goes, so its renewals no longer matter.
+#[tokio::test]
+async fn a_force_release_of_holders_renewing_all_the_time_releases_them_all() {
+    const ADMIN: &str = "admin-token-of-the-renewing-holders-test";
+    const PERMITS: usize = 30;
+    let server = ZkServer::start().await;
+    let url = server.url("/renewing");
+    let holders = sidecar(&url).await;
+    let admin = SidecarBuilder::new(&url).admin_token(ADMIN).start().await;
+    let name = unique_name("renewing");
+    let semaphore = holders.api().semaphore(&name);
+    let limit = PERMITS.to_string();
+    let mut streams = Vec::new();
+    for _ in 0..PERMITS {
+        let mut stream = semaphore.hold(&[("limit", &limit), ("ttl", "300ms")]).await;
+        stream.expect_acquired().await;
+        streams.push(stream);
+    }
+    let released = admin
+        .api_with_token(ADMIN)
+        .semaphore(&name)
+        .force_release()
+        .await;
+    assert_eq!(released, PERMITS as u64);
+    for stream in &mut streams {
+        // Told by its own sidecar, which sees the lease gone from the backend.
+        let reason = stream.expect_lost().await;
+        assert!(
+            ["force_released", "backend"].contains(&reason.as_str()),
+            "{reason}"
+        );
+    }
+    assert!(semaphore.inspect().await.holders.is_empty());
+}
+
 /// Blocked waiters cost ZooKeeper nothing but the sessions' own pings,
 /// however many there are: 10 and 300 waiters over two sidecars, the
 /// server's packets counted over 5 s once all are queued.

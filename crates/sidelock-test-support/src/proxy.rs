@@ -102,6 +102,12 @@ impl CuttingProxy {
         self.slow.lock().expect("slow").refuse = (times > 0).then(|| (needle.to_vec(), times));
     }
 
+    /// Whether requests armed with [`refuse`](Self::refuse) are still to
+    /// come.
+    pub fn refusing(&self) -> bool {
+        self.slow.lock().expect("slow").refuse.is_some()
+    }
+
     /// Whether the armed cut is still to come.
     pub fn armed(&self) -> bool {
         self.trigger.lock().expect("trigger").is_some()

@@ -8,8 +8,8 @@ use zookeeper_client as zk;
 
 use super::data::{CONFIRM_WAIT, Node, NodeData, fence_of};
 use super::names::{DELAY_NODE, decode_name};
-use super::request::{call, unavailable};
-use super::tree::Listing;
+use super::request::{Failed, Message, PARENT_ROUNDS, call, commit, unavailable};
+use super::tree::{Listing, add_end_record, conflict};
 use super::{Inner, lock};
 use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
 use crate::clock::{ms, now_ms};
@@ -274,28 +274,104 @@ impl Inner {
     }
 
     /// [`Backend::force_release`](crate::backend::Backend::force_release):
-    /// deletes every holder's node of `key`, starting the longest of their
-    /// lock-delays.
+    /// deletes every holder's node of `key`, records their highest fence and
+    /// starts the longest of their lock-delays, in one request — so that a
+    /// sidecar cut off midway leaves every lease or none, never a free lock
+    /// inside a lock-delay.
     pub(super) async fn force_release(
         self: &Arc<Self>,
         key: &LockKey,
     ) -> Result<Vec<Token>, Error> {
+        const OP: &str = "force_release";
         let zk = self.client().await?;
         let parent = self.key_path(key);
-        let (listing, nodes, _) = self.snapshot(&zk, "force_release", key, &parent).await?;
-        let mut tokens = Vec::new();
-        let (mut delay, mut fence) = (0, 0);
-        let head = self.unwritten_head(key, &listing, &nodes);
-        for node in &nodes {
+        let mut rounds = 0;
+        let ended = 'read: loop {
+            let (mut listing, nodes, _) = self.snapshot(&zk, OP, key, &parent).await?;
+            let mut ending = self
+                .holders_to_end(&zk, key, &parent, &listing, &nodes)
+                .await?;
+            loop {
+                if ending.is_empty() {
+                    break 'read ending;
+                }
+                if rounds == PARENT_ROUNDS {
+                    return Err(unavailable(OP, Message("the lock kept changing".into())));
+                }
+                rounds += 1;
+                let mut writer = zk.new_multi_writer();
+                for e in &ending {
+                    writer
+                        .add_delete(&e.path, e.version)
+                        .map_err(|e| unavailable(OP, e))?;
+                }
+                let fence = ending.iter().map(|e| e.fence).max().unwrap_or(0);
+                let delay = ending.iter().map(|e| e.lock_delay_ms).max().unwrap_or(0);
+                let until = if delay > 0 {
+                    now_ms().saturating_add(delay)
+                } else {
+                    0
+                };
+                add_end_record(&mut writer, OP, &parent, &listing, fence, until)?;
+                match commit(OP, writer.commit()).await? {
+                    Ok(_) => break 'read ending,
+                    // A lease that ended meanwhile is left out (its end was
+                    // recorded with it); a tentative grant that changed may
+                    // no longer hold: everything is read again.
+                    Err(Failed {
+                        index,
+                        error: zk::Error::NoNode,
+                    }) if index < ending.len() => {
+                        ending.remove(index);
+                    }
+                    Err(Failed {
+                        index,
+                        error: zk::Error::BadVersion,
+                    }) if index < ending.len() => continue 'read,
+                    // The lock node's record or the delay node changed (a
+                    // lease ended): only they are read again, not every
+                    // holder.
+                    Err(failed) => {
+                        conflict::<()>(OP, failed)?;
+                    }
+                }
+                listing = self.children(&zk, OP, &parent).await?;
+            }
+        };
+        let tokens: Vec<Token> = ended.into_iter().map(|e| e.token).collect();
+        if !tokens.is_empty() {
+            let mut leases = lock(&self.leases);
+            for token in &tokens {
+                leases.remove(token);
+            }
+            drop(leases);
+            self.wakeups.wake(key);
+        }
+        Ok(tokens)
+    }
+
+    /// The holders of `key` among `nodes` (as `listing` showed them), for a
+    /// force-release to end.
+    async fn holders_to_end(
+        self: &Arc<Self>,
+        zk: &zk::Client,
+        key: &LockKey,
+        parent: &str,
+        listing: &Listing,
+        nodes: &[Node],
+    ) -> Result<Vec<Ending>, Error> {
+        let head = self.unwritten_head(key, listing, nodes);
+        let mut ending = Vec::new();
+        for node in nodes {
             // The first claim of a free lock, still written as waiting, may
-            // hold it: granted by its listing through another sidecar,
-            // which writes it held in a moment. Released once it does (503
-            // while it does not: it may be a waiter whose sidecar is cut
-            // off, which must not be deleted as a holder).
+            // hold it: granted by its listing through another sidecar, which
+            // writes it held in a moment. Released once it does (503 while it
+            // does not: it may be a waiter whose sidecar is cut off, which
+            // must not be deleted as a holder).
             let mut node = node.clone();
             if head.is_some_and(|h| h.child.name == node.child.name) {
                 match self
-                    .confirmed(&zk, "force_release", &parent, &node, CONFIRM_WAIT)
+                    .confirmed(zk, "force_release", parent, &node, CONFIRM_WAIT)
                     .await?
                 {
                     Some(written) => node = written,
@@ -305,31 +381,27 @@ impl Inner {
             let Some(d) = node.data.as_ref().filter(|d| d.held) else {
                 continue;
             };
-            let path = format!("{parent}/{}", node.child.name);
-            match call("force_release", zk.delete(&path, None)).await? {
-                Ok(()) => {
-                    let token = Token::from_client(d.token.clone());
-                    lock(&self.leases).remove(&token);
-                    tokens.push(token);
-                    delay = delay.max(d.lock_delay_ms);
-                    fence = fence.max(fence_of(d, &node.stat));
-                }
-                Err(zk::Error::NoNode) => {}
-                Err(e) => return Err(unavailable("force_release", e)),
-            }
+            ending.push(Ending {
+                path: format!("{parent}/{}", node.child.name),
+                // A lease written held stays held until its node goes (its
+                // renewals rewrite it, and must not make the request fail);
+                // a tentative grant may yet be written back as waiting.
+                version: d.tentative.then_some(node.stat.version),
+                token: Token::from_client(d.token.clone()),
+                fence: fence_of(d, &node.stat),
+                lock_delay_ms: d.lock_delay_ms,
+            });
         }
-        if !tokens.is_empty() {
-            let until = if delay > 0 {
-                now_ms().saturating_add(delay)
-            } else {
-                0
-            };
-            self.record_end(&zk, "force_release", &parent, fence, until)
-                .await?;
-        }
-        if !tokens.is_empty() {
-            self.wakeups.wake(key);
-        }
-        Ok(tokens)
+        Ok(ending)
     }
+}
+
+/// A holder's node that a force-release deletes.
+struct Ending {
+    path: String,
+    /// The version it is deleted at, if it must not have changed.
+    version: Option<i32>,
+    token: Token,
+    fence: u64,
+    lock_delay_ms: u64,
 }

@@ -76,12 +76,13 @@
 //! ensemble's life, also after the parent is removed and created again. The
 //! parent's data records the highest fence of the leases that ended on the
 //! lock, written by the request that deletes a lease's node (release,
-//! expiry; a force-release writes it right after its deletes, and the
-//! fences of leases lost with the session are recorded through the next
-//! session): `inspect` shows it for a lock nobody holds. A lock-delay is the
-//! data of a persistent child `_sidelock_delay`, written by the request that
-//! deletes the expired lease (by a force-release right after its deletes),
-//! so that whoever sees the lease gone also sees the delay; it keeps the
+//! expiry, force-release, which deletes every holder's node in one
+//! request; the fences of leases lost with the session are recorded
+//! through the next session): `inspect` shows it for a lock nobody holds,
+//! until the emptied lock node is removed. A lock-delay is the data of a
+//! persistent child `_sidelock_delay`, written by the request that deletes
+//! the expired (or force-released) lease, so that whoever sees the lease
+//! gone also sees the delay; it keeps the
 //! container parent from being reaped while the delay runs and is deleted
 //! once it is over. The per-lock ttl is enforced here: a node whose expiry
 //! passed is deleted by whichever sidecar notices (its status check, a

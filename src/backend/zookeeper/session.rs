@@ -165,8 +165,7 @@ impl Inner {
         let recorded = async {
             let zk = self.client().await?;
             for (parent, fence) in &fences {
-                self.record_end(&zk, "record_lost", parent, *fence, 0)
-                    .await?;
+                self.record_end(&zk, "record_lost", parent, *fence).await?;
             }
             Ok::<(), Error>(())
         };

@@ -386,32 +386,11 @@ impl Inner {
         delay_until: u64,
         listing: &Listing,
     ) -> Result<Result<(), Failed>, Error> {
-        let delay_path = format!("{parent}/{DELAY_NODE}");
-        let record =
-            serde_json::to_vec(&listing.parent.data.ended(lease.fence)).unwrap_or_default();
-        let delay = serde_json::to_vec(&ParentData {
-            fence: 0,
-            delay_until_ms: delay_until,
-        })
-        .unwrap_or_default();
-        let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
         let mut writer = zk.new_multi_writer();
-        let mut added = vec![writer.add_delete(&lease.path, Some(lease.version))];
-        if let Some(version) = listing.parent.version {
-            added.push(writer.add_set_data(parent, &record, Some(version)));
-        }
-        if delay_until > now_ms() {
-            match listing.delay {
-                Some((until, _)) if until >= delay_until => {}
-                Some((_, version)) => {
-                    added.push(writer.add_set_data(&delay_path, &delay, Some(version)));
-                }
-                None => added.push(writer.add_create(&delay_path, &delay, &opts)),
-            }
-        }
-        for a in added {
-            a.map_err(|e| unavailable(op, e))?;
-        }
+        writer
+            .add_delete(&lease.path, Some(lease.version))
+            .map_err(|e| unavailable(op, e))?;
+        add_end_record(&mut writer, op, parent, listing, lease.fence, delay_until)?;
         Ok(commit(op, writer.commit()).await?.map(|_| ()))
     }
 
@@ -485,64 +464,28 @@ impl Inner {
         gone.ok_or_else(|| unavailable(op, Message("lock-delay kept changing".into())))
     }
 
-    /// Records the end of leases that were deleted otherwise (force-release):
-    /// their highest `fence` in the lock node and the lock-delay until
-    /// `delay_until` in the delay node, in one request per round.
+    /// Records the highest `fence` of leases whose nodes went otherwise (lost
+    /// with the session) in the lock node, in one request per round.
     pub(super) async fn record_end(
         &self,
         zk: &zk::Client,
         op: &'static str,
         parent: &str,
         fence: u64,
-        delay_until: u64,
     ) -> Result<(), Error> {
-        let delay_path = format!("{parent}/{DELAY_NODE}");
-        let delay = serde_json::to_vec(&ParentData {
-            fence: 0,
-            delay_until_ms: delay_until,
-        })
-        .unwrap_or_default();
-        let (delay_path, delay) = (&delay_path, &delay);
         let recorded = retry_on_conflict(PARENT_ROUNDS, || async move {
             let listing = self.children(zk, op, parent).await?;
-            if listing.parent.version.is_none() && delay_until > now_ms() {
-                // The lock node went (reaped when its last claim left): the delay still applies.
-                self.ensure_parent(zk, parent).await?;
-                return Ok(Round::Conflict);
-            }
-            let record = serde_json::to_vec(&listing.parent.data.ended(fence)).unwrap_or_default();
-            let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
             let mut writer = zk.new_multi_writer();
-            let mut added = Vec::new();
-            if let Some(version) = listing.parent.version {
-                added.push(writer.add_set_data(parent, &record, Some(version)));
-            }
-            if delay_until > now_ms() {
-                match listing.delay {
-                    Some((until, _)) if until >= delay_until => {}
-                    Some((_, version)) => {
-                        added.push(writer.add_set_data(delay_path, delay, Some(version)));
-                    }
-                    None => added.push(writer.add_create(delay_path, delay, &opts)),
-                }
-            }
-            if added.is_empty() {
+            if !add_end_record(&mut writer, op, parent, &listing, fence, 0)? {
                 return Ok(Round::Done(()));
             }
-            for a in added {
-                a.map_err(|e| unavailable(op, e))?;
-            }
-            match commit(op, writer.commit()).await? {
-                Ok(_) => Ok(Round::Done(())),
-                Err(Failed {
-                    error: zk::Error::BadVersion | zk::Error::NodeExists | zk::Error::NoNode,
-                    ..
-                }) => Ok(Round::Conflict),
-                Err(Failed { error, .. }) => Err(unavailable(op, error)),
-            }
+            Ok(match commit(op, writer.commit()).await? {
+                Ok(_) => Round::Done(()),
+                Err(failed) => conflict(op, failed)?,
+            })
         })
         .await?;
-        recorded.ok_or_else(|| unavailable(op, Message("lock-delay kept changing".into())))
+        recorded.ok_or_else(|| unavailable(op, Message("the lock node kept changing".into())))
     }
 
     /// Deletes a delay node that is over, unless it changed since it was read.
@@ -769,5 +712,58 @@ impl Inner {
             )),
             None => Ok(None),
         }
+    }
+}
+
+/// Adds to `writer` the record of leases that end under `parent`, as
+/// `listing` last showed the lock node: their highest `fence` in the lock
+/// node (at the version listed, when there is one) and, when `delay_until`
+/// is ahead, the lock-delay in the delay node (created, or extended).
+/// `false` when there is nothing to write.
+pub(super) fn add_end_record(
+    writer: &mut zk::MultiWriter<'_>,
+    op: &'static str,
+    parent: &str,
+    listing: &Listing,
+    fence: u64,
+    delay_until: u64,
+) -> Result<bool, Error> {
+    let mut added = Vec::new();
+    if let Some(version) = listing.parent.version {
+        let record = serde_json::to_vec(&listing.parent.data.ended(fence)).unwrap_or_default();
+        added.push(writer.add_set_data(parent, &record, Some(version)));
+    }
+    if delay_until > now_ms() {
+        let delay_path = format!("{parent}/{DELAY_NODE}");
+        let delay = serde_json::to_vec(&ParentData {
+            fence: 0,
+            delay_until_ms: delay_until,
+        })
+        .unwrap_or_default();
+        match listing.delay {
+            Some((until, _)) if until >= delay_until => {}
+            Some((_, version)) => {
+                added.push(writer.add_set_data(&delay_path, &delay, Some(version)))
+            }
+            None => {
+                let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                added.push(writer.add_create(&delay_path, &delay, &opts));
+            }
+        }
+    }
+    let any = !added.is_empty();
+    for a in added {
+        a.map_err(|e| unavailable(op, e))?;
+    }
+    Ok(any)
+}
+
+/// What a multi-request that failed on `failed` means to a caller that read
+/// before writing: a conflict (what it read changed: read again), or an
+/// outage.
+pub(super) fn conflict<T>(op: &'static str, failed: Failed) -> Result<Round<T>, Error> {
+    match failed.error {
+        zk::Error::BadVersion | zk::Error::NodeExists | zk::Error::NoNode => Ok(Round::Conflict),
+        error => Err(unavailable(op, error)),
     }
 }
