@@ -1387,24 +1387,52 @@ async fn a_try_once_node_whose_answer_was_lost_is_never_re_entered_below_a_later
 /// and the waiter is granted.
 #[tokio::test]
 async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
+    lose_the_answer_of_a_granting_write(Kind::Lock).await;
+}
+
+/// The same for a semaphore's waiter, whose permit a write grants too.
+#[tokio::test]
+async fn a_semaphore_waiter_whose_granting_write_lost_its_answer_is_granted() {
+    lose_the_answer_of_a_granting_write(Kind::Semaphore).await;
+}
+
+/// Queues a waiter through the proxy behind a holder (a reader behind a
+/// writer on a lock; behind the one permit of a semaphore), loses the
+/// answer of the write that grants it, and checks that it is granted.
+async fn lose_the_answer_of_a_granting_write(kind: Kind) {
     let server = ZkServer::start().await;
     let p = Proxied::start(&server, "/resync").await;
     let (proxy, through_proxy, direct) = (&p.proxy, &p.through_proxy, &p.direct);
     let name = unique_name("resync");
     let owner = unique_name("owner");
-    let lock = direct.api().lock(&name);
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let on = |sidecar: &SidecarGuard| match kind {
+        Kind::Lock => sidecar.api().lock(&name),
+        Kind::Semaphore => sidecar.api().semaphore(&name),
+    };
+    let (holding, waiting): (common::api::Params<'_>, common::api::Params<'_>) = match kind {
+        Kind::Lock => (&[], &[("mode", "shared")]),
+        Kind::Semaphore => (&[("limit", "1")], &[("limit", "1")]),
+    };
+    let lock = on(direct);
+    let holder = lock
+        .acquire(&[&[("owner", "holder"), ("ttl", "60s")], holding].concat())
+        .await;
     let waiter = {
-        let lock = through_proxy.api().lock(&name);
-        let owner = owner.clone();
+        let lock = on(through_proxy);
+        let params: Vec<(String, String)> = [
+            &[("owner", owner.as_str()), ("ttl", "60s"), ("wait", "20s")],
+            waiting,
+        ]
+        .concat()
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
         tokio::spawn(async move {
-            lock.acquire_raw(&[
-                ("owner", &owner),
-                ("ttl", "60s"),
-                ("wait", "20s"),
-                ("mode", "shared"),
-            ])
-            .await
+            let params: Vec<(&str, &str)> = params
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            lock.acquire_raw(&params).await
         })
     };
     common::eventually("the waiter queued", Duration::from_secs(10), async || {
@@ -1425,7 +1453,77 @@ async fn a_waiter_whose_granting_write_lost_its_answer_is_granted() {
         "{}",
         granted.text().await.unwrap_or_default()
     );
-    assert_eq!(lock.inspect().await.holder_owners(), [owner.as_str()]);
+    let granted: Value = granted.json().await.expect("a grant");
+    let state = lock.inspect().await;
+    assert_eq!(state.holder_owners(), [owner.as_str()]);
+    assert_eq!(
+        (state.holders[0].fence, granted["fence"].as_u64()),
+        (state.fence, Some(state.fence)),
+        "{granted}"
+    );
+    assert!(state.fence > holder.fence);
+}
+
+/// The same for an election's candidate: the write that makes it leader
+/// lost its answer, and it leads once its sidecar has read its node again.
+#[tokio::test]
+async fn a_candidate_whose_granting_write_lost_its_answer_leads() {
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/resync-election").await;
+    let name = unique_name("resync-election");
+    let owner = unique_name("candidate");
+    let campaign = |sidecar: &SidecarGuard, owner: &str| {
+        let api = sidecar.api();
+        let (name, owner) = (name.clone(), owner.to_owned());
+        async move {
+            api.open_stream(
+                &["v1", "elections", &name, "campaign"],
+                &[("owner", &owner), ("ttl", "60s"), ("value", &owner)],
+            )
+            .await
+        }
+    };
+    let mut leader = campaign(&p.direct, "leader").await;
+    leader
+        .wait_for("the first leader", Duration::from_secs(10), |e| {
+            e.event == "leader"
+        })
+        .await;
+    let mut follower = campaign(&p.through_proxy, &owner).await;
+    follower
+        .wait_for("the follower", Duration::from_secs(10), |e| {
+            e.event == "follower"
+        })
+        .await;
+    // A campaign's owner is stored as JSON (with its value): the follower
+    // is the one candidate through the proxy.
+    let held = format!(r#""sidecar":"{}","held":true"#, p.id);
+    p.proxy.cut_after(held.as_bytes());
+    drop(leader);
+    let led = follower
+        .wait_for("the follower's leadership", Duration::from_secs(20), |e| {
+            e.event == "leader"
+        })
+        .await
+        .json();
+    assert!(
+        !p.proxy.armed(),
+        "the granting write went through the proxy"
+    );
+    assert_eq!(led["value"], owner.as_str(), "{led}");
+    let state: Value = p
+        .direct
+        .api()
+        .get_json(&["v1", "elections", &name], &[])
+        .await;
+    assert_eq!(state["leader"]["value"], owner.as_str(), "{state}");
+}
+
+/// What a test queues on: a lock or a semaphore.
+#[derive(Clone, Copy)]
+enum Kind {
+    Lock,
+    Semaphore,
 }
 
 /// A connection reset while a listing's multi-read is on its way is an
