@@ -213,6 +213,27 @@ impl Redlock {
         join_all(undo).await;
     }
 
+    /// The places `seqs` (per node) of a claim whose attempt failed: a
+    /// queued claim's are kept with its ticket, so that its waiter leaves
+    /// them when it goes; a joining claim gets no ticket back, and leaves
+    /// them now (a place nobody holds would block try-once claims there,
+    /// and its heartbeat would keep it for as long as this sidecar runs).
+    async fn keep_places(&self, key: &LockKey, turn: Turn<'_>, seqs: &[Option<u64>]) {
+        match turn {
+            Turn::Queued(t) => {
+                self.lock_tickets()
+                    .insert((t.key.clone(), t.seq), seqs.to_vec());
+            }
+            Turn::Join | Turn::Once => {
+                let leave = seqs
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| s.map(|s| self.members[i].dequeue(key, s)));
+                join_all(leave).await;
+            }
+        }
+    }
+
     /// Unavailable unless a majority of nodes answered.
     fn need_quorum<T>(&self, op: &'static str, answers: &[Answer<T>]) -> Result<(), Error> {
         if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum {
@@ -294,6 +315,9 @@ impl Backend for Redlock {
         let mut grants: Vec<(usize, Grant)> = Vec::new();
         let mut busy: Vec<(usize, Busy)> = Vec::new();
         let mut answered = 0;
+        // A refusal ends the attempt, but only once every answer is in: a
+        // node later in the list may have granted, or queued the claim.
+        let mut refused = None;
         for (i, a) in answers.into_iter().enumerate() {
             match a {
                 Ok(Attempt::Granted(g)) => {
@@ -305,19 +329,32 @@ impl Backend for Redlock {
                     busy.push((i, b));
                 }
                 Err(Error::Unsupported(_)) => {
-                    self.undo(&claim.key, &grants).await;
-                    return Err(unsupported_semaphore(self.members.len(), None));
+                    refused.get_or_insert(unsupported_semaphore(self.members.len(), None));
                 }
                 Err(
                     e @ (Error::LimitMismatch { .. }
                     | Error::LimitRequired
                     | Error::KeyConflict { .. }),
                 ) => {
-                    self.undo(&claim.key, &grants).await;
-                    return Err(e);
+                    refused.get_or_insert(e);
                 }
                 Err(_) => {}
             }
+        }
+        // The claim's place on each node: where it queued before, and where
+        // this attempt queued it.
+        let mut seqs = queued
+            .clone()
+            .unwrap_or_else(|| vec![None; self.members.len()]);
+        for (i, b) in &busy {
+            if let Some(nt) = &b.ticket {
+                seqs[*i] = Some(nt.seq);
+            }
+        }
+        if let Some(refused) = refused {
+            self.undo(&claim.key, &grants).await;
+            self.keep_places(&claim.key, turn, &seqs).await;
+            return Err(refused);
         }
 
         // The token a majority granted: ours, or a re-entered lease's.
@@ -342,16 +379,25 @@ impl Backend for Redlock {
                 .iter()
                 .filter(|(_, g)| g.fence < fence)
                 .map(|(i, _)| self.members[*i].node.raise_fence(&claim.key, fence));
-            join_all(behind).await;
-            // Nodes that did not grant still show our waiter: take it away.
-            if let (Turn::Queued(t), Some(seqs)) = (turn, &queued) {
-                self.lock_tickets().remove(&(t.key.clone(), t.seq));
-                let stale = seqs.iter().enumerate().filter_map(|(i, s)| {
-                    s.filter(|_| !won.iter().any(|(w, _)| *w == i))
-                        .map(|s| self.members[i].dequeue(&claim.key, s))
-                });
-                join_all(stale).await;
+            let raised = join_all(behind).await.iter().filter(|r| r.is_ok()).count();
+            // Any later majority continues above this fence only if a
+            // majority counts it: one that shares no node with them could
+            // grant below it.
+            let counting = won.iter().filter(|(_, g)| g.fence == fence).count() + raised;
+            if counting < self.quorum {
+                self.undo(&claim.key, &grants).await;
+                self.keep_places(&claim.key, turn, &seqs).await;
+                return Err(timed_out("try_acquire"));
             }
+            // Nodes that did not grant still show our waiter: take it away.
+            if let Turn::Queued(t) = turn {
+                self.lock_tickets().remove(&(t.key.clone(), t.seq));
+            }
+            let stale = seqs.iter().enumerate().filter_map(|(i, s)| {
+                s.filter(|_| !won.iter().any(|(w, _)| *w == i))
+                    .map(|s| self.members[i].dequeue(&claim.key, s))
+            });
+            join_all(stale).await;
             let since_ms = won
                 .iter()
                 .map(|(_, g)| g.since_ms)
@@ -373,6 +419,7 @@ impl Backend for Redlock {
 
         self.undo(&claim.key, &grants).await;
         if answered < self.quorum {
+            self.keep_places(&claim.key, turn, &seqs).await;
             return Err(timed_out("try_acquire"));
         }
         // A split vote: some nodes granted and no majority is busy. (When a
@@ -381,22 +428,13 @@ impl Backend for Redlock {
         let split = !grants.is_empty() && busy.len() < self.quorum;
         let mut ticket = None;
         if matches!(turn, Turn::Join) {
-            let mut seqs = vec![None; self.members.len()];
-            for (i, b) in &busy {
-                seqs[*i] = b.ticket.as_ref().map(|t| t.seq);
-            }
             let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             self.lock_tickets().insert((claim.key.clone(), seq), seqs);
             ticket = Some(Ticket {
                 key: claim.key.clone(),
                 seq,
             });
-        } else if let (Turn::Queued(t), Some(mut seqs)) = (turn, queued) {
-            for (i, b) in &busy {
-                if let Some(nt) = &b.ticket {
-                    seqs[*i] = Some(nt.seq);
-                }
-            }
+        } else if let Turn::Queued(t) = turn {
             self.lock_tickets().insert((t.key.clone(), t.seq), seqs);
         }
         let shown = busy

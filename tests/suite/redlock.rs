@@ -425,3 +425,162 @@ async fn release_a_hold_with_one_node_emptied_and_one_hung(kind: &str) {
         "{kind}: one node keeps two holds, one lost the lease, one is silent: {body}"
     );
 }
+
+/// The main key and the queue of lock `name` on a node (the default prefix).
+fn keys_of(name: &str) -> (String, String) {
+    let main = format!("sidelock:{name}");
+    let queue = format!("{{{main}}}:q");
+    (main, queue)
+}
+
+/// A claim that may wait is granted by two nodes while the third, where a
+/// foreign client holds the key, queues it. Its place there was never
+/// taken away (only a claim that had queued before cleaned up after
+/// itself), and the sidecar's heartbeat kept it for as long as it ran: the
+/// node refused every try-once claim behind that phantom waiter, so with
+/// one other node down a free lock answered 409 forever.
+#[tokio::test]
+async fn a_claim_granted_by_a_majority_leaves_no_place_in_a_minority_queue() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("phantom");
+    let (main, queue) = keys_of(&name);
+    let _: () = nodes.nodes[2]
+        .cmd(&["SET", &main, "foreign", "PX", "2000"])
+        .await;
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[("owner", "z"), ("wait", "10s")]).await;
+    let places: i64 = nodes.nodes[2].cmd(&["LLEN", &queue]).await;
+    assert_eq!(places, 0, "the claim's place on the node that refused it");
+    lock.release(&grant.token).await;
+    common::eventually(
+        "the foreign key to expire",
+        Duration::from_secs(10),
+        async || (nodes.nodes[2].cmd::<i64>(&["EXISTS", &main]).await == 0).then_some(()),
+    )
+    .await;
+    assert!(lock.inspect().await.waiters.is_empty());
+    nodes.nodes[1].signal(Signal::SIGSTOP);
+    let next = lock.acquire_raw(&[("owner", "next")]).await;
+    nodes.nodes[1].signal(Signal::SIGCONT);
+    assert_eq!(
+        next.status(),
+        StatusCode::OK,
+        "a free lock, two nodes of three: {}",
+        next.text().await.unwrap_or_default()
+    );
+}
+
+/// One node refuses a claim (a side key written by hand: 409
+/// `key-conflict`, "nothing was granted") while the nodes after it in the
+/// list grant it or queue it. The answers were read in node order and the
+/// first refusal returned at once: the later nodes' grants were never
+/// undone, and a majority kept a lease nobody had been given; a place in a
+/// queue stayed for as long as the sidecar ran.
+#[tokio::test]
+async fn a_claim_one_node_refuses_leaves_no_grant_and_no_place_on_the_others() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("refused");
+    let (main, queue) = keys_of(&name);
+    let fence_key = format!("{{{main}}}:fence");
+    let _: () = nodes.nodes[0]
+        .cmd(&["SET", &fence_key, "not-a-number"])
+        .await;
+    let lock = sidecar.api().lock(&name);
+    let refused = lock.acquire_raw(&[("owner", "x"), ("ttl", "60s")]).await;
+    assert_problem(refused, StatusCode::CONFLICT, "key-conflict").await;
+    let state = lock.inspect().await;
+    assert!(state.holders.is_empty(), "{state:?}");
+
+    // A claim that may wait, queued by the node a foreign client holds.
+    let _: () = nodes.nodes[2]
+        .cmd(&["SET", &main, "foreign", "PX", "60000"])
+        .await;
+    let refused = lock
+        .acquire_raw(&[("owner", "x"), ("ttl", "60s"), ("wait", "5s")])
+        .await;
+    assert_problem(refused, StatusCode::CONFLICT, "key-conflict").await;
+    let places: i64 = nodes.nodes[2].cmd(&["LLEN", &queue]).await;
+    assert_eq!(places, 0, "the claim's place on the node that queued it");
+
+    let _: () = nodes.nodes[0].cmd(&["DEL", &fence_key]).await;
+    lock.acquire(&[("owner", "y")]).await;
+}
+
+/// A grant takes the highest fence count of its majority and raises the
+/// other granting nodes to it, so that any later majority continues above
+/// it. When a raise failed, the grant was still answered with that fence:
+/// a later majority without the one node that counted it could grant a
+/// lower fence (here 2 after 987654321). Such a grant is undone instead,
+/// and the attempt answers 503.
+#[tokio::test]
+async fn a_grant_whose_fence_a_majority_does_not_count_is_undone() {
+    const HIGH: u64 = 987_654_320;
+    let mut nodes = RedisNodes::start(3).await;
+    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await;
+    let url = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        nodes.nodes[0].port(),
+        proxy.port(),
+        nodes.nodes[2].port()
+    );
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("raise");
+    // Node 0 counted fences no other node did (grants by a minority).
+    let fence_key = format!("{{sidelock:{name}}}:fence");
+    let _: () = nodes.nodes[0]
+        .cmd(&["SET", &fence_key, &HIGH.to_string()])
+        .await;
+    nodes.nodes[2].kill();
+    let lock = sidecar.api().lock(&name);
+    // The raise of node 1 to the grant's fence never reaches it.
+    proxy.refuse((HIGH + 1).to_string().as_bytes(), 1);
+    let first = lock
+        .acquire_raw(&[("owner", "first"), ("ttl", "60s")])
+        .await;
+    assert!(!proxy.refusing(), "the raise went through the proxy");
+    let mut fences = Vec::new();
+    let mut tokens = Vec::new();
+    if first.status() == StatusCode::OK {
+        let first: serde_json::Value = first.json().await.expect("a grant");
+        fences.push(first["fence"].as_u64().expect("a fence"));
+        tokens.push(first["token"].as_str().expect("a token").to_owned());
+    } else {
+        assert_problem(
+            first,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "backend-unavailable",
+        )
+        .await;
+        let again = lock.acquire(&[("owner", "first"), ("ttl", "60s")]).await;
+        fences.push(again.fence);
+        tokens.push(again.token);
+    }
+    for token in &tokens {
+        lock.release(token).await;
+    }
+    // A majority without node 0: node 1, and node 2 back empty.
+    nodes.nodes[2].restart().await;
+    nodes.nodes[0].kill();
+    let later = common::eventually(
+        "a grant by nodes 1 and 2",
+        Duration::from_secs(15),
+        async || {
+            let r = lock
+                .acquire_raw(&[("owner", "later"), ("ttl", "60s")])
+                .await;
+            if r.status() == StatusCode::OK {
+                r.json::<serde_json::Value>().await.ok()
+            } else {
+                None
+            }
+        },
+    )
+    .await;
+    let later = later["fence"].as_u64().expect("a fence");
+    assert!(
+        fences.iter().all(|f| later > *f),
+        "a later grant's fence {later} after {fences:?}"
+    );
+}
