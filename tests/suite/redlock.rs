@@ -318,13 +318,7 @@ async fn a_semaphore_in_use_with_more_than_one_permit_is_refused_without_limit()
 #[tokio::test]
 async fn a_release_reports_the_holds_a_majority_keeps_not_the_most_any_node_keeps() {
     let mut nodes = RedisNodes::start(3).await;
-    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await;
-    let through_proxy = format!(
-        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
-        nodes.nodes[0].port(),
-        proxy.port(),
-        nodes.nodes[2].port()
-    );
+    let (proxy, through_proxy) = second_node_through_a_proxy(&nodes).await;
     let a = SidecarBuilder::new(&through_proxy).start().await;
     let b = SidecarBuilder::new(&nodes.url()).start().await;
     let name = unique_name("majority-count");
@@ -426,6 +420,19 @@ async fn release_a_hold_with_one_node_emptied_and_one_hung(kind: &str) {
     );
 }
 
+/// A proxy in front of the second of three nodes, and the Redlock URL that
+/// reaches that node through it.
+async fn second_node_through_a_proxy(nodes: &RedisNodes) -> (common::proxy::CuttingProxy, String) {
+    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await;
+    let url = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        nodes.nodes[0].port(),
+        proxy.port(),
+        nodes.nodes[2].port()
+    );
+    (proxy, url)
+}
+
 /// The main key and the queue of lock `name` on a node (the default prefix).
 fn keys_of(name: &str) -> (String, String) {
     let main = format!("sidelock:{name}");
@@ -518,13 +525,7 @@ async fn a_claim_one_node_refuses_leaves_no_grant_and_no_place_on_the_others() {
 async fn a_grant_whose_fence_a_majority_does_not_count_is_undone() {
     const HIGH: u64 = 987_654_320;
     let mut nodes = RedisNodes::start(3).await;
-    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await;
-    let url = format!(
-        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
-        nodes.nodes[0].port(),
-        proxy.port(),
-        nodes.nodes[2].port()
-    );
+    let (proxy, url) = second_node_through_a_proxy(&nodes).await;
     let sidecar = SidecarBuilder::new(&url).start().await;
     let name = unique_name("raise");
     // Node 0 counted fences no other node did (grants by a minority).
