@@ -1574,6 +1574,78 @@ async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
     drop(streams);
 }
 
+/// Releases of a lease whose row another transaction keeps locked wait
+/// for that row; they took both upkeep connections, and after their time
+/// limit (503) the connections went back to the pool with the releases
+/// still waiting in the server: every statement of renewals queued behind
+/// them, and every hold lapsed while the row stayed locked (10 of 10). A
+/// release that finds a row lock taken now waits for it on the main pool
+/// (and is answered once the row is free), and a statement past its time
+/// limit is cancelled and its connection closed (the releases cut off
+/// never run later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn releases_waiting_for_a_locked_lease_row_cost_no_renewal() {
+    const HOLDS: usize = 10;
+    let (cluster, url) = cluster_with_database().await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let mut streams = Vec::with_capacity(HOLDS);
+    for i in 0..HOLDS {
+        let lock = sidecar.api().lock(&unique_name("renewed"));
+        let owner = format!("holder-{i}");
+        let mut stream = lock.hold(&[("ttl", "3s"), ("owner", &owner)]).await;
+        stream.expect_acquired().await;
+        streams.push(stream);
+    }
+    let locked = sidecar.api().lock(&unique_name("locked-row"));
+    let lease = locked.acquire(&[("ttl", "60s")]).await;
+    let db = cluster.client("sidelock").await;
+    db.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
+        lease.token
+    ))
+    .await
+    .expect("lock a lease row");
+    let releases: Vec<_> = (0..3)
+        .map(|_| {
+            let (locked, token) = (locked.clone(), lease.token.clone());
+            tokio::spawn(async move { locked.release_raw(&token).await.status() })
+        })
+        .collect();
+    // Past the releases' time limit, and then past the holds' ttl.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    for release in releases {
+        let status = release.await.expect("the release's task");
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    for (i, stream) in streams.iter_mut().enumerate() {
+        for event in stream.collect_for(Duration::ZERO).await {
+            assert!(
+                !matches!(event, HoldEvent::Lost(_)),
+                "hold {i}, whose row nobody locked, was told {event:?}"
+            );
+        }
+    }
+    db.batch_execute("COMMIT").await.expect("unlock");
+
+    // A release that waits a moment for the row waits as it always did,
+    // on the main pool, and is answered once the row is free.
+    db.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
+        lease.token
+    ))
+    .await
+    .expect("lock the lease row again");
+    let release = {
+        let (locked, token) = (locked.clone(), lease.token.clone());
+        tokio::spawn(async move { locked.release(&token).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    db.batch_execute("COMMIT").await.expect("unlock");
+    let released = release.await.expect("the release's task");
+    assert_eq!(released.count, 0);
+    drop(streams);
+}
+
 /// A database of the test's own on the machine's server, a cutting proxy in
 /// front of the server, a sidecar through the proxy and one straight on
 /// the server.

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use deadpool_postgres::{Object, Pool, PoolError, TimeoutType};
 use serde::Deserialize;
+use tokio_postgres::NoTls;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -113,14 +114,16 @@ impl Inner {
             return Err((e, Fate::NotRun));
         }
         let mut tries = 0;
+        // Lease upkeep has connections of its own, whose statements wait for
+        // no row lock long (their `lock_timeout`): one that would is run
+        // again on the main pool (as a lease renewed alone is), so that a
+        // row another transaction keeps locked does not take them.
+        let mut pool = match op {
+            "renew" | "release" | "status" => &self.upkeep,
+            _ => &self.pool,
+        };
         loop {
             tries += 1;
-            // Lease upkeep has connections of its own (a lease renewed
-            // alone waits for a row lock, on the main pool).
-            let pool = match op {
-                "renew" | "release" | "status" => &self.upkeep,
-                _ => &self.pool,
-            };
             // Set once the statement is on its way: from then on a failure
             // may come after the database ran it.
             let sent = AtomicBool::new(false);
@@ -131,9 +134,13 @@ impl Inner {
                     sent.store(true, Ordering::Relaxed);
                     Ok::<_, Failure>(client.query(&statement, params).await?)
                 };
-                tokio::time::timeout(OP_TIMEOUT, query)
-                    .await
-                    .unwrap_or_else(|_| Err(Failure::timeout(op)))
+                match tokio::time::timeout(OP_TIMEOUT, query).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        abandon(client);
+                        Err(Failure::timeout(op))
+                    }
+                }
             };
             match run.await {
                 Ok(rows) => {
@@ -144,9 +151,14 @@ impl Inner {
                     return Ok(rows);
                 }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
+                Err(f) if f.class == Class::Locked && !std::ptr::eq(pool, &self.pool) => {
+                    pool = &self.pool;
+                }
                 Err(f) => {
                     let fate = match f.class {
                         Class::Fatal => Fate::Refused,
+                        // Its transaction was rolled back.
+                        Class::Locked => Fate::NotRun,
                         _ if sent.load(Ordering::Relaxed) => Fate::Unknown,
                         _ => Fate::NotRun,
                     };
@@ -256,4 +268,16 @@ pub(super) enum Fate {
     /// It was sent and no answer came back (or one that cannot be read):
     /// the database may have run and committed it.
     Unknown,
+}
+
+/// Takes `client`, whose statement ran past its time limit, out of its
+/// pool and closes it, asking the server to cancel the statement: it may
+/// still run, or wait for a row lock, and every statement sent on that
+/// connection later would queue behind it.
+fn abandon(client: Object) {
+    let cancel = client.cancel_token();
+    drop(Object::take(client));
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(POOL_TIMEOUT, cancel.cancel_query(NoTls)).await;
+    });
 }

@@ -5,7 +5,7 @@
 
 use std::error::Error as StdError;
 
-use deadpool_postgres::PoolError;
+use deadpool_postgres::{HookError, PoolError};
 
 use crate::backend::{Cause, Error, Outage, chain};
 
@@ -17,6 +17,9 @@ pub(super) enum Class {
     Outage,
     /// A serialization failure or deadlock: run the statement again.
     Retry,
+    /// A row lock was not free within the connection's `lock_timeout` (the
+    /// upkeep connections' is short): run it again where it may wait.
+    Locked,
     /// The database refused the statement (permissions, wrong schema, a bug):
     /// retrying will not help.
     Fatal,
@@ -86,12 +89,14 @@ pub(super) fn without_row_data(e: tokio_postgres::Error) -> Box<dyn StdError + S
 impl From<PoolError> for Failure {
     fn from(e: PoolError) -> Self {
         let class = match &e {
-            PoolError::Backend(e) => classify(e),
+            PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => classify(e),
             PoolError::Timeout(_) | PoolError::Closed => Class::Outage,
             _ => Class::Fatal,
         };
         let source = match e {
-            PoolError::Backend(e) => without_row_data(e),
+            PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => {
+                without_row_data(e)
+            }
             PoolError::Timeout(_) => Outage::boxed(Cause::TimedOut, e.to_string()),
             e => Box::new(e),
         };
@@ -107,6 +112,8 @@ pub(super) fn classify(e: &tokio_postgres::Error) -> Class {
         return match code {
             // serialization_failure, deadlock_detected
             "40001" | "40P01" => Class::Retry,
+            // lock_not_available
+            "55P03" => Class::Locked,
             // query_canceled (statement_timeout, pg_cancel_backend)
             "57014" => Class::Outage,
             // connection_exception, insufficient_resources (too many

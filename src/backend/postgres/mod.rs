@@ -103,6 +103,9 @@ const OP_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_POOL_SIZE: usize = 10;
 /// Connections per sidecar kept for renewals, releases and status checks.
 const UPKEEP_POOL_SIZE: usize = 2;
+/// How long an upkeep connection's statement waits for a row lock before it
+/// runs again on the main pool (`lock_timeout` of those connections).
+const UPKEEP_LOCK_WAIT: Duration = Duration::from_millis(250);
 /// How long `watch` waits for the LISTEN connection before relying on the
 /// catch-up wake-up that follows every (re)connection.
 const LISTEN_WAIT: Duration = Duration::from_secs(2);

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::{Notify, watch};
 use tokio_postgres::NoTls;
 use tokio_util::sync::CancellationToken;
@@ -18,7 +18,7 @@ use crate::wakeups::Wakeups;
 use super::errors::Class;
 use super::schema::LegacyTable;
 use super::sql::Sql;
-use super::{DEFAULT_POOL_SIZE, Inner, POOL_TIMEOUT, Postgres, UPKEEP_POOL_SIZE};
+use super::{DEFAULT_POOL_SIZE, Inner, POOL_TIMEOUT, Postgres, UPKEEP_LOCK_WAIT, UPKEEP_POOL_SIZE};
 
 /// Checks `--pg-schema`: lower-case letters, digits and `_`, so it needs no
 /// quoting anywhere and `<schema>_wake` fits PostgreSQL's 63-byte names.
@@ -91,7 +91,7 @@ impl Postgres {
         let mut listen_config = config.clone();
         listen_config.application_name(format!("{app} listen"));
 
-        let build = |size: usize| {
+        let build = |size: usize, setup: Option<Hook>| {
             let manager = Manager::from_config(
                 config.clone(),
                 NoTls,
@@ -99,7 +99,12 @@ impl Postgres {
                     recycling_method: RecyclingMethod::Fast,
                 },
             );
-            Pool::builder(manager)
+            let builder = Pool::builder(manager);
+            let builder = match setup {
+                Some(hook) => builder.post_create(hook),
+                None => builder,
+            };
+            builder
                 .max_size(size)
                 // `connection()` bounds the wait, telling a busy pool from a dead one.
                 .wait_timeout(None)
@@ -109,8 +114,24 @@ impl Postgres {
                 .build()
                 .map_err(|e| format!("PostgreSQL connection pool: {e}"))
         };
-        let pool = build(pool_size)?;
-        let upkeep = build(UPKEEP_POOL_SIZE)?;
+        let pool = build(pool_size, None)?;
+        // The upkeep connections wait for a row lock only briefly: a
+        // statement that would wait longer runs again on the main pool
+        // (`Inner::rows_or_fate`), so that a row another transaction keeps
+        // locked never holds up renewals. (Set per session, not as a
+        // startup option, which poolers refuse.)
+        let upkeep = build(
+            UPKEEP_POOL_SIZE,
+            Some(Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    let wait = UPKEEP_LOCK_WAIT.as_millis();
+                    client
+                        .batch_execute(&format!("SET lock_timeout = {wait}"))
+                        .await
+                        .map_err(HookError::Backend)
+                })
+            })),
+        )?;
         let instance = Token::generate().expose()[..16].to_owned();
         let (renewals, asked) = tokio::sync::mpsc::unbounded_channel();
         let stop = CancellationToken::new();
