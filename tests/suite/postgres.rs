@@ -1646,6 +1646,55 @@ async fn releases_waiting_for_a_locked_lease_row_cost_no_renewal() {
     drop(streams);
 }
 
+/// A release whose client leaves while it waits for a locked lease row (on
+/// the main pool, past the upkeep connections' lock wait): its connection
+/// went back to the pool with the release still waiting in the server, and
+/// the next statement on it queued behind that release — with a pool of
+/// one, an acquire of another lock waited for the row too. The statement of
+/// a request that goes is cancelled and its connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_whose_client_left_holds_up_no_other_statement() {
+    let (cluster, url) = cluster_with_database().await;
+    let sidecar = SidecarBuilder::new(&format!("{url}?pool_max_size=1"))
+        .start()
+        .await;
+    let locked = sidecar.api().lock(&unique_name("locked-row"));
+    let lease = locked.acquire(&[("ttl", "60s")]).await;
+    let db = cluster.client("sidelock").await;
+    db.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
+        lease.token
+    ))
+    .await
+    .expect("lock a lease row");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .expect("a client");
+    let left = impatient
+        .delete(
+            locked
+                .api()
+                .url(&["v1", "locks", locked.name()], &[("token", &lease.token)]),
+        )
+        .send()
+        .await;
+    assert!(left.is_err(), "the release waited for the row: {left:?}");
+    let started = Instant::now();
+    let other = sidecar
+        .api()
+        .lock(&unique_name("other"))
+        .acquire_raw(&[("ttl", "60s")])
+        .await;
+    assert_eq!(other.status(), StatusCode::OK);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "an acquire of another lock took {:?}",
+        started.elapsed()
+    );
+    db.batch_execute("COMMIT").await.expect("unlock");
+}
+
 /// A database of the test's own on the machine's server, a cutting proxy in
 /// front of the server, a sidecar through the proxy and one straight on
 /// the server.

@@ -128,19 +128,20 @@ impl Inner {
             // may come after the database ran it.
             let sent = AtomicBool::new(false);
             let run = async {
-                let client = self.connection(pool).await?;
+                // Abandoned unless answered: past its time limit, or when
+                // its caller goes (a client that leaves drops its request).
+                let mut pending = Pending(Some(self.connection(pool).await?));
                 let query = async {
+                    let client = pending.client();
                     let statement = client.prepare_cached(sql).await?;
                     sent.store(true, Ordering::Relaxed);
                     Ok::<_, Failure>(client.query(&statement, params).await?)
                 };
-                match tokio::time::timeout(OP_TIMEOUT, query).await {
-                    Ok(answer) => answer,
-                    Err(_) => {
-                        abandon(client);
-                        Err(Failure::timeout(op))
-                    }
+                let answer = tokio::time::timeout(OP_TIMEOUT, query).await;
+                if answer.is_ok() {
+                    pending.answered();
                 }
+                answer.unwrap_or_else(|_| Err(Failure::timeout(op)))
             };
             match run.await {
                 Ok(rows) => {
@@ -270,14 +271,35 @@ pub(super) enum Fate {
     Unknown,
 }
 
-/// Takes `client`, whose statement ran past its time limit, out of its
-/// pool and closes it, asking the server to cancel the statement: it may
-/// still run, or wait for a row lock, and every statement sent on that
-/// connection later would queue behind it.
-fn abandon(client: Object) {
-    let cancel = client.cancel_token();
-    drop(Object::take(client));
-    tokio::spawn(async move {
-        let _ = tokio::time::timeout(POOL_TIMEOUT, cancel.cancel_query(NoTls)).await;
-    });
+/// A pooled connection with a statement on its way. Dropped before
+/// [`Pending::answered`] (the statement ran past its time limit, or its
+/// caller went), the connection is taken out of its pool and closed, and the
+/// server asked to cancel the statement: it may still run, or wait for a row
+/// lock, and every statement sent on that connection later would queue
+/// behind it.
+struct Pending(Option<Object>);
+
+impl Pending {
+    fn client(&self) -> &Object {
+        self.0.as_ref().expect("a connection until answered")
+    }
+
+    /// The statement was answered: the connection goes back to its pool.
+    fn answered(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let Some(client) = self.0.take() else {
+            return;
+        };
+        let cancel = client.cancel_token();
+        drop(Object::take(client));
+        // Bounded, and needs no answer: the connection is gone either way.
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(POOL_TIMEOUT, cancel.cancel_query(NoTls)).await;
+        });
+    }
 }
