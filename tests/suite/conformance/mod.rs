@@ -427,7 +427,12 @@ mod leases {
             (250..=300).contains(&renewed.ttl_ms),
             "the default is the lease's own ttl: {renewed:?}"
         );
-        assert!(renewed.expires_at_ms >= grant.expires_at_ms);
+        // A sidecar reads a server's clock to within 5 ms (Redis settles
+        // its offset so), and the renewal may come that soon after the grant.
+        assert!(
+            renewed.expires_at_ms + 5 >= grant.expires_at_ms,
+            "{renewed:?} after {grant:?}"
+        );
 
         let extended = lock.keepalive(&grant.token, &[("ttl", "5s")]).await;
         // Slack for the round trips between computing the expiry and reading it.
