@@ -1523,6 +1523,16 @@ async fn renewals_of_many_holds_keep_up_with_a_slow_database() {
     drop(streams);
 }
 
+/// Opens a transaction on `db` that keeps the row of lease `token` locked
+/// (an operator's `SELECT … FOR UPDATE`), until `db` commits.
+async fn lock_lease_row(db: &tokio_postgres::Client, token: &str) {
+    db.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{token}' FOR UPDATE"
+    ))
+    .await
+    .expect("lock a lease row");
+}
+
 /// Lease rows that other transactions keep locked (an operator's open
 /// `SELECT … FOR UPDATE`, a long statement) hold up only their own
 /// renewals: the statement of renewals never waits for a row lock, and a
@@ -1551,11 +1561,7 @@ async fn a_locked_lease_row_holds_up_only_its_own_renewal() {
     let mut lockers = Vec::new();
     for token in &tokens[..LOCKED] {
         let db = cluster.client("sidelock").await;
-        db.batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{token}' FOR UPDATE"
-        ))
-        .await
-        .expect("lock a lease row");
+        lock_lease_row(&db, token).await;
         lockers.push(db);
     }
     // Four seconds: past the locked leases' ttl, four renewals of the rest.
@@ -1599,12 +1605,7 @@ async fn releases_waiting_for_a_locked_lease_row_cost_no_renewal() {
     let locked = sidecar.api().lock(&unique_name("locked-row"));
     let lease = locked.acquire(&[("ttl", "60s")]).await;
     let db = cluster.client("sidelock").await;
-    db.batch_execute(&format!(
-        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
-        lease.token
-    ))
-    .await
-    .expect("lock a lease row");
+    lock_lease_row(&db, &lease.token).await;
     let releases: Vec<_> = (0..3)
         .map(|_| {
             let (locked, token) = (locked.clone(), lease.token.clone());
@@ -1629,12 +1630,7 @@ async fn releases_waiting_for_a_locked_lease_row_cost_no_renewal() {
 
     // A release that waits a moment for the row waits as it always did,
     // on the main pool, and is answered once the row is free.
-    db.batch_execute(&format!(
-        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
-        lease.token
-    ))
-    .await
-    .expect("lock the lease row again");
+    lock_lease_row(&db, &lease.token).await;
     let release = {
         let (locked, token) = (locked.clone(), lease.token.clone());
         tokio::spawn(async move { locked.release(&token).await })
@@ -1661,12 +1657,7 @@ async fn a_release_whose_client_left_holds_up_no_other_statement() {
     let locked = sidecar.api().lock(&unique_name("locked-row"));
     let lease = locked.acquire(&[("ttl", "60s")]).await;
     let db = cluster.client("sidelock").await;
-    db.batch_execute(&format!(
-        "BEGIN; SELECT 1 FROM sidelock.leases WHERE token = '{}' FOR UPDATE",
-        lease.token
-    ))
-    .await
-    .expect("lock a lease row");
+    lock_lease_row(&db, &lease.token).await;
     let impatient = reqwest::Client::builder()
         .timeout(Duration::from_secs(1))
         .build()
