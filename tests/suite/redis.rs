@@ -1949,7 +1949,13 @@ impl Blocked {
         let (name, owner) = (unique_name("blocked"), unique_name("waiter"));
         // The permit, or an exclusive lease before the reader; of two
         // permits, the other one is kept throughout.
-        let mut params = vec![("owner", "holder"), ("ttl", "60s")];
+        // An exclusive waiter looks only when the lease ends by itself (a
+        // release hands it the lock instead).
+        let ttl = match kind {
+            "exclusive behind a short lease" => "1s",
+            _ => "60s",
+        };
+        let mut params = vec![("owner", "holder"), ("ttl", ttl)];
         params.extend(Self::param_of(kind));
         if kind == "semaphore of 2" {
             let mut keeper = vec![("owner", "keeper"), ("ttl", "60s")];
@@ -1965,6 +1971,11 @@ impl Blocked {
             let r = Self::resource_of(kind, &name, &through_proxy);
             let owner = owner.clone();
             let param = Self::param_of(kind).unwrap_or(("mode", "shared"));
+            let param = if kind == "exclusive behind a short lease" {
+                ("mode", "exclusive")
+            } else {
+                param
+            };
             tokio::spawn(async move {
                 r.acquire_raw(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
                     .await
@@ -2023,7 +2034,7 @@ impl Blocked {
     }
 }
 
-/// A waiter whose queued attempt was granted while its answer was lost
+/// A waiter whose queued attempt was granted while its answer timed out
 /// (503: the waiter goes) leaves no shared lease or semaphore permit
 /// behind. Leaving the queue gave back only an exclusive lease its token
 /// held: the permit or read lease stayed until its ttl, and everyone else
@@ -2032,8 +2043,10 @@ impl Blocked {
 async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
     for kind in ["semaphore", "semaphore of 2", "shared"] {
         let mut b = Blocked::start(kind).await;
-        // Its attempt after the release is granted; the answer is lost.
-        b.proxy.cut_after(b.owner.as_bytes());
+        // Its attempt after the release is granted; the answer never comes
+        // (the connection is reset only after the call's 2 s limit).
+        b.proxy
+            .cut_later(b.owner.as_bytes(), Duration::from_secs(3));
         b.resource(&b.direct).release(&b.blocker.token).await;
         let lost = within(
             "the waiter's answer",
@@ -2061,6 +2074,64 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
             StatusCode::OK,
             "{kind}: the lost grant still blocks after {:?}: {:?}",
             started.elapsed(),
+            b.resource(&b.direct).inspect().await
+        );
+    }
+}
+
+/// A waiter whose attempt loses its connection (reset after Redis ran it:
+/// the grant's answer lost) keeps waiting: the attempt runs once more on a
+/// new connection, and that run answers the grant the first one made — one
+/// hold (count 1), one permit — rather than a re-entry or a place in the
+/// queue again. The waiter answered 503, although it had seconds of its
+/// wait left and Redis was there; in a Cluster, a broken connection of
+/// another call's did the same to a waiter woken just then.
+#[tokio::test]
+async fn a_waiter_whose_attempt_loses_its_connection_keeps_waiting_and_holds_once() {
+    for kind in [
+        "exclusive behind a short lease",
+        "semaphore",
+        "semaphore of 2",
+        "shared",
+    ] {
+        let mut b = Blocked::start(kind).await;
+        b.proxy.cut_after(b.owner.as_bytes());
+        if kind != "exclusive behind a short lease" {
+            b.resource(&b.direct).release(&b.blocker.token).await;
+        }
+        let answer = within(
+            "the waiter's answer",
+            Duration::from_secs(20),
+            b.waiter.take().expect("the waiter"),
+        )
+        .await
+        .expect("the waiter's task");
+        assert!(
+            !b.proxy.armed(),
+            "{kind}: the waiter's attempt went through the proxy"
+        );
+        assert_eq!(
+            answer.status(),
+            StatusCode::OK,
+            "{kind}: the waiter's answer"
+        );
+        let grant: common::api::Grant = common::api::expect_json(answer, StatusCode::OK).await;
+        assert_eq!(grant.count, 1, "{kind}: the waiter holds once");
+        assert!(grant.fence > b.blocker.fence, "{kind}: {grant:?}");
+        b.resource(&b.through_proxy).release(&grant.token).await;
+        let queue: Vec<String> = b
+            .server
+            .cmd(&["LRANGE", &format!("{{{}}}:q", b.main()), "0", "-1"])
+            .await;
+        assert!(queue.is_empty(), "{kind}: left in the queue: {queue:?}");
+        // Its one hold released, a writer (or the last permit) gets in.
+        let mut params = vec![("owner", "next"), ("wait", "5s")];
+        params.extend(b.param());
+        let next = b.resource(&b.direct).acquire_raw(&params).await;
+        assert_eq!(
+            next.status(),
+            StatusCode::OK,
+            "{kind}: still held after its release: {:?}",
             b.resource(&b.direct).inspect().await
         );
     }

@@ -67,6 +67,14 @@ if x and turn == "q" and x.token == token then
   return {1, NOW, token, x.f, x.c, x.t0, x.e}
 end
 
+-- Granted by an earlier run of this same attempt, whose answer was lost (the
+-- sidecar runs a queued attempt again when its connection broke): that
+-- grant as it stands, not a re-entry or a second place in the queue.
+if turn == "q" and not (IS_LOCK and mode == "x") then
+  local m = meta_of(token)
+  if m then return {1, NOW, token, m.f, m.c, m.t0, m.e} end
+end
+
 -- Re-entry: the same owner asking again in the mode it holds.
 if IS_LOCK then
   local function mine(who) return string.sub(who, 1, #owner_prefix) == owner_prefix end

@@ -91,6 +91,9 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 const HEARTBEAT_TTL: Duration = Duration::from_secs(15);
 /// Connect and response timeout of every Redis call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a queued attempt whose connection broke waits before it runs
+/// again: time for the connection to be made anew.
+const RERUN_AFTER: Duration = Duration::from_millis(50);
 
 /// Locks `m`, also after a thread panicked holding it (the state it guards
 /// stays usable: every update is one step).
@@ -151,7 +154,17 @@ impl Backend for Redis {
             Turn::Queued(t) => Step::Queued(t.seq),
         };
         let token = Token::generate();
-        let result = self.member.try_acquire(claim, step, &token, true, 0).await;
+        let mut result = self.member.try_acquire(claim, step, &token, true, 0).await;
+        if matches!(step, Step::Queued(_))
+            && result.as_ref().err().and_then(Error::cause) == Some(Cause::ConnectionLost)
+        {
+            // Run again, a queued attempt answers the grant its first run
+            // may have made (acquire.lua); a waiter that may have long to
+            // wait still is not failed by one broken connection (in a
+            // Cluster, often another call's, which broke just before).
+            tokio::time::sleep(RERUN_AFTER).await;
+            result = self.member.try_acquire(claim, step, &token, true, 0).await;
+        }
         let lost = result.as_ref().err().and_then(Error::cause);
         if matches!(step, Step::Once | Step::Join)
             && matches!(lost, Some(Cause::TimedOut | Cause::ConnectionLost))
