@@ -585,3 +585,34 @@ async fn a_grant_whose_fence_a_majority_does_not_count_is_undone() {
         "a later grant's fence {later} after {fences:?}"
     );
 }
+
+/// A node whose answer to a join comes after the attempt's time limit for
+/// it (a tenth of the ttl) has queued the claim all the same. The attempt
+/// forgot that node, so nothing took the place away when the waiter left:
+/// it stayed in the node's queue, shown as a waiter and keeping try-once
+/// claims out of that node, until its heartbeat lapsed and some later
+/// script pruned it. The key is now reconciled as after a lost answer —
+/// and a reconciling cut short by the next attempt's time limit leaves the
+/// key to reconcile (it forgot it).
+#[tokio::test]
+async fn a_place_made_after_the_attempts_time_limit_is_taken_away() {
+    let nodes = RedisNodes::start(3).await;
+    let (proxy, url) = second_node_through_a_proxy(&nodes).await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("late");
+    let (_, queue) = keys_of(&name);
+    let lock = sidecar.api().lock(&name);
+    lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    // A ttl of 1 s gives each node 100 ms to answer.
+    proxy.hold_answer_after(b"late-waiter", Duration::from_millis(400));
+    let waiter = lock
+        .acquire_raw(&[("owner", "late-waiter"), ("ttl", "1s"), ("wait", "1s")])
+        .await;
+    assert_eq!(waiter.status(), StatusCode::CONFLICT);
+    common::eventually(
+        "the late place taken away",
+        Duration::from_secs(12),
+        async || (nodes.nodes[1].cmd::<i64>(&["LLEN", &queue]).await == 0).then_some(()),
+    )
+    .await;
+}

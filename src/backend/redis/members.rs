@@ -93,6 +93,12 @@ impl Member {
         if !lock(&self.suspect).remove(key) {
             return;
         }
+        // Until it is done — also when its caller drops it (an attempt past
+        // Redlock's time limit for the node) — the key stays suspect.
+        let mut unfinished = Unanswered {
+            suspect: &self.suspect,
+            key: Some(key),
+        };
         let abandoned: Vec<u64> = lock(&self.tickets)
             .abandoned
             .keys()
@@ -110,10 +116,11 @@ impl Member {
             .get(key)
             .map(|seqs| seqs.keys().copied().collect())
             .unwrap_or_default();
-        if self.node.reconcile(key, &live).await.is_err() {
-            lock(&self.suspect).insert(key.clone());
-        } else if !live.is_empty() {
-            self.wakeups.wake(key);
+        if self.node.reconcile(key, &live).await.is_ok() {
+            unfinished.key = None;
+            if !live.is_empty() {
+                self.wakeups.wake(key);
+            }
         }
     }
 
@@ -186,10 +193,18 @@ impl Member {
             // which its wake-up makes it look at next.
             (Step::Queued(_), None) => return Ok(Attempt::Busy(Busy::default())),
         };
+        // Dropped before its answer (Redlock gives each node a time limit),
+        // the attempt may still run and queue the claim: the key is
+        // reconciled as after a lost answer.
+        let mut unanswered = Unanswered {
+            suspect: &self.suspect,
+            key: Some(&claim.key),
+        };
         let result = self
             .node
             .try_acquire(claim, turn, token, fifo, max_permits)
             .await;
+        unanswered.key = None;
         let attempt = self.check(&claim.key, result)?;
         match (&attempt, step) {
             (
@@ -324,9 +339,10 @@ fn exclusive(entry: &str) -> bool {
     entry.split(' ').nth(1) == Some("x")
 }
 
-/// A call in flight whose answer may hand this process a lock: dropped
-/// with `key` still set, it marks the key suspect (reconciled on the next
-/// heartbeat tick, and its local head looks again).
+/// A call in flight whose answer may hand this process a lock or queue one
+/// of its claims, or a reconciling under way: dropped with `key` still set,
+/// it marks the key suspect (reconciled on the next heartbeat tick, and its
+/// local head looks again).
 struct Unanswered<'a> {
     suspect: &'a Mutex<HashSet<LockKey>>,
     key: Option<&'a LockKey>,
