@@ -157,6 +157,7 @@ impl Backend for Redis {
         let mut result = self.member.try_acquire(claim, step, &token, true, 0).await;
         if matches!(step, Step::Queued(_))
             && result.as_ref().err().and_then(Error::cause) == Some(Cause::ConnectionLost)
+            && !self.stop.is_cancelled()
         {
             // Run again, a queued attempt answers the grant its first run
             // may have made (acquire.lua); a waiter that may have long to
