@@ -351,10 +351,11 @@ async fn a_force_release_of_holders_renewing_all_the_time_releases_them_all() {
     for stream in &mut streams {
         // Told by its own sidecar, which sees the lease gone from the backend
         // (or, for a hold that lapsed under load before the force-release,
-        // that it expired).
+        // that it expired, or that its renewals could not reach ZooKeeper in
+        // time: the force-release's regression is its 503, above).
         let reason = stream.expect_lost().await;
         assert!(
-            ["force_released", "backend", "expired"].contains(&reason.as_str()),
+            ["force_released", "backend", "expired", "unreachable"].contains(&reason.as_str()),
             "{reason}"
         );
     }
