@@ -2024,6 +2024,39 @@ impl Blocked {
         Self::param_of(self.kind)
     }
 
+    /// The waiter's answer, once its attempt went through the armed proxy.
+    async fn waiter_answer(&mut self) -> reqwest::Response {
+        let answer = within(
+            "the waiter's answer",
+            Duration::from_secs(20),
+            self.waiter.take().expect("the waiter"),
+        )
+        .await
+        .expect("the waiter's task");
+        assert!(
+            !self.proxy.armed(),
+            "{}: the waiter's attempt went through the proxy",
+            self.kind
+        );
+        answer
+    }
+
+    /// Another claim (a writer, or the permit left) gets in within `wait`.
+    async fn next_gets_in(&self, wait: &str, why: &str) {
+        let started = Instant::now();
+        let mut params = vec![("owner", "next"), ("wait", wait)];
+        params.extend(self.param());
+        let next = self.resource(&self.direct).acquire_raw(&params).await;
+        assert_eq!(
+            next.status(),
+            StatusCode::OK,
+            "{}: {why} after {:?}: {:?}",
+            self.kind,
+            started.elapsed(),
+            self.resource(&self.direct).inspect().await
+        );
+    }
+
     /// The lock's main key.
     fn main(&self) -> String {
         if self.kind.starts_with("semaphore") {
@@ -2048,34 +2081,13 @@ async fn a_shared_or_semaphore_grant_whose_answer_was_lost_is_given_back() {
         b.proxy
             .cut_later(b.owner.as_bytes(), Duration::from_secs(3));
         b.resource(&b.direct).release(&b.blocker.token).await;
-        let lost = within(
-            "the waiter's answer",
-            Duration::from_secs(20),
-            b.waiter.take().expect("the waiter"),
-        )
-        .await
-        .expect("the waiter's task");
-        assert!(
-            !b.proxy.armed(),
-            "{kind}: the waiter's attempt went through the proxy"
-        );
+        let lost = b.waiter_answer().await;
         assert_eq!(
             lost.status(),
             StatusCode::SERVICE_UNAVAILABLE,
             "{kind}: the waiter's answer was lost"
         );
-        // Another permit, or a writer.
-        let started = Instant::now();
-        let mut params = vec![("owner", "next"), ("wait", "15s")];
-        params.extend(b.param());
-        let next = b.resource(&b.direct).acquire_raw(&params).await;
-        assert_eq!(
-            next.status(),
-            StatusCode::OK,
-            "{kind}: the lost grant still blocks after {:?}: {:?}",
-            started.elapsed(),
-            b.resource(&b.direct).inspect().await
-        );
+        b.next_gets_in("15s", "the lost grant still blocks").await;
     }
 }
 
@@ -2099,17 +2111,7 @@ async fn a_waiter_whose_attempt_loses_its_connection_keeps_waiting_and_holds_onc
         if kind != "exclusive behind a short lease" {
             b.resource(&b.direct).release(&b.blocker.token).await;
         }
-        let answer = within(
-            "the waiter's answer",
-            Duration::from_secs(20),
-            b.waiter.take().expect("the waiter"),
-        )
-        .await
-        .expect("the waiter's task");
-        assert!(
-            !b.proxy.armed(),
-            "{kind}: the waiter's attempt went through the proxy"
-        );
+        let answer = b.waiter_answer().await;
         assert_eq!(
             answer.status(),
             StatusCode::OK,
@@ -2125,15 +2127,7 @@ async fn a_waiter_whose_attempt_loses_its_connection_keeps_waiting_and_holds_onc
             .await;
         assert!(queue.is_empty(), "{kind}: left in the queue: {queue:?}");
         // Its one hold released, a writer (or the last permit) gets in.
-        let mut params = vec![("owner", "next"), ("wait", "5s")];
-        params.extend(b.param());
-        let next = b.resource(&b.direct).acquire_raw(&params).await;
-        assert_eq!(
-            next.status(),
-            StatusCode::OK,
-            "{kind}: still held after its release: {:?}",
-            b.resource(&b.direct).inspect().await
-        );
+        b.next_gets_in("5s", "still held after its release").await;
     }
 }
 
