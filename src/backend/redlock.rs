@@ -308,7 +308,10 @@ impl Backend for Redlock {
                     (Turn::Queued(_), None) => Step::Join,
                 };
                 let token = &token;
-                async move { m.try_acquire(claim, step, token, false, MAX_PERMITS).await }
+                async move {
+                    m.try_acquire(claim, step, token, false, MAX_PERMITS, false)
+                        .await
+                }
             })
             .await;
 

@@ -2131,6 +2131,74 @@ async fn a_waiter_whose_attempt_loses_its_connection_keeps_waiting_and_holds_onc
     }
 }
 
+/// A waiter's attempt that re-entered its owner's lease (a second reader
+/// of the same owner, woken once the first was granted) and lost its
+/// connection is not run again into a second re-entry: the re-entry
+/// answers under the lease's token, so a run again cannot find it, and it
+/// re-entered once more — count 3 for two requests, a hold nobody knew of.
+#[tokio::test]
+async fn a_re_entry_whose_connection_broke_is_not_made_twice() {
+    let Proxied {
+        server,
+        proxy,
+        through_proxy,
+        direct,
+    } = Proxied::start().await;
+    let name = unique_name("re-entry-cut");
+    let owner = unique_name("reader");
+    let blocker = direct
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "writer"), ("ttl", "60s")])
+        .await;
+    let view = direct.api().lock(&name);
+    let mut readers = Vec::new();
+    for queued in 1..=2 {
+        let lock = through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        readers.push(tokio::spawn(async move {
+            lock.acquire_raw(&[
+                ("mode", "shared"),
+                ("owner", &owner),
+                ("wait", "30s"),
+                ("ttl", "60s"),
+            ])
+            .await
+        }));
+        eventually("the reader queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == queued).then_some(())
+        })
+        .await;
+    }
+    // The second reader's entry: `<seq> <mode> <token> …`.
+    let queue: Vec<String> = server
+        .cmd(&["LRANGE", &format!("{{sidelock:{name}}}:q"), "0", "-1"])
+        .await;
+    let second = queue[1].split(' ').nth(2).expect("a token").to_owned();
+    // Past the readers' first looks.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.cut_after(second.as_bytes());
+    view.release(&blocker.token).await;
+    let mut answers = Vec::new();
+    for reader in readers {
+        let answer = within("a reader's answer", Duration::from_secs(20), reader)
+            .await
+            .expect("the reader's task");
+        answers.push(answer.status());
+    }
+    assert!(
+        !proxy.armed(),
+        "the second reader's look went through the proxy"
+    );
+    let holders = view.inspect().await.holders;
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    assert!(
+        holders[0].count <= 2,
+        "two requests made {} holds ({answers:?})",
+        holders[0].count
+    );
+}
+
 /// A claim granted while its sidecar queues its claims again (`p` on the
 /// lock's channel: a release passed some by) is not put back in the queue.
 /// Queueing again skipped only a claim holding the exclusive lease: a

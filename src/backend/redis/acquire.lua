@@ -10,9 +10,10 @@
 -- limit (0: none), 14 fifo ("1": grants follow the queue; "0": newcomers
 -- still wait behind the queue, but queued claims are not ordered among
 -- themselves, as in Redlock, where each node may see joins in another
--- order), 15 most permits a semaphore may have (0: any; Redlock: 1).
--- Arguments 10 to 15 may be left out from the end where they hold their
--- defaults ("", "0", "0", "0", "1", "0"): each costs Redis about 900
+-- order), 15 most permits a semaphore may have (0: any; Redlock: 1), 16
+-- "1" when a queued claim's attempt runs again after its connection broke.
+-- Arguments 10 to 16 may be left out from the end where they hold their
+-- defaults ("", "0", "0", "0", "1", "0", "0"): each costs Redis about 900
 -- instructions to pass, and a try-once claim on Redis needs none of them.
 -- Returns {1, now, token, fence, count, since, expires} when granted (the
 -- fast path's grant answers the main key's new value instead, whose since
@@ -21,13 +22,15 @@
 -- not read the clock), {2, now, active_limit} on a limit mismatch, {3, now}
 -- when limit is required, {4, now, limit} when the limit is above the most
 -- permits allowed, {5, now, key, found} when a key it would write holds
--- something else (see misfit()); nothing is written then.
+-- something else (see misfit()), {6, now} when a queued claim run again is
+-- no longer queued; nothing is written then.
 local turn, mode, token, spec = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local len, lock_delay, owner_prefix, inst = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[9]
 local entry, since = ARGV[10] or "", ARGV[11] or "0"
 local beat, asked = tonumber(ARGV[12] or "0"), tonumber(ARGV[13] or "0")
 local fifo = (ARGV[14] or "1") == "1"
 local most = tonumber(ARGV[15] or "0")
+local again = (ARGV[16] or "0") == "1"
 clock()
 
 local bad, found = misfit()
@@ -74,6 +77,11 @@ if turn == "q" and not (IS_LOCK and mode == "x") then
   local m = meta_of(token)
   if m then return {1, NOW, token, m.f, m.c, m.t0, m.e} end
 end
+
+-- Run again, a claim no longer queued was served by the first run — a
+-- re-entry, whose lease has another token — or dropped as its sidecar's:
+-- which, nobody can tell here, and a re-entry must not count twice.
+if turn == "q" and again and not redis.call("LPOS", QUEUE, entry) then return {6, NOW} end
 
 -- Re-entry: the same owner asking again in the mode it holds.
 if IS_LOCK then

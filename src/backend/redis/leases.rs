@@ -4,13 +4,14 @@
 
 use std::time::Duration;
 
-use redis::Value;
+use redis::{ErrorKind, RedisError, Value};
 
 use crate::backend::{Attempt, Busy, Error, Grant, Loss, State, Status, Ticket};
 use crate::clock::{ms, now_ms};
 use crate::lock::{Claim, LockKey, Token};
 
 use super::HEARTBEAT_TTL;
+use super::conn::unavailable;
 use super::node::Node;
 use super::pubsub::{Handed, handed};
 use super::scripts::{granted, holders, int, list, mode_arg, text, waiters};
@@ -24,8 +25,10 @@ pub enum NodeTurn<'a> {
     /// node's clock as this sidecar reads it), writing this sidecar's
     /// heartbeat when `beat` (its first waiter on the key).
     Join { since: i64, beat: bool },
-    /// Try as the queued claim whose entry (as its join wrote it) is `entry`.
-    Queued { entry: &'a str },
+    /// Try as the queued claim whose entry (as its join wrote it) is `entry`;
+    /// `again` when the same attempt runs again after its connection broke
+    /// (a claim no longer queued is then not served twice).
+    Queued { entry: &'a str, again: bool },
 }
 
 /// What the scripts keep of a claim: its SPEC (`<ttl> <max_hold>
@@ -64,12 +67,12 @@ pub(super) fn entry(seq: u64, claim: &Claim, token: &Token, since: i64, instance
 
 /// What the acquire script reads its arguments 10 to 15 as when they are
 /// left out (`acquire.lua`, `acquire_fast.lua`).
-const ACQUIRE_DEFAULTS: [&str; 6] = ["", "0", "0", "0", "1", "0"];
+const ACQUIRE_DEFAULTS: [&str; 7] = ["", "0", "0", "0", "1", "0", "0"];
 
-/// The acquire script's arguments 10 to 15 (`acquire.lua`), without those
+/// The acquire script's arguments 10 to 16 (`acquire.lua`), without those
 /// at the end that hold their [`ACQUIRE_DEFAULTS`]: each argument costs
 /// Redis about 900 instructions to pass, and a try-once claim on Redis
-/// needs none of these six.
+/// needs none of these seven.
 fn optional_args(
     entry: &str,
     since: i64,
@@ -77,6 +80,7 @@ fn optional_args(
     limit: u32,
     fifo: bool,
     max_permits: u32,
+    again: bool,
 ) -> Vec<String> {
     let mut args = vec![
         entry.to_owned(),
@@ -85,6 +89,7 @@ fn optional_args(
         limit.to_string(),
         if fifo { "1" } else { "0" }.to_owned(),
         max_permits.to_string(),
+        if again { "1" } else { "0" }.to_owned(),
     ];
     let kept = args
         .iter()
@@ -114,10 +119,10 @@ impl Node {
             Some(m) if m < claim.ttl => m,
             _ => claim.ttl,
         };
-        let (turn_arg, entry, since, beat) = match turn {
-            NodeTurn::Once => ("o", "", 0, false),
-            NodeTurn::Join { since, beat } => ("j", "", since, beat),
-            NodeTurn::Queued { entry } => ("q", entry, 0, true),
+        let (turn_arg, entry, since, beat, again) = match turn {
+            NodeTurn::Once => ("o", "", 0, false, false),
+            NodeTurn::Join { since, beat } => ("j", "", since, beat, false),
+            NodeTurn::Queued { entry, again } => ("q", entry, 0, true, again),
         };
         inv.arg(turn_arg)
             .arg(mode_arg(claim.mode))
@@ -129,7 +134,7 @@ impl Node {
             .arg(&self.instance);
         let beat = if beat { ms(HEARTBEAT_TTL) } else { 0 };
         let limit = claim.limit.unwrap_or(0);
-        for arg in optional_args(entry, since, beat, limit, fifo, max_permits) {
+        for arg in optional_args(entry, since, beat, limit, fifo, max_permits, again) {
             inv.arg(arg);
         }
         let sent = now_ms();
@@ -175,6 +180,13 @@ impl Node {
                 key: text(&reply, 2),
                 found: text(&reply, 3),
             }),
+            6 => Err(unavailable(
+                "try_acquire",
+                RedisError::from((
+                    ErrorKind::Io,
+                    "run again, the queued claim was no longer queued: its first run may have re-entered a lease",
+                )),
+            )),
             4 => Err(Error::Unsupported(format!(
                 "this semaphore is in use with limit {}, above the {max_permits} this backend allows",
                 int(&reply, 2)
@@ -406,21 +418,29 @@ mod tests {
 
     #[test]
     fn only_the_trailing_defaults_of_the_acquire_arguments_are_left_out() {
-        // A try-once claim on Redis: none of the six.
-        assert!(optional_args("", 0, 0, 0, true, 0).is_empty());
+        // A try-once claim on Redis: none of the seven.
+        assert!(optional_args("", 0, 0, 0, true, 0, false).is_empty());
         // A join whose sidecar's heartbeat is kept already: up to its since.
-        assert_eq!(optional_args("", 17, 0, 0, true, 0), ["", "17"]);
+        assert_eq!(optional_args("", 17, 0, 0, true, 0, false), ["", "17"]);
         // A queued claim: up to its heartbeat, defaults before it kept.
         assert_eq!(
-            optional_args("3 x ab 5 i s", 0, 15_000, 0, true, 0),
+            optional_args("3 x ab 5 i s", 0, 15_000, 0, true, 0, false),
             ["3 x ab 5 i s", "0", "15000"]
         );
-        // Redlock (no FIFO, at most one permit): all six.
+        // Redlock (no FIFO, at most one permit): the first six.
         assert_eq!(
-            optional_args("", 0, 0, 0, false, 1),
+            optional_args("", 0, 0, 0, false, 1, false),
             ["", "0", "0", "0", "0", "1"]
         );
         // A semaphore's limit.
-        assert_eq!(optional_args("", 0, 0, 3, true, 0), ["", "0", "0", "3"]);
+        assert_eq!(
+            optional_args("", 0, 0, 3, true, 0, false),
+            ["", "0", "0", "3"]
+        );
+        // A queued claim run again: all seven.
+        assert_eq!(
+            optional_args("3 x ab 5 i s", 0, 15_000, 0, true, 0, true),
+            ["3 x ab 5 i s", "0", "15000", "0", "1", "0", "1"]
+        );
     }
 }

@@ -161,6 +161,7 @@ impl Member {
         token: &Token,
         fifo: bool,
         max_permits: u32,
+        again: bool,
     ) -> Result<Attempt, Error> {
         if lock(&self.suspect).contains(&claim.key) {
             self.reconcile(&claim.key).await;
@@ -185,10 +186,20 @@ impl Member {
                 let beat = !lock(&self.tickets).queued.contains_key(&claim.key);
                 (NodeTurn::Join { since, beat }, token)
             }
-            (Step::Queued(_), Some(q)) if self.node.handoff => {
-                (NodeTurn::Queued { entry: &q.entry }, &q.token)
-            }
-            (Step::Queued(_), Some(q)) => (NodeTurn::Queued { entry: &q.entry }, token),
+            (Step::Queued(_), Some(q)) if self.node.handoff => (
+                NodeTurn::Queued {
+                    entry: &q.entry,
+                    again,
+                },
+                &q.token,
+            ),
+            (Step::Queued(_), Some(q)) => (
+                NodeTurn::Queued {
+                    entry: &q.entry,
+                    again,
+                },
+                token,
+            ),
             // Handed over just now: the lease waits in the waiter's place,
             // which its wake-up makes it look at next.
             (Step::Queued(_), None) => return Ok(Attempt::Busy(Busy::default())),

@@ -154,7 +154,10 @@ impl Backend for Redis {
             Turn::Queued(t) => Step::Queued(t.seq),
         };
         let token = Token::generate();
-        let mut result = self.member.try_acquire(claim, step, &token, true, 0).await;
+        let mut result = self
+            .member
+            .try_acquire(claim, step, &token, true, 0, false)
+            .await;
         if matches!(step, Step::Queued(_))
             && result.as_ref().err().and_then(Error::cause) == Some(Cause::ConnectionLost)
             && !self.stop.is_cancelled()
@@ -162,9 +165,18 @@ impl Backend for Redis {
             // Run again, a queued attempt answers the grant its first run
             // may have made (acquire.lua); a waiter that may have long to
             // wait still is not failed by one broken connection (in a
-            // Cluster, often another call's, which broke just before).
+            // Cluster, often another call's, which broke just before). When
+            // the run again cannot tell what the first did (its claim is no
+            // longer queued: perhaps it re-entered a lease), the first
+            // failure stands.
             tokio::time::sleep(RERUN_AFTER).await;
-            result = self.member.try_acquire(claim, step, &token, true, 0).await;
+            let again = self
+                .member
+                .try_acquire(claim, step, &token, true, 0, true)
+                .await;
+            if again.is_ok() {
+                result = again;
+            }
         }
         let lost = result.as_ref().err().and_then(Error::cause);
         if matches!(step, Step::Once | Step::Join)
