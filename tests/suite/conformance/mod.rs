@@ -949,7 +949,10 @@ mod modes {
     #[apply(backends)]
     #[tokio::test]
     async fn an_expired_readers_lock_delay_outlasts_the_last_readers_release(backend: TestBackend) {
-        const TTL: Duration = Duration::from_millis(300);
+        // Long enough that the writer's sidecar is stopped well before the
+        // lease ends, not in the middle of the writer's first look (a
+        // Redlock attempt stopped past its time limit answers 503).
+        const TTL: Duration = Duration::from_millis(800);
         const DELAY: Duration = Duration::from_millis(2000);
         let backend = backend.start().await;
         let sidecars = backend.sidecars(2).await;
@@ -959,7 +962,7 @@ mod modes {
         lock.acquire(&[
             ("mode", "shared"),
             ("owner", "lapsing"),
-            ("ttl", "300ms"),
+            ("ttl", "800ms"),
             ("lock_delay", "2s"),
         ])
         .await;
