@@ -23,7 +23,7 @@
 -- when limit is required, {4, now, limit} when the limit is above the most
 -- permits allowed, {5, now, key, found} when a key it would write holds
 -- something else (see misfit()), {6, now} when a queued claim run again is
--- no longer queued; nothing is written then.
+-- no longer queued or would re-enter; nothing is written then.
 local turn, mode, token, spec = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local len, lock_delay, owner_prefix, inst = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[9]
 local entry, since = ARGV[10] or "", ARGV[11] or "0"
@@ -83,10 +83,13 @@ end
 -- which, nobody can tell here, and a re-entry must not count twice.
 if turn == "q" and again and not redis.call("LPOS", QUEUE, entry) then return {6, NOW} end
 
--- Re-entry: the same owner asking again in the mode it holds.
+-- Re-entry: the same owner asking again in the mode it holds. Never on a
+-- run again: the first run may have re-entered already, and a rejoin (a
+-- `p`, a pub/sub reconnect) may have queued the claim again since.
 if IS_LOCK then
   local function mine(who) return string.sub(who, 1, #owner_prefix) == owner_prefix end
   if mode == "x" and x and mine(x.who) then
+    if again then return {6, NOW} end
     x.c = x.c + 1
     x.e = cap(math.max(x.e, NOW + tonumber(string.match(spec, "^%d+"))), x)
     xlease_put(x)
@@ -98,6 +101,7 @@ if IS_LOCK then
     for _, held in ipairs(keys) do
       local m = h[held]
       if m.m == "s" and mine(cjson.encode({m.o, m.s})) then
+        if again then return {6, NOW} end
         m.c = m.c + 1
         m.e = cap(math.max(m.e, NOW + m.ttl), m)
         put_holder(held, m)

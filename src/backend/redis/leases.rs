@@ -184,7 +184,7 @@ impl Node {
                 "try_acquire",
                 RedisError::from((
                     ErrorKind::Io,
-                    "run again, the queued claim was no longer queued: its first run may have re-entered a lease",
+                    "run again, the queued claim was no longer queued or would re-enter: its first run may have re-entered a lease",
                 )),
             )),
             4 => Err(Error::Unsupported(format!(
