@@ -1970,11 +1970,9 @@ impl Blocked {
         let waiter = {
             let r = Self::resource_of(kind, &name, &through_proxy);
             let owner = owner.clone();
-            let param = Self::param_of(kind).unwrap_or(("mode", "shared"));
-            let param = if kind == "exclusive behind a short lease" {
-                ("mode", "exclusive")
-            } else {
-                param
+            let param = match kind {
+                "exclusive behind a short lease" => ("mode", "exclusive"),
+                _ => Self::param_of(kind).unwrap_or(("mode", "shared")),
             };
             tokio::spawn(async move {
                 r.acquire_raw(&[param, ("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
@@ -2057,6 +2055,12 @@ impl Blocked {
         );
     }
 
+    /// The lock's queue, as Redis holds it.
+    async fn queue(&self) -> Vec<String> {
+        let queue = format!("{{{}}}:q", self.main());
+        self.server.cmd(&["LRANGE", &queue, "0", "-1"]).await
+    }
+
     /// The lock's main key.
     fn main(&self) -> String {
         if self.kind.starts_with("semaphore") {
@@ -2121,10 +2125,7 @@ async fn a_waiter_whose_attempt_loses_its_connection_keeps_waiting_and_holds_onc
         assert_eq!(grant.count, 1, "{kind}: the waiter holds once");
         assert!(grant.fence > b.blocker.fence, "{kind}: {grant:?}");
         b.resource(&b.through_proxy).release(&grant.token).await;
-        let queue: Vec<String> = b
-            .server
-            .cmd(&["LRANGE", &format!("{{{}}}:q", b.main()), "0", "-1"])
-            .await;
+        let queue = b.queue().await;
         assert!(queue.is_empty(), "{kind}: left in the queue: {queue:?}");
         // Its one hold released, a writer (or the last permit) gets in.
         b.next_gets_in("5s", "still held after its release").await;
@@ -2234,10 +2235,7 @@ async fn a_claim_granted_while_its_sidecar_queues_again_stays_out_of_the_queue()
         .expect("the waiter's task");
         let grant: common::api::Grant = common::api::expect_json(answer, StatusCode::OK).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let queue: Vec<String> = b
-            .server
-            .cmd(&["LRANGE", &format!("{{{main}}}:q"), "0", "-1"])
-            .await;
+        let queue = b.queue().await;
         assert!(
             queue.is_empty(),
             "{kind}: the granted claim went back in the queue: {queue:?}"

@@ -166,9 +166,9 @@ impl Backend for Redis {
             // may have made (acquire.lua); a waiter that may have long to
             // wait still is not failed by one broken connection (in a
             // Cluster, often another call's, which broke just before). When
-            // the run again cannot tell what the first did (its claim is no
-            // longer queued: perhaps it re-entered a lease), the first
-            // failure stands.
+            // the run again cannot tell what the first did (its claim would
+            // re-enter its owner's lease, or is no longer queued: the first
+            // may have re-entered it), the first failure stands.
             tokio::time::sleep(RERUN_AFTER).await;
             let again = self
                 .member
