@@ -204,3 +204,97 @@ pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
         lock.inspect().await
     );
 }
+
+/// A waiter woken by a release, whose look loses its connection after the
+/// backend granted it (a read lease; the permit of a semaphore of 1, or
+/// the one left of a semaphore of 2), keeps waiting: it is answered the
+/// grant its look made — one hold — not 503 with most of its wait left
+/// while the backend was there, and not a second hold.
+pub async fn a_waiter_whose_look_loses_its_connection_holds_once(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    for kind in ["shared", "semaphore", "semaphore of 2"] {
+        let name = unique_name("look-cut");
+        let owner = unique_name("waiter");
+        let resource = |s: &SidecarGuard| {
+            if kind == "shared" {
+                s.api().lock(&name)
+            } else {
+                s.api().semaphore(&name)
+            }
+        };
+        let own: &[(&str, &str)] = match kind {
+            "shared" => &[],
+            "semaphore" => &[("limit", "1")],
+            _ => &[("limit", "2")],
+        };
+        let with = |params: &[(&'static str, &'static str)]| {
+            let mut all = params.to_vec();
+            all.extend_from_slice(own);
+            all
+        };
+        if kind == "semaphore of 2" {
+            resource(direct)
+                .acquire(&with(&[("owner", "keeper"), ("ttl", "60s")]))
+                .await;
+        }
+        let blocker = resource(direct)
+            .acquire(&with(&[("owner", "holder"), ("ttl", "60s")]))
+            .await;
+        let waiter = {
+            let r = resource(through_proxy);
+            let mut params = vec![
+                ("owner", owner.clone()),
+                ("wait", "30s".to_owned()),
+                ("ttl", "60s".to_owned()),
+            ];
+            params.extend(own.iter().map(|&(k, v)| (k, v.to_owned())));
+            if kind == "shared" {
+                params.push(("mode", "shared".to_owned()));
+            }
+            tokio::spawn(async move {
+                let params: Vec<(&str, &str)> =
+                    params.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                r.acquire_raw(&params).await
+            })
+        };
+        let view = resource(direct);
+        crate::common::eventually("the waiter queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        // Past the waiter's first look: the next one is the release's.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.cut_after(owner.as_bytes());
+        view.release(&blocker.token).await;
+        let answer = within("the waiter's answer", Duration::from_secs(20), waiter)
+            .await
+            .expect("the waiter's task");
+        assert!(
+            !proxy.armed(),
+            "{kind}: the waiter's look went through the proxy"
+        );
+        let grant: crate::common::api::Grant =
+            crate::common::api::expect_json(answer, StatusCode::OK).await;
+        assert_eq!(grant.count, 1, "{kind}: the waiter holds once");
+        assert!(grant.fence > blocker.fence, "{kind}: {grant:?}");
+        resource(through_proxy).release(&grant.token).await;
+        let left = view.inspect().await;
+        assert!(
+            left.waiters.is_empty(),
+            "{kind}: left in the queue: {left:?}"
+        );
+        // Its one hold released, a writer (or the last permit) gets in.
+        let next = resource(direct)
+            .acquire_raw(&with(&[("owner", "next"), ("wait", "5s")]))
+            .await;
+        assert_eq!(
+            next.status(),
+            StatusCode::OK,
+            "{kind}: still held after the waiter's release: {:?}",
+            view.inspect().await
+        );
+    }
+}

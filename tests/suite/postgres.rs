@@ -488,7 +488,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
     }
     let client = database.client().await;
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7, 8]);
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -534,7 +534,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
 
     let sidecar = SidecarBuilder::new(&database.url()).start().await;
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7, 8]);
 
     let lock = sidecar.api().lock(&name);
     let grant = lock.acquire(&[]).await;
@@ -1690,7 +1690,7 @@ async fn a_release_whose_client_left_holds_up_no_other_statement() {
 /// front of the server, a sidecar through the proxy and one straight on
 /// the server.
 struct Proxied {
-    _database: TestDatabase,
+    database: TestDatabase,
     proxy: common::proxy::CuttingProxy,
     through_proxy: SidecarGuard,
     direct: SidecarGuard,
@@ -1706,7 +1706,7 @@ impl Proxied {
                 .await;
         let direct = SidecarBuilder::new(&database.url()).start().await;
         Self {
-            _database: database,
+            database,
             proxy,
             through_proxy,
             direct,
@@ -1778,4 +1778,82 @@ async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
         &p.direct,
     )
     .await;
+}
+
+/// A reader or semaphore waiter woken by a release, whose look loses its
+/// connection after PostgreSQL granted it, keeps waiting and is answered
+/// that grant, held once. It answered 503 with most of its wait left.
+#[tokio::test]
+async fn a_waiter_whose_look_loses_its_connection_keeps_waiting_and_holds_once() {
+    let p = Proxied::start().await;
+    lost_answers::a_waiter_whose_look_loses_its_connection_holds_once(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
+    .await;
+}
+
+/// A waiter's look that re-entered its owner's lease (a second reader of
+/// the same owner, woken once the first was granted) and lost its
+/// connection is not run again into a second re-entry: the re-entry
+/// removes the waiter's row, a run again put it back and re-entered once
+/// more — count 3 for two requests, a hold nobody knew of.
+#[tokio::test]
+async fn a_re_entry_whose_connection_broke_is_not_made_twice() {
+    let p = Proxied::start().await;
+    let name = unique_name("re-entry-cut");
+    let owner = unique_name("reader");
+    let view = p.direct.api().lock(&name);
+    let blocker = view.acquire(&[("owner", "writer"), ("ttl", "60s")]).await;
+    let mut readers = Vec::new();
+    for queued in 1..=2 {
+        let lock = p.through_proxy.api().lock(&name);
+        let owner = owner.clone();
+        readers.push(tokio::spawn(async move {
+            lock.acquire_raw(&[
+                ("mode", "shared"),
+                ("owner", &owner),
+                ("wait", "30s"),
+                ("ttl", "60s"),
+            ])
+            .await
+        }));
+        eventually("the reader queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == queued).then_some(())
+        })
+        .await;
+    }
+    // The second reader's row carries the token its looks send.
+    let db = p.database.client().await;
+    let second: String = db
+        .query_one(
+            "SELECT token FROM sidelock.waiters WHERE name = $1 ORDER BY seq OFFSET 1",
+            &[&name],
+        )
+        .await
+        .expect("the second reader's row")
+        .get(0);
+    // Past the readers' first looks.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    p.proxy.cut_after(second.as_bytes());
+    view.release(&blocker.token).await;
+    let mut answers = Vec::new();
+    for reader in readers {
+        let answer = within("a reader's answer", Duration::from_secs(20), reader)
+            .await
+            .expect("the reader's task");
+        answers.push(answer.status());
+    }
+    assert!(
+        !p.proxy.armed(),
+        "the second reader's look went through the proxy"
+    );
+    let holders = view.inspect().await.holders;
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    assert!(
+        holders[0].count <= 2,
+        "two requests made {} holds ({answers:?})",
+        holders[0].count
+    );
 }

@@ -91,6 +91,9 @@ pub const LAPSE_AFTER: Duration = Duration::from_secs(10);
 /// A waiter row of this sidecar that no request knows of (its join's answer
 /// was lost) is removed once it is this old: longer than any join can take.
 pub const GHOST_AFTER: Duration = Duration::from_secs(10);
+/// A queued attempt whose connection broke runs again after this pause:
+/// time for the pool to open a new connection.
+const RERUN_AFTER: Duration = Duration::from_millis(50);
 /// Longest wait for a pooled connection, or to open one: an outage answers 503 this fast.
 const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest wait for a pooled connection while the pool's connections are
@@ -160,6 +163,11 @@ const MIGRATIONS: &[Migration] = &[
         version: 7,
         description: "renew_many renews many leases in one statement",
         sql: include_str!("0007_renew_many.sql"),
+    },
+    Migration {
+        version: 8,
+        description: "acquire runs a queued attempt again after its connection broke",
+        sql: include_str!("0008_queued_again.sql"),
     },
 ];
 
@@ -273,6 +281,44 @@ fn give_back_unanswered(inner: &Arc<Inner>, claim: &Claim, token: Token, join: b
     ));
 }
 
+impl Postgres {
+    /// Calls `acquire` for `claim` at its turn (`once`, `join`, `queued`
+    /// or `again`) under `token`; the error tells what became of the call.
+    async fn acquire(
+        &self,
+        claim: &Claim,
+        turn: &str,
+        seq: Option<i64>,
+        token: &Token,
+    ) -> Result<Option<AcquireReply>, (Error, Fate)> {
+        let inner = &self.inner;
+        let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
+        inner
+            .json_or_fate(
+                "try_acquire",
+                &inner.sql.acquire,
+                &[
+                    &claim.key.kind.as_str(),
+                    &claim.key.name.as_str(),
+                    &claim.mode.as_str(),
+                    &claim.owner,
+                    &claim.sidecar,
+                    &inner.instance,
+                    &token.expose(),
+                    &ms_i64(claim.ttl),
+                    &limit,
+                    &ms_i64(claim.lock_delay),
+                    &claim.max_hold.map(ms_i64),
+                    &turn,
+                    &seq,
+                    &ms_i64(LAPSE_AFTER),
+                    &true,
+                ],
+            )
+            .await
+    }
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         self.inner.stop.cancel();
@@ -310,34 +356,27 @@ impl Backend for Postgres {
             },
             _ => Token::generate(),
         };
-        let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
         if matches!(turn, Turn::Join) && inner.heartbeat_is_old() {
             inner.heartbeat_now("try_acquire").await?;
         }
-        let reply: Option<AcquireReply> = match inner
-            .json_or_fate(
-                "try_acquire",
-                &inner.sql.acquire,
-                &[
-                    &claim.key.kind.as_str(),
-                    &claim.key.name.as_str(),
-                    &claim.mode.as_str(),
-                    &claim.owner,
-                    &claim.sidecar,
-                    &inner.instance,
-                    &token.expose(),
-                    &ms_i64(claim.ttl),
-                    &limit,
-                    &ms_i64(claim.lock_delay),
-                    &claim.max_hold.map(ms_i64),
-                    &turn_name,
-                    &seq,
-                    &ms_i64(LAPSE_AFTER),
-                    &true,
-                ],
-            )
-            .await
+        let mut answer = self.acquire(claim, turn_name, seq, &token).await;
+        if matches!(turn, Turn::Queued(_))
+            && matches!(&answer, Err((e, _)) if e.cause() == Some(Cause::ConnectionLost))
+            && !inner.stop.is_cancelled()
         {
+            // Run again, a queued look answers the grant its first run may
+            // have made (found by its token); a waiter that may have long to
+            // wait still is not failed by one broken connection. When the
+            // run again cannot tell what the first did (its ticket has gone,
+            // or it would re-enter its owner's lease: the first may have
+            // re-entered it), the first failure stands.
+            tokio::time::sleep(RERUN_AFTER).await;
+            let again = self.acquire(claim, "again", seq, &token).await;
+            if matches!(&again, Ok(Some(reply)) if !matches!(reply, AcquireReply::Unsure)) {
+                answer = again;
+            }
+        }
+        let reply = match answer {
             Ok(reply) => reply,
             Err((e, fate)) => {
                 if fate == Fate::Unknown && matches!(turn, Turn::Once | Turn::Join) {
@@ -388,6 +427,10 @@ impl Backend for Postgres {
             })),
             AcquireReply::LimitMismatch { active } => Err(Error::LimitMismatch { active }),
             AcquireReply::LimitRequired => Err(Error::LimitRequired),
+            AcquireReply::Unsure => Err(Error::Unavailable {
+                op: "try_acquire",
+                source: "a queued attempt run again could not tell what its first run did".into(),
+            }),
         }
     }
 

@@ -134,8 +134,12 @@ pub(super) fn ms_i64(d: Duration) -> i64 {
 pub(super) enum AcquireReply {
     Granted(GrantedReply),
     Busy(BusyReply),
-    LimitMismatch { active: u32 },
+    LimitMismatch {
+        active: u32,
+    },
     LimitRequired,
+    /// A queued attempt run again could not tell what its first run did.
+    Unsure,
 }
 
 #[derive(Deserialize)]
