@@ -848,24 +848,7 @@ async fn a_listen_connection_behind_its_own_zombie_session_takes_over() {
         mut waiter,
     } = queue_behind_a_holder(&backend).await;
     let client = schema(&backend).client().await;
-    let instance: String = eventually(
-        "the waiting sidecar's heartbeat",
-        EVENT_TIMEOUT,
-        async || {
-            client
-                .query_opt(
-                    &format!(
-                        "SELECT instance FROM {} WHERE sidecar = $1",
-                        schema(&backend).table("sidecars")
-                    ),
-                    &[&id],
-                )
-                .await
-                .expect("read sidecars")
-                .map(|r| r.get::<_, String>(0))
-        },
-    )
-    .await;
+    let instance = instance_of(&backend, &client, &id).await;
     let zombie = schema(&backend).client().await;
     end_listen_connection(&client, &id).await;
     // Before the sidecar reconnects (it waits 250 ms first).
@@ -890,6 +873,89 @@ async fn a_listen_connection_behind_its_own_zombie_session_takes_over() {
         zombie.simple_query("SELECT 1").await.is_err(),
         "the session holding the instance's lock was left running"
     );
+}
+
+/// Another sidecar's release that holds the instance's advisory lock for
+/// its transaction (`pass_on()` takes it to tell whether the waiter's
+/// sidecar is gone) while this sidecar's LISTEN connection comes back is
+/// not ended: only an idle session, which a transaction is not, can be an
+/// earlier connection of the sidecar's own. The new connection ended it
+/// (the release failed), as if it were a zombie.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_connection_coming_back_does_not_end_a_release_checking_its_sidecar() {
+    let backend = postgres().await;
+    let Queued {
+        id,
+        waiting: _waiting,
+        releasing,
+        name,
+        holder,
+        mut waiter,
+    } = queue_behind_a_holder(&backend).await;
+    let client = schema(&backend).client().await;
+    let instance = instance_of(&backend, &client, &id).await;
+    let release = schema(&backend).client().await;
+    end_listen_connection(&client, &id).await;
+    // Before the sidecar reconnects (it waits 250 ms first): a release's
+    // transaction, looking whether the waiter's sidecar is alive.
+    release.batch_execute("BEGIN").await.expect("begin");
+    release
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('sidelock instance ' || $1, 0))",
+            &[&instance],
+        )
+        .await
+        .expect("take the instance's advisory lock for the transaction");
+    eventually(
+        "the sidecar's LISTEN connection to come back",
+        EVENT_TIMEOUT,
+        async || {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                    &[&format!("sidelock {id} listen")],
+                )
+                .await
+                .expect("read pg_stat_activity")
+                .get(0);
+            (n == 1).then_some(())
+        },
+    )
+    .await;
+    // Past its try for the lock (and, before, its ending of the holder).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        release.simple_query("SELECT 1").await.is_ok(),
+        "the LISTEN connection ended another session's transaction"
+    );
+    release.batch_execute("COMMIT").await.expect("commit");
+    // The connection takes the lock once the transaction ends, and hears
+    // its handoffs.
+    releasing.api().lock(&name).release(&holder.token).await;
+    let grant = waiter.expect_acquired_within(Duration::from_secs(15)).await;
+    assert_eq!(grant.owner, "waiter");
+}
+
+/// The instance of sidecar `id`, once its heartbeat wrote it.
+async fn instance_of(backend: &BackendGuard, client: &tokio_postgres::Client, id: &str) -> String {
+    eventually(
+        "the waiting sidecar's heartbeat",
+        EVENT_TIMEOUT,
+        async || {
+            client
+                .query_opt(
+                    &format!(
+                        "SELECT instance FROM {} WHERE sidecar = $1",
+                        schema(backend).table("sidecars")
+                    ),
+                    &[&id],
+                )
+                .await
+                .expect("read sidecars")
+                .map(|r| r.get::<_, String>(0))
+        },
+    )
+    .await
 }
 
 /// `/v1/stale` on PostgreSQL: holders older than `--stale-after`, expired rows

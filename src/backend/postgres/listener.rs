@@ -197,10 +197,12 @@ impl Inner {
             .await?
             .get(0);
         if !taken {
-            // The instance is this process's alone: the holder is an earlier
-            // connection of ours the server has not seen die (a dropped
-            // network). Handoffs would go to it, unheard, for as long as it
-            // lasts: end it, then wait for the lock it frees.
+            // The instance is this process's alone: an idle holder is an
+            // earlier connection of ours the server has not seen die (a
+            // dropped network). Handoffs would go to it, unheard, for as
+            // long as it lasts: end it, then wait for the lock it frees. A
+            // holder in a transaction is another sidecar's release asking
+            // whether we are alive (`pass_on()`): it is waited for, not ended.
             tracing::warn!(
                 "an earlier LISTEN connection of this sidecar still holds its session: ending it"
             );
@@ -209,6 +211,8 @@ impl Inner {
                     "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
                       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
                         AND l.pid <> pg_backend_pid()
+                        AND EXISTS (SELECT 1 FROM pg_stat_activity a
+                                     WHERE a.pid = l.pid AND a.state = 'idle')
                         AND ((l.classid::bigint << 32) | l.objid::bigint)
                             = hashtextextended('sidelock instance ' || $1, 0)",
                     &[&self.instance],
