@@ -1867,59 +1867,108 @@ async fn a_waiter_whose_look_loses_its_connection_keeps_waiting_and_holds_once()
 /// more — count 3 for two requests, a hold nobody knew of.
 #[tokio::test]
 async fn a_re_entry_whose_connection_broke_is_not_made_twice() {
-    let p = Proxied::start().await;
-    let name = unique_name("re-entry-cut");
-    let owner = unique_name("reader");
-    let view = p.direct.api().lock(&name);
-    let blocker = view.acquire(&[("owner", "writer"), ("ttl", "60s")]).await;
-    let mut readers = Vec::new();
-    for queued in 1..=2 {
-        let lock = p.through_proxy.api().lock(&name);
-        let owner = owner.clone();
-        readers.push(tokio::spawn(async move {
-            lock.acquire_raw(&[
-                ("mode", "shared"),
-                ("owner", &owner),
-                ("wait", "30s"),
-                ("ttl", "60s"),
-            ])
-            .await
-        }));
-        eventually("the reader queued", Duration::from_secs(5), async || {
-            (view.inspect().await.waiters.len() == queued).then_some(())
-        })
-        .await;
-    }
-    // The second reader's row carries the token its looks send.
-    let db = p.database.client().await;
-    let second: String = db
-        .query_one(
-            "SELECT token FROM sidelock.waiters WHERE name = $1 ORDER BY seq OFFSET 1",
-            &[&name],
-        )
-        .await
-        .expect("the second reader's row")
-        .get(0);
-    // Past the readers' first looks.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    p.proxy.cut_after(second.as_bytes());
-    view.release(&blocker.token).await;
-    let mut answers = Vec::new();
-    for reader in readers {
-        let answer = within("a reader's answer", Duration::from_secs(20), reader)
-            .await
-            .expect("the reader's task");
-        answers.push(answer.status());
-    }
-    assert!(
-        !p.proxy.armed(),
-        "the second reader's look went through the proxy"
-    );
-    let holders = view.inspect().await.holders;
+    let mut r = SameOwnerReaders::queue().await;
+    r.p.proxy.cut_after(r.second.as_bytes());
+    let (answers, state) = r.answers().await;
+    assert!(state.waiters.is_empty(), "left in the queue: {state:?}");
+    let holders = state.holders;
     assert_eq!(holders.len(), 1, "{holders:?}");
     assert!(
         holders[0].count <= 2,
         "two requests made {} holds ({answers:?})",
         holders[0].count
     );
+}
+
+/// A look that never reached the database (its connection reset on the
+/// way) is run again and re-enters its owner's lease: its ticket is still
+/// queued, so its first run did nothing. The reader answered 503.
+#[tokio::test]
+async fn a_re_entry_whose_look_was_lost_on_its_way_is_made_by_the_run_again() {
+    let mut r = SameOwnerReaders::queue().await;
+    r.p.proxy.refuse(r.second.as_bytes(), 1);
+    let (answers, state) = r.answers().await;
+    assert!(
+        !r.p.proxy.refusing(),
+        "the second reader's look was refused"
+    );
+    assert_eq!(answers, [StatusCode::OK, StatusCode::OK], "{state:?}");
+    assert!(state.waiters.is_empty(), "left in the queue: {state:?}");
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].count, 2, "{state:?}");
+}
+
+/// Two readers of one owner queued through the proxy behind a writer, on a
+/// lock whose writer the test then releases.
+struct SameOwnerReaders {
+    p: Proxied,
+    name: String,
+    blocker: common::api::Grant,
+    readers: Vec<tokio::task::JoinHandle<reqwest::Response>>,
+    /// The token the second reader's looks send (its row's).
+    second: String,
+}
+
+impl SameOwnerReaders {
+    async fn queue() -> Self {
+        let p = Proxied::start().await;
+        let name = unique_name("re-entry-cut");
+        let owner = unique_name("reader");
+        let view = p.direct.api().lock(&name);
+        let blocker = view.acquire(&[("owner", "writer"), ("ttl", "60s")]).await;
+        let mut readers = Vec::new();
+        for queued in 1..=2 {
+            let lock = p.through_proxy.api().lock(&name);
+            let owner = owner.clone();
+            readers.push(tokio::spawn(async move {
+                lock.acquire_raw(&[
+                    ("mode", "shared"),
+                    ("owner", &owner),
+                    ("wait", "30s"),
+                    ("ttl", "60s"),
+                ])
+                .await
+            }));
+            eventually("the reader queued", Duration::from_secs(5), async || {
+                (view.inspect().await.waiters.len() == queued).then_some(())
+            })
+            .await;
+        }
+        let db = p.database.client().await;
+        let second: String = db
+            .query_one(
+                "SELECT token FROM sidelock.waiters WHERE name = $1 ORDER BY seq OFFSET 1",
+                &[&name],
+            )
+            .await
+            .expect("the second reader's row")
+            .get(0);
+        // Past the readers' first looks.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Self {
+            p,
+            name,
+            blocker,
+            readers,
+            second,
+        }
+    }
+
+    /// Releases the writer: the readers' answers, and the lock's state.
+    async fn answers(&mut self) -> (Vec<StatusCode>, common::api::LockState) {
+        let view = self.p.direct.api().lock(&self.name);
+        view.release(&self.blocker.token).await;
+        let mut answers = Vec::new();
+        for reader in std::mem::take(&mut self.readers) {
+            let answer = within("a reader's answer", Duration::from_secs(20), reader)
+                .await
+                .expect("the reader's task");
+            answers.push(answer.status());
+        }
+        assert!(
+            !self.p.proxy.armed(),
+            "the second reader's look went through the proxy"
+        );
+        (answers, view.inspect().await)
+    }
 }

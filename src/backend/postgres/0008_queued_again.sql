@@ -11,10 +11,11 @@
 --   (as a handoff its sidecar did not hear of always was);
 -- * a ticket whose row has gone is not put back (the first run may have
 --   re-entered its owner's lease, which answers under that lease's token
---   and removes the row), and a claim that would re-enter its owner's
---   lease does not (the first run may have done so already): both answer
---   'unsure', and the first run's failure stands;
--- * otherwise the look runs as a queued one.
+--   and removes the row): it answers 'unsure', and the first run's failure
+--   stands;
+-- * otherwise the look runs as a queued one, re-entry included: the row
+--   is there, under the key's row lock, so the first run made no grant and
+--   no re-entry (either removes the row in its own transaction).
 --
 -- Same signature as version 6, so older sidecars call the same function.
 
@@ -169,14 +170,6 @@ BEGIN
                 k.permits := p_limit;
             END IF;
         ELSE
-            -- A run again never re-enters: its first run may have (and
-            -- committed after this run's ticket was looked at).
-            IF v_again AND EXISTS (SELECT 1 FROM {s}.leases
-                                    WHERE kind = p_kind AND name = p_name
-                                      AND owner = p_owner AND mode = p_mode) THEN
-                v_result := json_build_object('outcome', 'unsure');
-                EXIT decide;
-            END IF;
             -- Re-entry: the same owner in the same mode, regardless of the queue.
             UPDATE {s}.leases
                SET hold_count = hold_count + 1,

@@ -367,9 +367,9 @@ impl Backend for Postgres {
             // Run again, a queued look answers the grant its first run may
             // have made (found by its token); a waiter that may have long to
             // wait still is not failed by one broken connection. When the
-            // run again cannot tell what the first did (its ticket has gone,
-            // or it would re-enter its owner's lease: the first may have
-            // re-entered it), the first failure stands.
+            // run again cannot tell what the first did (its ticket has gone:
+            // the first may have re-entered its owner's lease), the first
+            // failure stands.
             tokio::time::sleep(RERUN_AFTER).await;
             let again = self.acquire(claim, "again", seq, &token).await;
             if matches!(&again, Ok(Some(reply)) if !matches!(reply, AcquireReply::Unsure)) {
