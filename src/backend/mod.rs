@@ -462,6 +462,9 @@ pub enum Loss {
     Expired,
     /// The backend no longer has it and cannot say why (key deleted, session lost).
     Backend,
+    /// A force-release removed it (through any sidecar), as the backend
+    /// recorded.
+    ForceReleased,
 }
 
 /// The state of one lease, for the sidecar's expiry timer.

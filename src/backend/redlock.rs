@@ -60,8 +60,8 @@ use super::redact;
 use super::redis::{Member, Node, Numbering, Step, Watchers, watch};
 use super::url::Parts;
 use super::{
-    Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Options, Outage, Safety,
-    StaleKey, State, Status, Summary, Ticket, Turn, Watch,
+    Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Loss, Options, Outage,
+    Safety, StaleKey, State, Status, Summary, Ticket, Turn, Watch,
 };
 use crate::clock::drift_ms as drift;
 use crate::clock::{ms, now_ms};
@@ -539,9 +539,18 @@ impl Backend for Redlock {
                 expires_at_ms: held[self.quorum - 1],
             });
         }
-        let gone = answers.iter().find_map(|a| match a {
+        // A node that recorded a force-release says why the lease went.
+        let mut losses = answers.iter().filter_map(|a| match a {
             Ok(Status::Gone(loss)) => Some(*loss),
             _ => None,
+        });
+        let first = losses.next();
+        let gone = first.map(|first| {
+            if first == Loss::ForceReleased || losses.any(|l| l == Loss::ForceReleased) {
+                Loss::ForceReleased
+            } else {
+                first
+            }
         });
         match gone {
             Some(loss) if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum => {

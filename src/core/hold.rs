@@ -383,8 +383,27 @@ impl Core {
         let reason = match loss {
             Loss::Expired => lapse_reason(lease),
             Loss::Backend => LostReason::Backend,
+            Loss::ForceReleased => LostReason::ForceReleased,
         };
         self.end(lease, End::Lost(reason));
+    }
+
+    /// Why `lease`, which the backend no longer has, ended: as
+    /// [`lapse_reason`]; a lease gone while still valid is asked about, as
+    /// a force-release through another sidecar reaches its holder's only as
+    /// a lease that has gone.
+    pub(super) async fn gone_reason(&self, lease: &Local) -> LostReason {
+        let reason = lapse_reason(lease);
+        if reason != LostReason::Backend {
+            return reason;
+        }
+        match self
+            .op("status", self.backend.status(&lease.key, &lease.token))
+            .await
+        {
+            Ok(Status::Gone(Loss::ForceReleased)) => LostReason::ForceReleased,
+            _ => reason,
+        }
     }
 }
 

@@ -13,7 +13,6 @@ use crate::lock::{LockKey, LostReason, Token};
 use super::Core;
 use super::event::EventType;
 use super::expiry::margin_ms;
-use super::hold::lapse_reason;
 use super::lease::{End, Local, Underway};
 
 impl Core {
@@ -82,9 +81,11 @@ impl Core {
             (Some(n), None) => Ok(n),
             (None, local) => {
                 if let Some(local) = local {
-                    // Expired, or gone while still valid (data lost, or a
-                    // backend that cannot tell what its release left).
-                    self.end(&local, End::Lost(lapse_reason(&local)));
+                    // Expired, force-released, or gone while still valid
+                    // (data lost, or a backend that cannot tell what its
+                    // release left).
+                    let reason = self.gone_reason(&local).await;
+                    self.end(&local, End::Lost(reason));
                 }
                 Err(Error::LeaseLost)
             }
@@ -155,7 +156,7 @@ impl Core {
             Ok(None) => {
                 self.metrics.renewals.with_label_values(&["lost"]).inc();
                 if let Some(local) = local {
-                    let reason = lapse_reason(&local);
+                    let reason = self.gone_reason(&local).await;
                     self.end(&local, End::Lost(reason));
                 }
                 Err(Error::LeaseLost)

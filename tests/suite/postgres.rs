@@ -488,7 +488,10 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
         assert_eq!(readyz_status(sidecar).await, StatusCode::OK);
     }
     let client = database.client().await;
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(
+        migration_versions(&client).await,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    );
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
         .await
@@ -534,7 +537,10 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
 
     let sidecar = SidecarBuilder::new(&database.url()).start().await;
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
-    assert_eq!(migration_versions(&client).await, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(
+        migration_versions(&client).await,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    );
 
     let lock = sidecar.api().lock(&name);
     let grant = lock.acquire(&[]).await;

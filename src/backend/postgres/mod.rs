@@ -169,6 +169,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "acquire runs a queued attempt again after its connection broke",
         sql: include_str!("0008_queued_again.sql"),
     },
+    Migration {
+        version: 9,
+        description: "force_release notes the leases it removes in forced, for status",
+        sql: include_str!("0009_forced.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.
@@ -503,10 +508,11 @@ impl Backend for Postgres {
                 &[&token.expose(), &key.kind.as_str(), &key.name.as_str()],
             )
             .await?;
-        Ok(match rows.first() {
-            Some(row) => Status::Held {
-                expires_at_ms: self.inner.local(row.get(0)),
+        Ok(match rows.first().map(|row| row.get::<_, Option<i64>>(0)) {
+            Some(Some(expires_at_ms)) => Status::Held {
+                expires_at_ms: self.inner.local(expires_at_ms),
             },
+            Some(None) => Status::Gone(Loss::ForceReleased),
             None => Status::Gone(Loss::Expired),
         })
     }

@@ -37,9 +37,12 @@ impl Sql {
             renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
             renew_many: fill("SELECT i, expires_at_ms FROM {s}.renew_many($1, $2, $3, $4)"),
             release: fill("SELECT {s}.release($1, $2, $3, $4)"),
+            // A lease's expiry while it holds; else NULL if a force-release
+            // removed it (no row: gone).
             status: fill(
-                "SELECT {s}.ms(expires_at), {s}.ms(clock_timestamp()) FROM {s}.leases \
-                 WHERE token = $1 AND kind = $2 AND name = $3 AND expires_at > clock_timestamp()",
+                "SELECT {s}.ms(expires_at) FROM {s}.leases \
+                 WHERE token = $1 AND kind = $2 AND name = $3 AND expires_at > clock_timestamp() \
+                 UNION ALL SELECT NULL FROM {s}.forced WHERE token = $1",
             ),
             inspect: fill("SELECT {s}.inspect($1, $2, $3)::text"),
             list: fill(LIST_SQL),

@@ -268,12 +268,12 @@ impl Node {
         let reply: Vec<Value> = self.run("status", inv).await?;
         let clock = self.clock(&reply, 0, sent);
         let e = int(&reply, 1);
-        Ok(if e >= 0 {
-            Status::Held {
+        Ok(match e {
+            0.. => Status::Held {
                 expires_at_ms: clock.end(e),
-            }
-        } else {
-            Status::Gone(Loss::Expired)
+            },
+            -2 => Status::Gone(Loss::ForceReleased),
+            _ => Status::Gone(Loss::Expired),
         })
     }
 

@@ -15,12 +15,14 @@
 --   {<main>}:expiry   sorted set: token -> expiry ms of those leases
 --   {<main>}:delay    a semaphore's (or a shared lock's) lock-delay end, PX
 --   {<main>}:limit    a semaphore's permits while in use
+--   {<main>}:forced   hash: token -> 1 of leases a force-release removed,
+--                     until a minute past the last one's expiry
 
 local SHARED = "sidelock:shared"
 local DELAYED = "sidelock:delayed"
-local FENCE, SEQ, QUEUE, BEAT, HOLDERS, EXPIRY, DELAY, LIMIT =
+local FENCE, SEQ, QUEUE, BEAT, HOLDERS, EXPIRY, DELAY, LIMIT, FORCED =
   TAG .. "fence", TAG .. "seq", TAG .. "q", TAG .. "heartbeat", TAG .. "holders",
-  TAG .. "expiry", TAG .. "delay", TAG .. "limit"
+  TAG .. "expiry", TAG .. "delay", TAG .. "limit", TAG .. "forced"
 
 -- The main key, the holders hash and the heartbeat hash are read at most
 -- once per script run and then kept here (a script is atomic and key expiry

@@ -101,7 +101,7 @@ pub(super) struct Call<'a> {
 /// with the fence counter already moved, it took the waiter out of the
 /// queue and stopped at the counter (Redis 7 checks each key a script
 /// touches; a server that did not would have counted fences from 1 again).
-pub(super) const SIDE_KEYS: [&str; 8] = [
+pub(super) const SIDE_KEYS: [&str; 9] = [
     "fence",
     "seq",
     "q",
@@ -110,6 +110,7 @@ pub(super) const SIDE_KEYS: [&str; 8] = [
     "expiry",
     "delay",
     "limit",
+    "forced",
 ];
 
 impl<'a> Call<'a> {

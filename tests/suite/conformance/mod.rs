@@ -623,6 +623,58 @@ mod hold {
         lock.keepalive_lost(&grant.token).await;
     }
 
+    /// A force-release through another sidecar (an operator's, on any
+    /// pod) ends a hold with `lost` `force_released` — an exclusive lock's,
+    /// a reader's and a semaphore permit's — and a keepalive of its token
+    /// with 410. The holder's sidecar only found the lease gone and said
+    /// `backend`. ZooKeeper keeps no record of a
+    /// force-release: `backend` there, as the README says.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_force_release_through_another_sidecar_ends_the_hold_as_force_released(
+        backend: TestBackend,
+    ) {
+        let backend = backend.start().await;
+        let holding = backend.sidecar().admin_token(ADMIN_TOKEN).start().await;
+        let other = match backend.backend().two_sidecars_share_state() {
+            true => Some(backend.sidecar().admin_token(ADMIN_TOKEN).start().await),
+            false => None,
+        };
+        let admin_side = other.as_ref().unwrap_or(&holding);
+        let expected = match backend.backend() {
+            TestBackend::ZooKeeper => "backend",
+            _ => "force_released",
+        };
+        for kind in ["exclusive", "shared", "semaphore"] {
+            let name = unique_name("forced-elsewhere");
+            let (resource, admin) = if kind == "semaphore" {
+                (
+                    holding.api().semaphore(&name),
+                    admin_side.api_with_token(ADMIN_TOKEN).semaphore(&name),
+                )
+            } else {
+                (
+                    holding.api().lock(&name),
+                    admin_side.api_with_token(ADMIN_TOKEN).lock(&name),
+                )
+            };
+            // Renewed every second: the next renewal finds the lease gone.
+            let mut params = vec![("owner", "victim"), ("ttl", "3s")];
+            match kind {
+                "shared" => params.push(("mode", "shared")),
+                "semaphore" => params.push(("limit", "1")),
+                _ => {}
+            }
+            let mut stream = resource.hold(&params).await;
+            let grant = stream.expect_acquired().await;
+
+            assert_eq!(admin.force_release().await, 1, "{kind}");
+            assert_eq!(stream.expect_lost().await, expected, "{kind}");
+            stream.expect_end().await;
+            resource.keepalive_lost(&grant.token).await;
+        }
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn max_hold_ends_the_lease(backend: TestBackend) {
