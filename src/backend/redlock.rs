@@ -539,18 +539,17 @@ impl Backend for Redlock {
                 expires_at_ms: held[self.quorum - 1],
             });
         }
-        // A node that recorded a force-release says why the lease went.
-        let mut losses = answers.iter().filter_map(|a| match a {
+        // A force-release that a quorum of nodes recorded says why the
+        // lease went (one that reached only a minority did not end it).
+        let forced = answers
+            .iter()
+            .filter(|a| matches!(a, Ok(Status::Gone(Loss::ForceReleased))))
+            .count();
+        let gone = answers.iter().find_map(|a| match a {
+            Ok(Status::Gone(_)) if forced >= self.quorum => Some(Loss::ForceReleased),
+            Ok(Status::Gone(Loss::ForceReleased)) => Some(Loss::Expired),
             Ok(Status::Gone(loss)) => Some(*loss),
             _ => None,
-        });
-        let first = losses.next();
-        let gone = first.map(|first| {
-            if first == Loss::ForceReleased || losses.any(|l| l == Loss::ForceReleased) {
-                Loss::ForceReleased
-            } else {
-                first
-            }
         });
         match gone {
             Some(loss) if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum => {

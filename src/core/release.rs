@@ -156,6 +156,9 @@ impl Core {
             Ok(None) => {
                 self.metrics.renewals.with_label_values(&["lost"]).inc();
                 if let Some(local) = local {
+                    // Answered: the expiry timer must not take the lease
+                    // for unreachable while its reason is asked for.
+                    local.renewing.store(false, Ordering::Relaxed);
                     let reason = self.gone_reason(&local).await;
                     self.end(&local, End::Lost(reason));
                 }

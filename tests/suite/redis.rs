@@ -2816,3 +2816,43 @@ async fn a_hung_cluster_master_costs_only_its_own_slots() {
         &refused[..refused.len().min(5)]
     );
 }
+
+/// A force-release notes the leases it removed in `{<main>}:forced` (for
+/// their holders' sidecars), never over a key of another type written
+/// there by hand: that key keeps its value and stays without expiry. The
+/// note's expiry was set on it, so it vanished a minute later.
+#[tokio::test]
+async fn a_force_release_leaves_a_foreign_key_in_its_notes_place_as_it_was() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .admin_token(common::ADMIN_TOKEN)
+        .start()
+        .await;
+    let name = unique_name("forced-foreign");
+    let forced = format!("{{sidelock:{name}}}:forced");
+    let _: String = server.cmd(&["SET", &forced, "mine"]).await;
+    let lock = sidecar.api().lock(&name);
+    lock.acquire(&[("owner", "victim"), ("ttl", "30s")]).await;
+    let admin = sidecar.api_with_token(common::ADMIN_TOKEN);
+    assert_eq!(admin.lock(&name).force_release().await, 1);
+    let value: String = server.cmd(&["GET", &forced]).await;
+    assert_eq!(value, "mine");
+    let left: i64 = server.cmd(&["PTTL", &forced]).await;
+    assert_eq!(left, -1, "the foreign key was given an expiry");
+    // Without such a key, the note is written, with an expiry.
+    let noted = unique_name("forced-noted");
+    let grant = sidecar
+        .api()
+        .lock(&noted)
+        .acquire(&[("owner", "victim"), ("ttl", "30s")])
+        .await;
+    assert_eq!(admin.lock(&noted).force_release().await, 1);
+    let note = format!("{{sidelock:{noted}}}:forced");
+    let marked: i64 = server.cmd(&["HEXISTS", &note, &grant.token]).await;
+    assert_eq!(marked, 1);
+    let left: i64 = server.cmd(&["PTTL", &note]).await;
+    assert!(
+        (60_000..=91_000).contains(&left),
+        "the note's expiry: {left} ms"
+    );
+}

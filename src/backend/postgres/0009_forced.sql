@@ -5,8 +5,9 @@
 -- notes each live lease it removes in `forced` until a minute past the
 -- lease's expiry; the holder's sidecar, finding its lease gone, reads it
 -- there (`status`, by token) and reports `force_released`. Each call first
--- deletes the notes past their time, so the table holds no more than the
--- force-releases of the last minute or so (and of the last call).
+-- deletes the notes past their time, so the table holds only notes of
+-- leases that would still hold, or ended less than a minute ago (and those
+-- of the last call).
 
 CREATE TABLE {s}.forced (
     token text PRIMARY KEY,

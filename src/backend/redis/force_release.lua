@@ -30,12 +30,13 @@ sync_shared()
 delay_until(NOW + delay)
 tidy_if_idle()
 if #tokens > 0 then
-  -- pcall: a key of another type there (written by hand) must not stop
-  -- the script after the leases went.
-  local keep = last - NOW + 60000
-  for _, token in ipairs(tokens) do redis.pcall("HSET", FORCED, token, "1") end
-  local left = redis.pcall("PTTL", FORCED)
-  if type(left) == "number" and left < keep then redis.pcall("PEXPIRE", FORCED, keep) end
+  -- Not over a key of another type (written by hand), which stays as it is.
+  local found = redis.call("TYPE", FORCED).ok
+  if found == "hash" or found == "none" then
+    local keep = last - NOW + 60000
+    for _, token in ipairs(tokens) do redis.call("HSET", FORCED, token, "1") end
+    if redis.call("PTTL", FORCED) < keep then redis.call("PEXPIRE", FORCED, keep) end
+  end
   redis.call("PUBLISH", TAG .. "wake", "f")
 end
 return tokens
