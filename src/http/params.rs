@@ -82,6 +82,7 @@ pub fn parse<T: DeserializeOwned>(
 ) -> Result<T, Error> {
     let mut params = Map::new();
     if let Some(query) = query {
+        check_utf8(query.as_bytes(), "query string")?;
         let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query)
             .map_err(|e| Error::InvalidParameter(format!("query string: {e}")))?;
         merge(
@@ -150,6 +151,7 @@ fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, V
             ))
         }
         "application/x-www-form-urlencoded" => {
+            check_utf8(bytes, "form body")?;
             let pairs: Vec<(String, String)> = serde_urlencoded::from_bytes(bytes)
                 .map_err(|e| Error::InvalidParameter(format!("form body: {e}")))?;
             Ok(pairs
@@ -161,6 +163,31 @@ fn parse_body(content_type: Option<&str>, bytes: &[u8]) -> Result<Vec<(String, V
             "content type {content_type:?} is not accepted; send application/json or application/x-www-form-urlencoded, or no body"
         ))),
     }
+}
+
+/// Checks that every name and value of form-encoded `text` is UTF-8 once
+/// percent-decoded: the form decoder turns other bytes into U+FFFD, so
+/// owners `Jos%E9` and `Jos%E8` read as one owner, and re-entered each
+/// other's exclusive lease.
+fn check_utf8(text: &[u8], what: &str) -> Result<(), Error> {
+    for pair in text.split(|&b| b == b'&') {
+        let mut parts = pair.splitn(2, |&b| b == b'=');
+        let name = parts.next().unwrap_or_default();
+        let value = parts.next().unwrap_or_default();
+        for part in [name, value] {
+            if percent_encoding::percent_decode(part)
+                .decode_utf8()
+                .is_err()
+            {
+                let name = percent_encoding::percent_decode(name).decode_utf8_lossy();
+                return Err(Error::InvalidParameter(format!(
+                    "{what}: parameter {name:?} is not UTF-8 text once percent-decoded; \
+                     send text as UTF-8, percent-encoded (é is %C3%A9)"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether a form body is really a JSON object or array.

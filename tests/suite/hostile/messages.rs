@@ -254,3 +254,51 @@ async fn a_json_number_means_what_its_text_means_in_the_query() {
     assert_eq!(grant.ttl_ms, 30_000);
     lock.release(&grant.token).await;
 }
+
+/// A parameter that is not UTF-8 once percent-decoded (a client that
+/// encodes Latin-1) is refused, naming it: it was read with U+FFFD in place
+/// of the bad bytes, so owners `Jos%E9` and `Jos%E8` were one owner, and
+/// the second re-entered the first's exclusive lease (count 2, one token,
+/// two clients holding). The same owner sent as UTF-8 is taken.
+#[tokio::test]
+async fn a_parameter_that_is_not_utf8_is_refused_not_mangled() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let api = sidecar.api();
+    let name = unique_name("latin");
+    let http = reqwest::Client::new();
+    let mut sent = Vec::new();
+    for query in [
+        "owner=Jos%E9&ttl=10s",
+        "owner=Jos%E8&ttl=10s",
+        "ttl=%FF",
+        "own%E9r=x",
+    ] {
+        let mut url = api.url(&["v1", "locks", &name], &[]);
+        url.set_query(Some(query));
+        sent.push((query.to_owned(), http.post(url).send().await.expect("send")));
+    }
+    let form = api
+        .send(
+            Method::POST,
+            &["v1", "locks", &name],
+            &[],
+            Body::Raw {
+                content_type: "application/x-www-form-urlencoded".into(),
+                bytes: b"owner=M%FCller".to_vec(),
+            },
+        )
+        .await;
+    sent.push(("form body owner=M%FCller".to_owned(), form));
+    for (what, answer) in sent {
+        let problem = assert_problem(answer, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("UTF-8"), "{what}: {detail}");
+    }
+    assert!(api.lock(&name).inspect().await.holders.is_empty());
+    let mut url = api.url(&["v1", "locks", &name], &[]);
+    url.set_query(Some("owner=Jos%C3%A9&ttl=10s"));
+    let grant: Grant =
+        crate::common::api::expect_json(http.post(url).send().await.expect("send"), StatusCode::OK)
+            .await;
+    assert_eq!(grant.owner, "José");
+}
