@@ -112,11 +112,14 @@ fn check_value(value: Option<String>) -> Result<Option<String>, Error> {
     ))]
 /// Campaign: stand for leader while the stream is open; closing it resigns.
 pub async fn campaign(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
     State(app): State<Arc<App>>,
     LockName(name): LockName,
     Params(p): Params<CampaignParams>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
+    super::refuse_head(&method, &uri)?;
     check_not_reserved(&name)?;
     let value = check_value(p.value)?;
     let ask = Ask::campaign(p.ttl, p.lock_delay, p.owner);

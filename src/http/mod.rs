@@ -171,6 +171,19 @@ async fn not_found(uri: Uri) -> Error {
     Error::NotFound(uri.path().to_owned())
 }
 
+/// Refuses `HEAD` on a route whose `GET` acts (a hold acquires, a campaign
+/// stands): axum answers `HEAD` with the `GET` handler, which ran it all and
+/// only dropped the body.
+fn refuse_head(method: &Method, uri: &Uri) -> Result<(), Error> {
+    if method == Method::HEAD {
+        return Err(Error::MethodNotAllowed {
+            method: method.to_string(),
+            path: uri.path().to_owned(),
+        });
+    }
+    Ok(())
+}
+
 async fn method_not_allowed(method: Method, uri: Uri) -> Error {
     Error::MethodNotAllowed {
         method: method.to_string(),

@@ -209,10 +209,13 @@ macro_rules! kind_routes {
             ))]
         /// Hold: acquire and keep the lease while the stream is open (watchdog renewal).
         pub async fn $hold(
+            method: axum::http::Method,
+            uri: axum::http::Uri,
             State(app): State<Arc<App>>,
             LockName(name): LockName,
             Params(p): Params<$params>,
         ) -> Result<axum::response::Response, Error> {
+            super::refuse_head(&method, &uri)?;
             hold(app, key($kind, name), p.into())
         }
 

@@ -1085,3 +1085,50 @@ async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] back
     held.keepalive(&grant.token, &[]).await;
     assert!(held.release(&grant.token).await.released);
 }
+
+/// `HEAD` on a route whose `GET` acts — a lock's or a semaphore's hold, an
+/// election's campaign — answers 405 and does nothing: axum answered it
+/// with the `GET` handler, so a `curl -I` acquired and released the lock
+/// (its fence went up) and stood for election.
+#[tokio::test]
+async fn head_on_a_hold_or_a_campaign_changes_nothing() {
+    let sidecar = common::SidecarBuilder::new("memory://").start().await;
+    let api = sidecar.api();
+    let name = unique_name("head");
+    for (segments, query) in [
+        (
+            vec!["v1", "locks", name.as_str(), "hold"],
+            vec![("ttl", "30s")],
+        ),
+        (
+            vec!["v1", "semaphores", name.as_str(), "hold"],
+            vec![("limit", "1")],
+        ),
+        (vec!["v1", "elections", name.as_str(), "campaign"], vec![]),
+    ] {
+        let answer = api
+            .request(reqwest::Method::HEAD, &segments, &query)
+            .send()
+            .await
+            .expect("send HEAD");
+        assert_eq!(
+            answer.status(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "HEAD /{}",
+            segments.join("/")
+        );
+    }
+    assert_eq!(
+        api.lock(&name).inspect().await.fence,
+        0,
+        "the lock was held"
+    );
+    assert_eq!(
+        api.semaphore(&name).inspect().await.fence,
+        0,
+        "the semaphore was held"
+    );
+    let election: serde_json::Value = api.get_json(&["v1", "elections", &name], &[]).await;
+    assert_eq!(election["leader"], serde_json::Value::Null, "{election}");
+    assert_eq!(election["candidates"], 0, "{election}");
+}
