@@ -85,6 +85,15 @@ impl Entry {
         self.leases.len() != before
     }
 
+    /// Never granted, nothing held or queued: the same as no entry at all.
+    fn unused(&self) -> bool {
+        self.fence == 0
+            && self.limit.is_none()
+            && self.leases.is_empty()
+            && self.queue.is_empty()
+            && self.delay_until_ms == 0
+    }
+
     /// A semaphore with no holders and no waiters may be reused with another limit.
     fn forget_idle_limit(&mut self) {
         if self.leases.is_empty() && self.queue.is_empty() {
@@ -188,7 +197,9 @@ impl Memory {
     }
 
     /// Runs `f` on the key's entry with expired leases pruned; wakes waiters
-    /// afterwards if `f` or the pruning says so.
+    /// afterwards if `f` or the pruning says so. An entry left unused is
+    /// not kept: requests on names never granted (an inspect, a release
+    /// with a made-up token) kept one each, for the process's life.
     fn with_entry<T>(&self, key: &LockKey, f: impl FnOnce(&mut Entry, u64) -> (T, bool)) -> T {
         let now = now_ms();
         let (out, wake) = {
@@ -196,6 +207,9 @@ impl Memory {
             let entry = keys.entry(key.clone()).or_default();
             let pruned = entry.prune(now);
             let (out, wake) = f(entry, now);
+            if entry.unused() {
+                keys.remove(key);
+            }
             (out, wake || pruned)
         };
         if wake {
@@ -490,5 +504,65 @@ impl Backend for Memory {
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
         // Every change happens in this process and wakes through `Wakeups` directly.
         Ok(Box::new(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lock::Name;
+
+    fn key(name: &str) -> LockKey {
+        LockKey {
+            kind: Kind::Lock,
+            name: Name::parse(name).expect("a valid name"),
+        }
+    }
+
+    /// Requests on names never granted keep nothing; a name once granted
+    /// keeps its entry (its fence) after its release.
+    #[tokio::test]
+    async fn only_names_once_granted_are_kept() {
+        let memory = Memory::new(Wakeups::default());
+        let token = Token::generate();
+        for i in 0..100 {
+            let key = key(&format!("never-{i}"));
+            memory.inspect(&key).await.expect("inspect");
+            memory.release(&key, &token).await.expect("release");
+            memory.renew(&key, &token, None).await.expect("renew");
+            memory.status(&key, &token).await.expect("status");
+            memory.force_release(&key).await.expect("force-release");
+        }
+        assert_eq!(memory.keys.lock().unwrap().len(), 0);
+        let claim = Claim {
+            key: key("granted"),
+            mode: Mode::Exclusive,
+            owner: "owner".into(),
+            sidecar: "sidecar".into(),
+            ttl: Duration::from_secs(30),
+            limit: None,
+            lock_delay: Duration::ZERO,
+            max_hold: None,
+        };
+        let Attempt::Granted(grant) = memory
+            .try_acquire(&claim, Turn::Once)
+            .await
+            .expect("acquire")
+        else {
+            panic!("not granted");
+        };
+        memory
+            .release(&claim.key, &grant.token)
+            .await
+            .expect("release");
+        assert_eq!(memory.keys.lock().unwrap().len(), 1);
+        let Attempt::Granted(again) = memory
+            .try_acquire(&claim, Turn::Once)
+            .await
+            .expect("acquire")
+        else {
+            panic!("not granted");
+        };
+        assert!(again.fence > grant.fence);
     }
 }
