@@ -82,7 +82,15 @@ fn etag(asset: &Asset) -> String {
 /// `GET /static/{version}/{file}`: the file with a long cache lifetime and an
 /// ETag; 304 when the browser already has it. A request for another version
 /// (a page from before an upgrade) gets today's file, revalidated each time.
-pub async fn serve(Path((version, file)): Path<(String, String)>, headers: HeaderMap) -> Response {
+pub async fn serve(
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> Response {
+    // A path that is no text (`%ff`) names no asset either.
+    let Ok(Path((version, file))) = path else {
+        return Error::NotFound(uri.path().to_owned()).into_response();
+    };
     let Some(asset) = ASSETS.iter().find(|a| a.name == file) else {
         return Error::NotFound(format!("/static/{version}/{file}")).into_response();
     };

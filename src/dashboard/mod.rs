@@ -287,8 +287,25 @@ async fn sign_in(
     State(app): State<Arc<App>>,
     Extension(dashboard): Extension<Arc<Dashboard>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    axum::Form(form): axum::Form<SignIn>,
+    form: Result<axum::Form<SignIn>, axum::extract::rejection::FormRejection>,
 ) -> Response {
+    // A problem document, as everywhere, rather than axum's plain text.
+    let form = match form {
+        Ok(axum::Form(form)) => form,
+        Err(e) if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+            return Error::UnsupportedMediaType(
+                "the sign-in form is sent as application/x-www-form-urlencoded: token=<the API or admin token>".into(),
+            )
+            .into_response();
+        }
+        // Not the parser's words: they could quote what was sent, a token.
+        Err(_) => {
+            return Error::InvalidParameter(
+                "the sign-in form takes one parameter, once: token=<the API or admin token>".into(),
+            )
+            .into_response();
+        }
+    };
     let s = &app.settings;
     let Some(api) = s.api_token.as_deref() else {
         return see_other("/");

@@ -611,3 +611,43 @@ async fn wrong_admin_tokens_count_too() {
         assert_eq!(local.status(), StatusCode::OK, "api token: {api_token}");
     }
 }
+
+/// A sign-in form that is not one `token=` (sent twice, as JSON, or with
+/// no body) and an asset path that is no text answer problem documents,
+/// as every error does; they were axum's plain text. The answer never
+/// quotes what was sent (a token).
+#[tokio::test]
+async fn a_malformed_sign_in_or_asset_path_answers_a_problem_document() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .api_token(API_TOKEN)
+        .start()
+        .await;
+    let post = |content_type: &'static str, body: String| {
+        client()
+            .post(format!("{}/dashboard/sign-in", sidecar.base_url()))
+            .header(CONTENT_TYPE, content_type)
+            .body(body)
+            .send()
+    };
+    let twice = format!("token={API_TOKEN}&token=other");
+    let answer = post("application/x-www-form-urlencoded", twice)
+        .await
+        .expect("sign in");
+    let problem = assert_problem(answer, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+    assert!(!problem.to_string().contains(API_TOKEN), "{problem}");
+    let json = format!("{{\"token\":\"{API_TOKEN}\"}}");
+    let answer = post("application/json", json).await.expect("sign in");
+    let problem = assert_problem(
+        answer,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported-media-type",
+    )
+    .await;
+    assert!(!problem.to_string().contains(API_TOKEN), "{problem}");
+    let answer = client()
+        .get(format!("{}/static/%ff/app.js", sidecar.base_url()))
+        .send()
+        .await
+        .expect("asset");
+    assert_problem(answer, StatusCode::NOT_FOUND, "not-found").await;
+}
