@@ -61,9 +61,10 @@ use super::listener::{Conn, Listener, OverUnixSocket};
 /// full file table is not a busy loop.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
-/// The largest request head read, and hyper's read buffer: far above any
+/// hyper's read buffer, which bounds the request head: far above any
 /// request a client of this API sends, small enough that 30,000 unfinished
-/// heads fit in the chart's memory limit.
+/// heads fit in the chart's memory limit. hyper checks it after each read,
+/// which may take in 16 KiB more: heads up to 48 KiB are read.
 pub const MAX_HEAD: usize = 32 * 1024;
 
 /// Open files kept free of connections (backend connections, config, logs).
