@@ -9,8 +9,11 @@ use std::time::{Duration, Instant};
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Attempt, Busy, Grant, Turn};
-use crate::clock::{after, instant_at, ms};
+use futures::StreamExt as _;
+use rand::RngExt as _;
+
+use crate::backend::{Attempt, Busy, Grant, Status, Turn};
+use crate::clock::{after, instant_at, ms, now_ms};
 use crate::error::Error;
 use crate::lock::{Claim, Kind, LockKey, Mode};
 use crate::metrics::Metrics;
@@ -64,6 +67,12 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// At most this many local leases are checked by one
+/// [`Core::reclaim_gone`].
+const RECLAIM_BATCH: usize = 256;
+/// The longest one [`Core::reclaim_gone`] may take.
+const RECLAIM_TIME: Duration = Duration::from_secs(1);
+
 impl Core {
     pub(super) fn full_of_leases(&self) -> Error {
         Error::SidecarFull {
@@ -89,22 +98,73 @@ impl Core {
     ///
     /// # Errors
     /// [`Error::SidecarFull`] naming the cap reached.
-    pub fn check_room(&self, waits: bool) -> Result<(), Error> {
+    pub async fn check_room(&self, waits: bool) -> Result<(), Error> {
         if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
             return Err(self.full_of_waiters());
         }
         if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
-            return Err(self.full_of_leases());
+            self.reclaim_gone().await;
+            if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
+                return Err(self.full_of_leases());
+            }
         }
         Ok(())
     }
 
-    /// A place for one more lease under `max_held`, for an attempt.
-    pub(super) fn held_slot(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+    /// A place for one more lease under `max_held`, for an attempt; at the
+    /// cap, after ending the local leases the backend no longer has.
+    pub(super) async fn held_slot(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+        if let Some(slot) = Slot::take(&self.held_slots, self.limits.max_held) {
+            return Ok(slot);
+        }
+        self.reclaim_gone().await;
         Slot::take(&self.held_slots, self.limits.max_held).ok_or_else(|| {
             self.metrics.acquired(key, "rejected");
             self.full_of_leases()
         })
+    }
+
+    /// Ends local leases the backend no longer has, freeing their places
+    /// under `max_held`: nothing tells this sidecar of a release or a
+    /// force-release through another, and such a lease kept its place until
+    /// its ttl ended (429 `sidecar-full` while holding nothing). Runs at the
+    /// cap, at most once a second, on up to [`RECLAIM_BATCH`] leases from a
+    /// random point (16 asked at a time, for at most [`RECLAIM_TIME`]), so
+    /// that a sidecar really full asks the backend little.
+    pub(super) async fn reclaim_gone(&self) {
+        let now = now_ms();
+        let last = self.reclaimed_at_ms.load(Ordering::Acquire);
+        if now < last.saturating_add(1000)
+            || self
+                .reclaimed_at_ms
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return;
+        }
+        let sample: Vec<Arc<Local>> = {
+            let leases = self.lock_leases();
+            let from = rand::rng().random_range(0..leases.len().max(1));
+            leases
+                .values()
+                .cycle()
+                .skip(from)
+                .take(leases.len().min(RECLAIM_BATCH))
+                .cloned()
+                .collect()
+        };
+        let checks = futures::stream::iter(sample)
+            .map(|lease| async move {
+                let status = self
+                    .op("status", self.backend.status(&lease.key, &lease.token))
+                    .await;
+                if let Ok(Status::Gone(loss)) = status {
+                    self.lapsed(&lease, loss);
+                }
+            })
+            .buffer_unordered(16)
+            .collect::<()>();
+        let _ = tokio::time::timeout(RECLAIM_TIME, checks).await;
     }
 
     /// Acquires `claim`, waiting up to `wait` in FIFO order. A new lease
@@ -161,7 +221,7 @@ impl Core {
             false => None,
         };
         let turn = if queueing { Turn::Join } else { Turn::Once };
-        let slot = self.held_slot(key)?;
+        let slot = self.held_slot(key).await?;
         let busy = match self.attempt(claim, turn).await? {
             Attempt::Granted(g) => {
                 return Ok(Outcome::Granted(self.granted(
@@ -231,7 +291,7 @@ impl Core {
             // The backend handed the lock over by itself (its release passed
             // it to this ticket).
             if let Some(h) = place.take_handoff() {
-                let slot = match self.held_slot(key) {
+                let slot = match self.held_slot(key).await {
                     Ok(slot) => slot,
                     Err(e) => {
                         drop(place);
@@ -264,7 +324,7 @@ impl Core {
             // pending until this waiter heads the local queue.
             if try_now && place.is_head() {
                 try_now = false;
-                let slot = match self.held_slot(key) {
+                let slot = match self.held_slot(key).await {
                     Ok(slot) => slot,
                     Err(e) => {
                         self.leave_queue(key, place, &ticket).await;

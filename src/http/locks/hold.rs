@@ -135,7 +135,7 @@ pub(in crate::http) fn hold_event(event: HoldEvent) -> SseEvent {
 }
 
 /// Starts a hold: the lease lives as long as the returned stream is open.
-pub(super) fn hold(
+pub(super) async fn hold(
     app: Arc<App>,
     key: LockKey,
     ask: Ask,
@@ -145,7 +145,7 @@ pub(super) fn hold(
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    app.core.check_room(!wait.is_zero())?;
+    app.core.check_room(!wait.is_zero()).await?;
     let events = Arc::new(HoldEvents::default());
     let core = app.core.clone();
     let reported = events.clone();

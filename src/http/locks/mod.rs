@@ -216,7 +216,7 @@ macro_rules! kind_routes {
             Params(p): Params<$params>,
         ) -> Result<axum::response::Response, Error> {
             super::refuse_head(&method, &uri)?;
-            hold(app, key($kind, name), p.into())
+            hold(app, key($kind, name), p.into()).await
         }
 
         #[utoipa::path(get, path = concat!($path, "/{name}"), tag = $tag,
