@@ -551,10 +551,16 @@ impl Backend for Redlock {
             Ok(Status::Gone(loss)) => Some(*loss),
             _ => None,
         });
+        // Gone on a quorum, not merely too few holding: with one node
+        // silent and another restarted empty, a lease held on a quorum
+        // would read as gone (and the sidecar, asking about its leases at
+        // its `--max-held` cap, would end a valid one).
+        let gone_on = answers
+            .iter()
+            .filter(|a| matches!(a, Ok(Status::Gone(_))))
+            .count();
         match gone {
-            Some(loss) if answers.iter().filter(|a| a.is_ok()).count() >= self.quorum => {
-                Ok(Status::Gone(loss))
-            }
+            Some(loss) if gone_on >= self.quorum => Ok(Status::Gone(loss)),
             _ => Err(timed_out("status")),
         }
     }

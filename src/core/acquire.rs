@@ -13,7 +13,7 @@ use futures::StreamExt as _;
 use rand::RngExt as _;
 
 use crate::backend::{Attempt, Busy, Grant, Status, Turn};
-use crate::clock::{after, instant_at, ms, now_ms};
+use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
 use crate::lock::{Claim, Kind, LockKey, Mode};
 use crate::metrics::Metrics;
@@ -72,6 +72,8 @@ impl Drop for Waiting<'_> {
 const RECLAIM_BATCH: usize = 256;
 /// The longest one [`Core::reclaim_gone`] may take.
 const RECLAIM_TIME: Duration = Duration::from_secs(1);
+/// [`Core::reclaim_gone`] runs at most this often.
+const RECLAIM_EVERY: Duration = Duration::from_secs(1);
 
 impl Core {
     pub(super) fn full_of_leases(&self) -> Error {
@@ -132,15 +134,15 @@ impl Core {
     /// random point (16 asked at a time, for at most [`RECLAIM_TIME`]), so
     /// that a sidecar really full asks the backend little.
     pub(super) async fn reclaim_gone(&self) {
-        let now = now_ms();
-        let last = self.reclaimed_at_ms.load(Ordering::Acquire);
-        if now < last.saturating_add(1000)
-            || self
-                .reclaimed_at_ms
-                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
         {
-            return;
+            let mut last = self
+                .reclaimed_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|at| at.elapsed() < RECLAIM_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
         }
         let sample: Vec<Arc<Local>> = {
             let leases = self.lock_leases();

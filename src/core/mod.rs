@@ -38,7 +38,7 @@ pub use lease::{Granted, Local, Outcome};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -122,9 +122,9 @@ pub struct Core {
     /// Leases in `leases` plus attempts under way that may add one, against
     /// `max_held`.
     held_slots: AtomicUsize,
-    /// When (Unix ms) local leases were last checked against the backend at
-    /// the `max_held` cap ([`Core::reclaim_gone`]).
-    reclaimed_at_ms: AtomicU64,
+    /// When local leases were last checked against the backend at the
+    /// `max_held` cap ([`Core::reclaim_gone`]).
+    reclaimed_at: Mutex<Option<Instant>>,
     /// Whether the backend answers, from every operation.
     pub health: health::Health,
     /// Election observers and the elections led through this sidecar.
@@ -158,7 +158,7 @@ impl Core {
             expiries: expiry::Expiries::default(),
             waiting_slots: AtomicUsize::new(0),
             held_slots: AtomicUsize::new(0),
-            reclaimed_at_ms: AtomicU64::new(0),
+            reclaimed_at: Mutex::new(None),
             elections: election::Elections::default(),
         })
     }

@@ -2861,43 +2861,48 @@ async fn a_force_release_leaves_a_foreign_key_in_its_notes_place_as_it_was() {
 /// place under `--max-held` on the sidecar that granted it, once that
 /// sidecar reaches the cap: it asks the backend about its leases then.
 /// Nothing told it, and it answered 429 `sidecar-full` while holding
-/// nothing, until the leases' ttl ended — for acquires and holds alike.
+/// nothing, until the leases' ttl ended — for holds (checked before their
+/// stream starts) and acquires alike.
 #[tokio::test]
 async fn leases_ended_through_another_sidecar_free_their_places_under_max_held() {
     let server = RedisServer::start().await;
-    let capped = SidecarBuilder::new(&server.url())
-        .flag("max-held", "2")
-        .start()
-        .await;
     let other = SidecarBuilder::new(&server.url())
         .admin_token(common::ADMIN_TOKEN)
         .start()
         .await;
-    let (first, second) = (unique_name("capped"), unique_name("capped"));
-    let one = capped.api().lock(&first).acquire(&[("ttl", "1h")]).await;
-    capped.api().lock(&second).acquire(&[("ttl", "1h")]).await;
-    let full = capped
-        .api()
-        .lock(&unique_name("capped"))
-        .acquire_raw(&[("ttl", "1h")])
-        .await;
-    common::assert_problem(full, StatusCode::TOO_MANY_REQUESTS, "sidecar-full").await;
-    // Ended elsewhere: one released, one force-released.
-    other.api().lock(&first).release(&one.token).await;
     let admin = other.api_with_token(common::ADMIN_TOKEN);
-    assert_eq!(admin.lock(&second).force_release().await, 1);
-    // Past the once-a-second limit of the look at the cap.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let third = capped
-        .api()
-        .lock(&unique_name("capped"))
-        .acquire_raw(&[("ttl", "1h")])
-        .await;
-    assert_eq!(third.status(), StatusCode::OK, "an acquire at the cap");
-    let mut hold = capped
-        .api()
-        .lock(&unique_name("capped"))
-        .hold(&[("ttl", "1h")])
-        .await;
-    hold.expect_acquired().await;
+    for next in ["hold", "acquire"] {
+        let capped = SidecarBuilder::new(&server.url())
+            .flag("max-held", "2")
+            .start()
+            .await;
+        let (first, second) = (unique_name("capped"), unique_name("capped"));
+        let one = capped.api().lock(&first).acquire(&[("ttl", "1h")]).await;
+        capped.api().lock(&second).acquire(&[("ttl", "1h")]).await;
+        let full = capped
+            .api()
+            .lock(&unique_name("capped"))
+            .acquire_raw(&[("ttl", "1h")])
+            .await;
+        common::assert_problem(full, StatusCode::TOO_MANY_REQUESTS, "sidecar-full").await;
+        // Ended elsewhere: one released, one force-released.
+        other.api().lock(&first).release(&one.token).await;
+        assert_eq!(admin.lock(&second).force_release().await, 1);
+        // Past the once-a-second limit of the look at the cap.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let lock = capped.api().lock(&unique_name("capped"));
+        if next == "hold" {
+            let mut hold = lock.hold(&[("ttl", "1h")]).await;
+            hold.expect_acquired().await;
+        } else {
+            let third = lock.acquire_raw(&[("ttl", "1h")]).await;
+            assert_eq!(third.status(), StatusCode::OK, "an acquire at the cap");
+        }
+        // Both places were freed.
+        capped
+            .api()
+            .lock(&unique_name("capped"))
+            .acquire(&[("ttl", "1h")])
+            .await;
+    }
 }
