@@ -539,30 +539,31 @@ impl Backend for Redlock {
                 expires_at_ms: held[self.quorum - 1],
             });
         }
-        // A force-release that a quorum of nodes recorded says why the
-        // lease went (one that reached only a minority did not end it).
-        let forced = answers
-            .iter()
-            .filter(|a| matches!(a, Ok(Status::Gone(Loss::ForceReleased))))
-            .count();
-        let gone = answers.iter().find_map(|a| match a {
-            Ok(Status::Gone(_)) if forced >= self.quorum => Some(Loss::ForceReleased),
-            Ok(Status::Gone(Loss::ForceReleased)) => Some(Loss::Expired),
-            Ok(Status::Gone(loss)) => Some(*loss),
-            _ => None,
-        });
         // Gone on a quorum, not merely too few holding: with one node
         // silent and another restarted empty, a lease held on a quorum
         // would read as gone (and the sidecar, asking about its leases at
-        // its `--max-held` cap, would end a valid one).
-        let gone_on = answers
+        // its `--max-held` cap, would end a valid one). A force-release
+        // says why only when a quorum noted it (one that reached a
+        // minority did not end the lease).
+        let losses: Vec<Loss> = answers
             .iter()
-            .filter(|a| matches!(a, Ok(Status::Gone(_))))
-            .count();
-        match gone {
-            Some(loss) if gone_on >= self.quorum => Ok(Status::Gone(loss)),
-            _ => Err(timed_out("status")),
+            .filter_map(|a| match a {
+                Ok(Status::Gone(loss)) => Some(*loss),
+                _ => None,
+            })
+            .collect();
+        if losses.len() < self.quorum {
+            return Err(timed_out("status"));
         }
+        let forced = losses.iter().filter(|&&l| l == Loss::ForceReleased).count();
+        Ok(Status::Gone(if forced >= self.quorum {
+            Loss::ForceReleased
+        } else {
+            match losses[0] {
+                Loss::ForceReleased => Loss::Expired,
+                loss => loss,
+            }
+        }))
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
