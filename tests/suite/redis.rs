@@ -75,7 +75,10 @@ async fn a_legacy_set_nx_px_client_and_sidelock_exclude_each_other() {
     // set to its expiry: no legacy client wakes it, and it does not poll.
     // Counted in scripts run rather than timed (a loaded machine delays
     // the grant, never adds attempts): the first try, the join, the retry
-    // at the expiry, and one more should that retry come as the key expires.
+    // at the expiry, and one more should that retry come as the key expires;
+    // and the sidecar's heartbeat for its waiters (a script call every 5 s),
+    // which a loaded machine's slow grant can let in (5 calls in a CI run
+    // whose test took 5.9 s). Polling would take dozens.
     let scripts = |c: &std::collections::BTreeMap<String, u64>| {
         c.get("evalsha").copied().unwrap_or(0) + c.get("eval").copied().unwrap_or(0)
     };
@@ -86,7 +89,7 @@ async fn a_legacy_set_nx_px_client_and_sidelock_exclude_each_other() {
         .await;
     let attempts = scripts(&server.command_counts().await) - before;
     assert!(
-        attempts <= 4,
+        attempts <= 5,
         "granted at the legacy key's expiry, not by polling: {attempts} attempts"
     );
     assert!(
