@@ -304,6 +304,11 @@ impl Place {
         self.wakeups.lock().get(&self.key).map_or(0, |q| q.until)
     }
 
+    /// Whether the backend handed this waiter a lease not taken yet.
+    pub fn has_handoff(&self) -> bool {
+        lock(&self.signal.handed).is_some()
+    }
+
     /// The lease the backend handed to this waiter, once.
     pub fn take_handoff(&self) -> Option<Handoff> {
         lock(&self.signal.handed).take()

@@ -256,9 +256,28 @@ impl Core {
             metrics: &self.metrics,
             kind: key.kind,
         };
-        let watch = match self.op("watch", self.backend.watch(key)).await {
-            Ok(w) => w,
-            Err(e) => {
+        // The watch races the lock being handed to this waiter, which comes
+        // on the sidecar's own channel without it; what else is told
+        // meanwhile is read again below (a wake is kept for the head).
+        let mut woken = false;
+        let watching = self.op("watch", self.backend.watch(key));
+        tokio::pin!(watching);
+        let watch = loop {
+            tokio::select! {
+                biased;
+                w = &mut watching => break Some(w),
+                news = place.news() => {
+                    woken |= news.has(News::WOKEN);
+                    if place.has_handoff() {
+                        break None;
+                    }
+                }
+            }
+        };
+        let watch = match watch {
+            Some(Ok(w)) => Some(w),
+            None => None,
+            Some(Err(e)) => {
                 self.leave_queue(key, place, &ticket).await;
                 self.metrics.acquired(key, "error");
                 return Err(e);
@@ -283,7 +302,7 @@ impl Core {
         // handed the lock or woken when its turn comes), when woken, or when
         // its timer fires — not when positions or the holder's expiry were
         // merely told.
-        let mut try_now = place.is_head();
+        let mut try_now = woken || place.is_head();
         let outcome = loop {
             // A wake-up and a cancellation can arrive together (shutdown
             // releases locks, which wakes waiters): cancellation wins.

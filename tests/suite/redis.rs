@@ -1927,6 +1927,64 @@ async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
     .await;
 }
 
+/// A lock handed to a waiter while the waiter's subscription to the lock's
+/// channel is still on its way reaches the waiter at once: the handoff comes
+/// on its sidecar's own channel, which does not wait for that subscription.
+/// It waited — the sidecar's pub/sub connection read nothing until Redis
+/// confirmed the subscription, and the acquire looked for its handoff only
+/// after — so a Redis round trip more came between a release and its grant
+/// when a sidecar's one waiter (one client per pod) had just joined: here
+/// the 1.5 s the proxy holds the `SUBSCRIBE` back.
+#[tokio::test]
+async fn a_handoff_reaches_a_waiter_whose_subscription_is_still_on_its_way() {
+    let (status, took) = handed_while_subscribing(Duration::from_millis(1500)).await;
+    assert_eq!(status, StatusCode::OK, "the waiter's answer");
+    assert!(
+        took < Duration::from_millis(700),
+        "granted {took:?} after the release, with the subscription held back 1.5 s"
+    );
+}
+
+/// A waiter handed the lock while its subscription is held back past the
+/// call limit (2 s) is granted: it answered 503 — the subscription was not
+/// confirmed in time — and gave the lock it had been handed back.
+#[tokio::test]
+async fn a_waiter_handed_the_lock_is_granted_though_its_subscription_is_late() {
+    let (status, took) = handed_while_subscribing(Duration::from_secs(5)).await;
+    assert_eq!(status, StatusCode::OK, "the waiter's answer after {took:?}");
+}
+
+/// A lock held through a sidecar straight on Redis, a waiter through a
+/// sidecar behind a proxy that holds the waiter's `SUBSCRIBE` back by
+/// `hold`, and the lock released once the waiter queued: the waiter's
+/// status and how long after the release it came.
+async fn handed_while_subscribing(hold: Duration) -> (StatusCode, Duration) {
+    let p = Proxied::start().await;
+    let name = unique_name("sub-late");
+    let holder = p.direct.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    p.proxy
+        .delay_request(format!("{name}}}:wake").as_bytes(), hold);
+    let waiter = {
+        let r = p.through_proxy.api().lock(&name);
+        tokio::spawn(async move { r.acquire_raw(&[("wait", "30s"), ("ttl", "60s")]).await })
+    };
+    eventually(
+        "the waiter's subscription sent",
+        Duration::from_secs(5),
+        async || (!p.proxy.delaying()).then_some(()),
+    )
+    .await;
+    let view = p.direct.api().lock(&name);
+    eventually("the waiter queued", Duration::from_secs(5), async || {
+        (view.inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    view.release(&holder.token).await;
+    let answer = waiter.await.expect("the waiter's task");
+    (answer.status(), released.elapsed())
+}
+
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
 /// permit ("semaphore") or of two ("semaphore of 2": the other permit kept
 /// by another owner throughout) held through a sidecar straight on Redis,

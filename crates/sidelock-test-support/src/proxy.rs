@@ -38,6 +38,10 @@ struct Slow {
     /// forwarded: their client's connection is reset instead (requests
     /// lost on their way).
     refuse: Option<(Vec<u8>, usize)>,
+    /// The next request containing these bytes waits this long before it
+    /// goes on (it and what its client sends after it; answers and other
+    /// connections are not held).
+    late: Option<(Vec<u8>, Duration)>,
 }
 
 impl CuttingProxy {
@@ -102,6 +106,18 @@ impl CuttingProxy {
         self.slow.lock().expect("slow").refuse = (times > 0).then(|| (needle.to_vec(), times));
     }
 
+    /// Holds the next request containing `needle` back by `delay` before
+    /// it reaches the server (a slow way there for that one request).
+    pub fn delay_request(&self, needle: &[u8], delay: Duration) {
+        self.slow.lock().expect("slow").late = Some((needle.to_vec(), delay));
+    }
+
+    /// Whether the request armed with [`delay_request`](Self::delay_request)
+    /// is still to come.
+    pub fn delaying(&self) -> bool {
+        self.slow.lock().expect("slow").late.is_some()
+    }
+
     /// Whether requests armed with [`refuse`](Self::refuse) are still to
     /// come.
     pub fn refusing(&self) -> bool {
@@ -153,7 +169,7 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
             if hit.is_some() {
                 cut.send_replace(hit);
             }
-            let refused = {
+            let (refused, late) = {
                 let mut slowed = slow.lock().expect("slow");
                 let contains =
                     |needle: &Vec<u8>| chunk.windows(needle.len()).any(|w| w == needle.as_slice());
@@ -175,12 +191,24 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
                 if refused == Some(0) {
                     slowed.refuse = None;
                 }
-                refused.is_some()
+                let late = if slowed
+                    .late
+                    .as_ref()
+                    .is_some_and(|(needle, _)| contains(needle))
+                {
+                    slowed.late.take().map(|(_, d)| d)
+                } else {
+                    None
+                };
+                (refused.is_some(), late)
             };
             if refused {
                 cut.send_replace(Some(Duration::ZERO));
                 // The reset comes next.
                 return std::future::pending().await;
+            }
+            if let Some(delay) = late {
+                tokio::time::sleep(delay).await;
             }
             if to_server.write_all(chunk).await.is_err() {
                 return;

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use redis::aio::PubSubSink;
 use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -100,6 +101,11 @@ pub(super) async fn pubsub(
         for key in &waiting {
             rejoin(&node, &tickets, &wakeups, key);
         }
+        // Subscriptions change one at a time, each confirmed before the
+        // next, beside the messages: a handoff on the own channel is not
+        // held up behind a subscription on its way.
+        let subscribing = subscriptions(sink, &mut rx);
+        tokio::pin!(subscribing);
         let mut probe = Probe::default();
         let mut probe_tick =
             tokio::time::interval_at(tokio::time::Instant::now() + PROBE_EVERY, PROBE_EVERY);
@@ -122,17 +128,9 @@ pub(super) async fn pubsub(
                         probe.send(&node);
                     }
                 }
-                sub = rx.recv() => match sub {
-                    None => return,
-                    Some(Sub::Subscribe(channel, ack)) => {
-                        let r = sink.subscribe(&channel).await;
-                        let failed = r.is_err();
-                        let _ = ack.send(r);
-                        if failed { break; }
-                    }
-                    Some(Sub::Unsubscribe(channel)) => {
-                        if sink.unsubscribe(&channel).await.is_err() { break; }
-                    }
+                end = &mut subscribing => match end {
+                    SinkEnd::Closed => return,
+                    SinkEnd::Failed => break,
                 },
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
@@ -181,6 +179,41 @@ pub(super) async fn pubsub(
         up.store(false, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
     }
+}
+
+/// Why [`subscriptions`] ended.
+enum SinkEnd {
+    /// The backend went: nobody can ask for subscriptions any more.
+    Closed,
+    /// A subscription command failed: the connection is to be made again.
+    Failed,
+}
+
+/// Carries out the subscription requests in order on `sink`, each answered
+/// (a subscription once Redis confirmed it) before the next is sent.
+///
+/// # Cancellation safety
+/// Dropped with a subscription on its way, that request's waiter hears the
+/// channel closed (not confirmed); later requests stay in `rx`.
+async fn subscriptions(mut sink: PubSubSink, rx: &mut mpsc::UnboundedReceiver<Sub>) -> SinkEnd {
+    while let Some(sub) = rx.recv().await {
+        match sub {
+            Sub::Subscribe(channel, ack) => {
+                let r = sink.subscribe(&channel).await;
+                let failed = r.is_err();
+                let _ = ack.send(r);
+                if failed {
+                    return SinkEnd::Failed;
+                }
+            }
+            Sub::Unsubscribe(channel) => {
+                if sink.unsubscribe(&channel).await.is_err() {
+                    return SinkEnd::Failed;
+                }
+            }
+        }
+    }
+    SinkEnd::Closed
 }
 
 /// How often, while this sidecar has waiters, a Cluster's pub/sub
