@@ -1940,7 +1940,7 @@ async fn a_handoff_reaches_a_waiter_whose_subscription_is_still_on_its_way() {
     let (status, took) = handed_while_subscribing(Duration::from_millis(1500)).await;
     assert_eq!(status, StatusCode::OK, "the waiter's answer");
     assert!(
-        took < Duration::from_millis(700),
+        took < Duration::from_secs(1),
         "granted {took:?} after the release, with the subscription held back 1.5 s"
     );
 }
@@ -1956,8 +1956,8 @@ async fn a_waiter_handed_the_lock_is_granted_though_its_subscription_is_late() {
 
 /// A lock held through a sidecar straight on Redis, a waiter through a
 /// sidecar behind a proxy that holds the waiter's `SUBSCRIBE` back by
-/// `hold`, and the lock released once the waiter queued: the waiter's
-/// status and how long after the release it came.
+/// `hold`, and the lock released once that `SUBSCRIBE` was sent: the
+/// waiter's status and how long after the release it came.
 async fn handed_while_subscribing(hold: Duration) -> (StatusCode, Duration) {
     let p = Proxied::start().await;
     let name = unique_name("sub-late");
@@ -1968,19 +1968,16 @@ async fn handed_while_subscribing(hold: Duration) -> (StatusCode, Duration) {
         let r = p.through_proxy.api().lock(&name);
         tokio::spawn(async move { r.acquire_raw(&[("wait", "30s"), ("ttl", "60s")]).await })
     };
+    // A waiter subscribes once it has joined the queue: released at once
+    // after (within the 2-s call limit of its subscription).
     eventually(
         "the waiter's subscription sent",
         Duration::from_secs(5),
         async || (!p.proxy.delaying()).then_some(()),
     )
     .await;
-    let view = p.direct.api().lock(&name);
-    eventually("the waiter queued", Duration::from_secs(5), async || {
-        (view.inspect().await.waiters.len() == 1).then_some(())
-    })
-    .await;
     let released = Instant::now();
-    view.release(&holder.token).await;
+    p.direct.api().lock(&name).release(&holder.token).await;
     let answer = waiter.await.expect("the waiter's task");
     (answer.status(), released.elapsed())
 }
