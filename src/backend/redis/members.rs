@@ -143,6 +143,9 @@ impl Member {
         let (holds, handed) = self.check(key, result)?;
         if let Some(h) = handed {
             deliver(&self.node, &self.tickets, &self.wakeups, key, h);
+            // The waiter's grant goes out before this release's answer: the
+            // next holder is waiting, the releaser is not.
+            tokio::task::yield_now().await;
         } else if holds.is_none() && self.wakeups.len(key) > 0 {
             // Nothing to release: perhaps a run of this release whose answer
             // was lost handed the lock to one of our waiters already.
