@@ -1982,6 +1982,74 @@ async fn handed_while_subscribing(hold: Duration) -> (StatusCode, Duration) {
     (answer.status(), released.elapsed())
 }
 
+/// A lock passed back and forth between two sidecars, one waiter at a time
+/// on each (one client per pod), subscribes each sidecar to the lock's
+/// channel once, not once per wait: a subscription stays a few seconds
+/// after its last waiter leaves, and then goes. Before, each wait sent a
+/// `SUBSCRIBE` and each grant an `UNSUBSCRIBE` (16 for 8 handoffs), and the
+/// two sidecars were never subscribed at once.
+#[tokio::test]
+async fn a_lock_passed_between_sidecars_keeps_their_subscriptions_a_while() {
+    let server = RedisServer::start().await;
+    let sides = [sidecar(&server).await, sidecar(&server).await];
+    let name = unique_name("linger");
+    let pattern = format!("*{name}*");
+    // Sidecars subscribed to the lock's channel.
+    let subscribed = async || -> i64 {
+        let channels: Vec<String> = server.cmd(&["PUBSUB", "CHANNELS", &pattern]).await;
+        let Some(channel) = channels.first() else {
+            return 0;
+        };
+        let counts: (String, i64) = server.cmd(&["PUBSUB", "NUMSUB", channel]).await;
+        counts.1
+    };
+    let mut held = sides[0].api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    let mut before = None;
+    for round in 0..10 {
+        if round == 2 {
+            // Both have waited once: from here on, nobody subscribes.
+            before = Some(server.command_counts().await);
+        }
+        let (holder, next) = (&sides[round % 2], &sides[(round + 1) % 2]);
+        let waiter = {
+            let r = next.api().lock(&name);
+            tokio::spawn(async move { r.acquire(&[("wait", "10s"), ("ttl", "60s")]).await })
+        };
+        // The waiter's subscription in place before the release (a lock
+        // handed over before it is confirmed does not keep it).
+        let expected = round.min(1) as i64 + 1;
+        eventually(
+            "the waiter subscribed",
+            Duration::from_secs(5),
+            async || (subscribed().await == expected).then_some(()),
+        )
+        .await;
+        let view = holder.api().lock(&name);
+        eventually("the waiter queued", Duration::from_secs(5), async || {
+            (view.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        view.release(&held.token).await;
+        held = waiter.await.expect("the waiter's task");
+    }
+    let before = before.expect("counted from the third round");
+    let after = server.command_counts().await;
+    let ran = |c: &str| after.get(c).unwrap_or(&0) - before.get(c).unwrap_or(&0);
+    // Two to spare for the sidecars' own start-up (the monitor election).
+    assert!(
+        ran("subscribe") + ran("unsubscribe") <= 2,
+        "8 handoffs between two sidecars subscribed to the lock: {}",
+        command_diff(&before, &after)
+    );
+    sides[0].api().lock(&name).release(&held.token).await;
+    eventually(
+        "the lock's channel unsubscribed",
+        Duration::from_secs(15),
+        async || (subscribed().await == 0).then_some(()),
+    )
+    .await;
+}
+
 /// A lock (`kind` "shared": its waiter a reader) or a semaphore of one
 /// permit ("semaphore") or of two ("semaphore of 2": the other permit kept
 /// by another owner throughout) held through a sidecar straight on Redis,

@@ -16,7 +16,7 @@ use crate::wakeups::Wakeups;
 use super::conn::unavailable;
 use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
-use super::pubsub::{Sub, Watchers, deliver, pubsub};
+use super::pubsub::{Channel, LINGER, MAX_LINGERING, Sub, Watched, Watchers, deliver, pubsub};
 use super::tickets::{Numbering, Queued, Tickets, track};
 use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 
@@ -291,9 +291,26 @@ pub async fn watch(
     let channel = members[0].node.channel(key);
     let first = {
         let mut w = lock(watchers);
-        let entry = w.entry(channel.clone()).or_insert_with(|| (key.clone(), 0));
-        entry.1 += 1;
-        entry.1 == 1
+        let (first, lingered) = match w.channels.get_mut(&channel) {
+            Some(ch) => {
+                ch.watchers += 1;
+                (false, ch.watchers == 1)
+            }
+            None => {
+                let ch = Channel {
+                    key: key.clone(),
+                    watchers: 1,
+                    confirmed: false,
+                    linger: 0,
+                };
+                w.channels.insert(channel.clone(), ch);
+                (true, false)
+            }
+        };
+        if lingered {
+            w.lingering -= 1;
+        }
+        first
     };
     let guard = WatchGuard {
         channel: channel.clone(),
@@ -322,11 +339,15 @@ pub async fn watch(
                 RedisError::from((ErrorKind::Io, "subscription not confirmed")),
             ));
         }
+        if let Some(ch) = lock(watchers).channels.get_mut(&channel) {
+            ch.confirmed = true;
+        }
     }
     Ok(Box::new(guard))
 }
 
-/// Unsubscribes when the last local watcher of a channel goes.
+/// Unsubscribes [`LINGER`] after the last local watcher of a channel goes
+/// (at once when too many linger, or no watch saw it confirmed).
 pub(super) struct WatchGuard {
     pub(super) channel: String,
     pub(super) watchers: Watchers,
@@ -336,15 +357,55 @@ pub(super) struct WatchGuard {
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         let mut watchers = lock(&self.watchers);
-        if let Some(entry) = watchers.get_mut(&self.channel) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                watchers.remove(&self.channel);
-                for subs in &self.subs {
-                    let _ = subs.send(Sub::Unsubscribe(self.channel.clone()));
-                }
+        let Watched {
+            channels,
+            lingering,
+            lingers,
+        } = &mut *watchers;
+        let Some(ch) = channels.get_mut(&self.channel) else {
+            return;
+        };
+        ch.watchers -= 1;
+        if ch.watchers > 0 {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if ch.confirmed && *lingering < MAX_LINGERING => {
+                *lingers += 1;
+                *lingering += 1;
+                ch.linger = *lingers;
+                let linger = *lingers;
+                let (channel, watchers, subs) = (
+                    self.channel.clone(),
+                    self.watchers.clone(),
+                    self.subs.clone(),
+                );
+                runtime.spawn(async move {
+                    tokio::time::sleep(LINGER).await;
+                    let mut w = lock(&watchers);
+                    // Still without a watcher since this linger began.
+                    if w.channels
+                        .get(&channel)
+                        .is_some_and(|ch| ch.watchers == 0 && ch.linger == linger)
+                    {
+                        w.channels.remove(&channel);
+                        w.lingering -= 1;
+                        unsubscribe(&subs, &channel);
+                    }
+                });
+            }
+            _ => {
+                channels.remove(&self.channel);
+                unsubscribe(&self.subs, &self.channel);
             }
         }
+    }
+}
+
+/// Asks every member's pub/sub task to unsubscribe `channel`.
+fn unsubscribe(subs: &[mpsc::UnboundedSender<Sub>], channel: &str) {
+    for s in subs {
+        let _ = s.send(Sub::Unsubscribe(channel.to_owned()));
     }
 }
 

@@ -25,8 +25,44 @@ pub(super) enum Sub {
     Unsubscribe(String),
 }
 
-/// Local watchers per wake channel; subscriptions live while above zero.
-pub type Watchers = Arc<Mutex<HashMap<String, (LockKey, usize)>>>;
+/// The lock channels this sidecar subscribes to: one subscription per
+/// channel however many local waiters watch it, kept [`LINGER`] after the
+/// last one leaves (a lock passed back and forth between sidecars, one
+/// waiter on each, costs one `SUBSCRIBE` per sidecar, not two commands per
+/// wait), at most [`MAX_LINGERING`] of them at a time.
+pub type Watchers = Arc<Mutex<Watched>>;
+
+/// How long a lock's channel stays subscribed after its last local watcher
+/// left.
+pub(super) const LINGER: Duration = Duration::from_secs(5);
+
+/// How many channels without a watcher may stay subscribed at once; past
+/// that, a channel goes with its last watcher.
+pub(super) const MAX_LINGERING: usize = 1024;
+
+/// What [`Watchers`] guards.
+#[derive(Default)]
+pub struct Watched {
+    /// The subscribed (or being subscribed) channels.
+    pub(super) channels: HashMap<String, Channel>,
+    /// How many channels have no watcher.
+    pub(super) lingering: usize,
+    /// How many times a channel was left to linger: each linger's number,
+    /// so that its end acts only on its own.
+    pub(super) lingers: u64,
+}
+
+/// One subscribed lock channel.
+pub(super) struct Channel {
+    pub(super) key: LockKey,
+    /// Local watchers (0 while it lingers).
+    pub(super) watchers: usize,
+    /// Whether a watch saw the subscription confirmed: only such a channel
+    /// lingers (a new watcher of a lingering channel is not told again).
+    pub(super) confirmed: bool,
+    /// The number of its linger, while it lingers.
+    pub(super) linger: u64,
+}
 
 /// Keeps one subscription per watched channel on one pub/sub connection;
 /// a message wakes the local queue head of its lock, or delivers the lease
@@ -75,8 +111,9 @@ pub(super) async fn pubsub(
         backoff = Duration::from_millis(50);
         let (mut sink, mut stream) = ps.split();
         let current: Vec<(String, LockKey)> = lock(&watchers)
+            .channels
             .iter()
-            .map(|(c, (k, _))| (c.clone(), k.clone()))
+            .map(|(c, ch)| (c.clone(), ch.key.clone()))
             .collect();
         // Its own channel first: where releases hand locks to this sidecar,
         // or wake its waiter that heads a node's queue.
@@ -155,8 +192,9 @@ pub(super) async fn pubsub(
                         continue;
                     }
                     let key = lock(&watchers)
+                        .channels
                         .get(msg.get_channel_name())
-                        .map(|(k, _)| k.clone());
+                        .map(|ch| ch.key.clone());
                     if let Some(key) = key {
                         let payload = msg.get_payload_bytes();
                         if payload == b"g" {
