@@ -7,7 +7,11 @@
 //! `postgres/0001_init.sql` and the migrations after it (`0002_*.sql`
 //! replaces functions of 0001, `0003_*.sql` admits elections, `0004_*.sql`
 //! hands locks over, `0005_*.sql` has a release record expired leases'
-//! lock-delay first); the README documents every table and index.
+//! lock-delay first, `0006_*.sql` counts queues, `0007_*.sql` renews many
+//! leases at once, `0008_*.sql` runs a queued look again, `0009_*.sql`
+//! notes force-released leases, `0010_*.sql` grants and releases the free
+//! exclusive lock nobody waits for in a few statements); the README
+//! documents every table and index.
 //!
 //! * Names are data: every row is keyed by (kind, name), kind `lock`,
 //!   `semaphore` or `election`, and names reach SQL only
@@ -173,6 +177,11 @@ const MIGRATIONS: &[Migration] = &[
         version: 9,
         description: "force_release notes the leases it removes in forced, for status",
         sql: include_str!("0009_forced.sql"),
+    },
+    Migration {
+        version: 10,
+        description: "acquire and release take a short path for the free exclusive lock nobody waits for",
+        sql: include_str!("0010_short_paths.sql"),
     },
 ];
 

@@ -36,7 +36,9 @@ impl Sql {
             dequeue: fill("SELECT {s}.dequeue($1, $2, $3)"),
             renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
             renew_many: fill("SELECT i, expires_at_ms FROM {s}.renew_many($1, $2, $3, $4)"),
-            release: fill("SELECT {s}.release($1, $2, $3, $4)"),
+            // A statement of its own: a release that hands nothing over may
+            // commit without its WAL flush (schema version 10).
+            release: fill("SELECT {s}.release($1, $2, $3, $4, true)"),
             // A lease's expiry while it holds; else NULL if a force-release
             // removed it (no row: gone).
             status: fill(
