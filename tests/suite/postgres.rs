@@ -317,6 +317,72 @@ async fn only_a_lone_release_that_hands_nothing_over_skips_the_wal_flush() {
     assert_eq!(waiter.expect_acquired().await.owner, "waiter");
 }
 
+/// A server crash straight after releases. The release that handed the lock
+/// to a waiter waited for its flush: after recovery the waiter still holds
+/// the lock with the fence it was told, and nobody else is granted it. The
+/// releases that handed nothing over did not wait: the last may come back
+/// as its lease (here it usually does), which holds the lock until its 3 s
+/// ttl at most; the lock is granted again, with a higher fence than any
+/// before the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_crash_after_releases_keeps_the_handoff_and_the_fences() {
+    let (cluster, url) = cluster_with_database().await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let api = sidecar.api();
+    let free = api.lock(&unique_name("crash-free"));
+    let handed = api.lock(&unique_name("crash-handed"));
+    let holder = handed.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut waiter = handed
+        .hold(&[("owner", "waiter"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    handed.release(&holder.token).await;
+    let handed_over = waiter.expect_acquired().await;
+    let mut fences = Vec::new();
+    for _ in 0..20 {
+        let grant = free.acquire(&[("ttl", "3s")]).await;
+        fences.push(grant.fence);
+        free.release(&grant.token).await;
+    }
+    // Straight after the answers: what the server had not written is lost.
+    let crasher = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        crasher.crash_server();
+        crasher.start_server();
+    })
+    .await
+    .expect("crash and restart the server");
+    eventually("/readyz to pass", Duration::from_secs(15), async || {
+        (readyz_status(&sidecar).await == StatusCode::OK).then_some(())
+    })
+    .await;
+
+    let holders: Vec<(String, u64)> = handed
+        .inspect()
+        .await
+        .holders
+        .into_iter()
+        .map(|h| (h.owner, h.fence))
+        .collect();
+    assert_eq!(holders, [("waiter".to_owned(), handed_over.fence)]);
+    handed.acquire_busy(&[("owner", "other")]).await;
+
+    // Each grant's flush wrote the release before it: only the last can be back.
+    let back = free.inspect().await.holders.len();
+    eprintln!("released leases back after the crash: {back}");
+    assert!(back <= 1, "{back} released leases came back");
+    let started = Instant::now();
+    let again = free.acquire(&[("ttl", "3s"), ("wait", "10s")]).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the restart",
+        started.elapsed()
+    );
+    fences.push(again.fence);
+    assert_strictly_increasing(&fences);
+    drop(waiter);
+}
+
 /// The statements `pg_stat_statements` counted in `database` since its last
 /// reset: their number, and one line per statement, most called first.
 async fn statements_run(admin: &tokio_postgres::Client, database: &str) -> (i64, Vec<String>) {

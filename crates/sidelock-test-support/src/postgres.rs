@@ -354,6 +354,19 @@ impl PgCluster {
         );
     }
 
+    /// Stops the server as a crash would (`immediate`: no checkpoint, WAL
+    /// still in its buffers is lost, as are commits that did not wait for
+    /// their flush).
+    pub fn crash_server(&self) {
+        run_ok(
+            self.command("pg_ctl")
+                .args(["-w", "-t", "60", "-m", "immediate", "-D"])
+                .arg(&self.data)
+                .arg("stop"),
+            "pg_ctl stop -m immediate",
+        );
+    }
+
     pub fn server_log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
