@@ -1,5 +1,6 @@
 -- sidelock PostgreSQL backend, schema version 10: the free exclusive lock
--- granted, and the lock nobody waits for released, in a few statements.
+-- granted, a claim behind a live holder queued, and the lock nobody waits
+-- for released, in a few statements.
 --
 -- An uncontended acquire and release ran about twenty statements inside
 -- the functions (expired leases, dead sidecars' waiters, the queue length
@@ -9,8 +10,11 @@
 --   there, no lease row of any kind, an empty queue, no lock-delay running —
 --   with the row lock, one look at the leases, the fence and the lease row,
 --   exactly as version 8's function decides in that state (which deletes and
---   wakes nothing there). Anything else goes to that function, now named
---   `acquire_full`, in the same transaction.
+--   wakes nothing there). A claim on an exclusive lock held by other owners'
+--   live leases, with no sidecar's heartbeat lapsed while claims wait, is
+--   answered busy (and a join queued) with that lock, one look at the
+--   leases and the waiter row, as version 8 answers it. Anything else goes
+--   to that function, now named `acquire_full`, in the same transaction.
 -- * `release` of a lock whose only lease is the caller's (one hold, not
 --   expired) with an empty queue deletes it and returns: version 5's
 --   function frees no expired lease, starts no lock-delay and wakes nobody
@@ -49,6 +53,12 @@ DECLARE
     v_now    timestamptz;
     v_cap    timestamptz;
     v_end    timestamptz;
+    v_live   bigint;
+    v_fresh  boolean;
+    v_mine   boolean;
+    v_retry  timestamptz;
+    v_seq    bigint;
+    v_pos    bigint;
 BEGIN
     IF p_kind = 'lock' AND p_mode = 'exclusive' AND p_turn IN ('once', 'join') THEN
         SELECT fence, queued, delay_until INTO v_fence, v_queued, v_delay FROM {s}.keys
@@ -74,6 +84,41 @@ BEGIN
             RETURN json_build_object('outcome', 'granted', 'token', p_token, 'fence', v_fence,
                                      'count', 1, 'since_ms', {s}.ms(v_now),
                                      'expires_at_ms', {s}.ms(v_end), 'now_ms', {s}.ms(v_now));
+        END IF;
+        -- Busy behind live leases, none of them this owner's to re-enter,
+        -- and no sidecar's heartbeat lapsed while claims wait (whose
+        -- waiters acquire_full would remove): acquire_full would answer
+        -- busy having changed nothing, and a join would queue.
+        IF v_queued IS NOT NULL THEN
+            SELECT count(*), bool_and(expires_at > v_now),
+                   bool_or(owner = p_owner AND mode = p_mode), min(expires_at)
+              INTO v_live, v_fresh, v_mine, v_retry
+              FROM {s}.leases WHERE kind = p_kind AND name = p_name;
+            IF v_live > 0 AND v_fresh AND NOT v_mine
+               AND (v_queued = 0
+                    OR NOT EXISTS (SELECT 1 FROM {s}.sidecars
+                                    WHERE heartbeat_at <= v_now - {s}.millis(p_lapse_ms)
+                                      AND instance <> p_instance)) THEN
+                IF v_delay > v_now THEN
+                    v_retry := v_delay;
+                END IF;
+                IF p_turn = 'join' THEN
+                    PERFORM {s}.present(p_instance, p_sidecar, v_now);
+                    INSERT INTO {s}.waiters (kind, name, owner, sidecar, instance, mode,
+                                             queued_at, token, ttl_ms, max_hold_ms,
+                                             lock_delay_ms)
+                    VALUES (p_kind, p_name, p_owner, p_sidecar, p_instance, p_mode, v_now,
+                            CASE WHEN p_handoff THEN p_token END, p_ttl_ms, p_max_hold_ms,
+                            p_lock_delay_ms)
+                    RETURNING seq INTO v_seq;
+                    v_queued := v_queued + 1;
+                    v_pos := v_queued;
+                END IF;
+                RETURN json_build_object(
+                    'outcome', 'busy', 'holders', {s}.holders(p_kind, p_name, v_now),
+                    'queue_length', v_queued, 'position', v_pos, 'seq', v_seq,
+                    'retry_at_ms', {s}.ms(v_retry), 'now_ms', {s}.ms(v_now));
+            END IF;
         END IF;
     END IF;
     RETURN {s}.acquire_full(p_kind, p_name, p_mode, p_owner, p_sidecar, p_instance, p_token,

@@ -10,8 +10,9 @@
 //! lock-delay first, `0006_*.sql` counts queues, `0007_*.sql` renews many
 //! leases at once, `0008_*.sql` runs a queued look again, `0009_*.sql`
 //! notes force-released leases, `0010_*.sql` grants and releases the free
-//! exclusive lock nobody waits for in a few statements); the README
-//! documents every table and index.
+//! exclusive lock nobody waits for, and queues a claim behind a live
+//! holder, in a few statements); the README documents every table and
+//! index.
 //!
 //! * Names are data: every row is keyed by (kind, name), kind `lock`,
 //!   `semaphore` or `election`, and names reach SQL only
@@ -180,7 +181,7 @@ const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 10,
-        description: "acquire and release take a short path for the free exclusive lock nobody waits for",
+        description: "acquire and release take short paths for the free exclusive lock nobody waits for and a claim behind a live holder",
         sql: include_str!("0010_short_paths.sql"),
     },
 ];
