@@ -258,9 +258,10 @@ async fn an_uncontended_acquire_and_release_run_at_most_eight_statements() {
 /// 8 clients on two sidecars take one lock 40 times each (every grant
 /// queued behind a live holder and handed over by a release), counted with
 /// `pg_stat_statements` tracking the statements inside the functions too.
-/// (Version 9 ran 38 per handoff: each join ran the full decision.)
+/// (Version 9 ran 38.7 per handoff: each join and each release ran the full
+/// decision.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_contended_handoff_runs_at_most_thirty_statements() {
+async fn a_contended_handoff_runs_at_most_twenty_five_statements() {
     const CLIENTS: usize = 8;
     const ROUNDS: usize = 40;
     let (cluster, admin) = counting_everything().await;
@@ -302,9 +303,9 @@ async fn a_contended_handoff_runs_at_most_thirty_statements() {
         detail.join("\n")
     );
     assert!(
-        statements <= grants * 30,
+        statements <= grants * 25,
         "{statements} statements for {grants} grants (at most {} allowed):\n{}",
-        grants * 30,
+        grants * 25,
         detail.join("\n")
     );
     fences.sort_unstable();

@@ -1,6 +1,6 @@
 -- sidelock PostgreSQL backend, schema version 10: the free exclusive lock
--- granted, a claim behind a live holder queued, and the lock nobody waits
--- for released, in a few statements.
+-- granted, a claim behind a live holder queued, and a lock's only lease
+-- released (and the lock passed on), in a few statements.
 --
 -- An uncontended acquire and release ran about twenty statements inside
 -- the functions (expired leases, dead sidecars' waiters, the queue length
@@ -16,18 +16,21 @@
 --   leases and the waiter row, as version 8 answers it. Anything else goes
 --   to that function, now named `acquire_full`, in the same transaction.
 -- * `release` of a lock whose only lease is the caller's (one hold, not
---   expired) with an empty queue deletes it and returns: version 5's
---   function frees no expired lease, starts no lock-delay and wakes nobody
---   there. Anything else goes to that function, now `release_full`.
+--   expired) deletes it and, when claims are queued, passes the lock on
+--   (pass_on): version 5's function frees no expired lease and starts no
+--   lock-delay there, and passes on the same way (with nobody queued,
+--   pass_on does nothing for a lock). Anything else goes to that function,
+--   now `release_full`.
 --   Sent as a statement of its own (the new `p_alone`, which the sidecar
---   passes), that release also commits without waiting for its WAL flush
+--   passes), that release with nobody queued also commits without waiting
+--   for its WAL flush
 --   (`synchronous_commit` off for its transaction): losing it in a server
 --   crash leaves a released lease in place until its own expiry and
 --   lock-delay (or its owner re-enters it) — a lock free later than it
 --   could be, never two holders, no fence given twice — and any later
 --   grant's commit flushes it anyway (WAL is written in order). A release
---   that hands the lock over (release_full) still waits: its waiter is told
---   it holds the lock. Not for callers that write after it in the same
+--   with claims queued still waits: the waiter it hands the lock to is told
+--   it holds it. Not for callers that write after it in the same
 --   transaction: the setting lasts until its end.
 --
 -- Same signatures, so older sidecars call the same functions; later
@@ -140,20 +143,27 @@ DECLARE
     -- lock below takes a transaction id). txid_: PostgreSQL 11 and 12 too.
     v_alone   boolean := p_alone AND txid_current_if_assigned() IS NULL;
     v_queued  bigint;
+    v_now     timestamptz;
     v_setting text;
 BEGIN
     IF p_kind = 'lock' THEN
         SELECT queued INTO v_queued FROM {s}.keys
          WHERE kind = p_kind AND name = p_name FOR NO KEY UPDATE;
-        IF v_queued = 0 THEN
-            -- The caller's last hold of the key's only lease, unexpired.
+        IF v_queued IS NOT NULL THEN
+            -- After the row lock, as release_full reads it.
+            v_now := clock_timestamp();
+            -- The caller's last hold of the key's only lease, unexpired:
+            -- release_full would find no other lease, expired or not, and
+            -- pass the lock on (nobody queued: pass_on does nothing).
             DELETE FROM {s}.leases
              WHERE token = p_token AND kind = p_kind AND name = p_name AND hold_count = 1
-               AND expires_at > clock_timestamp()
+               AND expires_at > v_now
                AND NOT EXISTS (SELECT 1 FROM {s}.leases
                                 WHERE kind = p_kind AND name = p_name AND token <> p_token);
             IF FOUND THEN
-                IF v_alone THEN
+                IF v_queued <> 0 THEN
+                    PERFORM {s}.pass_on(p_kind, p_name, v_now, p_lapse_ms);
+                ELSIF v_alone THEN
                     v_setting := set_config('synchronous_commit', 'off', true);
                 END IF;
                 RETURN 0;
