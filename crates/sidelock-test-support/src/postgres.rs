@@ -345,25 +345,23 @@ impl PgCluster {
 
     /// Stops the server (`fast`: open transactions are rolled back, clients disconnected).
     pub fn stop_server(&self) {
-        run_ok(
-            self.command("pg_ctl")
-                .args(["-w", "-t", "60", "-m", "fast", "-D"])
-                .arg(&self.data)
-                .arg("stop"),
-            "pg_ctl stop",
-        );
+        self.stop_with("fast");
     }
 
     /// Stops the server as a crash would (`immediate`: no checkpoint, WAL
     /// still in its buffers is lost, as are commits that did not wait for
     /// their flush).
     pub fn crash_server(&self) {
+        self.stop_with("immediate");
+    }
+
+    fn stop_with(&self, mode: &str) {
         run_ok(
             self.command("pg_ctl")
-                .args(["-w", "-t", "60", "-m", "immediate", "-D"])
+                .args(["-w", "-t", "60", "-m", mode, "-D"])
                 .arg(&self.data)
                 .arg("stop"),
-            "pg_ctl stop -m immediate",
+            &format!("pg_ctl stop -m {mode}"),
         );
     }
 

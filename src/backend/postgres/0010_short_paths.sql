@@ -35,7 +35,7 @@
 --
 -- Same signatures, so older sidecars call the same functions; later
 -- versions change `acquire_full` and `release_full` for everything but
--- these two cases.
+-- these short paths (and the short paths with them).
 
 ALTER FUNCTION {s}.acquire(text, text, text, text, text, text, text, bigint, integer, bigint,
                            bigint, text, bigint, bigint, boolean)
