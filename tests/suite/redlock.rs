@@ -162,6 +162,111 @@ async fn a_waiter_does_not_poll_when_a_minority_would_grant_it() {
     assert!(next.fence > held.fence);
 }
 
+/// A Redlock release wakes each node's queue head without taking it out of
+/// the queue and putting it back (each node orders its queue its own way,
+/// so no node hands over): with the head's grant, the handoff costs each
+/// node at most 12 commands — the release's 5 (its script, the lease, the
+/// head, the wake, the delete) and the head's queued acquire's 7. It took
+/// the head and pushed it back: 13.
+#[tokio::test]
+async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node_12_commands() {
+    let nodes = RedisNodes::start(3).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    // Every script loaded (a first call of each loads it: 2 commands more).
+    let warm = a.api().lock(&unique_name("warm"));
+    let g = warm.acquire(&[]).await;
+    warm.release(&g.token).await;
+    let name = unique_name("wake-in-place");
+    let held = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "a"), ("ttl", "30s")])
+        .await;
+    let waiter = b.api().lock(&name);
+    let waiting =
+        tokio::spawn(async move { waiter.acquire(&[("owner", "b"), ("wait", "20s")]).await });
+    common::eventually("the waiter queued", Duration::from_secs(5), async || {
+        (a.api().lock(&name).inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    // The join's answers read and its first heartbeats sent.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut before = Vec::new();
+    for node in &nodes.nodes {
+        before.push(node.command_counts().await);
+    }
+    a.api().lock(&name).release(&held.token).await;
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter granted after the release")
+        .expect("waiter task");
+    assert!(next.fence > held.fence);
+    for (node, before) in nodes.nodes.iter().zip(&before) {
+        let after = node.command_counts().await;
+        let diff = common::redis::command_diff(before, &after);
+        let n =
+            |c: &std::collections::BTreeMap<String, u64>, k: &str| c.get(k).copied().unwrap_or(0);
+        assert_eq!(
+            (
+                n(&after, "lpop") - n(before, "lpop"),
+                n(&after, "lpush") - n(before, "lpush")
+            ),
+            (0, 0),
+            "the release took the head out of a node's queue and put it back: {diff}"
+        );
+        // A heartbeat (every 5 s; its LLEN tells) may fall in the window.
+        let beat = if n(&after, "llen") > n(before, "llen") {
+            8
+        } else {
+            0
+        };
+        let ran = after.values().sum::<u64>() - before.values().sum::<u64>();
+        assert!(
+            ran <= 12 + beat,
+            "{ran} commands on a node for one handoff: {diff}"
+        );
+    }
+}
+
+/// A queue entry that is not one (written by hand) at the head of every
+/// node's queue is dropped by the release that wakes the head in place,
+/// and the claim behind it is woken and granted.
+#[tokio::test]
+async fn a_redlock_release_drops_a_head_entry_that_is_not_one_and_wakes_the_next() {
+    let nodes = RedisNodes::start(3).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("junk-head");
+    let held = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "a"), ("ttl", "30s")])
+        .await;
+    let waiter = b.api().lock(&name);
+    let waiting =
+        tokio::spawn(async move { waiter.acquire(&[("owner", "b"), ("wait", "20s")]).await });
+    common::eventually("the waiter queued", Duration::from_secs(5), async || {
+        (a.api().lock(&name).inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+    let queue = format!("{{sidelock:{name}}}:q");
+    for node in &nodes.nodes {
+        let n: i64 = node.cmd(&["LPUSH", &queue, "not an entry"]).await;
+        assert_eq!(n, 2);
+    }
+    a.api().lock(&name).release(&held.token).await;
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter granted after the release")
+        .expect("waiter task");
+    assert!(next.fence > held.fence);
+    for node in &nodes.nodes {
+        let left: Vec<String> = node.cmd(&["LRANGE", &queue, "0", "-1"]).await;
+        assert!(left.is_empty(), "left in a node's queue: {left:?}");
+    }
+}
+
 /// Clients looping on one semaphore through two sidecars, each acquiring
 /// (wait 3 s), holding 20 ms and releasing until `run` is over.
 const SEMAPHORE_CLIENTS: usize = 12;

@@ -3,7 +3,7 @@
 -- counter moves: 4 commands inside the script); a claim on a lock another
 -- owner holds joins the queue's tail (3) or, trying once, is told who holds
 -- it (2), and so is one on a free lock that claims are queued for
--- (4, or 3 trying once); a queued claim whose turn came (the lock free, it first in line,
+-- (5, or 4 trying once); a queued claim whose turn came (the lock free, it first in line,
 -- or anywhere in line without FIFO) is granted, and one the lock was handed
 -- to already (its message missed) gets that grant. Everything else — shared
 -- and semaphore claims, re-entry, foreign holders and markers, lock-delay,
@@ -21,11 +21,25 @@ do
       if v == false then
         -- Free, unless claims wait, or shared leases (expired ones too,
         -- whose lock-delay the full script starts) or a delay are about.
-        if redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "delay") == 0 then
+        -- Without FIFO (Redlock, where each handoff leaves every node's
+        -- lock free with claims queued until the head takes it), one look
+        -- tells whether claims alone are about: EXISTS counts a key named
+        -- twice twice, so 1 is the queue alone. With FIFO that state is
+        -- rare, and the free lock's grant is spared the two names.
+        local fifo = (ARGV[14] or "1") == "1"
+        local about
+        if fifo then
+          about = redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "delay")
+        else
+          about = redis.call("EXISTS", TAG .. "q", TAG .. "expiry", TAG .. "expiry",
+            TAG .. "delay", TAG .. "delay")
+        end
+        if about == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" then granted = fence end
         elseif (turn == "o" or (ARGV[12] or "0") == "0")
-            and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
+            and (fifo and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0
+                 or not fifo and about == 1) then
           -- Free, and only claims wait: behind them. Retry when the first
           -- of their processes' heartbeats lapses (a dead process's claims
           -- hold the queue until then), as the full script's first_lapse().

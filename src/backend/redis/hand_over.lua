@@ -58,20 +58,22 @@ end
 -- to nobody: the message goes into KEPT, for the reply. (Not in a Cluster,
 -- whose client may send a call again after losing its answer: the second
 -- run would find the lease handed over and tell nobody.) `first`, when
--- given, is the queue's head, taken from it already. Returns true when it
--- granted; the caller frees the main key otherwise.
+-- given, is the queue's head, taken from it already, or only read when
+-- `read` is set. Returns true when it granted; the caller frees the main
+-- key otherwise.
 local KEPT
-local function hand_over(mode, alive, stem, keep, first)
+local function hand_over(mode, alive, stem, keep, first, read)
   local direct, counted = mode ~= "0", mode ~= "2"
   local Q = TAG .. "q"
   local dropped, granted = false, false
   while true do
     local head = first or redis.pcall("LPOP", Q)
+    local taken = not (first and read)
     first = nil
     if type(head) ~= "string" then break end
     local e = entry_of(head)
     if e and not (direct and IS_LOCK and e.m == "x") then
-      redis.call("LPUSH", Q, head)
+      if taken then redis.call("LPUSH", Q, head) end
       if IS_LOCK and e.m == "x" then
         -- Only its sidecar can let it in: that sidecar alone wakes (on the
         -- lock's channel when nobody listens on its own, e.g. an older one).
@@ -84,6 +86,8 @@ local function hand_over(mode, alive, stem, keep, first)
       end
       break
     end
+    -- Passed by: out of the queue, if only read.
+    if not taken then redis.call("LPOP", Q) end
     local live = e ~= nil
     if live and e.inst ~= alive then
       live = beating(e, redis.pcall("HGET", TAG .. "heartbeat", e.inst))

@@ -2,12 +2,14 @@
 -- prelude: the lease goes (3 commands inside the script) when nobody waits.
 -- When someone does, the head of the queue is taken here and the lock
 -- passes to the next exclusive claim in line from it at once, in
--- release_handing.lua after hand_over.lua (6 or 7 commands in all): the
--- helpers' closures are created only for a handoff. Anything else — a
+-- release_handing.lua after hand_over.lua (6 or 7 commands in all); on
+-- Redlock, whose nodes only wake the head, the head is read and stays in
+-- line (4: the lease, the head, the wake, the delete). The helpers'
+-- closures are created only for a handoff. Anything else — a
 -- re-entered hold, shared and semaphore leases, a lease that expired into
 -- its lock-delay — goes on to the full script, with nothing written here.
 -- ARGV as in release.lua.
-local RELEASE_HEAD
+local RELEASE_HEAD, RELEASE_HEAD_READ
 do
   if IS_LOCK then
     local token = ARGV[2]
@@ -26,7 +28,15 @@ do
         mine = t == token and c + 0 == 1 and (dl + 0 == 0 or e + 0 > clock())
       end
       if mine then
-        local head = redis.pcall("LPOP", TAG .. "q")
+        -- Where the head only wakes (Redlock), it stays in the queue: read,
+        -- not taken and put back.
+        local head
+        if ARGV[3] ~= "0" then
+          head = redis.pcall("LPOP", TAG .. "q")
+        else
+          head = redis.pcall("LINDEX", TAG .. "q", "0")
+          RELEASE_HEAD_READ = true
+        end
         if type(head) ~= "string" then
           redis.call("DEL", MAIN)
           -- No holds left. (A number costs Redis less than a table to answer.)
