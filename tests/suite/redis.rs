@@ -1995,6 +1995,75 @@ async fn handed_while_subscribing(hold: Duration) -> (StatusCode, Duration) {
     (answer.status(), released.elapsed())
 }
 
+/// A `SUBSCRIBE` that Redis never answers (its connection silently dead:
+/// the proxy holds it and all that follows on that connection for an
+/// hour) costs only the waiter it was for. The sidecar's subscriptions
+/// went one after another, each waiting for its answer without a limit:
+/// every later first waiter of a lock answered 503 after 2 s, for as long
+/// as that connection lived. Now a subscription unanswered within the call
+/// limit makes the sidecar open its pub/sub connection again.
+#[tokio::test]
+async fn a_subscription_never_answered_does_not_hold_up_the_next_ones() {
+    let p = Proxied::start().await;
+    let stuck = unique_name("sub-stuck");
+    let next = unique_name("sub-next");
+    let held = [
+        p.direct.api().lock(&stuck).acquire(&[("ttl", "60s")]).await,
+        p.direct.api().lock(&next).acquire(&[("ttl", "60s")]).await,
+    ];
+    p.proxy.delay_request(
+        format!("{stuck}}}:wake").as_bytes(),
+        Duration::from_secs(3600),
+    );
+    let first = {
+        let r = p.through_proxy.api().lock(&stuck);
+        tokio::spawn(async move { r.acquire_raw(&[("wait", "30s"), ("ttl", "60s")]).await })
+    };
+    eventually(
+        "the first waiter's subscription sent",
+        Duration::from_secs(5),
+        async || (!p.proxy.delaying()).then_some(()),
+    )
+    .await;
+    let waiter = {
+        let r = p.through_proxy.api().lock(&next);
+        tokio::spawn(async move { r.acquire_raw(&[("wait", "30s"), ("ttl", "60s")]).await })
+    };
+    // Queued behind the holder, its subscription asked for.
+    let lock = p.direct.api().lock(&next);
+    eventually(
+        "the next waiter queued",
+        Duration::from_secs(5),
+        async || (lock.inspect().await.waiters.len() == 1).then_some(()),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let released = Instant::now();
+    p.direct.api().lock(&next).release(&held[1].token).await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the next waiter answered")
+        .expect("the waiter's task");
+    assert_eq!(
+        answer.status(),
+        StatusCode::OK,
+        "the next waiter's answer, {:?} after the release: {}",
+        released.elapsed(),
+        answer.text().await.unwrap_or_default()
+    );
+    // The first waiter is granted too once its lock is released.
+    p.direct.api().lock(&stuck).release(&held[0].token).await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the first waiter answered")
+        .expect("the waiter's task");
+    assert!(
+        [StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE].contains(&answer.status()),
+        "the first waiter's answer: {}",
+        answer.status()
+    );
+}
+
 /// A lock passed back and forth between two sidecars, one waiter at a time
 /// on each (one client per pod), subscribes each sidecar to the lock's
 /// channel once, not once per wait: a subscription stays a few seconds

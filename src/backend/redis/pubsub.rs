@@ -118,9 +118,9 @@ pub(super) async fn pubsub(
         // Its own channel first: where releases hand locks to this sidecar,
         // or wake its waiter that heads a node's queue.
         let own = node.own_channel();
-        let mut healthy = sink.subscribe(&own).await.is_ok();
+        let mut healthy = subscribe(&mut sink, &own).await.is_ok();
         for (channel, _) in &current {
-            if sink.subscribe(channel).await.is_err() {
+            if healthy && subscribe(&mut sink, channel).await.is_err() {
                 healthy = false;
             }
         }
@@ -228,7 +228,11 @@ enum SinkEnd {
 }
 
 /// Carries out the subscription requests in order on `sink`, each answered
-/// (a subscription once Redis confirmed it) before the next is sent.
+/// (a subscription once Redis confirmed it) before the next is sent. One
+/// not answered within [`CALL_TIMEOUT`] fails the connection: on a
+/// connection that died without a word every later one would wait behind
+/// it, and each first waiter of a lock answer 503, for as long as the
+/// socket lived.
 ///
 /// # Cancellation safety
 /// Dropped with a subscription on its way, that request's waiter hears the
@@ -237,7 +241,7 @@ async fn subscriptions(mut sink: PubSubSink, rx: &mut mpsc::UnboundedReceiver<Su
     while let Some(sub) = rx.recv().await {
         match sub {
             Sub::Subscribe(channel, ack) => {
-                let r = sink.subscribe(&channel).await;
+                let r = subscribe(&mut sink, &channel).await;
                 let failed = r.is_err();
                 let _ = ack.send(r);
                 if failed {
@@ -245,13 +249,27 @@ async fn subscriptions(mut sink: PubSubSink, rx: &mut mpsc::UnboundedReceiver<Su
                 }
             }
             Sub::Unsubscribe(channel) => {
-                if sink.unsubscribe(&channel).await.is_err() {
+                let unsubscribed = tokio::time::timeout(CALL_TIMEOUT, sink.unsubscribe(&channel));
+                if !matches!(unsubscribed.await, Ok(Ok(()))) {
                     return SinkEnd::Failed;
                 }
             }
         }
     }
     SinkEnd::Closed
+}
+
+/// Subscribes `sink` to `channel`, an error when Redis does not confirm it
+/// within [`CALL_TIMEOUT`].
+async fn subscribe(sink: &mut PubSubSink, channel: &str) -> Result<(), RedisError> {
+    tokio::time::timeout(CALL_TIMEOUT, sink.subscribe(channel))
+        .await
+        .unwrap_or_else(|_| {
+            Err(RedisError::from((
+                ErrorKind::Io,
+                "subscription not confirmed in time",
+            )))
+        })
 }
 
 /// How often, while this sidecar has waiters, a Cluster's pub/sub
