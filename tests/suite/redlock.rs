@@ -221,9 +221,11 @@ async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node
         } else {
             0
         };
+        // So may the waiting sidecar's check of its pub/sub connection.
+        let pings = n(&after, "ping") - n(before, "ping");
         let ran = after.values().sum::<u64>() - before.values().sum::<u64>();
         assert!(
-            ran <= 12 + beat,
+            ran <= 12 + beat + pings,
             "{ran} commands on a node for one handoff: {diff}"
         );
     }

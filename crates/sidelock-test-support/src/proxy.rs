@@ -1,7 +1,9 @@
 //! A loopback TCP proxy that can lose one answer: the request carrying
 //! chosen bytes reaches the server, and its client's connection is reset
 //! before the answer comes back (the call ran; its caller cannot know). It
-//! can also hold every answer back for a while (a slow way back).
+//! can also hold every answer back for a while (a slow way back), or let a
+//! connection die without a word (nothing more gets through it either way,
+//! and it is never closed).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,8 +21,22 @@ pub struct CuttingProxy {
     trigger: Arc<Trigger>,
     /// How answers are held back before they go to the client.
     slow: Arc<Mutex<Slow>>,
+    /// The connections open now, for [`silence`](Self::silence).
+    open: Arc<Mutex<Vec<std::sync::Weak<Relayed>>>>,
     task: JoinHandle<()>,
 }
+
+/// What the proxy knows of one connection it relays.
+#[derive(Default)]
+struct Relayed {
+    /// Everything its client sent, up to [`REMEMBERED`] bytes.
+    sent: Mutex<Vec<u8>>,
+    /// Set: nothing more goes through, either way; the sockets stay open.
+    silent: std::sync::atomic::AtomicBool,
+}
+
+/// How much of what a client sends is remembered, to pick connections out.
+const REMEMBERED: usize = 64 * 1024;
 
 /// How long the server has to run the cut request before the reset.
 const CUT_AFTER: Duration = Duration::from_millis(150);
@@ -53,13 +69,20 @@ impl CuttingProxy {
         let port = listener.local_addr().expect("proxy address").port();
         let trigger: Arc<Trigger> = Arc::default();
         let slow: Arc<Mutex<Slow>> = Arc::default();
-        let (armed, slowed) = (trigger.clone(), slow.clone());
+        let open: Arc<Mutex<Vec<std::sync::Weak<Relayed>>>> = Arc::default();
+        let (armed, slowed, listed) = (trigger.clone(), slow.clone(), open.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let (armed, slowed) = (armed.clone(), slowed.clone());
+                let relayed = Arc::new(Relayed::default());
+                {
+                    let mut listed = listed.lock().expect("open");
+                    listed.retain(|c| c.strong_count() > 0);
+                    listed.push(Arc::downgrade(&relayed));
+                }
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await {
-                        relay(client, server, &armed, &slowed).await;
+                        relay(client, server, &armed, &slowed, &relayed).await;
                     }
                 });
             }
@@ -68,6 +91,7 @@ impl CuttingProxy {
             port,
             trigger,
             slow,
+            open,
             task,
         }
     }
@@ -112,6 +136,27 @@ impl CuttingProxy {
         self.slow.lock().expect("slow").late = Some((needle.to_vec(), delay));
     }
 
+    /// Every open connection whose client has sent `needle` (in its first
+    /// 64 KiB) dies without a word from now on: nothing more it carries
+    /// reaches either side, and neither side is told (a peer gone behind a
+    /// middlebox, a cable pulled). Returns how many it silenced.
+    pub fn silence(&self, needle: &[u8]) -> usize {
+        let mut silenced = 0;
+        for relayed in self.open.lock().expect("open").iter() {
+            let Some(relayed) = relayed.upgrade() else {
+                continue;
+            };
+            let sent = relayed.sent.lock().expect("sent");
+            if sent.windows(needle.len()).any(|w| w == needle) {
+                relayed
+                    .silent
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                silenced += 1;
+            }
+        }
+        silenced
+    }
+
     /// Whether the request armed with [`delay_request`](Self::delay_request)
     /// is still to come.
     pub fn delaying(&self) -> bool {
@@ -140,7 +185,14 @@ impl Drop for CuttingProxy {
 /// nothing more goes back to the client (what the client still sends goes
 /// on, so that a request split over several writes arrives whole), and
 /// after the trigger's delay the client's connection is reset.
-async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &Mutex<Slow>) {
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    trigger: &Trigger,
+    slow: &Mutex<Slow>,
+    relayed: &Relayed,
+) {
+    let silent = || relayed.silent.load(std::sync::atomic::Ordering::SeqCst);
     let (mut from_client, mut to_client) = client.into_split();
     let (mut from_server, mut to_server) = server.into_split();
     let cut: tokio::sync::watch::Sender<Option<Duration>> = tokio::sync::watch::Sender::new(None);
@@ -154,6 +206,14 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
                 Ok(n) => n,
             };
             let chunk = &buf[..n];
+            if silent() {
+                continue;
+            }
+            {
+                let mut sent = relayed.sent.lock().expect("sent");
+                let room = REMEMBERED.saturating_sub(sent.len());
+                sent.extend_from_slice(&chunk[..room.min(n)]);
+            }
             let hit = {
                 let mut t = trigger.lock().expect("trigger");
                 let hit = t.as_ref().is_some_and(|(needle, _)| {
@@ -222,7 +282,7 @@ async fn relay(client: TcpStream, server: TcpStream, trigger: &Trigger, slow: &M
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if cut.borrow().is_some() {
+            if cut.borrow().is_some() || silent() {
                 continue;
             }
             let once = held.lock().expect("held").take().unwrap_or_default();

@@ -141,7 +141,8 @@ pub(super) async fn pubsub(
         // Subscriptions change one at a time, each confirmed before the
         // next, beside the messages: a handoff on the own channel is not
         // held up behind a subscription on its way.
-        let subscribing = subscriptions(sink, &mut rx);
+        let ping = tokio::sync::Notify::new();
+        let subscribing = subscriptions(sink, &mut rx, &ping);
         tokio::pin!(subscribing);
         let mut probe = Probe::default();
         let mut probe_tick =
@@ -149,7 +150,7 @@ pub(super) async fn pubsub(
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
-                _ = probe_tick.tick(), if node.is_cluster() => {
+                _ = probe_tick.tick() => {
                     if probe.unheard().await {
                         tracing::warn!(
                             url = %node.url,
@@ -158,11 +159,15 @@ pub(super) async fn pubsub(
                         first_seed = place + 1;
                         break;
                     }
-                    // Claims queued in the cluster, whose handoffs come on
-                    // this connection (not watchers: every sidecar watches
-                    // the monitor election, idle or not).
+                    // Claims queued, whose handoffs come on this connection
+                    // (not watchers: every sidecar watches the monitor
+                    // election, idle or not).
                     if lock(&tickets).queued.values().any(|q| !q.is_empty()) {
-                        probe.send(&node);
+                        if node.is_cluster() {
+                            probe.send(&node);
+                        } else {
+                            ping.notify_one();
+                        }
                     }
                 }
                 end = &mut subscribing => match end {
@@ -228,17 +233,34 @@ enum SinkEnd {
 }
 
 /// Carries out the subscription requests in order on `sink`, each answered
-/// (a subscription once Redis confirmed it) before the next is sent. One
-/// not answered within [`CALL_TIMEOUT`] fails the connection: on a
-/// connection that died without a word every later one would wait behind
-/// it, and each first waiter of a lock answer 503, for as long as the
-/// socket lived.
+/// (a subscription once Redis confirmed it) before the next is sent, and a
+/// `PING` at each notification of `ping`. One not answered within
+/// [`CALL_TIMEOUT`] fails the connection: on a connection that died without
+/// a word every later subscription would wait behind it, and each first
+/// waiter of a lock answer 503, for as long as the socket lived; the
+/// handoffs to this sidecar's queued claims would be lost with it, and
+/// learned only at their retry timers.
 ///
 /// # Cancellation safety
 /// Dropped with a subscription on its way, that request's waiter hears the
 /// channel closed (not confirmed); later requests stay in `rx`.
-async fn subscriptions(mut sink: PubSubSink, rx: &mut mpsc::UnboundedReceiver<Sub>) -> SinkEnd {
-    while let Some(sub) = rx.recv().await {
+async fn subscriptions(
+    mut sink: PubSubSink,
+    rx: &mut mpsc::UnboundedReceiver<Sub>,
+    ping: &tokio::sync::Notify,
+) -> SinkEnd {
+    loop {
+        let sub = tokio::select! {
+            sub = rx.recv() => sub,
+            () = ping.notified() => {
+                let pong = tokio::time::timeout(CALL_TIMEOUT, sink.ping::<redis::Value>());
+                if !matches!(pong.await, Ok(Ok(_))) {
+                    return SinkEnd::Failed;
+                }
+                continue;
+            }
+        };
+        let Some(sub) = sub else { break };
         match sub {
             Sub::Subscribe(channel, ack) => {
                 let r = subscribe(&mut sink, &channel).await;
@@ -272,8 +294,11 @@ async fn subscribe(sink: &mut PubSubSink, channel: &str) -> Result<(), RedisErro
         })
 }
 
-/// How often, while this sidecar has waiters, a Cluster's pub/sub
-/// connection is checked with a probe.
+/// How often, while this sidecar has claims queued, its pub/sub connection
+/// is checked: with a `PING` on it, which a connection dead without a word
+/// (a middlebox dropped it: no reset, no close) leaves unanswered, where it
+/// would lose the handoffs to those claims until their retry timers; in a
+/// Cluster with a [`Probe`].
 const PROBE_EVERY: Duration = super::HEARTBEAT_EVERY;
 
 /// A message this sidecar publishes to itself through the cluster, to see
