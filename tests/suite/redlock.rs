@@ -231,6 +231,86 @@ async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node
     }
 }
 
+/// A claim that finds a node's lock free with claims queued (every node's
+/// state between a release and the head's grant) looks for the side keys
+/// once, naming the lock-delay keys twice in one `EXISTS` (a result of 1 is
+/// the queue alone), and is told it is busy behind the queue. With a
+/// lock-delay or a shared lease's expiry about as well, that one look must
+/// not read as the queue alone: the claim is still not granted, and is
+/// answered as the full script answers it.
+#[tokio::test]
+async fn a_claim_behind_the_queue_of_a_free_redlock_lock_looks_once_and_minds_the_side_keys() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("behind-free");
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+
+    // Another process's claim queued on every node of the free lock, its
+    // process alive (its heartbeat runs for another minute).
+    let tag = format!("{{sidelock:{name}}}");
+    for node in &nodes.nodes {
+        node.queue_foreign_claim(&name).await;
+    }
+    let exists =
+        |c: &std::collections::BTreeMap<String, u64>| c.get("exists").copied().unwrap_or(0);
+    let mut before = Vec::new();
+    for node in &nodes.nodes {
+        before.push(node.command_counts().await);
+    }
+    let once = lock.acquire_raw(&[("owner", "once")]).await;
+    assert_eq!(once.status(), StatusCode::CONFLICT);
+    for (node, before) in nodes.nodes.iter().zip(&before) {
+        let after = node.command_counts().await;
+        assert_eq!(
+            exists(&after) - exists(before),
+            1,
+            "looks for the side keys on a node: {}",
+            common::redis::command_diff(before, &after)
+        );
+    }
+
+    // No queue, and a lock-delay alone, then a shared lease's expiry alone:
+    // the one look counts 2 (a key named twice), which is not the queue
+    // alone (1), so the full script decides (it looks at each side key's
+    // type first). Named once, either would read as the queue alone.
+    let types = |c: &std::collections::BTreeMap<String, u64>| c.get("type").copied().unwrap_or(0);
+    for node in &nodes.nodes {
+        let _: i64 = node.cmd(&["DEL", &format!("{tag}:q")]).await;
+    }
+    for side in ["delay", "expiry"] {
+        let key = format!("{tag}:{side}");
+        let mut before = Vec::new();
+        for node in &nodes.nodes {
+            if side == "delay" {
+                let _: String = node.cmd(&["SET", &key, "1", "PX", "60000"]).await;
+            } else {
+                let _: i64 = node
+                    .cmd(&["HSET", &key, "feedfeedfeedfeedfeedfeedfeedfeed", "1"])
+                    .await;
+            }
+            before.push(node.command_counts().await);
+        }
+        let once = lock.acquire_raw(&[("owner", "once")]).await;
+        if side == "delay" {
+            assert_eq!(once.status(), StatusCode::CONFLICT, "inside a lock-delay");
+        } else if once.status() == StatusCode::OK {
+            let grant: serde_json::Value = once.json().await.expect("grant");
+            lock.release(grant["token"].as_str().expect("token")).await;
+        }
+        for (node, before) in nodes.nodes.iter().zip(&before) {
+            let after = node.command_counts().await;
+            assert!(
+                types(&after) > types(before),
+                "with a {side} key alone the fast path decided: {}",
+                common::redis::command_diff(before, &after)
+            );
+            let _: i64 = node.cmd(&["DEL", &key]).await;
+        }
+    }
+}
+
 /// A queue entry that is not one (written by hand) at the head of every
 /// node's queue is dropped by the release that wakes the head in place,
 /// and the claim behind it is woken and granted.

@@ -188,6 +188,24 @@ impl RedisServer {
             .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
     }
 
+    /// Queues, by hand, another sidecar process's exclusive claim at the tail
+    /// of `name`'s queue (default prefix), its process alive: its heartbeat
+    /// runs for another minute of this server's clock.
+    pub async fn queue_foreign_claim(&self, name: &str) {
+        let time: Vec<String> = self.cmd(&["TIME"]).await;
+        let now: u64 = time[0].parse::<u64>().expect("seconds") * 1000;
+        let tag = format!("{{sidelock:{name}}}");
+        let entry = format!(
+            "1 x {} {now} beef 60000 0 0 [\"other\",\"elsewhere\"]",
+            "ab".repeat(16)
+        );
+        let _: i64 = self.cmd(&["RPUSH", &format!("{tag}:q"), &entry]).await;
+        let beat = (now + 60_000).to_string();
+        let _: i64 = self
+            .cmd(&["HSET", &format!("{tag}:heartbeat"), "beef", &beat])
+            .await;
+    }
+
     /// Calls per command so far (`INFO commandstats`; commands run inside
     /// scripts count too), without the `INFO` calls themselves.
     pub async fn command_counts(&self) -> BTreeMap<String, u64> {
