@@ -318,15 +318,23 @@ pub async fn watch(
         subs: members.iter().map(|m| m.subs.clone()).collect(),
     };
     if first {
-        let acks = members.iter().map(|m| {
-            let (ack, done) = oneshot::channel();
-            let _ = m.subs.send(Sub::Subscribe(channel.clone(), ack));
-            async move {
-                matches!(
+        // Asked twice at most: a connection that died without a word while
+        // nobody waited (no check goes then) leaves the first unanswered,
+        // and is made again with this channel among its subscriptions.
+        let acks = members.iter().map(|m| async {
+            for _ in 0..2 {
+                let (ack, done) = oneshot::channel();
+                if m.subs.send(Sub::Subscribe(channel.clone(), ack)).is_err() {
+                    return false;
+                }
+                if matches!(
                     tokio::time::timeout(CALL_TIMEOUT, done).await,
                     Ok(Ok(Ok(())))
-                )
+                ) {
+                    return true;
+                }
             }
+            false
         });
         let confirmed = futures::future::join_all(acks)
             .await

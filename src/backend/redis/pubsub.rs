@@ -94,21 +94,11 @@ pub(super) async fn pubsub(
         };
         let Ok(Ok((ps, place))) = ps else {
             first_seed += 1;
-            // Fail waiting subscribers now rather than at their timeout.
-            while let Ok(sub) = rx.try_recv() {
-                if let Sub::Subscribe(_, ack) = sub {
-                    let down = RedisError::from((ErrorKind::Io, "pub/sub connection down"));
-                    let _ = ack.send(Err(down));
-                }
+            if !fail_and_back_off(&mut rx, &mut backoff, &stop).await {
+                return;
             }
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
             continue;
         };
-        backoff = Duration::from_millis(50);
         let (mut sink, mut stream) = ps.split();
         let current: Vec<(String, LockKey)> = lock(&watchers)
             .channels
@@ -118,15 +108,22 @@ pub(super) async fn pubsub(
         // Its own channel first: where releases hand locks to this sidecar,
         // or wake its waiter that heads a node's queue.
         let own = node.own_channel();
-        let mut healthy = subscribe(&mut sink, &own).await.is_ok();
+        let mut refused = subscribe(&mut sink, &own).await.err();
         for (channel, _) in &current {
-            if healthy && subscribe(&mut sink, channel).await.is_err() {
-                healthy = false;
+            if refused.is_none() {
+                refused = subscribe(&mut sink, channel).await.err();
             }
         }
-        if !healthy {
+        if let Some(e) = refused {
+            // Refused (a user without the channels' rights) or unanswered:
+            // not at once again.
+            tracing::warn!(url = %node.url, error = %e, "pub/sub subscription failed; reconnecting after {backoff:?}");
+            if !fail_and_back_off(&mut rx, &mut backoff, &stop).await {
+                return;
+            }
             continue;
         }
+        backoff = Duration::from_millis(50);
         up.store(true, std::sync::atomic::Ordering::Relaxed);
         // Releases made meanwhile woke nobody here, and may have passed this
         // process's waiters by: each local head looks again, and the
@@ -222,6 +219,29 @@ pub(super) async fn pubsub(
         up.store(false, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(url = %node.url, "pub/sub connection lost; reconnecting");
     }
+}
+
+/// After a pub/sub connection could not be made (or subscribed): fails the
+/// subscription requests waiting, now rather than at their time limit, and
+/// waits `backoff`, doubled for the next time up to 2 s. `false` at
+/// shutdown.
+async fn fail_and_back_off(
+    rx: &mut mpsc::UnboundedReceiver<Sub>,
+    backoff: &mut Duration,
+    stop: &CancellationToken,
+) -> bool {
+    while let Ok(sub) = rx.try_recv() {
+        if let Sub::Subscribe(_, ack) = sub {
+            let down = RedisError::from((ErrorKind::Io, "pub/sub connection down"));
+            let _ = ack.send(Err(down));
+        }
+    }
+    tokio::select! {
+        () = stop.cancelled() => return false,
+        () = tokio::time::sleep(*backoff) => {}
+    }
+    *backoff = (*backoff * 2).min(Duration::from_secs(2));
+    true
 }
 
 /// Why [`subscriptions`] ended.
