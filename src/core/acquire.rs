@@ -25,7 +25,12 @@ use super::hold::{HoldEvent, HoldEvents};
 use super::lease::{Filing, Granted, Local, Outcome};
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
-pub(super) struct Slot<'a>(Option<&'a AtomicUsize>);
+pub(super) struct Slot<'a> {
+    count: &'a AtomicUsize,
+    /// Whether the place is taken already; a re-entry's is not
+    /// ([`Slot::reentry`]).
+    taken: bool,
+}
 
 impl<'a> Slot<'a> {
     /// A place in `count` if it is below `limit`.
@@ -35,19 +40,32 @@ impl<'a> Slot<'a> {
                 (n < limit).then_some(n + 1)
             })
             .ok()
-            .map(|_| Slot(Some(count)))
+            .map(|_| Slot { count, taken: true })
     }
 
-    /// Keeps the place taken (a new lease's, given back when it ends).
+    /// No place, for a claim expected to re-enter a lease already counted.
+    fn reentry(count: &'a AtomicUsize) -> Self {
+        Slot {
+            count,
+            taken: false,
+        }
+    }
+
+    /// Keeps the place (a new lease's, given back when it ends). A
+    /// re-entry granted a new lease after all (its owner's lease ended in
+    /// the backend meanwhile) takes one past the cap: the count stays exact.
     pub(super) fn keep(mut self) {
-        self.0 = None;
+        if !self.taken {
+            self.count.fetch_add(1, Ordering::AcqRel);
+        }
+        self.taken = false;
     }
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        if let Some(count) = self.0 {
-            count.fetch_sub(1, Ordering::AcqRel);
+        if self.taken {
+            self.count.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -100,30 +118,53 @@ impl Core {
     ///
     /// # Errors
     /// [`Error::SidecarFull`] naming the cap reached.
-    pub async fn check_room(&self, waits: bool) -> Result<(), Error> {
+    ///
+    /// A `claim` re-entering a lease held through this sidecar finds room
+    /// at the cap ([`Core::reenters`]).
+    pub async fn check_room(&self, waits: bool, claim: Option<&Claim>) -> Result<(), Error> {
         if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
             return Err(self.full_of_waiters());
         }
         if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
             self.reclaim_gone().await;
-            if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
+            if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held
+                && !claim.is_some_and(|c| self.reenters(c))
+            {
                 return Err(self.full_of_leases());
             }
         }
         Ok(())
     }
 
-    /// A place for one more lease under `max_held`, for an attempt; at the
-    /// cap, after ending the local leases the backend no longer has.
-    pub(super) async fn held_slot(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+    /// A place for one more lease under `max_held`, for an attempt on
+    /// `claim`; at the cap, after ending the local leases the backend no
+    /// longer has, none for a claim that re-enters a lease (which has its
+    /// place).
+    pub(super) async fn held_slot(&self, claim: &Claim) -> Result<Slot<'_>, Error> {
         if let Some(slot) = Slot::take(&self.held_slots, self.limits.max_held) {
             return Ok(slot);
         }
         self.reclaim_gone().await;
-        Slot::take(&self.held_slots, self.limits.max_held).ok_or_else(|| {
-            self.metrics.acquired(key, "rejected");
-            self.full_of_leases()
-        })
+        if let Some(slot) = Slot::take(&self.held_slots, self.limits.max_held) {
+            return Ok(slot);
+        }
+        if self.reenters(claim) {
+            return Ok(Slot::reentry(&self.held_slots));
+        }
+        self.metrics.acquired(&claim.key, "rejected");
+        Err(self.full_of_leases())
+    }
+
+    /// Whether `claim` would re-enter a lease held through this sidecar: an
+    /// exclusive or shared lock its owner holds in the same mode, as every
+    /// backend re-enters. Looks through every local lease, so it is asked
+    /// only at the cap.
+    fn reenters(&self, claim: &Claim) -> bool {
+        claim.key.kind.is_lock()
+            && self
+                .lock_leases()
+                .values()
+                .any(|l| l.key == claim.key && l.owner == claim.owner && l.mode == claim.mode)
     }
 
     /// Ends local leases the backend no longer has, freeing their places
@@ -223,7 +264,7 @@ impl Core {
             false => None,
         };
         let turn = if queueing { Turn::Join } else { Turn::Once };
-        let slot = self.held_slot(key).await?;
+        let slot = self.held_slot(claim).await?;
         let busy = match self.attempt(claim, turn).await? {
             Attempt::Granted(g) => {
                 return Ok(Outcome::Granted(self.granted(
@@ -312,7 +353,7 @@ impl Core {
             // The backend handed the lock over by itself (its release passed
             // it to this ticket).
             if let Some(h) = place.take_handoff() {
-                let slot = match self.held_slot(key).await {
+                let slot = match self.held_slot(claim).await {
                     Ok(slot) => slot,
                     Err(e) => {
                         drop(place);
@@ -345,7 +386,7 @@ impl Core {
             // pending until this waiter heads the local queue.
             if try_now && place.is_head() {
                 try_now = false;
-                let slot = match self.held_slot(key).await {
+                let slot = match self.held_slot(claim).await {
                     Ok(slot) => slot,
                     Err(e) => {
                         self.leave_queue(key, place, &ticket).await;

@@ -132,7 +132,7 @@ pub async fn campaign(
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    app.core.check_room(true).await?;
+    app.core.check_room(true, None).await?;
     let events = Arc::new(HoldEvents::default());
     let core = app.core.clone();
     let reported = events.clone();

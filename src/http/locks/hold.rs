@@ -145,7 +145,7 @@ pub(super) async fn hold(
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
-    app.core.check_room(!wait.is_zero()).await?;
+    app.core.check_room(!wait.is_zero(), Some(&claim)).await?;
     let events = Arc::new(HoldEvents::default());
     let core = app.core.clone();
     let reported = events.clone();

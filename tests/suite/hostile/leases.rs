@@ -710,6 +710,29 @@ async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
             .await;
             assert_full(r.hold_raw(&cap_params(kind, &[])).await, "max_held", CAP).await;
         }
+        // Full, the owner of a held lock re-enters it (it takes no new
+        // place): trying once, waiting, and with a hold stream.
+        let (r2, t2) = &tokens[2];
+        for wait in [None, Some(("wait", "2s"))] {
+            let params: Vec<_> = [("owner", "o")].into_iter().chain(wait).collect();
+            let again = r2.acquire(&params).await;
+            assert_eq!((&again.token, again.count), (t2, 2));
+            assert_eq!(r2.release(t2).await.count, 1);
+        }
+        let mut again = r2.hold(&[("owner", "o")]).await;
+        let g = again.expect_acquired().await;
+        assert_eq!((&g.token, g.count), (t2, 2));
+        drop(again);
+        common::eventually(
+            "the hold stream's re-entry given back",
+            common::EVENT_TIMEOUT,
+            async || {
+                let g = r2.acquire(&[("owner", "o")]).await;
+                r2.release(&g.token).await;
+                (g.count == 2).then_some(())
+            },
+        )
+        .await;
         // One lease ends, in a different way each round.
         let (r1, t1) = &tokens[1];
         match round {
