@@ -98,6 +98,8 @@ pub enum Cause {
     AuthenticationFailed,
     /// The ZooKeeper session expired.
     SessionExpired,
+    /// The server refused the user a command or channel (Redis `NOPERM`).
+    PermissionDenied,
     /// Anything else; the log at debug level has the chain.
     Failed,
 }
@@ -111,6 +113,7 @@ impl Cause {
             Cause::ConnectionLost => "connection lost",
             Cause::AuthenticationFailed => "authentication failed",
             Cause::SessionExpired => "session expired",
+            Cause::PermissionDenied => "permission denied",
             Cause::Failed => "failed",
         }
     }
@@ -159,6 +162,8 @@ impl Cause {
                 || matches!(r.code(), Some("NOAUTH" | "WRONGPASS"))
             {
                 Some(Cause::AuthenticationFailed)
+            } else if r.code() == Some("NOPERM") {
+                Some(Cause::PermissionDenied)
             } else if r.is_connection_dropped() {
                 Some(Cause::ConnectionLost)
             } else {

@@ -104,6 +104,14 @@ impl Error {
             }
             Error::Unavailable {
                 backend: Some(b),
+                cause: cause @ crate::backend::Cause::PermissionDenied,
+                ..
+            } => format!(
+                "the {} backend at {} refused this sidecar's user a command or channel ({cause}); the README's Redis section lists the rights sidelock needs",
+                b.kind, b.url
+            ),
+            Error::Unavailable {
+                backend: Some(b),
                 cause,
                 ..
             } => format!(

@@ -2107,7 +2107,8 @@ async fn a_first_waiter_after_an_idle_pubsub_connection_died_is_not_refused() {
 /// A Redis user without rights to the channels (Redis 7's default for a
 /// new user) has every subscription refused: the sidecar opens its pub/sub
 /// connection again with a growing pause, not in a tight loop (it made
-/// connections as fast as Redis took them), and its waiters answer 503.
+/// connections as fast as Redis took them), and its waiters answer 503
+/// naming the refusal.
 #[tokio::test]
 async fn a_user_refused_the_channels_is_not_reconnected_in_a_tight_loop() {
     let server = RedisServer::start().await;
@@ -2149,7 +2150,18 @@ async fn a_user_refused_the_channels_is_not_reconnected_in_a_tight_loop() {
     let waiter = lock
         .acquire_raw(&[("owner", "waiter"), ("wait", "10s")])
         .await;
-    assert_eq!(waiter.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The refusal is named (it answered "connection lost", the cause
+    // only in the log).
+    let problem = common::problem::assert_problem(
+        waiter,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    assert_eq!(problem["cause"], "permission denied", "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("permission denied"), "{problem}");
+    assert!(!detail.contains("secret"), "{problem}");
     lock.release(&holder.token).await;
 }
 

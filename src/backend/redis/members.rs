@@ -321,30 +321,31 @@ pub async fn watch(
         // Asked twice at most: a connection that died without a word while
         // nobody waited (no check goes then) leaves the first unanswered,
         // and is made again with this channel among its subscriptions.
+        // Each member's answer: confirmed, or why not (a refusal is told,
+        // so that the 503 names it).
         let acks = members.iter().map(|m| async {
+            let mut why = RedisError::from((ErrorKind::Io, "subscription not confirmed"));
             for _ in 0..2 {
                 let (ack, done) = oneshot::channel();
                 if m.subs.send(Sub::Subscribe(channel.clone(), ack)).is_err() {
-                    return false;
+                    break;
                 }
-                if matches!(
-                    tokio::time::timeout(CALL_TIMEOUT, done).await,
-                    Ok(Ok(Ok(())))
-                ) {
-                    return true;
+                match tokio::time::timeout(CALL_TIMEOUT, done).await {
+                    Ok(Ok(Ok(()))) => return Ok(()),
+                    Ok(Ok(Err(e))) => why = e,
+                    _ => {}
                 }
             }
-            false
+            Err(why)
         });
-        let confirmed = futures::future::join_all(acks)
-            .await
-            .into_iter()
-            .filter(|ok| *ok)
-            .count();
-        if confirmed < quorum {
+        let answers = futures::future::join_all(acks).await;
+        if answers.iter().filter(|a| a.is_ok()).count() < quorum {
+            let why = answers.into_iter().filter_map(Result::err).next();
             return Err(unavailable(
                 "subscribe",
-                RedisError::from((ErrorKind::Io, "subscription not confirmed")),
+                why.unwrap_or_else(|| {
+                    RedisError::from((ErrorKind::Io, "subscription not confirmed"))
+                }),
             ));
         }
         if let Some(ch) = lock(watchers).channels.get_mut(&channel) {

@@ -94,7 +94,7 @@ pub(super) async fn pubsub(
         };
         let Ok(Ok((ps, place))) = ps else {
             first_seed += 1;
-            if !fail_and_back_off(&mut rx, &mut backoff, &stop).await {
+            if !fail_and_back_off(&mut rx, &mut backoff, &stop, None).await {
                 return;
             }
             continue;
@@ -118,7 +118,7 @@ pub(super) async fn pubsub(
             // Refused (a user without the channels' rights) or unanswered:
             // not at once again.
             tracing::warn!(url = %node.url, error = %e, "pub/sub subscription failed; reconnecting after {backoff:?}");
-            if !fail_and_back_off(&mut rx, &mut backoff, &stop).await {
+            if !fail_and_back_off(&mut rx, &mut backoff, &stop, Some(e)).await {
                 return;
             }
             continue;
@@ -222,17 +222,21 @@ pub(super) async fn pubsub(
 }
 
 /// After a pub/sub connection could not be made (or subscribed): fails the
-/// subscription requests waiting, now rather than at their time limit, and
-/// waits `backoff`, doubled for the next time up to 2 s. `false` at
+/// subscription requests waiting, now rather than at their time limit, with
+/// `refusal` when Redis refused a subscription (its waiters' 503 names it),
+/// and waits `backoff`, doubled for the next time up to 2 s. `false` at
 /// shutdown.
 async fn fail_and_back_off(
     rx: &mut mpsc::UnboundedReceiver<Sub>,
     backoff: &mut Duration,
     stop: &CancellationToken,
+    refusal: Option<RedisError>,
 ) -> bool {
     while let Ok(sub) = rx.try_recv() {
         if let Sub::Subscribe(_, ack) = sub {
-            let down = RedisError::from((ErrorKind::Io, "pub/sub connection down"));
+            let down = refusal
+                .clone()
+                .unwrap_or_else(|| RedisError::from((ErrorKind::Io, "pub/sub connection down")));
             let _ = ack.send(Err(down));
         }
     }
