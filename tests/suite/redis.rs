@@ -2064,6 +2064,73 @@ async fn handed_within(waiter: &mut common::HoldStream, released: Instant, what:
     );
 }
 
+/// Sentinel: a sidecar whose commands followed a failover to the new
+/// master while its pub/sub connection stayed on the old one (cut off from
+/// the sentinel, still answering: every `PING` passes) hears none of the
+/// releases published on the new master. While it has claims queued it
+/// publishes a probe to itself through the master its commands reach, and
+/// one never heard moves its pub/sub connection to that master: the
+/// waiter is handed the lock seconds after the release, not at the
+/// previous holder's expiry (60 s).
+#[tokio::test]
+async fn a_sentinel_pubsub_connection_left_on_the_old_master_moves_to_the_new_one() {
+    let (servers, proxy) = common::redis::RedisSentinel::start_proxied().await;
+    let stayed = SidecarBuilder::new(&servers.url()).start().await;
+    // The sentinel loses the master (its connections reset, new ones
+    // refused); clients' connections to it stay. (So no name here says
+    // "sentinel".)
+    proxy.refuse(b"sentinel", 1_000_000);
+    proxy.silence(b"sentinel");
+    common::eventually(
+        "the sentinel promotes the replica",
+        Duration::from_secs(30),
+        async || (servers.master_port().await == Some(servers.replica.port())).then_some(()),
+    )
+    .await;
+    // Its commands' connections break (its pub/sub one does not): the
+    // sidecar asks the sentinel again, and its commands go to the new master.
+    let killed: i64 = servers
+        .master
+        .cmd(&["CLIENT", "KILL", "TYPE", "normal"])
+        .await;
+    assert!(
+        killed > 0,
+        "the sidecar's command connections to the old master"
+    );
+    let moved = SidecarBuilder::new(&servers.url()).start().await;
+    let name = unique_name("drift");
+    let probe = unique_name("drift-moved");
+    common::eventually(
+        "the sidecar's commands reach the new master",
+        Duration::from_secs(20),
+        async || {
+            let r = stayed.api().lock(&probe).acquire_raw(&[]).await;
+            if r.status() != StatusCode::OK {
+                return None;
+            }
+            let g: common::Grant = r.json().await.expect("grant");
+            let seen = moved.api().lock(&probe).inspect().await.holders.len() == 1;
+            stayed.api().lock(&probe).release(&g.token).await;
+            seen.then_some(())
+        },
+    )
+    .await;
+    let holder = moved
+        .api()
+        .lock(&name)
+        .acquire(&[("ttl", "60s"), ("owner", "holder")])
+        .await;
+    let mut waiter = stayed
+        .api()
+        .lock(&name)
+        .hold(&[("wait", "80s"), ("owner", "waiter")])
+        .await;
+    waiter.expect_queued().await;
+    moved.api().lock(&name).wait_for_waiters(&["waiter"]).await;
+    moved.api().lock(&name).release(&holder.token).await;
+    handed_within(&mut waiter, Instant::now(), "").await;
+}
+
 /// A pub/sub connection that died without a word while its sidecar had
 /// nobody waiting (no `PING` goes then) costs the next first waiter
 /// nothing: its `SUBSCRIBE` goes unanswered, the connection is opened again

@@ -272,6 +272,26 @@ impl RedisSentinel {
     pub async fn start() -> Self {
         require("redis-sentinel");
         let master = RedisServer::start().await;
+        let port = master.port();
+        Self::watch(master, port).await
+    }
+
+    /// As [`start`](Self::start), with the sentinel reaching the master
+    /// through the returned proxy, whose address it names as the master's to
+    /// clients (the replica replicates directly): refusing the sentinel's
+    /// connections there cuts the master off from the sentinel alone, and
+    /// the sentinel fails over while clients keep their connections to the
+    /// old master.
+    pub async fn start_proxied() -> (Self, crate::proxy::CuttingProxy) {
+        require("redis-sentinel");
+        let master = RedisServer::start().await;
+        let proxy = crate::proxy::CuttingProxy::start(master.port()).await;
+        (Self::watch(master, proxy.port()).await, proxy)
+    }
+
+    /// Starts a replica of `master` and a sentinel watching `master` at
+    /// `master_port`.
+    async fn watch(master: RedisServer, master_port: u16) -> Self {
         let replica =
             RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()])
                 .await;
@@ -286,7 +306,7 @@ impl RedisSentinel {
                  sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
                  sentinel failover-timeout {SENTINEL_MASTER} 5000\n",
                 dir.path().display(),
-                master.port()
+                master_port
             ),
         )
         .expect("write sentinel.conf");
@@ -306,7 +326,7 @@ impl RedisSentinel {
             port,
         };
         let deadline = Instant::now() + READY_TIMEOUT;
-        while me.master_port().await != Some(me.master.port()) {
+        while me.master_port().await != Some(master_port) {
             assert!(
                 Instant::now() < deadline,
                 "redis-sentinel did not report the master:\n{}",

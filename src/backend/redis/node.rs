@@ -381,6 +381,17 @@ impl Node {
         matches!(self.target, Target::Cluster { .. })
     }
 
+    /// Whether the pub/sub connection may listen on another server than the
+    /// one commands reach, and so is checked by a probe published where
+    /// commands go rather than by a `PING`: any node of a Cluster, and with
+    /// Sentinel the master of when it connected (commands that failed ask
+    /// the sentinels again and follow a failover; an old master cut off
+    /// from the sentinels still answers its pub/sub connection, which hears
+    /// none of the new master's messages).
+    pub(super) fn probes_pubsub(&self) -> bool {
+        matches!(self.target, Target::Cluster { .. } | Target::Sentinel(_))
+    }
+
     /// Publishes `payload` on this sidecar's own channel from a script on
     /// the master of that channel's slot, as the scripts' own messages go:
     /// in a Cluster, to every node the cluster bus reaches.

@@ -151,7 +151,7 @@ pub(super) async fn pubsub(
                     if probe.unheard().await {
                         tracing::warn!(
                             url = %node.url,
-                            "the pub/sub node no longer hears the cluster's messages; reconnecting"
+                            "the pub/sub connection no longer hears what is published where commands go; reconnecting"
                         );
                         first_seed = place + 1;
                         break;
@@ -160,7 +160,7 @@ pub(super) async fn pubsub(
                     // (not watchers: every sidecar watches the monitor
                     // election, idle or not).
                     if lock(&tickets).queued.values().any(|q| !q.is_empty()) {
-                        if node.is_cluster() {
+                        if node.probes_pubsub() {
                             probe.send(&node);
                         } else {
                             ping.notify_one();
@@ -322,12 +322,13 @@ async fn subscribe(sink: &mut PubSubSink, channel: &str) -> Result<(), RedisErro
 /// is checked: with a `PING` on it, which a connection dead without a word
 /// (a middlebox dropped it: no reset, no close) leaves unanswered, where it
 /// would lose the handoffs to those claims until their retry timers; in a
-/// Cluster with a [`Probe`].
+/// Cluster and with Sentinel with a [`Probe`] ([`Node::probes_pubsub`]).
 const PROBE_EVERY: Duration = super::HEARTBEAT_EVERY;
 
-/// A message this sidecar publishes to itself through the cluster, to see
-/// that its pub/sub node still hears the cluster's messages (a node removed
-/// from the cluster keeps answering, and hears none): `probe <n>`.
+/// A message this sidecar publishes to itself where its commands go, to see
+/// that its pub/sub connection still hears what is published there (a node
+/// removed from a Cluster, or a Sentinel master failed over while cut off
+/// from the sentinels, keeps answering, and hears none): `probe <n>`.
 #[derive(Default)]
 struct Probe {
     sent: u64,
