@@ -15,14 +15,14 @@ use rand::RngExt as _;
 use crate::backend::{Attempt, Busy, Grant, Status, Turn};
 use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
-use crate::lock::{Claim, Kind, LockKey, Mode};
+use crate::lock::{Claim, Kind, LockKey, Mode, Token};
 use crate::metrics::Metrics;
 use crate::wakeups::{News, Place};
 
 use super::Core;
 use super::event::{Event, EventType};
 use super::hold::{HoldEvent, HoldEvents};
-use super::lease::{Filing, Granted, Local, Outcome};
+use super::lease::{End, Filing, Granted, Local, Outcome};
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
 pub(super) struct Slot<'a> {
@@ -52,8 +52,9 @@ impl<'a> Slot<'a> {
     }
 
     /// Keeps the place (a new lease's, given back when it ends). A
-    /// re-entry granted a new lease after all (its owner's lease ended in
-    /// the backend meanwhile) takes one past the cap: the count stays exact.
+    /// re-entry whose lease ended here between its grant and this (a
+    /// release racing it; [`Core::placed`] saw to the rest) takes one past
+    /// the cap: the count stays exact.
     pub(super) fn keep(mut self) {
         if !self.taken {
             self.count.fetch_add(1, Ordering::AcqRel);
@@ -85,6 +86,16 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// How many local leases [`Core::reenters`] may look at in a second, all
+/// its calls together.
+const REENTRY_LOOKS: usize = 1_000_000;
+
+/// Whether `lease` is the one `claim` would re-enter: the same lock, owner
+/// and mode.
+fn same_lock(lease: &Local, claim: &Claim) -> bool {
+    lease.key == claim.key && lease.owner == claim.owner && lease.mode == claim.mode
+}
+
 /// At most this many local leases are checked by one
 /// [`Core::reclaim_gone`].
 const RECLAIM_BATCH: usize = 256;
@@ -114,13 +125,12 @@ impl Core {
 
     /// Checks that a new acquire (one that may wait if `waits`) would find
     /// room under this sidecar's caps now, so that a hold can answer 429
-    /// before its stream starts. The acquire itself takes the place.
+    /// before its stream starts. The acquire itself takes the place. A
+    /// `claim` re-entering a lease held through this sidecar finds room at
+    /// the cap ([`Core::reenters`]).
     ///
     /// # Errors
     /// [`Error::SidecarFull`] naming the cap reached.
-    ///
-    /// A `claim` re-entering a lease held through this sidecar finds room
-    /// at the cap ([`Core::reenters`]).
     pub async fn check_room(&self, waits: bool, claim: Option<&Claim>) -> Result<(), Error> {
         if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
             return Err(self.full_of_waiters());
@@ -158,13 +168,72 @@ impl Core {
     /// Whether `claim` would re-enter a lease held through this sidecar: an
     /// exclusive or shared lock its owner holds in the same mode, as every
     /// backend re-enters. Looks through every local lease, so it is asked
-    /// only at the cap.
+    /// only at the cap, and looks at no more than [`REENTRY_LOOKS`] leases
+    /// a second in all (past that, `false`: a re-entry answers 429 as a new
+    /// lease does), so that acquires refused at the cap cannot keep the
+    /// lease list, which every grant, release and keepalive needs, locked.
     fn reenters(&self, claim: &Claim) -> bool {
-        claim.key.kind.is_lock()
-            && self
-                .lock_leases()
-                .values()
-                .any(|l| l.key == claim.key && l.owner == claim.owner && l.mode == claim.mode)
+        if !claim.key.kind.is_lock() {
+            return false;
+        }
+        let leases = self.lock_leases();
+        {
+            let mut looks = self
+                .reentry_looks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if looks
+                .0
+                .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+            {
+                *looks = (Some(Instant::now()), 0);
+            }
+            if looks.1 + leases.len() > REENTRY_LOOKS {
+                return false;
+            }
+            looks.1 += leases.len();
+        }
+        leases.values().any(|l| same_lock(l, claim))
+    }
+
+    /// The place of the lease granted as `token` to an attempt on `claim`
+    /// that took `slot`. A claim let in at the cap as a re-entry
+    /// ([`Slot::reentry`]) that was granted a new lease instead shows that
+    /// the local leases it would have re-entered are gone from the backend
+    /// (which re-enters any lease of the owner's in the mode): they end,
+    /// their holders told, and the new lease takes a place they freed. When
+    /// none is free after all, the new lease is released and the claim
+    /// refused, so that the cap holds.
+    ///
+    /// # Errors
+    /// [`Error::SidecarFull`] when no place is free for a new lease.
+    async fn placed<'a>(
+        &'a self,
+        claim: &Claim,
+        token: &Token,
+        slot: Slot<'a>,
+    ) -> Result<Slot<'a>, Error> {
+        if slot.taken || self.local(token).is_some() {
+            return Ok(slot);
+        }
+        let gone: Vec<Arc<Local>> = self
+            .lock_leases()
+            .values()
+            .filter(|l| l.token != *token && same_lock(l, claim))
+            .cloned()
+            .collect();
+        for lease in gone {
+            let reason = self.gone_reason(&lease).await;
+            self.end(&lease, End::Lost(reason));
+        }
+        if let Some(slot) = Slot::take(&self.held_slots, self.limits.max_held) {
+            return Ok(slot);
+        }
+        let _ = self
+            .op("release", self.backend.release(&claim.key, token))
+            .await;
+        self.metrics.acquired(&claim.key, "rejected");
+        Err(self.full_of_leases())
     }
 
     /// Ends local leases the backend no longer has, freeing their places
@@ -267,6 +336,7 @@ impl Core {
         let slot = self.held_slot(claim).await?;
         let busy = match self.attempt(claim, turn).await? {
             Attempt::Granted(g) => {
+                let slot = self.placed(claim, &g.token, slot).await?;
                 return Ok(Outcome::Granted(self.granted(
                     claim,
                     g,
@@ -363,6 +433,13 @@ impl Core {
                         return Err(e);
                     }
                 };
+                let slot = match self.placed(claim, &h.token, slot).await {
+                    Ok(slot) => slot,
+                    Err(e) => {
+                        drop(place);
+                        return Err(e);
+                    }
+                };
                 place.leave_granted(false, h.expires_at_ms);
                 drop(watch);
                 // The count is the backend's at the handoff: 1, unless its
@@ -395,6 +472,13 @@ impl Core {
                 };
                 match self.attempt(claim, Turn::Queued(&ticket)).await {
                     Ok(Attempt::Granted(g)) => {
+                        let slot = match self.placed(claim, &g.token, slot).await {
+                            Ok(slot) => slot,
+                            Err(e) => {
+                                drop(place);
+                                return Err(e);
+                            }
+                        };
                         let pass_on = claim.mode == Mode::Shared || key.kind == Kind::Semaphore;
                         place.leave_granted(pass_on, g.expires_at_ms);
                         drop(watch);

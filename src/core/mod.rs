@@ -125,6 +125,9 @@ pub struct Core {
     /// When local leases were last checked against the backend at the
     /// `max_held` cap ([`Core::reclaim_gone`]).
     reclaimed_at: Mutex<Option<Instant>>,
+    /// The second in which [`Core::reenters`] last looked through the
+    /// local leases, and how many it looked at in it.
+    reentry_looks: Mutex<(Option<Instant>, usize)>,
     /// Whether the backend answers, from every operation.
     pub health: health::Health,
     /// Election observers and the elections led through this sidecar.
@@ -159,6 +162,7 @@ impl Core {
             waiting_slots: AtomicUsize::new(0),
             held_slots: AtomicUsize::new(0),
             reclaimed_at: Mutex::new(None),
+            reentry_looks: Mutex::new((None, 0)),
             elections: election::Elections::default(),
         })
     }

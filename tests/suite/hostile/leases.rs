@@ -711,8 +711,25 @@ async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
             assert_full(r.hold_raw(&cap_params(kind, &[])).await, "max_held", CAP).await;
         }
         // Full, the owner of a held lock re-enters it (it takes no new
-        // place): trying once, waiting, and with a hold stream.
+        // place): trying once, waiting, and with a hold stream. Only that:
+        // the same owner in the other mode, or of a semaphore (which nobody
+        // re-enters), asks for a new lease.
         let (r2, t2) = &tokens[2];
+        assert_full(
+            r2.acquire_raw(&[("owner", "o"), ("mode", "shared")]).await,
+            "max_held",
+            CAP,
+        )
+        .await;
+        let (r3, _) = &tokens[3];
+        assert_eq!(r3.kind(), Kind::Semaphore);
+        assert_full(
+            r3.acquire_raw(&cap_params(r3.kind(), &[("owner", "o")]))
+                .await,
+            "max_held",
+            CAP,
+        )
+        .await;
         for wait in [None, Some(("wait", "2s"))] {
             let params: Vec<_> = [("owner", "o")].into_iter().chain(wait).collect();
             let again = r2.acquire(&params).await;
@@ -820,6 +837,70 @@ async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
         CAP,
     )
     .await;
+}
+
+/// At the cap, a re-entry is let in on the strength of a local lease of the
+/// same owner; when that lease is gone from the backend (released through
+/// another sidecar, which does not tell this one), the backend grants a
+/// new lease instead. That new lease must not take a place past the cap:
+/// the gone lease ends (its holder told) and gives its place. Each round
+/// added one lease past the cap before (within the second in which the
+/// sidecar does not look for gone leases).
+#[tokio::test]
+async fn a_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_max_held() {
+    const CAP: u64 = 2;
+    let backend = TestBackend::Redis.start().await;
+    let full = backend
+        .sidecar()
+        .flag("max-held", &CAP.to_string())
+        .start()
+        .await;
+    let other = backend.sidecar().start().await;
+    let name = unique_name("reentry-gone");
+    let held = |api: Api| async move {
+        metric(&api, "sidelock_held_locks{kind=\"lock\"}").await
+            + metric(&api, "sidelock_held_locks{kind=\"semaphore\"}").await
+    };
+    let _filler = full
+        .api()
+        .lock(&format!("{name}-filler"))
+        .acquire(&[("ttl", "60s")])
+        .await;
+    let mut token = full
+        .api()
+        .lock(&name)
+        .acquire(&[("ttl", "60s"), ("owner", "o")])
+        .await
+        .token;
+    for round in 0..6 {
+        // Released where this sidecar does not hear of it.
+        other.api().lock(&name).release(&token).await;
+        let again = full
+            .api()
+            .lock(&name)
+            .acquire_raw(&[("ttl", "60s"), ("owner", "o")])
+            .await;
+        let n = held(full.api()).await;
+        assert!(n <= CAP as f64, "round {round}: {n} leases held, cap {CAP}");
+        match again.status() {
+            StatusCode::OK => {
+                let g: common::Grant = again.json().await.expect("grant");
+                assert_eq!(g.count, 1, "round {round}: a new lease, not a re-entry");
+                // The gone lease was let go here: it is not there to release.
+                full.api().lock(&name).release_lost(&token).await;
+                token = g.token;
+            }
+            StatusCode::TOO_MANY_REQUESTS => {
+                let g = other
+                    .api()
+                    .lock(&name)
+                    .acquire(&[("ttl", "60s"), ("owner", "o")])
+                    .await;
+                token = g.token;
+            }
+            s => panic!("round {round}: {s}"),
+        }
+    }
 }
 
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
