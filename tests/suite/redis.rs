@@ -2064,6 +2064,75 @@ async fn handed_within(waiter: &mut common::HoldStream, released: Instant, what:
     );
 }
 
+/// A Sentinel failover one sidecar (`stayed`, returned) sees only half of:
+/// the sentinel is cut off from the master behind the proxy (its
+/// connections reset, new ones refused; clients' connections stay) and
+/// promotes the replica; then the sidecar's connections of `kind` (`CLIENT
+/// KILL TYPE`: `normal` for commands, `pubsub`) to the old master break,
+/// and are made again on the master the sentinel names, while the others
+/// stay on the old one. (So no name the test sends says "sentinel".)
+async fn sentinel_split(
+    kind: &str,
+) -> (
+    common::redis::RedisSentinel,
+    common::proxy::CuttingProxy,
+    SidecarGuard,
+) {
+    let (servers, proxy) = common::redis::RedisSentinel::start_proxied().await;
+    let stayed = SidecarBuilder::new(&servers.url())
+        .sidecar_id("stayed")
+        .start()
+        .await;
+    proxy.refuse(b"sentinel", 1_000_000);
+    proxy.silence(b"sentinel");
+    common::eventually(
+        "the sentinel promotes the replica",
+        Duration::from_secs(30),
+        async || (servers.master_port().await == Some(servers.replica.port())).then_some(()),
+    )
+    .await;
+    let killed: i64 = servers.master.cmd(&["CLIENT", "KILL", "TYPE", kind]).await;
+    assert!(
+        killed > 0,
+        "the sidecar's {kind} connections to the old master"
+    );
+    (servers, proxy, stayed)
+}
+
+/// Sentinel, the other way round: a sidecar whose pub/sub connection was
+/// made again after a failover, on the new master, while its commands
+/// still reach the old one (cut off from the sentinel, still answering).
+/// Its probes, published on the old master, go unheard on the new one: the
+/// pub/sub connection was made again every 10 s, back to the same new
+/// master, while its commands stayed, for as long as the split lasted. An
+/// unheard probe now has its commands ask the sentinel again too: they
+/// reach the new master, where its waiter is granted (the old master's
+/// lease is the split's, as the README's Sentinel section says).
+#[tokio::test]
+async fn a_sentinel_sidecar_whose_pubsub_moved_first_moves_its_commands_too() {
+    let (servers, _proxy, stayed) = sentinel_split("pubsub").await;
+    let name = unique_name("drift-back");
+    let lock = stayed.api().lock(&name);
+    let holder = lock.acquire(&[("ttl", "60s"), ("owner", "holder")]).await;
+    let mut waiter = lock.hold(&[("wait", "80s"), ("owner", "waiter")]).await;
+    waiter.expect_queued().await;
+    let asked = Instant::now();
+    let grant = waiter.expect_acquired_within(Duration::from_secs(80)).await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(25),
+        "the waiter was granted {:?} after it queued: the commands stayed on the old master",
+        asked.elapsed()
+    );
+    let fresh = SidecarBuilder::new(&servers.url())
+        .sidecar_id("fresh")
+        .start()
+        .await;
+    let state = fresh.api().lock(&name).inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, grant.fence, "{state:?}");
+    drop(holder);
+}
+
 /// Sentinel: a sidecar whose commands followed a failover to the new
 /// master while its pub/sub connection stayed on the old one (cut off from
 /// the sentinel, still answering: every `PING` passes) hears none of the
@@ -2074,30 +2143,13 @@ async fn handed_within(waiter: &mut common::HoldStream, released: Instant, what:
 /// previous holder's expiry (60 s).
 #[tokio::test]
 async fn a_sentinel_pubsub_connection_left_on_the_old_master_moves_to_the_new_one() {
-    let (servers, proxy) = common::redis::RedisSentinel::start_proxied().await;
-    let stayed = SidecarBuilder::new(&servers.url()).start().await;
-    // The sentinel loses the master (its connections reset, new ones
-    // refused); clients' connections to it stay. (So no name here says
-    // "sentinel".)
-    proxy.refuse(b"sentinel", 1_000_000);
-    proxy.silence(b"sentinel");
-    common::eventually(
-        "the sentinel promotes the replica",
-        Duration::from_secs(30),
-        async || (servers.master_port().await == Some(servers.replica.port())).then_some(()),
-    )
-    .await;
     // Its commands' connections break (its pub/sub one does not): the
     // sidecar asks the sentinel again, and its commands go to the new master.
-    let killed: i64 = servers
-        .master
-        .cmd(&["CLIENT", "KILL", "TYPE", "normal"])
+    let (servers, _proxy, stayed) = sentinel_split("normal").await;
+    let moved = SidecarBuilder::new(&servers.url())
+        .sidecar_id("moved")
+        .start()
         .await;
-    assert!(
-        killed > 0,
-        "the sidecar's command connections to the old master"
-    );
-    let moved = SidecarBuilder::new(&servers.url()).start().await;
     let name = unique_name("drift");
     let probe = unique_name("drift-moved");
     common::eventually(

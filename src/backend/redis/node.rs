@@ -392,6 +392,18 @@ impl Node {
         matches!(self.target, Target::Cluster { .. } | Target::Sentinel(_))
     }
 
+    /// After a probe went unheard: with Sentinel, drops the commands'
+    /// connection, so that the next call asks the sentinels for the master
+    /// as the pub/sub connection made again does. Otherwise a pub/sub
+    /// connection on the new master, with commands still on an old one cut
+    /// off from the sentinels, heard no probe and was made again every two
+    /// probes, on the same new master, for as long as the split lasted.
+    pub(super) fn ask_for_the_master_again(&self) {
+        if matches!(self.target, Target::Sentinel(_)) {
+            *lock(&self.conn) = None;
+        }
+    }
+
     /// Publishes `payload` on this sidecar's own channel from a script on
     /// the master of that channel's slot, as the scripts' own messages go:
     /// in a Cluster, to every node the cluster bus reaches.

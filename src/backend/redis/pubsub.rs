@@ -153,6 +153,7 @@ pub(super) async fn pubsub(
                             url = %node.url,
                             "the pub/sub connection no longer hears what is published where commands go; reconnecting"
                         );
+                        node.ask_for_the_master_again();
                         first_seed = place + 1;
                         break;
                     }
