@@ -331,6 +331,10 @@ impl fmt::Debug for Token {
     }
 }
 
+/// How the owner made up for a claim sent without one begins (followed by
+/// random hex): such a claim never re-enters anything.
+pub const ANONYMOUS: &str = "anonymous-";
+
 /// What a client asks a backend for: everything needed to grant one lease.
 #[derive(Debug, Clone)]
 pub struct Claim {

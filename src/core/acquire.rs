@@ -15,14 +15,14 @@ use rand::RngExt as _;
 use crate::backend::{Attempt, Busy, Grant, Status, Turn};
 use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
-use crate::lock::{Claim, Kind, LockKey, Mode, Token};
+use crate::lock::{ANONYMOUS, Claim, Kind, LockKey, Mode, Token};
 use crate::metrics::Metrics;
 use crate::wakeups::{News, Place};
 
 use super::Core;
 use super::event::{Event, EventType};
 use super::hold::{HoldEvent, HoldEvents};
-use super::lease::{End, Filing, Granted, Local, Outcome};
+use super::lease::{Filing, Granted, Local, Outcome};
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
 pub(super) struct Slot<'a> {
@@ -84,6 +84,13 @@ impl Drop for Waiting<'_> {
             .with_label_values(&[self.kind.as_str()])
             .dec();
     }
+}
+
+/// What a claim that leaves tells the backend: the lease to give back, or
+/// the queue entry to take out.
+enum Leaving {
+    Release(Token),
+    Dequeue(crate::backend::Ticket),
 }
 
 /// How many local leases [`Core::reenters`] may look at in a second, all
@@ -173,7 +180,9 @@ impl Core {
     /// lease does), so that acquires refused at the cap cannot keep the
     /// lease list, which every grant, release and keepalive needs, locked.
     fn reenters(&self, claim: &Claim) -> bool {
-        if !claim.key.kind.is_lock() {
+        // Semaphores re-enter nowhere; campaigns and owner-less claims (an
+        // owner made up for the request) never meet their owner's lease.
+        if claim.key.kind != Kind::Lock || claim.owner.starts_with(ANONYMOUS) {
             return false;
         }
         let leases = self.lock_leases();
@@ -200,10 +209,10 @@ impl Core {
     /// that took `slot`. A claim let in at the cap as a re-entry
     /// ([`Slot::reentry`]) that was granted a new lease instead shows that
     /// the local leases it would have re-entered are gone from the backend
-    /// (which re-enters any lease of the owner's in the mode): they end,
-    /// their holders told, and the new lease takes a place they freed. When
-    /// none is free after all, the new lease is released and the claim
-    /// refused, so that the cap holds.
+    /// (which re-enters any lease of the owner's in the mode): those the
+    /// backend confirms gone end, their holders told, and the new lease
+    /// takes a place they freed. When none is free after all, the new lease
+    /// is given back and the claim refused, so that the cap holds.
     ///
     /// # Errors
     /// [`Error::SidecarFull`] when no place is free for a new lease.
@@ -223,15 +232,18 @@ impl Core {
             .cloned()
             .collect();
         for lease in gone {
-            let reason = self.gone_reason(&lease).await;
-            self.end(&lease, End::Lost(reason));
+            // Only what the backend confirms gone (an answer lost keeps it).
+            let status = self
+                .op("status", self.backend.status(&lease.key, &lease.token))
+                .await;
+            if let Ok(Status::Gone(loss)) = status {
+                self.lapsed(&lease, loss);
+            }
         }
         if let Some(slot) = Slot::take(&self.held_slots, self.limits.max_held) {
             return Ok(slot);
         }
-        let _ = self
-            .op("release", self.backend.release(&claim.key, token))
-            .await;
+        self.give_back(&claim.key, token).await;
         self.metrics.acquired(&claim.key, "rejected");
         Err(self.full_of_leases())
     }
@@ -427,9 +439,7 @@ impl Core {
                     Ok(slot) => slot,
                     Err(e) => {
                         drop(place);
-                        let _ = self
-                            .op("release", self.backend.release(key, &h.token))
-                            .await;
+                        self.give_back(key, &h.token).await;
                         return Err(e);
                     }
                 };
@@ -567,18 +577,33 @@ impl Core {
     /// would otherwise stay until its ttl, and the owner's next acquire would
     /// re-enter it without knowing — holding on after its release.
     async fn leave_queue(&self, key: &LockKey, place: Place, ticket: &crate::backend::Ticket) {
-        let token = place.leave().map(|h| h.token);
-        let told = match &token {
-            Some(t) => self
-                .op("release", self.backend.release(key, t))
-                .await
-                .map(drop),
-            None => self.op("dequeue", self.backend.dequeue(ticket)).await,
-        };
-        if !matches!(told, Err(Error::Unavailable { .. })) {
-            return;
+        match place.leave().map(|h| h.token) {
+            Some(token) => self.give_back(key, &token).await,
+            None => {
+                let told = self.op("dequeue", self.backend.dequeue(ticket)).await;
+                if matches!(told, Err(Error::Unavailable { .. })) {
+                    self.tell_later(key, Leaving::Dequeue(ticket.clone()));
+                }
+            }
         }
-        let (backend, key, ticket) = (self.backend.clone(), key.clone(), ticket.clone());
+    }
+
+    /// Releases a lease granted to a claim that cannot keep it (refused
+    /// under a cap, or left), telling the backend again later while it is
+    /// unreachable: a lease given up but kept would hold the lock, and the
+    /// queue behind it, until its ttl.
+    async fn give_back(&self, key: &LockKey, token: &Token) {
+        let told = self.op("release", self.backend.release(key, token)).await;
+        if matches!(told, Err(Error::Unavailable { .. })) {
+            self.tell_later(key, Leaving::Release(token.clone()));
+        }
+    }
+
+    /// Tells the backend of `leaving` in the background, with pauses
+    /// doubling to 5 s, until it answers (or the longest ttl has passed, or
+    /// shutdown).
+    fn tell_later(&self, key: &LockKey, leaving: Leaving) {
+        let (backend, key) = (self.backend.clone(), key.clone());
         let (shutdown, give_up) = (self.shutdown.clone(), after(self.limits.max_ttl));
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(250);
@@ -588,9 +613,9 @@ impl Core {
                     () = sleep_until(give_up) => return,
                     () = tokio::time::sleep(pause) => {}
                 }
-                let told = match &token {
-                    Some(t) => backend.release(&key, t).await.map(drop),
-                    None => backend.dequeue(&ticket).await,
+                let told = match &leaving {
+                    Leaving::Release(t) => backend.release(&key, t).await.map(drop),
+                    Leaving::Dequeue(ticket) => backend.dequeue(ticket).await,
                 };
                 // Done, or answered (nothing of ours left to give back).
                 if told.as_ref().err().and_then(|e| e.cause()).is_none() {

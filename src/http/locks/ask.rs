@@ -12,7 +12,7 @@ use crate::core::Limits;
 use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::params::{Given, count, duration, mode};
-use crate::lock::{Claim, LockKey, Mode, Token, check_plain_text};
+use crate::lock::{ANONYMOUS, Claim, LockKey, Mode, Token, check_plain_text};
 
 /// Longest accepted owner identity, in characters.
 pub(super) const MAX_OWNER_LEN: usize = 200;
@@ -297,7 +297,7 @@ impl Ask {
         };
         let owner = match self.owner {
             Some(o) => check_owner(o)?,
-            None => format!("anonymous-{}", &Token::generate().expose()[..12]),
+            None => format!("{ANONYMOUS}{}", &Token::generate().expose()[..12]),
         };
         let claim = Claim {
             key,
