@@ -2113,7 +2113,7 @@ async fn a_sentinel_sidecar_whose_pubsub_moved_first_moves_its_commands_too() {
     let (servers, _proxy, stayed) = sentinel_split("pubsub").await;
     let name = unique_name("drift-back");
     let lock = stayed.api().lock(&name);
-    let holder = lock.acquire(&[("ttl", "60s"), ("owner", "holder")]).await;
+    let _holder = lock.acquire(&[("ttl", "60s"), ("owner", "holder")]).await;
     let mut waiter = lock.hold(&[("wait", "80s"), ("owner", "waiter")]).await;
     waiter.expect_queued().await;
     let asked = Instant::now();
@@ -2130,7 +2130,6 @@ async fn a_sentinel_sidecar_whose_pubsub_moved_first_moves_its_commands_too() {
     let state = fresh.api().lock(&name).inspect().await;
     assert_eq!(state.holders.len(), 1, "{state:?}");
     assert_eq!(state.holders[0].fence, grant.fence, "{state:?}");
-    drop(holder);
 }
 
 /// Sentinel: a sidecar whose commands followed a failover to the new

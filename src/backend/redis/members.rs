@@ -324,7 +324,7 @@ pub async fn watch(
         // Each member's answer: confirmed, or why not (a refusal is told,
         // so that the 503 names it).
         let acks = members.iter().map(|m| async {
-            let mut why = RedisError::from((ErrorKind::Io, "subscription not confirmed"));
+            let mut why = not_confirmed();
             for _ in 0..2 {
                 let (ack, done) = oneshot::channel();
                 if m.subs.send(Sub::Subscribe(channel.clone(), ack)).is_err() {
@@ -341,18 +341,18 @@ pub async fn watch(
         let answers = futures::future::join_all(acks).await;
         if answers.iter().filter(|a| a.is_ok()).count() < quorum {
             let why = answers.into_iter().filter_map(Result::err).next();
-            return Err(unavailable(
-                "subscribe",
-                why.unwrap_or_else(|| {
-                    RedisError::from((ErrorKind::Io, "subscription not confirmed"))
-                }),
-            ));
+            return Err(unavailable("subscribe", why.unwrap_or_else(not_confirmed)));
         }
         if let Some(ch) = lock(watchers).channels.get_mut(&channel) {
             ch.confirmed = true;
         }
     }
     Ok(Box::new(guard))
+}
+
+/// Why a member's subscription failed when it gave no reason (no answer).
+fn not_confirmed() -> RedisError {
+    RedisError::from((ErrorKind::Io, "subscription not confirmed"))
 }
 
 /// Unsubscribes [`LINGER`] after the last local watcher of a channel goes
