@@ -839,6 +839,54 @@ async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
     .await;
 }
 
+/// Re-entry at the cap, shared mode: the owner of a shared lease re-enters
+/// it (its count goes up, no new place); another owner's shared lease, the
+/// same owner asking exclusive, an owner-less claim, and an owner named
+/// like a made-up one are new leases and get 429. A second sidecar, not at
+/// its cap, re-enters the same lease for the same owner as usual.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[tokio::test]
+async fn at_the_cap_only_the_same_owner_and_mode_re_enter(#[case] backend: TestBackend) {
+    const CAP: u64 = 2;
+    let backend = backend.start().await;
+    let full = backend
+        .sidecar()
+        .flag("max-held", &CAP.to_string())
+        .start()
+        .await;
+    let name = unique_name("reentry-shared");
+    let lock = full.api().lock(&name);
+    let shared = [("mode", "shared"), ("owner", "o"), ("ttl", "30s")];
+    let first = lock.acquire(&shared).await;
+    let _filler = full
+        .api()
+        .lock(&format!("{name}-filler"))
+        .acquire(&[("ttl", "30s")])
+        .await;
+    let again = lock.acquire(&shared).await;
+    assert_eq!((&again.token, again.count), (&first.token, 2));
+    for refused in [
+        &[("mode", "shared"), ("owner", "p")][..],
+        &[("mode", "shared")][..],
+        &[("mode", "shared"), ("owner", "anonymous-o")][..],
+        &[("owner", "o"), ("wait", "1s")][..],
+    ] {
+        assert_full(lock.acquire_raw(refused).await, "max_held", CAP).await;
+    }
+    assert_eq!(lock.release(&first.token).await.count, 1);
+    if !backend.backend().two_sidecars_share_state() {
+        return;
+    }
+    let other = backend.sidecar().start().await;
+    let through_other = other.api().lock(&name).acquire(&shared).await;
+    assert_eq!(
+        (&through_other.token, through_other.count),
+        (&first.token, 2)
+    );
+}
+
 /// At the cap, a re-entry is let in on the strength of a local lease of the
 /// same owner; when that lease is gone from the backend (released through
 /// another sidecar, which does not tell this one), the backend grants a
