@@ -15,7 +15,7 @@ use rand::RngExt as _;
 use crate::backend::{Attempt, Busy, Grant, Status, Turn};
 use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
-use crate::lock::{ANONYMOUS, Claim, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Kind, LockKey, Mode, Token};
 use crate::metrics::Metrics;
 use crate::wakeups::{News, Place};
 
@@ -92,10 +92,6 @@ enum Leaving {
     Release(Token),
     Dequeue(crate::backend::Ticket),
 }
-
-/// How many local leases [`Core::reenters`] may look at in a second, all
-/// its calls together.
-const REENTRY_LOOKS: usize = 1_000_000;
 
 /// Whether `lease` is the one `claim` would re-enter: the same lock, owner
 /// and mode.
@@ -174,35 +170,10 @@ impl Core {
 
     /// Whether `claim` would re-enter a lease held through this sidecar: an
     /// exclusive or shared lock its owner holds in the same mode, as every
-    /// backend re-enters. Looks through every local lease, so it is asked
-    /// only at the cap, and looks at no more than [`REENTRY_LOOKS`] leases
-    /// a second in all (past that, `false`: a re-entry answers 429 as a new
-    /// lease does), so that acquires refused at the cap cannot keep the
-    /// lease list, which every grant, release and keepalive needs, locked.
+    /// backend re-enters. Semaphores re-enter nowhere.
     fn reenters(&self, claim: &Claim) -> bool {
-        // Semaphores re-enter nowhere; campaigns and owner-less claims (an
-        // owner made up for the request) never meet their owner's lease.
-        if claim.key.kind != Kind::Lock || claim.owner.starts_with(ANONYMOUS) {
-            return false;
-        }
-        let leases = self.lock_leases();
-        {
-            let mut looks = self
-                .reentry_looks
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if looks
-                .0
-                .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
-            {
-                *looks = (Some(Instant::now()), 0);
-            }
-            if looks.1 + leases.len() > REENTRY_LOOKS {
-                return false;
-            }
-            looks.1 += leases.len();
-        }
-        leases.values().any(|l| same_lock(l, claim))
+        self.lock_leases()
+            .may_hold(&claim.key, &claim.owner, claim.mode)
     }
 
     /// The place of the lease granted as `token` to an attempt on `claim`
@@ -716,7 +687,7 @@ impl Core {
                         ended: CancellationToken::new(),
                         filing: Filing::default(),
                     });
-                    leases.insert(g.token.clone(), local.clone());
+                    leases.insert(local.clone());
                     slot.keep();
                     self.metrics
                         .held

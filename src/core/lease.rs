@@ -3,6 +3,9 @@
 //! each filed, and the mark a renewal under way leaves on one; what an
 //! acquire gives back ([`Outcome`]).
 
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,7 +14,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Busy;
-use crate::lock::{LockKey, LostReason, Mode, Token};
+use crate::lock::{Kind, LockKey, LostReason, Mode, Token};
 
 use super::event::{Event, EventType};
 
@@ -85,6 +88,62 @@ impl Local {
     }
 }
 
+/// The leases granted through this sidecar and not ended, by token (read
+/// through `Deref`), and how many lock leases each (lock, owner, mode) has,
+/// so that a re-entry at the `max_held` cap is told from a new lease
+/// without looking through them all.
+#[derive(Default)]
+pub(super) struct Leases {
+    by_token: HashMap<Token, Arc<Local>>,
+    /// Lock leases by a 4-byte hash of their (lock, owner, mode), seeded per
+    /// process: 9 bytes or so a lease. Two that meet only let a claim try
+    /// at the cap; the place of what it is granted is checked again.
+    holders: HashMap<u32, u32>,
+    seed: RandomState,
+}
+
+impl Leases {
+    fn holder(&self, key: &LockKey, owner: &str, mode: Mode) -> Option<u32> {
+        // Truncated on purpose: see `holders`.
+        (key.kind == Kind::Lock).then(|| self.seed.hash_one((key, owner, mode)) as u32)
+    }
+
+    pub(super) fn insert(&mut self, local: Arc<Local>) {
+        if let Some(h) = self.holder(&local.key, &local.owner, local.mode) {
+            *self.holders.entry(h).or_default() += 1;
+        }
+        self.by_token.insert(local.token.clone(), local);
+    }
+
+    pub(super) fn remove(&mut self, token: &Token) -> Option<Arc<Local>> {
+        let local = self.by_token.remove(token)?;
+        if let Some(h) = self.holder(&local.key, &local.owner, local.mode)
+            && let Some(n) = self.holders.get_mut(&h)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.holders.remove(&h);
+            }
+        }
+        Some(local)
+    }
+
+    /// Whether `owner` may hold a lock lease on `key` in `mode` here (rarely
+    /// true when it does not: see `holders`).
+    pub(super) fn may_hold(&self, key: &LockKey, owner: &str, mode: Mode) -> bool {
+        self.holder(key, owner, mode)
+            .is_some_and(|h| self.holders.contains_key(&h))
+    }
+}
+
+impl Deref for Leases {
+    type Target = HashMap<Token, Arc<Local>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.by_token
+    }
+}
+
 /// A successful acquire.
 #[derive(Clone)]
 pub struct Granted {
@@ -129,4 +188,62 @@ impl Drop for Underway<'_> {
 pub(super) struct Filing {
     pub(super) at: AtomicU64,
     pub(super) id: AtomicU64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local(key: &LockKey, owner: &str, mode: Mode) -> Arc<Local> {
+        Arc::new(Local {
+            key: key.clone(),
+            token: Token::generate(),
+            owner: owner.to_owned(),
+            mode,
+            fence: 1,
+            ttl: Duration::from_secs(1),
+            since_ms: 0,
+            cap_ms: None,
+            state: Mutex::new((0, 1)),
+            renewing: AtomicBool::new(false),
+            end: std::sync::OnceLock::new(),
+            ended: CancellationToken::new(),
+            filing: Filing::default(),
+        })
+    }
+
+    /// Two local leases of one (lock, owner, mode) — the old one gone from
+    /// the backend unbeknown to this sidecar, the new one granted — keep
+    /// the owner found until both end; other owners, modes, locks and
+    /// semaphores are never found.
+    #[test]
+    fn a_holder_is_found_until_its_last_lease_ends() {
+        let key = LockKey::lock("a");
+        let mut leases = Leases::default();
+        let (old, new) = (
+            local(&key, "o", Mode::Exclusive),
+            local(&key, "o", Mode::Exclusive),
+        );
+        leases.insert(old.clone());
+        leases.insert(new.clone());
+        leases.insert(local(&key, "p", Mode::Shared));
+        let semaphore = LockKey {
+            kind: Kind::Semaphore,
+            name: key.name.clone(),
+        };
+        leases.insert(local(&semaphore, "s", Mode::Exclusive));
+        assert!(leases.may_hold(&key, "o", Mode::Exclusive));
+        assert!(!leases.may_hold(&key, "o", Mode::Shared));
+        assert!(!leases.may_hold(&key, "p", Mode::Exclusive));
+        assert!(!leases.may_hold(&LockKey::lock("b"), "o", Mode::Exclusive));
+        assert!(!leases.may_hold(&semaphore, "s", Mode::Exclusive));
+        assert!(leases.remove(&old.token).is_some());
+        assert!(leases.remove(&old.token).is_none());
+        assert!(leases.may_hold(&key, "o", Mode::Exclusive));
+        assert!(leases.remove(&new.token).is_some());
+        assert!(!leases.may_hold(&key, "o", Mode::Exclusive));
+        assert!(leases.may_hold(&key, "p", Mode::Shared));
+        assert_eq!(leases.len(), 2);
+        assert_eq!(leases.holders.len(), 1);
+    }
 }

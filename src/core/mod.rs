@@ -36,7 +36,7 @@ mod release;
 pub use hold::{HoldEvent, HoldEvents};
 pub use lease::{Granted, Local, Outcome};
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
@@ -102,8 +102,8 @@ pub struct Core {
     /// This sidecar's id, stored with its leases and waiters.
     pub sidecar: String,
     pub limits: Limits,
-    /// Leases granted through this sidecar and not ended, by token.
-    leases: Mutex<HashMap<Token, Arc<Local>>>,
+    /// Leases granted through this sidecar and not ended.
+    leases: Mutex<lease::Leases>,
     /// Tokens of leases given up because the backend could not be reached to
     /// renew them: they answer 410 even if the backend comes back before
     /// their expiry, until a task has released them there.
@@ -125,9 +125,6 @@ pub struct Core {
     /// When local leases were last checked against the backend at the
     /// `max_held` cap ([`Core::reclaim_gone`]).
     reclaimed_at: Mutex<Option<Instant>>,
-    /// The second in which [`Core::reenters`] last looked through the
-    /// local leases, and how many it looked at in it.
-    reentry_looks: Mutex<(Option<Instant>, usize)>,
     /// Whether the backend answers, from every operation.
     pub health: health::Health,
     /// Election observers and the elections led through this sidecar.
@@ -152,7 +149,7 @@ impl Core {
             wakeups,
             sidecar,
             limits,
-            leases: Mutex::new(HashMap::new()),
+            leases: Mutex::new(lease::Leases::default()),
             revoked: Mutex::new(HashSet::new()),
             events: broadcast::channel(1024).0,
             metrics,
@@ -162,7 +159,6 @@ impl Core {
             waiting_slots: AtomicUsize::new(0),
             held_slots: AtomicUsize::new(0),
             reclaimed_at: Mutex::new(None),
-            reentry_looks: Mutex::new((None, 0)),
             elections: election::Elections::default(),
         })
     }
@@ -249,7 +245,7 @@ impl Core {
         self.local(token).filter(|l| l.key == *key)
     }
 
-    fn lock_leases(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Arc<Local>>> {
+    fn lock_leases(&self) -> std::sync::MutexGuard<'_, lease::Leases> {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 

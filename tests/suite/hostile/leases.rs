@@ -842,8 +842,9 @@ async fn a_sidecar_holds_at_most_max_held_leases(#[case] backend: TestBackend) {
 /// Re-entry at the cap, shared mode: the owner of a shared lease re-enters
 /// it (its count goes up, no new place); another owner's shared lease, the
 /// same owner asking exclusive, an owner-less claim, and an owner named
-/// like a made-up one are new leases and get 429. A second sidecar, not at
-/// its cap, re-enters the same lease for the same owner as usual.
+/// like a made-up one are new leases and get 429, while an owner so named
+/// re-enters its own lease. A second sidecar, not at its cap, re-enters the
+/// same lease for the same owner as usual.
 #[rstest]
 #[case::memory(TestBackend::Memory)]
 #[case::redis(TestBackend::Redis)]
@@ -860,11 +861,16 @@ async fn at_the_cap_only_the_same_owner_and_mode_re_enter(#[case] backend: TestB
     let lock = full.api().lock(&name);
     let shared = [("mode", "shared"), ("owner", "o"), ("ttl", "30s")];
     let first = lock.acquire(&shared).await;
-    let _filler = full
-        .api()
-        .lock(&format!("{name}-filler"))
-        .acquire(&[("ttl", "30s")])
-        .await;
+    // The other place: an owner whose chosen name starts as the made-up
+    // owners of owner-less claims do, who re-enters like any other (such
+    // owners were never looked for at the cap, and got 429).
+    let named = full.api().lock(&format!("{name}-named"));
+    let mine = [("owner", "anonymous-me"), ("ttl", "30s")];
+    let filler = named.acquire(&mine).await;
+    let again = named.acquire(&mine).await;
+    assert_eq!((&again.token, again.count), (&filler.token, 2));
+    let held = named.hold(&mine).await.expect_acquired().await;
+    assert_eq!((&held.token, held.count), (&filler.token, 3));
     let again = lock.acquire(&shared).await;
     assert_eq!((&again.token, again.count), (&first.token, 2));
     for refused in [
@@ -885,6 +891,68 @@ async fn at_the_cap_only_the_same_owner_and_mode_re_enter(#[case] backend: TestB
         (&through_other.token, through_other.count),
         (&first.token, 2)
     );
+}
+
+/// At the cap, acquires that are refused (new leases) must not cost a real
+/// re-entry its answer. The cap's look for a re-entry went through every
+/// local lease within a budget of looks a second, so a stream of refused
+/// acquires at a cap of 10,000 leases spent the budget and the owner's
+/// re-entries got 429.
+#[tokio::test]
+async fn refused_acquires_at_the_cap_do_not_crowd_out_a_re_entry() {
+    use futures::StreamExt as _;
+    const CAP: u64 = 10_000;
+    let backend = TestBackend::Memory.start().await;
+    let full = backend
+        .sidecar()
+        .flag("max-held", &CAP.to_string())
+        .start()
+        .await;
+    let api = full.api();
+    let name = unique_name("reentry-crowded");
+    let lock = api.lock(&name);
+    let mine = [("owner", "o"), ("ttl", "120s")];
+    let first = lock.acquire(&mine).await;
+    futures::stream::iter(1..CAP)
+        .for_each_concurrent(32, |n| {
+            let filler = api.lock(&format!("{name}-{n}"));
+            async move {
+                filler.acquire(&[("ttl", "120s")]).await;
+            }
+        })
+        .await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let flood = {
+        let (api, name, stop) = (api.clone(), name.clone(), stop.clone());
+        tokio::spawn(async move {
+            let refused = std::sync::atomic::AtomicU64::new(0);
+            futures::stream::iter(0..)
+                .take_until(stop.cancelled())
+                .for_each_concurrent(16, |n: u64| {
+                    let (api, refused) = (api.clone(), &refused);
+                    let r = api.lock(&format!("{name}-new-{n}"));
+                    async move {
+                        let params = [("owner", "flood")];
+                        if r.acquire_raw(&params).await.status() == StatusCode::TOO_MANY_REQUESTS {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                })
+                .await;
+            refused.into_inner()
+        })
+    };
+    // The flood under way.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    for n in 0..20 {
+        let again = lock.acquire_raw(&mine).await;
+        assert_eq!(again.status(), StatusCode::OK, "re-entry {n} at the cap");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    let refused = flood.await.expect("the flood");
+    assert!(refused > 100, "the flood was refused {refused} times");
+    assert_eq!(lock.release(&first.token).await.count, 20);
 }
 
 /// At the cap, a re-entry is let in on the strength of a local lease of the
