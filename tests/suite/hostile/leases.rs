@@ -1019,6 +1019,70 @@ async fn a_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_max_held()
     }
 }
 
+/// The same, for a claim that waits: let in at the cap as a re-entry, it
+/// queues behind another owner and is granted a new lease when that owner
+/// releases — handed the lock by the release (exclusive) or granted by its
+/// own attempt once woken (shared). That lease must not take a place past
+/// the cap either: the gone lease ends, `lost`, and gives its place. The
+/// wait starts within the second after the sidecar last looked for gone
+/// leases, so that only the grant's own check can keep the cap.
+#[rstest]
+#[case::handed(&[("owner", "o"), ("ttl", "60s")][..])]
+#[case::woken(&[("owner", "o"), ("ttl", "60s"), ("mode", "shared")][..])]
+#[tokio::test]
+async fn a_waiting_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_max_held(
+    #[case] mine: &[(&str, &str)],
+) {
+    const CAP: u64 = 2;
+    let backend = TestBackend::Redis.start().await;
+    let full = backend
+        .sidecar()
+        .flag("max-held", &CAP.to_string())
+        .start()
+        .await;
+    let other = backend.sidecar().start().await;
+    let name = unique_name("reentry-gone-waiting");
+    let (lock, elsewhere) = (full.api().lock(&name), other.api().lock(&name));
+    let _filler = full
+        .api()
+        .lock(&format!("{name}-filler"))
+        .acquire(&[("ttl", "60s")])
+        .await;
+    let old = lock.acquire(mine).await.token;
+    // At the cap: the sidecar looks for gone leases (none yet), and not
+    // again for a second.
+    let stranger = full.api().lock(&format!("{name}-stranger"));
+    assert_full(stranger.acquire_raw(&[]).await, "max_held", CAP).await;
+    elsewhere.release(&old).await;
+    let blocker = elsewhere.acquire(&[("owner", "b"), ("ttl", "60s")]).await;
+    let waiting = {
+        let lock = lock.clone();
+        let mut params = mine.to_vec();
+        params.push(("wait", "20s"));
+        let params: Vec<(String, String)> = params
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        tokio::spawn(async move {
+            let params: Vec<(&str, &str)> = params
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            lock.acquire(&params).await
+        })
+    };
+    elsewhere.wait_for_waiters(&["o"]).await;
+    elsewhere.release(&blocker.token).await;
+    let granted = waiting.await.expect("the waiting acquire");
+    assert_eq!(granted.count, 1, "a new lease, not a re-entry");
+    assert_ne!(granted.token, old);
+    let held = metric(&full.api(), "sidelock_held_locks{kind=\"lock\"}").await;
+    assert!(held <= CAP as f64, "{held} leases held, cap {CAP}");
+    // The gone lease was let go here: it is not there to release.
+    lock.release_lost(&old).await;
+    lock.release(&granted.token).await;
+}
+
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
 /// three different busy names (lock, semaphore, hold stream) fit and a
 /// fourth on a fourth name gets 429 with `Retry-After`; try-once acquires
