@@ -1424,24 +1424,13 @@ async fn lose_the_answer_of_a_granting_write(kind: Kind) {
     let holder = lock
         .acquire(&[&[("owner", "holder"), ("ttl", "60s")], holding].concat())
         .await;
-    let waiter = {
-        let lock = on(through_proxy);
-        let params: Vec<(String, String)> = [
+    let waiter = on(through_proxy).spawn_acquire_raw(
+        &[
             &[("owner", owner.as_str()), ("ttl", "60s"), ("wait", "20s")],
             waiting,
         ]
-        .concat()
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
-        tokio::spawn(async move {
-            let params: Vec<(&str, &str)> = params
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            lock.acquire_raw(&params).await
-        })
-    };
+        .concat(),
+    );
     common::eventually("the waiter queued", Duration::from_secs(10), async || {
         (lock.inspect().await.waiters.len() == 1).then_some(())
     })

@@ -294,6 +294,23 @@ impl Resource {
             .await
     }
 
+    /// [`Resource::acquire_raw`] in a task of its own (a waiter), with
+    /// its own copy of `params`.
+    pub fn spawn_acquire_raw(&self, params: Params<'_>) -> tokio::task::JoinHandle<Response> {
+        let me = self.clone();
+        let params: Vec<(String, String)> = params
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        tokio::spawn(async move {
+            let params: Vec<(&str, &str)> = params
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            me.acquire_raw(&params).await
+        })
+    }
+
     /// Acquire that must succeed (200).
     pub async fn acquire(&self, params: Params<'_>) -> Grant {
         expect_json(self.acquire_raw(params).await, StatusCode::OK).await

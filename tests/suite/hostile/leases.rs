@@ -955,6 +955,24 @@ async fn refused_acquires_at_the_cap_do_not_crowd_out_a_re_entry() {
     assert_eq!(lock.release(&first.token).await.count, 20);
 }
 
+/// A Redis, a sidecar on it with `--max-held cap`, and another without.
+async fn capped_and_other(
+    cap: u64,
+) -> (
+    common::BackendGuard,
+    common::SidecarGuard,
+    common::SidecarGuard,
+) {
+    let backend = TestBackend::Redis.start().await;
+    let full = backend
+        .sidecar()
+        .flag("max-held", &cap.to_string())
+        .start()
+        .await;
+    let other = backend.sidecar().start().await;
+    (backend, full, other)
+}
+
 /// At the cap, a re-entry is let in on the strength of a local lease of the
 /// same owner; when that lease is gone from the backend (released through
 /// another sidecar, which does not tell this one), the backend grants a
@@ -965,13 +983,7 @@ async fn refused_acquires_at_the_cap_do_not_crowd_out_a_re_entry() {
 #[tokio::test]
 async fn a_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_max_held() {
     const CAP: u64 = 2;
-    let backend = TestBackend::Redis.start().await;
-    let full = backend
-        .sidecar()
-        .flag("max-held", &CAP.to_string())
-        .start()
-        .await;
-    let other = backend.sidecar().start().await;
+    let (_backend, full, other) = capped_and_other(CAP).await;
     let name = unique_name("reentry-gone");
     let held = |api: Api| async move {
         metric(&api, "sidelock_held_locks{kind=\"lock\"}").await
@@ -1034,13 +1046,7 @@ async fn a_waiting_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_ma
     #[case] mine: &[(&str, &str)],
 ) {
     const CAP: u64 = 2;
-    let backend = TestBackend::Redis.start().await;
-    let full = backend
-        .sidecar()
-        .flag("max-held", &CAP.to_string())
-        .start()
-        .await;
-    let other = backend.sidecar().start().await;
+    let (_backend, full, other) = capped_and_other(CAP).await;
     let name = unique_name("reentry-gone-waiting");
     let (lock, elsewhere) = (full.api().lock(&name), other.api().lock(&name));
     let _filler = full
@@ -1055,25 +1061,11 @@ async fn a_waiting_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_ma
     assert_full(stranger.acquire_raw(&[]).await, "max_held", CAP).await;
     elsewhere.release(&old).await;
     let blocker = elsewhere.acquire(&[("owner", "b"), ("ttl", "60s")]).await;
-    let waiting = {
-        let lock = lock.clone();
-        let mut params = mine.to_vec();
-        params.push(("wait", "20s"));
-        let params: Vec<(String, String)> = params
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        tokio::spawn(async move {
-            let params: Vec<(&str, &str)> = params
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            lock.acquire(&params).await
-        })
-    };
+    let waiting = lock.spawn_acquire_raw(&[mine, &[("wait", "20s")]].concat());
     elsewhere.wait_for_waiters(&["o"]).await;
     elsewhere.release(&blocker.token).await;
-    let granted = waiting.await.expect("the waiting acquire");
+    let granted: common::Grant =
+        common::api::expect_json(waiting.await.expect("the waiting acquire"), StatusCode::OK).await;
     assert_eq!(granted.count, 1, "a new lease, not a re-entry");
     assert_ne!(granted.token, old);
     let held = metric(&full.api(), "sidelock_held_locks{kind=\"lock\"}").await;
