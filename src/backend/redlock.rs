@@ -248,23 +248,36 @@ impl Redlock {
                 found: found.clone(),
             });
         }
-        Err(answers
-            .iter()
-            .find_map(|a| match a {
-                Err(Error::Unavailable { op, source }) => Some(Error::Unavailable {
+        Err(self.outage(op, answers.iter().filter_map(|a| a.as_ref().err())))
+    }
+
+    /// The outage when fewer than a majority answered, from the nodes'
+    /// `errors`: a refusal an operator must fix (permissions, credentials)
+    /// is named before an outage that passes by itself, whichever node
+    /// comes first.
+    fn outage<'a>(&self, op: &'static str, errors: impl Iterator<Item = &'a Error>) -> Error {
+        errors
+            .filter_map(|e| match e {
+                Error::Unavailable { op, source } => Some((op, source, Cause::of(source.as_ref()))),
+                _ => None,
+            })
+            .min_by_key(|(_, _, cause)| {
+                !matches!(cause, Cause::PermissionDenied | Cause::AuthenticationFailed)
+            })
+            .map_or_else(
+                || timed_out(op),
+                |(op, source, cause)| Error::Unavailable {
                     op,
                     source: Outage::boxed(
-                        Cause::of(source.as_ref()),
+                        cause,
                         format!(
                             "fewer than {} of {} nodes answered: {source}",
                             self.quorum,
                             self.members.len()
                         ),
                     ),
-                }),
-                _ => None,
-            })
-            .unwrap_or_else(|| timed_out(op)))
+                },
+            )
     }
 }
 
@@ -321,6 +334,7 @@ impl Backend for Redlock {
         // A refusal ends the attempt, but only once every answer is in: a
         // node later in the list may have granted, or queued the claim.
         let mut refused = None;
+        let mut failed = Vec::new();
         for (i, a) in answers.into_iter().enumerate() {
             match a {
                 Ok(Attempt::Granted(g)) => {
@@ -341,7 +355,7 @@ impl Backend for Redlock {
                 ) => {
                     refused.get_or_insert(e);
                 }
-                Err(_) => {}
+                Err(e) => failed.push(e),
             }
         }
         // The claim's place on each node: where it queued before, and where
@@ -423,7 +437,7 @@ impl Backend for Redlock {
         self.undo(&claim.key, &grants).await;
         if answered < self.quorum {
             self.keep_places(&claim.key, turn, &seqs).await;
-            return Err(timed_out("try_acquire"));
+            return Err(self.outage("try_acquire", failed.iter()));
         }
         // A split vote: some nodes granted and no majority is busy. (When a
         // majority is, a node that granted lost the holder's key, and waiting
@@ -505,7 +519,7 @@ impl Backend for Redlock {
             join_all(self.members.iter().map(|m| m.node.release(key, token))).await;
             return Ok(None);
         }
-        Err(timed_out("renew"))
+        Err(self.outage("renew", answers.iter().filter_map(|a| a.as_ref().err())))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
@@ -515,7 +529,7 @@ impl Backend for Redlock {
             })
             .await;
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
-            return Err(timed_out("release"));
+            return Err(self.outage("release", answers.iter().filter_map(|a| a.as_ref().err())));
         }
         Ok(majority_holds(&answers, self.quorum))
     }
@@ -553,7 +567,7 @@ impl Backend for Redlock {
             })
             .collect();
         if losses.len() < self.quorum {
-            return Err(timed_out("status"));
+            return Err(self.outage("status", answers.iter().filter_map(|a| a.as_ref().err())));
         }
         let forced = losses.iter().filter(|&&l| l == Loss::ForceReleased).count();
         Ok(Status::Gone(if forced >= self.quorum {

@@ -803,3 +803,42 @@ async fn a_place_made_after_the_attempts_time_limit_is_taken_away() {
     )
     .await;
 }
+
+/// A majority missed because one node is down and another refuses the
+/// user its scripts (`NOPERM`): the 503 names the refusal, which an
+/// operator must fix, not the node that is down, which comes back by
+/// itself. It named whichever node came first in the URL.
+#[tokio::test]
+async fn a_majority_missed_through_a_refusal_names_the_refusal() {
+    let mut nodes = RedisNodes::start(3).await;
+    for (i, node) in nodes.nodes.iter().enumerate() {
+        let mut acl = vec![
+            "ACL", "SETUSER", "locker", "on", ">secret", "~*", "&*", "+@all",
+        ];
+        if i == 1 {
+            acl.extend(["-evalsha", "-eval"]);
+        }
+        let _: String = node.cmd(&acl).await;
+    }
+    let ports: Vec<u16> = nodes.nodes.iter().map(|n| n.port()).collect();
+    let sidecar = SidecarBuilder::new(&format!(
+        "redlock://locker:secret@127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        ports[0], ports[1], ports[2]
+    ))
+    .start()
+    .await;
+    nodes.nodes[0].kill();
+    let refused = sidecar
+        .api()
+        .lock(&unique_name("refused-scripts"))
+        .acquire_raw(&[])
+        .await;
+    let problem = assert_problem(
+        refused,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "backend-unavailable",
+    )
+    .await;
+    assert_eq!(problem["cause"], "permission denied", "{problem}");
+    assert!(!problem.to_string().contains("secret"), "{problem}");
+}
