@@ -2230,24 +2230,9 @@ async fn a_first_waiter_after_an_idle_pubsub_connection_died_is_not_refused() {
 #[tokio::test]
 async fn a_user_refused_the_channels_is_not_reconnected_in_a_tight_loop() {
     let server = RedisServer::start().await;
-    let _: String = server
-        .cmd(&[
-            "ACL",
-            "SETUSER",
-            "nochannels",
-            "on",
-            ">secret",
-            "~*",
-            "+@all",
-            "resetchannels",
-        ])
+    let sidecar = SidecarBuilder::new(&without_channels(&server).await)
+        .start()
         .await;
-    let sidecar = SidecarBuilder::new(&format!(
-        "redis://nochannels:secret@127.0.0.1:{}",
-        server.port()
-    ))
-    .start()
-    .await;
     let connections = async || -> u64 {
         let info: String = server.cmd(&["INFO", "stats"]).await;
         info.lines()
@@ -2268,6 +2253,29 @@ async fn a_user_refused_the_channels_is_not_reconnected_in_a_tight_loop() {
     let waiter = lock
         .acquire_raw(&[("owner", "waiter"), ("wait", "10s")])
         .await;
+    assert_refused_the_channels(waiter).await;
+    lock.release(&holder.token).await;
+}
+
+/// The URL of a new user of `server` without rights to any channel.
+async fn without_channels(server: &RedisServer) -> String {
+    let _: String = server
+        .cmd(&[
+            "ACL",
+            "SETUSER",
+            "nochannels",
+            "on",
+            ">secret",
+            "~*",
+            "+@all",
+            "resetchannels",
+        ])
+        .await;
+    format!("redis://nochannels:secret@127.0.0.1:{}", server.port())
+}
+
+/// Asserts a waiter's 503 naming the channels' refusal, without the password.
+async fn assert_refused_the_channels(waiter: reqwest::Response) {
     // The refusal is named (it answered "connection lost", the cause
     // only in the log).
     let problem = common::problem::assert_problem(
@@ -2280,7 +2288,79 @@ async fn a_user_refused_the_channels_is_not_reconnected_in_a_tight_loop() {
     let detail = problem["detail"].as_str().unwrap_or_default();
     assert!(detail.contains("permission denied"), "{problem}");
     assert!(!detail.contains("secret"), "{problem}");
+}
+
+/// Every waiter of a lock whose channel Redis refuses is told, not only
+/// the first: a second waiter that came while the first's subscription was
+/// under way was let in as subscribed and waited out its `wait` (409),
+/// never woken by the release it could not hear.
+#[tokio::test]
+async fn every_waiter_of_a_refused_channel_hears_the_refusal() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&without_channels(&server).await)
+        .start()
+        .await;
+    let lock = sidecar.api().lock(&unique_name("no-channels-two"));
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let params = [("owner", "waiter"), ("wait", "10s")];
+    let first = lock.spawn_acquire_raw(&params);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = lock.spawn_acquire_raw(&params);
+    assert_refused_the_channels(first.await.expect("the first waiter")).await;
+    assert_refused_the_channels(second.await.expect("the second waiter")).await;
     lock.release(&holder.token).await;
+}
+
+/// A waiter that came while another's subscription of the same channel
+/// was under way waits for it; when that other waiter — a hold stream —
+/// is closed first (its subscription held up by the proxy), the waiter left
+/// subscribes itself, is woken by the release on the lock's channel and is
+/// granted well within its wait.
+#[tokio::test]
+async fn a_waiter_whose_subscriber_went_subscribes_itself() {
+    let p = Proxied::start().await;
+    let name = unique_name("sub-went");
+    let holder = p.direct.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    p.proxy.delay_request(
+        format!("{name}}}:wake").as_bytes(),
+        Duration::from_secs(3600),
+    );
+    let lock = p.through_proxy.api().lock(&name);
+    let params = [("wait", "30s"), ("ttl", "60s")];
+    let first = lock.hold(&params).await;
+    eventually(
+        "the first waiter's subscription sent",
+        Duration::from_secs(5),
+        async || (!p.proxy.delaying()).then_some(()),
+    )
+    .await;
+    // Shared: woken on the lock's channel, not handed the lock on the
+    // sidecar's own.
+    let second = lock.spawn_acquire_raw(&[("wait", "30s"), ("ttl", "60s"), ("mode", "shared")]);
+    let direct = p.direct.api().lock(&name);
+    eventually("both waiters queued", Duration::from_secs(5), async || {
+        (direct.inspect().await.waiters.len() == 2).then_some(())
+    })
+    .await;
+    drop(first);
+    let released = Instant::now();
+    direct.release(&holder.token).await;
+    let answer = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("the second waiter answered")
+        .expect("the second waiter's task");
+    assert_eq!(
+        answer.status(),
+        StatusCode::OK,
+        "the second waiter's answer, {:?} after the release: {}",
+        released.elapsed(),
+        answer.text().await.unwrap_or_default()
+    );
+    assert!(
+        released.elapsed() < Duration::from_secs(10),
+        "granted {:?} after the release",
+        released.elapsed()
+    );
 }
 
 /// A `SUBSCRIBE` that Redis never answers (its connection silently dead:

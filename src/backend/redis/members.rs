@@ -278,10 +278,16 @@ impl Member {
 }
 
 /// Subscribes `key`'s channel on every member (once per channel however many
-/// local waiters watch it) and resolves when `quorum` members confirmed.
+/// local waiters watch it) and resolves when `quorum` members confirmed. A
+/// watcher that comes while the channel's subscription is under way waits
+/// for its outcome and shares it.
 ///
 /// # Errors
 /// [`Error::Unavailable`] when fewer than `quorum` members could subscribe.
+///
+/// # Cancellation safety
+/// Dropped while it subscribes, the watchers waiting for it find it gone
+/// and one of them subscribes instead.
 pub async fn watch(
     members: &[Arc<Member>],
     watchers: &Watchers,
@@ -289,12 +295,12 @@ pub async fn watch(
     quorum: usize,
 ) -> Result<Watch, Error> {
     let channel = members[0].node.channel(key);
-    let first = {
+    {
         let mut w = lock(watchers);
-        let (first, lingered) = match w.channels.get_mut(&channel) {
+        let lingered = match w.channels.get_mut(&channel) {
             Some(ch) => {
                 ch.watchers += 1;
-                (false, ch.watchers == 1)
+                ch.watchers == 1
             }
             None => {
                 let ch = Channel {
@@ -302,52 +308,117 @@ pub async fn watch(
                     watchers: 1,
                     confirmed: false,
                     linger: 0,
+                    pending: None,
                 };
                 w.channels.insert(channel.clone(), ch);
-                (true, false)
+                false
             }
         };
         if lingered {
             w.lingering -= 1;
         }
-        first
-    };
+    }
+    // Counted above, so the channel stays while this watches.
     let guard = WatchGuard {
         channel: channel.clone(),
         watchers: watchers.clone(),
         subs: members.iter().map(|m| m.subs.clone()).collect(),
     };
-    if first {
-        // Asked twice at most: a connection that died without a word while
-        // nobody waited (no check goes then) leaves the first unanswered,
-        // and is made again with this channel among its subscriptions.
-        // Each member's answer: confirmed, or why not (a refusal is told,
-        // so that the 503 names it).
-        let acks = members.iter().map(|m| async {
-            let mut why = not_confirmed();
-            for _ in 0..2 {
-                let (ack, done) = oneshot::channel();
-                if m.subs.send(Sub::Subscribe(channel.clone(), ack)).is_err() {
-                    break;
-                }
-                match tokio::time::timeout(CALL_TIMEOUT, done).await {
-                    Ok(Ok(Ok(()))) => return Ok(()),
-                    Ok(Ok(Err(e))) => why = e,
-                    _ => {}
+    loop {
+        let role = {
+            let mut w = lock(watchers);
+            let Some(ch) = w.channels.get_mut(&channel) else {
+                return Err(unavailable("subscribe", not_confirmed()));
+            };
+            if ch.confirmed {
+                return Ok(Box::new(guard));
+            }
+            match &ch.pending {
+                Some(under_way) => Err(under_way.clone()),
+                None => {
+                    let (tell, under_way) = tokio::sync::watch::channel(None);
+                    ch.pending = Some(under_way);
+                    Ok(tell)
                 }
             }
-            Err(why)
-        });
-        let answers = futures::future::join_all(acks).await;
-        if answers.iter().filter(|a| a.is_ok()).count() < quorum {
-            let why = answers.into_iter().filter_map(Result::err).next();
-            return Err(unavailable("subscribe", why.unwrap_or_else(not_confirmed)));
-        }
-        if let Some(ch) = lock(watchers).channels.get_mut(&channel) {
-            ch.confirmed = true;
-        }
+        };
+        let outcome = match role {
+            Ok(tell) => {
+                let outcome = subscribe(members, &channel, quorum).await;
+                if let Some(ch) = lock(watchers).channels.get_mut(&channel) {
+                    ch.pending = None;
+                    ch.confirmed = outcome.is_ok();
+                }
+                let _ = tell.send(Some(outcome.clone()));
+                outcome
+            }
+            Err(mut under_way) => {
+                let told = under_way
+                    .wait_for(Option::is_some)
+                    .await
+                    .map(|outcome| outcome.clone().unwrap_or_else(|| Err(not_confirmed())));
+                match told {
+                    Ok(outcome) => outcome,
+                    Err(_) => {
+                        // Its subscriber went without an outcome: subscribe
+                        // anew.
+                        if let Some(ch) = lock(watchers).channels.get_mut(&channel)
+                            && ch
+                                .pending
+                                .as_ref()
+                                .is_some_and(|p| p.same_channel(&under_way))
+                        {
+                            ch.pending = None;
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
+        return match outcome {
+            Ok(()) => Ok(Box::new(guard)),
+            Err(why) => Err(unavailable("subscribe", why)),
+        };
     }
-    Ok(Box::new(guard))
+}
+
+/// Subscribes `channel` on every member: `Ok` when `quorum` members
+/// confirmed, or why not (a refusal is told, so that the 503 names it).
+async fn subscribe(
+    members: &[Arc<Member>],
+    channel: &str,
+    quorum: usize,
+) -> Result<(), RedisError> {
+    // Asked twice at most: a connection that died without a word while
+    // nobody waited (no check goes then) leaves the first unanswered, and
+    // is made again with this channel among its subscriptions.
+    let acks = members.iter().map(|m| async {
+        let mut why = not_confirmed();
+        for _ in 0..2 {
+            let (ack, done) = oneshot::channel();
+            if m.subs
+                .send(Sub::Subscribe(channel.to_owned(), ack))
+                .is_err()
+            {
+                break;
+            }
+            match tokio::time::timeout(CALL_TIMEOUT, done).await {
+                Ok(Ok(Ok(()))) => return Ok(()),
+                Ok(Ok(Err(e))) => why = e,
+                _ => {}
+            }
+        }
+        Err(why)
+    });
+    let answers = futures::future::join_all(acks).await;
+    if answers.iter().filter(|a| a.is_ok()).count() >= quorum {
+        return Ok(());
+    }
+    Err(answers
+        .into_iter()
+        .filter_map(Result::err)
+        .next()
+        .unwrap_or_else(not_confirmed))
 }
 
 /// Why a member's subscription failed when it gave no reason (no answer).

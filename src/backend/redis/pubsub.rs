@@ -62,7 +62,13 @@ pub(super) struct Channel {
     pub(super) confirmed: bool,
     /// The number of its linger, while it lingers.
     pub(super) linger: u64,
+    /// The subscription under way, while one is: its outcome once known
+    /// (why it failed, if it did), for the watchers that came meanwhile.
+    pub(super) pending: Option<Subscribing>,
 }
+
+/// The outcome of a channel's subscription, once known.
+pub(super) type Subscribing = tokio::sync::watch::Receiver<Option<Result<(), RedisError>>>;
 
 /// Keeps one subscription per watched channel on one pub/sub connection;
 /// a message wakes the local queue head of its lock, or delivers the lease
