@@ -1,6 +1,8 @@
 //! Leases under attack: tokens used under the wrong name or kind, huge
 //! durations, spoofable and oversized strings, and per-sidecar caps.
 
+use std::time::Duration;
+
 use reqwest::StatusCode;
 use rstest::rstest;
 
@@ -943,11 +945,11 @@ async fn refused_acquires_at_the_cap_do_not_crowd_out_a_re_entry() {
         })
     };
     // The flood under way.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     for n in 0..20 {
         let again = lock.acquire_raw(&mine).await;
         assert_eq!(again.status(), StatusCode::OK, "re-entry {n} at the cap");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.cancel();
     let refused = flood.await.expect("the flood");
@@ -1031,6 +1033,27 @@ async fn a_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_max_held()
     }
 }
 
+/// Fills `full`, a sidecar of `--max-held 2`, with a lease on another name
+/// and `mine` on `name` (its token returned); then, with an acquire refused
+/// at the cap, has it look for gone leases (none yet), so that it does not
+/// again for a second.
+async fn fill_to_the_cap(
+    full: &common::SidecarGuard,
+    name: &str,
+    mine: &[(&str, &str)],
+    cap: u64,
+) -> String {
+    let _filler = full
+        .api()
+        .lock(&format!("{name}-filler"))
+        .acquire(&[("ttl", "60s")])
+        .await;
+    let old = full.api().lock(name).acquire(mine).await.token;
+    let stranger = full.api().lock(&format!("{name}-stranger"));
+    assert_full(stranger.acquire_raw(&[]).await, "max_held", cap).await;
+    old
+}
+
 /// The same, for a claim that waits: let in at the cap as a re-entry, it
 /// queues behind another owner and is granted a new lease when that owner
 /// releases — handed the lock by the release (exclusive) or granted by its
@@ -1049,16 +1072,7 @@ async fn a_waiting_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_ma
     let (_backend, full, other) = capped_and_other(CAP).await;
     let name = unique_name("reentry-gone-waiting");
     let (lock, elsewhere) = (full.api().lock(&name), other.api().lock(&name));
-    let _filler = full
-        .api()
-        .lock(&format!("{name}-filler"))
-        .acquire(&[("ttl", "60s")])
-        .await;
-    let old = lock.acquire(mine).await.token;
-    // At the cap: the sidecar looks for gone leases (none yet), and not
-    // again for a second.
-    let stranger = full.api().lock(&format!("{name}-stranger"));
-    assert_full(stranger.acquire_raw(&[]).await, "max_held", CAP).await;
+    let old = fill_to_the_cap(&full, &name, mine, CAP).await;
     elsewhere.release(&old).await;
     let blocker = elsewhere.acquire(&[("owner", "b"), ("ttl", "60s")]).await;
     let waiting = lock.spawn_acquire_raw(&[mine, &[("wait", "20s")]].concat());
@@ -1072,6 +1086,49 @@ async fn a_waiting_reentry_at_the_cap_onto_a_lease_gone_elsewhere_stays_under_ma
     assert!(held <= CAP as f64, "{held} leases held, cap {CAP}");
     // The gone lease was let go here: it is not there to release.
     lock.release_lost(&old).await;
+    lock.release(&granted.token).await;
+}
+
+/// The same when the backend cannot say whether the gone lease is gone
+/// (its status call is cut off): nothing frees a place, so the new lease
+/// is given back and the claim answered 429; the lock is left free on the
+/// backend, not held by a lease nobody has (it was, until its ttl, with
+/// the give-back taken out). The owner's next acquire, whose look goes
+/// through, ends the gone lease and is granted.
+#[tokio::test]
+async fn a_reentry_at_the_cap_whose_gone_lease_cannot_be_confirmed_gives_its_grant_back() {
+    const CAP: u64 = 2;
+    let server = common::redis::RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let full = common::SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .flag("max-held", &CAP.to_string())
+        .start()
+        .await;
+    let other = common::SidecarBuilder::new(&format!("redis://127.0.0.1:{}", server.port()))
+        .start()
+        .await;
+    let name = unique_name("reentry-unconfirmed");
+    let (lock, elsewhere) = (full.api().lock(&name), other.api().lock(&name));
+    let mine = [("owner", "o"), ("ttl", "60s")];
+    let old = fill_to_the_cap(&full, &name, &mine, CAP).await;
+    elsewhere.release(&old).await;
+    proxy.refuse(old.as_bytes(), 1);
+    assert_full(lock.acquire_raw(&mine).await, "max_held", CAP).await;
+    assert!(!proxy.refusing(), "the gone lease's status was asked");
+    let held = metric(&full.api(), "sidelock_held_locks{kind=\"lock\"}").await;
+    assert!(held <= CAP as f64, "{held} leases held, cap {CAP}");
+    elsewhere.wait_until_free().await;
+    let granted = common::eventually(
+        "the owner's next acquire at the cap",
+        Duration::from_secs(10),
+        async || {
+            let r = lock.acquire_raw(&mine).await;
+            (r.status() == StatusCode::OK).then_some(r)
+        },
+    )
+    .await;
+    let granted: common::Grant = granted.json().await.expect("grant");
+    assert_eq!(granted.count, 1);
     lock.release(&granted.token).await;
 }
 
@@ -1333,7 +1390,7 @@ async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] back
         "caf\u{e9}",
     ];
     // Three seconds: six renewals of the hold, among the refused requests.
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    let until = std::time::Instant::now() + Duration::from_secs(3);
     while std::time::Instant::now() < until {
         for token in bad {
             for lock in [&held, &elsewhere] {
@@ -1352,7 +1409,7 @@ async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] back
             }
         }
     }
-    for event in stream.collect_for(std::time::Duration::ZERO).await {
+    for event in stream.collect_for(Duration::ZERO).await {
         assert!(
             !matches!(event, common::HoldEvent::Lost(_)),
             "the hold was told {event:?}"
