@@ -109,6 +109,8 @@ impl Leases {
     }
 
     pub(super) fn insert(&mut self, local: Arc<Local>) {
+        // One lease a token: a lease replaced leaves the count too.
+        self.remove(&local.token);
         if let Some(h) = self.holder(&local.key, &local.owner, local.mode) {
             *self.holders.entry(h).or_default() += 1;
         }

@@ -2312,10 +2312,11 @@ async fn every_waiter_of_a_refused_channel_hears_the_refusal() {
 }
 
 /// A waiter that came while another's subscription of the same channel
-/// was under way waits for it; when that other waiter — a hold stream —
-/// is closed first (its subscription held up by the proxy), the waiter left
-/// subscribes itself, is woken by the release on the lock's channel and is
-/// granted well within its wait.
+/// was under way waits for it; when that other waiter's subscription is
+/// given up unfinished (held up by the proxy, its hold stream closed, and
+/// the release handing it the lock, which ends its wait), the waiter left
+/// subscribes itself, is woken on the lock's channel and is granted well
+/// within its wait. (Waiting forever there instead fails this test.)
 #[tokio::test]
 async fn a_waiter_whose_subscriber_went_subscribes_itself() {
     let p = Proxied::start().await;

@@ -842,3 +842,32 @@ async fn a_majority_missed_through_a_refusal_names_the_refusal() {
     assert_eq!(problem["cause"], "permission denied", "{problem}");
     assert!(!problem.to_string().contains("secret"), "{problem}");
 }
+
+/// A waiter's subscription needs a majority of nodes, not all: with one of
+/// three nodes stopped (it neither answers nor closes), a waiter with a
+/// short wait answers at its wait's end. It waited for the stopped node's
+/// subscription to time out twice, about 4 s.
+#[tokio::test]
+async fn a_waiter_does_not_wait_for_a_stopped_node_to_subscribe() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("stopped-sub"));
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "30s")]).await;
+    nodes.nodes[2].signal(Signal::SIGSTOP);
+    let asked = Instant::now();
+    let answer = lock
+        .acquire_raw(&[("owner", "waiter"), ("wait", "1s")])
+        .await;
+    let took = asked.elapsed();
+    nodes.nodes[2].signal(Signal::SIGCONT);
+    assert_eq!(
+        answer.status(),
+        StatusCode::CONFLICT,
+        "busy at the wait's end"
+    );
+    assert!(
+        took < Duration::from_millis(2500),
+        "answered after {took:?}"
+    );
+    lock.release(&holder.token).await;
+}

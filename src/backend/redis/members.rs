@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
+use futures::StreamExt as _;
 use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -410,15 +411,29 @@ async fn subscribe(
         }
         Err(why)
     });
-    let answers = futures::future::join_all(acks).await;
-    if answers.iter().filter(|a| a.is_ok()).count() >= quorum {
-        return Ok(());
+    // Done once `quorum` members confirmed, or once too few are left to:
+    // a member down costs no watcher its time limit.
+    let mut acks: futures::stream::FuturesUnordered<_> = acks.collect();
+    let (mut confirmed, mut failed) = (0, Vec::new());
+    while let Some(answer) = acks.next().await {
+        match answer {
+            Ok(()) => confirmed += 1,
+            Err(e) => failed.push(e),
+        }
+        if confirmed >= quorum {
+            return Ok(());
+        }
+        if members.len() - failed.len() < quorum {
+            break;
+        }
     }
-    Err(answers
-        .into_iter()
-        .filter_map(Result::err)
-        .next()
-        .unwrap_or_else(not_confirmed))
+    // Redis's own answer (a refusal) before a made-up one.
+    let mut failed = failed.into_iter();
+    let first = failed.next().unwrap_or_else(not_confirmed);
+    Err(std::iter::once(first.clone())
+        .chain(failed)
+        .find(|e| e.code().is_some())
+        .unwrap_or(first))
 }
 
 /// Why a member's subscription failed when it gave no reason (no answer).
