@@ -118,6 +118,12 @@ impl Cause {
         }
     }
 
+    /// Whether the server refused (credentials, rights): an operator must
+    /// fix it, where an outage passes by itself.
+    pub fn is_refusal(self) -> bool {
+        matches!(self, Cause::PermissionDenied | Cause::AuthenticationFailed)
+    }
+
     /// The first cause any error of `e`'s chain names.
     pub fn of(e: &(dyn std::error::Error + 'static)) -> Self {
         let mut next = Some(e);

@@ -261,9 +261,7 @@ impl Redlock {
                 Error::Unavailable { op, source } => Some((op, source, Cause::of(source.as_ref()))),
                 _ => None,
             })
-            .min_by_key(|(_, _, cause)| {
-                !matches!(cause, Cause::PermissionDenied | Cause::AuthenticationFailed)
-            })
+            .min_by_key(|(_, _, cause)| !cause.is_refusal())
             .map_or_else(
                 || timed_out(op),
                 |(op, source, cause)| Error::Unavailable {

@@ -10,14 +10,16 @@ use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Attempt, Busy, Error, Watch};
+use crate::backend::{Attempt, Busy, Cause, Error, Watch};
 use crate::lock::{Claim, Kind, LockKey, Token};
 use crate::wakeups::Wakeups;
 
 use super::conn::unavailable;
 use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
-use super::pubsub::{Channel, LINGER, MAX_LINGERING, Sub, Watched, Watchers, deliver, pubsub};
+use super::pubsub::{
+    Channel, LINGER, MAX_LINGERING, Sub, Subscribing, Watched, Watchers, deliver, pubsub,
+};
 use super::tickets::{Numbering, Queued, Tickets, track};
 use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 
@@ -335,16 +337,16 @@ pub async fn watch(
                 return Ok(Box::new(guard));
             }
             match &ch.pending {
-                Some(under_way) => Err(under_way.clone()),
+                Some(under_way) => Role::Follow(under_way.clone()),
                 None => {
                     let (tell, under_way) = tokio::sync::watch::channel(None);
                     ch.pending = Some(under_way);
-                    Ok(tell)
+                    Role::Lead(tell)
                 }
             }
         };
         let outcome = match role {
-            Ok(tell) => {
+            Role::Lead(tell) => {
                 let outcome = subscribe(members, &channel, quorum).await;
                 if let Some(ch) = lock(watchers).channels.get_mut(&channel) {
                     ch.pending = None;
@@ -353,7 +355,7 @@ pub async fn watch(
                 let _ = tell.send(Some(outcome.clone()));
                 outcome
             }
-            Err(mut under_way) => {
+            Role::Follow(mut under_way) => {
                 let told = under_way
                     .wait_for(Option::is_some)
                     .await
@@ -381,6 +383,13 @@ pub async fn watch(
             Err(why) => Err(unavailable("subscribe", why)),
         };
     }
+}
+
+/// A watcher's part in its channel's subscription: to make it, telling
+/// the others its outcome, or to wait for the one under way.
+enum Role {
+    Lead(tokio::sync::watch::Sender<Option<Result<(), RedisError>>>),
+    Follow(Subscribing),
 }
 
 /// Subscribes `channel` on every member: `Ok` when `quorum` members
@@ -427,13 +436,16 @@ async fn subscribe(
             break;
         }
     }
-    // Redis's own answer (a refusal) before a made-up one.
-    let mut failed = failed.into_iter();
-    let first = failed.next().unwrap_or_else(not_confirmed);
-    Err(std::iter::once(first.clone())
-        .chain(failed)
-        .find(|e| e.code().is_some())
-        .unwrap_or(first))
+    // A refusal before an outage, as Redlock names its nodes' errors.
+    let told = failed
+        .iter()
+        .position(|e| Cause::of(e).is_refusal())
+        .unwrap_or(0);
+    Err(if failed.is_empty() {
+        not_confirmed()
+    } else {
+        failed.swap_remove(told)
+    })
 }
 
 /// Why a member's subscription failed when it gave no reason (no answer).
