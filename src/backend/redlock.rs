@@ -256,6 +256,17 @@ impl Redlock {
     /// is named before an outage that passes by itself, whichever node
     /// comes first.
     fn outage<'a>(&self, op: &'static str, errors: impl Iterator<Item = &'a Error>) -> Error {
+        self.missed(op, "answered", errors)
+    }
+
+    /// As [`outage`](Self::outage), for fewer than a majority that `did`
+    /// what it takes ("answered", "counted the grant's fence").
+    fn missed<'a>(
+        &self,
+        op: &'static str,
+        did: &str,
+        errors: impl Iterator<Item = &'a Error>,
+    ) -> Error {
         errors
             .filter_map(|e| match e {
                 Error::Unavailable { op, source } => Some((op, source, Cause::of(source.as_ref()))),
@@ -269,7 +280,7 @@ impl Redlock {
                     source: Outage::boxed(
                         cause,
                         format!(
-                            "fewer than {} of {} nodes answered: {source}",
+                            "fewer than {} of {} nodes {did}: {source}",
                             self.quorum,
                             self.members.len()
                         ),
@@ -394,7 +405,8 @@ impl Backend for Redlock {
                 .iter()
                 .filter(|(_, g)| g.fence < fence)
                 .map(|(i, _)| self.members[*i].node.raise_fence(&claim.key, fence));
-            let raised = join_all(behind).await.iter().filter(|r| r.is_ok()).count();
+            let raises = join_all(behind).await;
+            let raised = raises.iter().filter(|r| r.is_ok()).count();
             // Any later majority continues above this fence only if a
             // majority counts it: one that shares no node with them could
             // grant below it.
@@ -402,7 +414,14 @@ impl Backend for Redlock {
             if counting < self.quorum {
                 self.undo(&claim.key, &grants).await;
                 self.keep_places(&claim.key, turn, &seqs).await;
-                return Err(timed_out("try_acquire"));
+                // Named by the raises that failed, before the nodes that
+                // did not answer the attempt.
+                let raise_failed = raises.iter().filter_map(|r| r.as_ref().err());
+                return Err(self.missed(
+                    "try_acquire",
+                    "counted the grant's fence",
+                    raise_failed.chain(&failed),
+                ));
             }
             // Nodes that did not grant still show our waiter: take it away.
             if let Turn::Queued(t) = turn {

@@ -707,7 +707,7 @@ async fn a_claim_one_node_refuses_leaves_no_grant_and_no_place_on_the_others() {
 /// it. When a raise failed, the grant was still answered with that fence:
 /// a later majority without the one node that counted it could grant a
 /// lower fence (here 2 after 987654321). Such a grant is undone instead,
-/// and the attempt answers 503.
+/// and the attempt answers 503 naming why the raise failed.
 #[tokio::test]
 async fn a_grant_whose_fence_a_majority_does_not_count_is_undone() {
     const HIGH: u64 = 987_654_320;
@@ -735,12 +735,14 @@ async fn a_grant_whose_fence_a_majority_does_not_count_is_undone() {
         fences.push(first["fence"].as_u64().expect("a fence"));
         tokens.push(first["token"].as_str().expect("a token").to_owned());
     } else {
-        assert_problem(
+        let problem = assert_problem(
             first,
             StatusCode::SERVICE_UNAVAILABLE,
             "backend-unavailable",
         )
         .await;
+        // Why: the raise's connection broke (it said "timed out").
+        assert_eq!(problem["cause"], "connection lost", "{problem}");
         let again = lock.acquire(&[("owner", "first"), ("ttl", "60s")]).await;
         fences.push(again.fence);
         tokens.push(again.token);
