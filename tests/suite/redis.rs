@@ -2182,49 +2182,6 @@ async fn a_sentinel_pubsub_connection_left_on_the_old_master_moves_to_the_new_on
     handed_within(&mut waiter, Instant::now(), "").await;
 }
 
-/// Sentinel, with no sentinel answering (all restarting, a network policy
-/// between them and the sidecar) and the master up: a probe went unheard
-/// (the pub/sub connection died without a word) and had the commands ask
-/// the sentinels for the master again; nobody answered, so every call
-/// answered 503 and the pub/sub connection could not be made again, while
-/// the master answered all along. The master the sentinels named last is
-/// used while none answers.
-#[tokio::test]
-async fn a_sentinel_sidecar_keeps_its_master_while_no_sentinel_answers() {
-    let (mut servers, proxy) = common::redis::RedisSentinel::start_proxied().await;
-    let sidecar = SidecarBuilder::new(&servers.url()).start().await;
-    let name = unique_name("no-sentinel");
-    let lock = sidecar.api().lock(&name);
-    let holder = lock.acquire(&[("ttl", "60s"), ("owner", "holder")]).await;
-    let mut waiter = lock.hold(&[("wait", "80s"), ("owner", "waiter")]).await;
-    waiter.expect_queued().await;
-    servers.stop_sentinel().await;
-    // The sidecar's pub/sub connection (the sentinel's went with it).
-    assert!(
-        proxy.silence(b"SUBSCRIBE") >= 1,
-        "the sidecar's pub/sub connection runs through the proxy"
-    );
-    // A probe is sent every 5 s and found unheard at the next: within 10 s.
-    let other = sidecar.api().lock(&unique_name("no-sentinel-other"));
-    let until = Instant::now() + Duration::from_secs(14);
-    while Instant::now() < until {
-        let r = other.acquire_raw(&[("ttl", "10s")]).await;
-        if r.status() != StatusCode::OK {
-            panic!(
-                "an acquire while no sentinel answers and the master does: {} {}",
-                r.status(),
-                r.text().await.unwrap_or_default()
-            );
-        }
-        let g: common::Grant = r.json().await.expect("grant");
-        other.release(&g.token).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let released = Instant::now();
-    lock.release(&holder.token).await;
-    handed_within(&mut waiter, released, "").await;
-}
-
 /// A pub/sub connection that died without a word while its sidecar had
 /// nobody waiting (no `PING` goes then) costs the next first waiter
 /// nothing: its `SUBSCRIBE` goes unanswered, the connection is opened again

@@ -337,13 +337,6 @@ impl RedisSentinel {
         me
     }
 
-    /// Kills the sentinel and waits until it is gone (master and replica
-    /// keep running): no sentinel answers any more.
-    pub async fn stop_sentinel(&mut self) {
-        self.sentinel.signal(nix::sys::signal::Signal::SIGKILL);
-        self.sentinel.wait_exit(Duration::from_secs(10)).await;
-    }
-
     /// `redis+sentinel://127.0.0.1:<sentinel port>/mymaster`.
     pub fn url(&self) -> String {
         format!("redis+sentinel://127.0.0.1:{}/{SENTINEL_MASTER}", self.port)

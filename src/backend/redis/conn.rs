@@ -17,21 +17,12 @@ use super::CALL_TIMEOUT;
 /// How to reach the Redis deployment.
 pub(super) enum Target {
     Single(redis::Client),
-    Sentinel(Sentinels),
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
     Cluster {
         client: ClusterClient,
         /// The seed nodes, for the pub/sub connection.
         seeds: Vec<redis::Client>,
     },
-}
-
-/// The sentinels of a Sentinel-managed master, and the master they named
-/// last.
-pub(super) struct Sentinels {
-    pub(super) client: tokio::sync::Mutex<SentinelClient>,
-    /// The master the sentinels named last: reached while none of them
-    /// answers (see [`Node::master`](super::node::Node)).
-    pub(super) named: std::sync::Mutex<Option<redis::Client>>,
 }
 
 /// A Cluster connect under way, shared by every caller waiting for it.

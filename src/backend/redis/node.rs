@@ -17,7 +17,7 @@ use crate::backend::url::{Parts, bad_url};
 use crate::clock::now_ms;
 use crate::lock::{Kind, LockKey};
 
-use super::conn::{Clock, Conn, Connecting, Sentinels, Target, config, unavailable};
+use super::conn::{Clock, Conn, Connecting, Target, config, unavailable};
 use super::scripts::{Call, Scripts};
 use super::{CALL_TIMEOUT, lock};
 
@@ -25,16 +25,6 @@ use super::{CALL_TIMEOUT, lock};
 /// one for its connect and response time limits), asks them for the slot
 /// map one by one, then connects to the nodes of that map.
 const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// How long the sentinels may take to name the master before the one they
-/// named last is tried (within a call's [`CALL_TIMEOUT`]).
-const SENTINELS_LIMIT: std::time::Duration = std::time::Duration::from_millis(800);
-
-/// Whether a `ROLE` reply is a master's.
-fn is_master(role: &Value) -> bool {
-    matches!(role, Value::Array(parts) if matches!(parts.first(),
-        Some(Value::BulkString(r)) if r == b"master"))
-}
 
 /// One logical Redis (a server, a Sentinel-managed master, or a Cluster)
 /// with sidelock's key layout and scripts. Redlock runs several of these.
@@ -134,10 +124,7 @@ impl Node {
                     SentinelServerType::Master,
                 )
                 .map_err(|e| bad_url(url, e))?;
-                Target::Sentinel(Sentinels {
-                    client: tokio::sync::Mutex::new(client),
-                    named: Mutex::new(None),
-                })
+                Target::Sentinel(tokio::sync::Mutex::new(client))
             }
             "redis+cluster" | "rediss+cluster" => {
                 let nodes: Vec<String> = hosts.iter().map(|h| format!("{base}://{h}")).collect();
@@ -190,54 +177,17 @@ impl Node {
                     .await?,
             )),
             Target::Sentinel(s) => {
-                let (client, named) = self.master(s).await?;
-                let mut c = client
-                    .get_multiplexed_async_connection_with_config(&config())
-                    .await?;
-                if !named {
-                    // Not asked this time: only if it still leads.
-                    let role: redis::Value = redis::cmd("ROLE").query_async(&mut c).await?;
-                    if !is_master(&role) {
-                        return Err(RedisError::from((
-                            ErrorKind::Io,
-                            "no sentinel answers, and the master they named last is a master no more",
-                        )));
-                    }
-                }
-                Ok(Conn::Plain(c))
+                let client = s.lock().await.async_get_client().await?;
+                Ok(Conn::Plain(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config())
+                        .await?,
+                ))
             }
             Target::Cluster { client, .. } => {
                 Ok(Conn::Cluster(client.get_async_connection().await?))
             }
         }
-    }
-
-    /// The master the sentinels name, and `true`; while none of them
-    /// answers, the master they named last, and `false`. A restart of every
-    /// sentinel (or a network policy between them and this sidecar) thus
-    /// leaves the master reachable: calls answered 503 as soon as a
-    /// connection was made again, with the master up all along. Not when a
-    /// sentinel answers but names a master that cannot be reached: a
-    /// failover is under way, and the old master is not to be written to.
-    async fn master(&self, sentinels: &Sentinels) -> Result<(redis::Client, bool), RedisError> {
-        let mut client = sentinels.client.lock().await;
-        let asked = tokio::time::timeout(SENTINELS_LIMIT, client.async_get_client()).await;
-        let err = match asked {
-            Ok(Ok(master)) => {
-                *lock(&sentinels.named) = Some(master.clone());
-                return Ok((master, true));
-            }
-            Ok(Err(e)) => e,
-            Err(_) => RedisError::from((ErrorKind::Io, "no sentinel answered in time")),
-        };
-        let Some(last) = lock(&sentinels.named).clone() else {
-            return Err(err);
-        };
-        let answers = tokio::time::timeout(SENTINELS_LIMIT / 2, client.async_get_sentinel_client());
-        if matches!(answers.await, Ok(Ok(_))) {
-            return Err(err);
-        }
-        Ok((last, false))
     }
 
     /// The Cluster connect under way, started if there is none: a task of
@@ -299,7 +249,7 @@ impl Node {
     ) -> Result<(redis::Client, usize), RedisError> {
         match &self.target {
             Target::Single(c) => Ok((c.clone(), 0)),
-            Target::Sentinel(s) => Ok((self.master(s).await?.0, 0)),
+            Target::Sentinel(s) => Ok((s.lock().await.async_get_client().await?, 0)),
             Target::Cluster { seeds, .. } => {
                 // The first seed that sees its cluster `ok`: a node removed
                 // from the cluster (reset, still answering) hears no
