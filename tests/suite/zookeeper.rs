@@ -232,6 +232,36 @@ async fn a_waiter_kept_out_by_a_lock_delay_sends_nothing_until_it_ends() {
     );
 }
 
+/// A waiter that left (its wait ran out) stops following what blocked it.
+/// Its follower kept waiting for the holder's node to change: a client
+/// polling `wait=100ms` against a lock held for days left a task, a watch
+/// and a client handle per round, every one of which fired when the holder
+/// finally went.
+#[tokio::test]
+async fn waiters_that_left_stop_watching_the_holder() {
+    const ROUNDS: usize = 40;
+    let server = ZkServer::start().await;
+    let a = sidecar(&server.url("/leftwatch")).await;
+    let name = unique_name("leftwatch");
+    let lock = a.api().lock(&name);
+    let holder = lock.acquire(&[("ttl", "60s")]).await;
+    for _ in 0..ROUNDS {
+        let r = lock.acquire_raw(&[("wait", "100ms")]).await;
+        assert_eq!(r.status(), StatusCode::CONFLICT, "the lock is held");
+    }
+    let fired_before = a.log().matches("watch fired").count();
+    lock.release(&holder.token).await;
+    // A fresh waiter's grant says the holder's deletion has been seen.
+    lock.acquire(&[("wait", "5s")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let fired = a.log().matches("watch fired").count() - fired_before;
+    eprintln!("{fired} watches fired after {ROUNDS} waiters had left");
+    assert!(
+        fired <= 2,
+        "{fired} watches fired when the holder went, after {ROUNDS} waiters had left"
+    );
+}
+
 // The same lease seen at once through another sidecar by an operator: its
 // GET shows it as the holder, with its fence (it showed the first waiter of
 // a free lock), and a force-release there takes it (it found no holder and

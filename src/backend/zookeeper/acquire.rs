@@ -867,6 +867,7 @@ impl ZooKeeper {
                         Box::new(Queued {
                             own: own.clone(),
                             following: false,
+                            follower: None,
                             answer: first.then(|| Box::new(busy.clone())),
                             hint: false,
                             unsure: false,

@@ -51,6 +51,10 @@
 //!   or a data change — a semaphore waiter's data changes exactly once, when
 //!   it is granted (its grant is never written ahead of its listing).
 //!
+//! A follower waits for its watch only while its node waits here: the
+//! ticket holds the sending half of a oneshot channel, so a ticket that goes
+//! (granted, dequeued, its session lost) ends the wait.
+//!
 //! Each registration is checked against a listing taken after it (the
 //! children watch returns one; a predecessor watch is followed by a second
 //! listing, and the waiter starts over if its index moved), so no change
@@ -260,6 +264,9 @@ struct Queued {
     own: Own,
     /// Whether a task watches what blocks it ([`Inner::follow`]).
     following: bool,
+    /// Held for that task: dropped with the ticket (granted, dequeued, its
+    /// session lost), which ends the task's wait for its watch.
+    follower: Option<tokio::sync::oneshot::Sender<()>>,
     /// The answer of the attempt that queued it as this sidecar's first
     /// waiter on the key, for its next attempt (the core's, at once):
     /// dropped as soon as what blocks it changes, which its follower sees.

@@ -77,9 +77,9 @@ impl Follower {
     #[allow(clippy::manual_async_fn)]
     fn task(mut self) -> impl Future<Output = ()> + Send + 'static {
         async move {
-            if !self.start() {
+            let Some(mut left) = self.start() else {
                 return;
-            }
+            };
             let wake = loop {
                 let listing = self.listing.take();
                 let looked = Box::pin(self.look(listing)).await;
@@ -100,7 +100,13 @@ impl Follower {
                         last,
                     } => (watcher, deletion, last),
                 };
-                let event = watcher.changed().await;
+                // Until the node stops waiting here: a waiter that left
+                // would otherwise keep its task, watch and client handle
+                // until the holder changed, hours later perhaps.
+                let event = tokio::select! {
+                    event = watcher.changed() => event,
+                    _ = &mut left => break false,
+                };
                 self.fired(&event);
                 let ended = event.session_state.is_terminated();
                 if !deletion {
@@ -120,15 +126,18 @@ impl Follower {
         }
     }
 
-    /// Marks the node followed; false when it is followed already, or no
+    /// Marks the node followed, and returns what tells the task that the
+    /// node no longer waits; `None` when it is followed already, or no
     /// longer waits.
-    fn start(&self) -> bool {
+    fn start(&self) -> Option<tokio::sync::oneshot::Receiver<()>> {
         match lock(&self.me.tickets).get_mut(&(self.key.clone(), self.seq)) {
             Some(queued) if !queued.following => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
                 queued.following = true;
-                true
+                queued.follower = Some(tx);
+                Some(rx)
             }
-            _ => false,
+            _ => None,
         }
     }
 
@@ -150,6 +159,7 @@ impl Follower {
     fn stop(&self, wake: bool) {
         if let Some(queued) = lock(&self.me.tickets).get_mut(&(self.key.clone(), self.seq)) {
             queued.following = false;
+            queued.follower = None;
             queued.answer = None;
             queued.hint = wake;
         }
