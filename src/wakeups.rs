@@ -112,6 +112,23 @@ impl Wakeups {
         }
     }
 
+    /// Every local waiter on `key` may have lost its place in the
+    /// backend's queue (passed by while this sidecar could not be reached):
+    /// the head looks at once, every other one as soon as it heads the
+    /// local queue, which puts its place back before its turn comes.
+    pub fn wake_all(&self, key: &LockKey) {
+        self.changed(key);
+        let queues = self.lock();
+        for slot in queues
+            .get(key)
+            .map(|q| q.slots.iter())
+            .into_iter()
+            .flatten()
+        {
+            slot.signal.tell(News::WOKEN);
+        }
+    }
+
     /// Only the waiter holding ticket `seq` may get in: wake it if it is the
     /// local head (tickets sort globally, so the global head is the head of
     /// its sidecar's queue).

@@ -1104,6 +1104,57 @@ async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_w
     .await;
 }
 
+/// Two waiters of one sidecar passed by while its LISTEN connection was
+/// down: the release's handoff took the first one's row as a dead
+/// sidecar's, and the second one's in the same breath (the instance's
+/// advisory lock, taken for the first, is the transaction's own then).
+/// Only the local head looks again on reconnecting, so the second waiter's
+/// place was gone: it slept until the first one's lease would have
+/// expired, while a claim that came later through another sidecar was
+/// granted before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_turn() {
+    let backend = postgres().await;
+    let Queued {
+        id,
+        waiting,
+        releasing,
+        name,
+        holder,
+        mut waiter,
+    } = queue_behind_a_holder(&backend).await;
+    let mut second = waiting
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "second"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    second.expect_queued().await;
+    let client = schema(&backend).client().await;
+    end_listen_connection(&client, &id).await;
+    // Before the sidecar has reconnected (it waits 250 ms first).
+    releasing.api().lock(&name).release(&holder.token).await;
+    let first = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(first.owner, "waiter");
+    let mut later = releasing
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "later"), ("wait", "60s")])
+        .await;
+    later.expect_queued().await;
+    drop(waiter);
+    let released = Instant::now();
+    let grant = second.expect_acquired_within(Duration::from_secs(40)).await;
+    assert_eq!(grant.owner, "second");
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "the second waiter was granted {:?} after the first left",
+        released.elapsed()
+    );
+    drop(second);
+    let grant = later.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(grant.owner, "later");
+}
+
 /// A LISTEN connection that died on this side while the server still has
 /// its session (a dropped network, a hung backend) keeps holding the
 /// instance's advisory lock: the sidecar's next LISTEN connection ends that

@@ -254,10 +254,14 @@ impl Inner {
         }
         self.listening.send_replace(true);
         tracing::debug!(channel = %self.channel, "listening for wake-ups");
-        // Releases made while this connection was down were not heard: let
-        // every local queue head look again.
+        // Releases made while this connection was down were not heard, and
+        // may have passed every local waiter by (`pass_on()` takes a
+        // waiter's row when its instance's advisory lock is free, and then
+        // every row of that instance, whose lock the transaction holds):
+        // each local queue head looks again now, and every other waiter
+        // when it heads its queue, taking its place back at its ticket.
         for key in self.wakeups.keys() {
-            self.wakeups.wake(&key);
+            self.wakeups.wake_all(&key);
         }
         let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
