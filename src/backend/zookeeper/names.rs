@@ -34,11 +34,7 @@ pub(super) fn parse_child(name: &str) -> Option<Child> {
 
 /// The claim named `name` (its sequence and mode), or `None` for other nodes.
 fn child_from(name: String) -> Option<Child> {
-    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
-    if digits < 10 {
-        return None;
-    }
-    let seq = name[name.len() - digits..].parse().ok()?;
+    let seq = sequence(&name)?;
     let mode = if name.contains(READ) {
         Mode::Shared
     } else {
@@ -47,10 +43,41 @@ fn child_from(name: String) -> Option<Child> {
     Some(Child { name, seq, mode })
 }
 
-/// The claims among `names`, sorted by sequence: the queue.
+/// The sequence the server appended to a claim's name: its parent's child
+/// version, a signed 32-bit counter, as `%010d` — `-2147483648` and upwards
+/// once 2³¹ children were created under one lock node. Taken as unsigned
+/// 32 bits, so that numbers keep rising across that wrap (tickets, local
+/// queues); [`sorted`] orders across the next one too. A name without one of
+/// the claim infixes counts by its trailing digits (at least 10).
+fn sequence(name: &str) -> Option<u64> {
+    let tail = [EXCLUSIVE, READ, WRITE]
+        .iter()
+        .filter_map(|infix| name.rfind(infix).map(|at| &name[at + infix.len()..]))
+        .min_by_key(|tail| tail.len());
+    if let Some(tail) = tail {
+        let digits = tail.strip_prefix('-').unwrap_or(tail);
+        if tail.len() >= 10 && !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            // Two's complement: -2147483648 follows 2147483647.
+            return tail.parse::<i32>().ok().map(|v| u64::from(v as u32));
+        }
+    }
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    if digits < 10 {
+        return None;
+    }
+    name[name.len() - digits..].parse().ok()
+}
+
+/// The claims among `names`, sorted by sequence: the queue. Sequences are
+/// compared as serial numbers (RFC 1982) from the first one's, which orders
+/// them across the server's counter wrapping at 2³² creates too, as long as
+/// the nodes present were created within 2³¹ of each other.
 pub(super) fn sorted(names: Vec<String>) -> Vec<Child> {
     let mut children: Vec<Child> = names.into_iter().filter_map(child_from).collect();
-    children.sort_by_key(|c| c.seq);
+    // Truncation intended: serial arithmetic on the server's 32 bits.
+    if let Some(first) = children.first().map(|c| c.seq as u32) {
+        children.sort_by_key(|c| (c.seq as u32).wrapping_sub(first) as i32);
+    }
     children
 }
 /// The path segment of `name` under its kind's directory.
@@ -142,5 +169,47 @@ mod tests {
         .map(|c| c.seq)
         .collect();
         assert_eq!(order, [5, 6, 7]);
+    }
+
+    /// The server names a sequential node after its parent's child
+    /// version, a signed 32-bit counter formatted `%010d`: after
+    /// 2,147,483,647 creates under one lock node it goes on at
+    /// `-2147483648`, upwards. Read as the digits alone, every later name
+    /// sorted before the older ones (a try-once claim came first, ahead of
+    /// the holder: two holders), and `-000000005` was no claim at all.
+    #[test]
+    fn sequences_past_the_servers_counter_wrap_keep_their_order() {
+        let names = |names: &[&str]| -> Vec<String> {
+            sorted(names.iter().map(|n| (*n).to_owned()).collect())
+                .into_iter()
+                .map(|c| c.name)
+                .collect()
+        };
+        let created = [
+            "_c_0a-lock-2147483646",
+            "_c_0b-lock-2147483647",
+            "_c_0c-lock--2147483648",
+            "_c_0d-__READ__-2147483647",
+            "_c_0e-__WRIT__-2147483646",
+        ];
+        let mut shuffled = created;
+        shuffled.reverse();
+        assert_eq!(names(&shuffled), created);
+        // And where the counter passes zero again.
+        let created = [
+            "_c_0a-lock--000000002",
+            "_c_0b-__READ__-000000001",
+            "_c_0c-lock-0000000000",
+            "_c_0d-lock-0000000001",
+        ];
+        let mut shuffled = created;
+        shuffled.rotate_left(2);
+        assert_eq!(names(&shuffled), created);
+        let read = parse_child("_c_0b-__READ__-000000001").expect("a claim");
+        assert_eq!(read.mode, Mode::Shared);
+        assert_ne!(
+            parse_child("_c_0c-lock--2147483648").map(|c| c.seq),
+            parse_child("_c_0c-lock-2147483648").map(|c| c.seq),
+        );
     }
 }
