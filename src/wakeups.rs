@@ -441,6 +441,26 @@ mod tests {
         assert!(head.news().now_or_never().is_some(), "5 is the head");
     }
 
+    /// After this sidecar could not be reached, every local waiter may
+    /// have lost its place: all of them are told, not only the head (the
+    /// others look once they head the queue).
+    #[test]
+    fn waking_all_tells_every_waiter_of_the_key_alone() {
+        use super::News;
+        let wakeups = Wakeups::default();
+        let (key, other) = (key(), LockKey::lock("other"));
+        let waiters: Vec<_> = (1..=3).map(|seq| wakeups.join(&key, seq, false)).collect();
+        let elsewhere = wakeups.join(&other, 4, false);
+
+        wakeups.wake_all(&key);
+        for (i, w) in waiters.iter().enumerate() {
+            let news = w.news().now_or_never().expect("told");
+            assert!(news.has(News::WOKEN), "waiter {i}");
+        }
+        assert!(elsewhere.news().now_or_never().is_none(), "another key");
+        wakeups.wake_all(&LockKey::lock("nobody"));
+    }
+
     #[test]
     fn a_leaver_tells_the_new_head_and_the_followers_behind_it() {
         use super::News;

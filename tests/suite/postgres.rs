@@ -1130,11 +1130,43 @@ async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_t
         .await;
     second.expect_queued().await;
     let client = schema(&backend).client().await;
+    let epoch = "extract(epoch from clock_timestamp())::float8";
+    let cut: f64 = client
+        .query_one(&format!("SELECT {epoch}"), &[])
+        .await
+        .expect("the database clock")
+        .get(0);
     end_listen_connection(&client, &id).await;
     // Before the sidecar has reconnected (it waits 250 ms first).
     releasing.api().lock(&name).release(&holder.token).await;
     let first = waiter.expect_acquired_within(Duration::from_secs(10)).await;
     assert_eq!(first.owner, "waiter");
+    // The second waiter's row was taken with the first one's and is back,
+    // queued again after the cut (before, it did not come back at all).
+    let waiters = schema(&backend).table("waiters");
+    let requeued = eventually(
+        "the second waiter's row back in the queue",
+        Duration::from_secs(10),
+        async || {
+            let rows = client
+                .query(
+                    &format!(
+                        "SELECT extract(epoch from queued_at)::float8 FROM {waiters} \
+                         WHERE owner = 'second'"
+                    ),
+                    &[],
+                )
+                .await
+                .expect("the second waiter's row");
+            rows.first().map(|r| r.get::<_, f64>(0))
+        },
+    )
+    .await;
+    assert!(
+        requeued > cut,
+        "the release passed the second waiter by (its row was queued at {requeued}, the \
+         LISTEN connection cut at {cut})"
+    );
     let mut later = releasing
         .api()
         .lock(&name)
