@@ -169,11 +169,14 @@ async fn assert_owner_keeps_its_hold(direct: &SidecarGuard, name: &str, token: &
 /// before it is removed as nobody's makes a lease nobody holds, which kept
 /// the lock for its ttl (PostgreSQL: the background release had looked for
 /// a lease only at about 0.25 s and 5.25 s). That lease is given back
-/// within seconds: the next waiter is granted.
+/// within seconds: the next waiter is granted within `within`. The lost
+/// join asks for `ttl`.
 pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
     proxy: &CuttingProxy,
     through_proxy: &SidecarGuard,
     direct: &SidecarGuard,
+    ttl: &str,
+    within: &str,
 ) {
     let name = unique_name("ghost-join");
     let owner = unique_name("owner");
@@ -185,7 +188,7 @@ pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
 
     proxy.cut_after(owner.as_bytes());
     let lost = through
-        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", "60s")])
+        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", ttl)])
         .await;
     assert!(!proxy.armed(), "the join went through the proxy");
     assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -194,12 +197,12 @@ pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
     lock.release(&holder.token).await;
     let started = Instant::now();
     let next = lock
-        .acquire_raw(&[("owner", "next"), ("wait", "20s")])
+        .acquire_raw(&[("owner", "next"), ("wait", within)])
         .await;
     assert_eq!(
         next.status(),
         StatusCode::OK,
-        "the lock handed to the lost join's row still blocks after {:?}: {:?}",
+        "the lock handed to the lost join's row (ttl {ttl}) still blocks after {:?}: {:?}",
         started.elapsed(),
         lock.inspect().await
     );

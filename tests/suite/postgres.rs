@@ -2191,13 +2191,25 @@ async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
 /// it was removed as nobody's made a lease nobody held, which kept the lock
 /// for its ttl (found by review: the background release had looked for a
 /// lease only at about 0.25 s and 5.25 s).
+///
+/// With a ttl shorter than the row can be handed the lock (here 5 s, the
+/// lock handed at 6.5 s), the background release had stopped looking at
+/// the ttl, and the lease nobody held kept the lock for its whole ttl.
+#[rstest::rstest]
+#[case::long_ttl("60s", "20s")]
+#[case::ttl_shorter_than_the_row_lives("5s", "3s")]
 #[tokio::test]
-async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
+async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
+    #[case] ttl: &str,
+    #[case] within: &str,
+) {
     let p = Proxied::start().await;
     lost_answers::a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
         &p.proxy,
         &p.through_proxy,
         &p.direct,
+        ttl,
+        within,
     )
     .await;
 }

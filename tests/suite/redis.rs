@@ -1948,6 +1948,8 @@ async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back() {
         &p.proxy,
         &p.through_proxy,
         &p.direct,
+        "60s",
+        "20s",
     )
     .await;
 }

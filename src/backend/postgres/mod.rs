@@ -286,12 +286,15 @@ fn give_back_unanswered(inner: &Arc<Inner>, claim: &Claim, token: Token, join: b
     } else {
         now
     };
+    // A lease handed to the row as late as `look_until` runs its ttl from
+    // then: ending at `now + ttl` left it holding the lock for its whole
+    // ttl whenever that was shorter than the row's life.
     tokio::spawn(release_unanswered(
         claim.key.clone(),
         release,
         OP_TIMEOUT,
         look_until,
-        now + claim.ttl,
+        look_until + claim.ttl,
         inner.stop.clone(),
     ));
 }
