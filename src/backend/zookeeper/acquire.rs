@@ -866,7 +866,6 @@ impl ZooKeeper {
                         (key.clone(), seq),
                         Box::new(Queued {
                             own: own.clone(),
-                            following: false,
                             follower: None,
                             answer: first.then(|| Box::new(busy.clone())),
                             hint: false,
@@ -889,7 +888,7 @@ impl ZooKeeper {
             let waits_for_delay = by_place && fair && delayed;
             let following = lock(&me.tickets)
                 .get(&(key.clone(), seq))
-                .is_some_and(|q| q.following);
+                .is_some_and(|q| q.follower.is_some());
             if !waits_for_delay && !following {
                 Follower {
                     me: me.clone(),

@@ -262,10 +262,9 @@ struct Inner {
 struct Queued {
     /// The node as this sidecar wrote it (nobody else writes a waiting node).
     own: Own,
-    /// Whether a task watches what blocks it ([`Inner::follow`]).
-    following: bool,
-    /// Held for that task: dropped with the ticket (granted, dequeued, its
-    /// session lost), which ends the task's wait for its watch.
+    /// Set while a task ([`watch::Follower`]) watches what blocks it, for
+    /// that task: dropped with the ticket (granted, dequeued, its session
+    /// lost), which ends the task's wait for its watch.
     follower: Option<tokio::sync::oneshot::Sender<()>>,
     /// The answer of the attempt that queued it as this sidecar's first
     /// waiter on the key, for its next attempt (the core's, at once):

@@ -131,9 +131,8 @@ impl Follower {
     /// longer waits.
     fn start(&self) -> Option<tokio::sync::oneshot::Receiver<()>> {
         match lock(&self.me.tickets).get_mut(&(self.key.clone(), self.seq)) {
-            Some(queued) if !queued.following => {
+            Some(queued) if queued.follower.is_none() => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                queued.following = true;
                 queued.follower = Some(tx);
                 Some(rx)
             }
@@ -153,12 +152,11 @@ impl Follower {
     }
 
     /// Marks the node no longer followed and, if `wake`, wakes the local
-    /// waiters: after `following` is cleared, so that an attempt this wakes
+    /// waiters: after `follower` is cleared, so that an attempt this wakes
     /// that finds the node still blocked follows it again, with its own
     /// listing.
     fn stop(&self, wake: bool) {
         if let Some(queued) = lock(&self.me.tickets).get_mut(&(self.key.clone(), self.seq)) {
-            queued.following = false;
             queued.follower = None;
             queued.answer = None;
             queued.hint = wake;
