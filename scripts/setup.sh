@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs and starts, when missing, everything the test suite needs on a
 # fresh Debian machine (run as root): Redis and Sentinel, ZooKeeper (Java)
-# and the Curator recipes, PostgreSQL (started), Chromium with its driver,
-# cargo-nextest, and the Python tools in ./.venv.
+# and the Curator recipes, PostgreSQL (started), libfaketime (to step a test
+# server's clock), Chromium with its driver, cargo-nextest, and the Python
+# tools in ./.venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 for pkg in redis-server redis-sentinel redis-tools zookeeper libcurator-recipes-java default-jdk-headless \
-           postgresql postgresql-contrib chromium chromium-driver iproute2 procps curl; do
+           postgresql postgresql-contrib libfaketime chromium chromium-driver iproute2 procps curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -195,6 +195,17 @@ fn server_bin() -> PathBuf {
         .expect("no PostgreSQL server under /usr/lib/postgresql; run scripts/setup.sh")
 }
 
+/// libfaketime's library, which `scripts/setup.sh` installs.
+fn faketime_library() -> PathBuf {
+    let found = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .map(|dir| dir.path().join("faketime/libfaketime.so.1"))
+        .find(|lib| lib.exists());
+    found.expect("libfaketime is not installed; run scripts/setup.sh, which installs it")
+}
+
 /// A PostgreSQL cluster of its own on a free port, in a temporary directory:
 /// stopping and starting it disturbs no other test. `pg_stat_statements` is
 /// preloaded. Runs as the `postgres` OS user when the tests run as root
@@ -209,6 +220,9 @@ pub struct PgCluster {
     /// The `postgres` user's password when TCP clients must give one
     /// (scram-sha-256); [`Self::url`] then carries it.
     password: Option<String>,
+    /// The file libfaketime reads the server's clock offset from, when a
+    /// test steps the server's clock ([`Self::step_clock`]).
+    clock: Option<PathBuf>,
     // Last, so the server is stopped before the directory goes.
     dir: TempDir,
 }
@@ -230,7 +244,32 @@ impl PgCluster {
         Self::start_configured(&[], Some(password))
     }
 
+    /// Starts a cluster whose clock a test can step ([`Self::step_clock`]):
+    /// the server runs under libfaketime (`scripts/setup.sh` installs it),
+    /// which reads the offset from a file at every clock read. Monotonic
+    /// clocks stay real, so the server's timers are unaffected.
+    pub fn start_with_steppable_clock() -> Self {
+        Self::start_with(&[], None, true)
+    }
+
+    /// Steps the server's wall clock to `offset` from the real one, in
+    /// libfaketime's notation: `"+5"` is five seconds ahead, `"-2"` two behind.
+    ///
+    /// # Panics
+    /// When the cluster was not started with a steppable clock.
+    pub fn step_clock(&self, offset: &str) {
+        let file = self
+            .clock
+            .as_ref()
+            .expect("a cluster started with start_with_steppable_clock");
+        std::fs::write(file, format!("{offset}\n")).expect("write the clock offset");
+    }
+
     fn start_configured(addresses: &[&str], password: Option<&str>) -> Self {
+        Self::start_with(addresses, password, false)
+    }
+
+    fn start_with(addresses: &[&str], password: Option<&str>, steppable: bool) -> Self {
         let bin = server_bin();
         let dir = tempfile::Builder::new()
             .prefix("sidelock-pgcluster-")
@@ -246,6 +285,11 @@ impl PgCluster {
         std::fs::write(&log, "").expect("create server log");
         let pwfile = dir.path().join("pwfile");
         std::fs::write(&pwfile, password.unwrap_or_default()).expect("write the password file");
+        let clock = steppable.then(|| {
+            let file = dir.path().join("faketime.rc");
+            std::fs::write(&file, "+0\n").expect("write the clock offset");
+            file
+        });
         if as_root {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
@@ -256,7 +300,8 @@ impl PgCluster {
                     .arg(&data)
                     .arg(&sockets)
                     .arg(&log)
-                    .arg(&pwfile),
+                    .arg(&pwfile)
+                    .args(&clock),
                 "chown the cluster dir to postgres",
             );
         }
@@ -268,6 +313,7 @@ impl PgCluster {
             port,
             as_root,
             password: password.map(str::to_owned),
+            clock,
             dir,
         };
         let mut initdb = cluster.command("initdb");
@@ -332,8 +378,20 @@ impl PgCluster {
 
     /// Starts the server (again) and waits until it accepts connections.
     pub fn start_server(&self) {
+        let mut pg_ctl = match &self.clock {
+            Some(file) => self.command_with(
+                "pg_ctl",
+                &[
+                    ("LD_PRELOAD", faketime_library().as_os_str()),
+                    ("FAKETIME_TIMESTAMP_FILE", file.as_os_str()),
+                    ("FAKETIME_NO_CACHE", "1".as_ref()),
+                    ("FAKETIME_DONT_FAKE_MONOTONIC", "1".as_ref()),
+                ],
+            ),
+            None => self.command("pg_ctl"),
+        };
         run_ok(
-            self.command("pg_ctl")
+            pg_ctl
                 .args(["-w", "-t", "60", "-l"])
                 .arg(&self.log)
                 .arg("-D")
@@ -370,7 +428,29 @@ impl PgCluster {
     }
 
     fn command(&self, program: &str) -> Command {
+        self.command_with(program, &[])
+    }
+
+    /// As [`Self::command`], with `env` set for the program (through `env`
+    /// when it runs as the `postgres` user).
+    fn command_with(&self, program: &str, env: &[(&str, &std::ffi::OsStr)]) -> Command {
         let path = self.bin.join(program);
+        if self.as_root && !env.is_empty() {
+            let mut cmd = Command::new("runuser");
+            cmd.args(["-u", "postgres", "--", "env"]);
+            for (k, v) in env {
+                let mut pair = std::ffi::OsString::from(format!("{k}="));
+                pair.push(v);
+                cmd.arg(pair);
+            }
+            cmd.arg(path).current_dir(self.dir.path());
+            return cmd;
+        }
+        if !env.is_empty() {
+            let mut cmd = Command::new(path);
+            cmd.envs(env.iter().copied());
+            return cmd;
+        }
         if self.as_root {
             let mut cmd = Command::new("runuser");
             cmd.args(["-u", "postgres", "--"]).arg(path);

@@ -52,6 +52,14 @@ pub const API_TOKEN: &str = "test-api-token-0123456789abcdef";
 /// Admin token used by tests that enable `SIDELOCK_ADMIN_TOKEN`.
 pub const ADMIN_TOKEN: &str = "test-admin-token-fedcba9876543210";
 
+/// Milliseconds since the Unix epoch (the unit of every `*_ms` timestamp).
+pub fn now_ms() -> u64 {
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970");
+    u64::try_from(since_epoch.as_millis()).expect("timestamp fits in u64")
+}
+
 /// A lock name no other test (or earlier run against a shared backend) uses:
 /// `<prefix>-<pid>-<counter>-<nanos>`, only characters valid in lock names.
 pub fn unique_name(prefix: &str) -> String {

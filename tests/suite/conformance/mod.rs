@@ -11,7 +11,7 @@ use crate::common;
 mod elections;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use reqwest::header::{CONTENT_TYPE, WWW_AUTHENTICATE};
 use reqwest::{Method, StatusCode};
@@ -44,14 +44,6 @@ fn max_permits(backend: TestBackend, wanted: u32) -> u32 {
     } else {
         wanted
     }
-}
-
-/// Milliseconds since the Unix epoch (the unit of every `*_ms` timestamp).
-fn now_ms() -> u64 {
-    let since_epoch = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970");
-    u64::try_from(since_epoch.as_millis()).expect("timestamp fits in u64")
 }
 
 fn ms(millis: u64) -> Duration {

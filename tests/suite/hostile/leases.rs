@@ -6,13 +6,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use rstest::rstest;
 
-use crate::common::{self, Api, Kind, Resource, TestBackend, assert_problem, unique_name};
-
-/// Unix milliseconds.
-fn now_ms() -> u64 {
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-    since.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+use crate::common::{self, Api, Kind, Resource, TestBackend, assert_problem, now_ms, unique_name};
 
 /// The value of the one sample `series` (`name{labels}` exactly as exposed),
 /// 0 if absent.
