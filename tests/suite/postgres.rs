@@ -2340,3 +2340,107 @@ impl SameOwnerReaders {
         (answers, view.inspect().await)
     }
 }
+
+/// The database's clock steps while a sidecar runs (an NTP step on its
+/// host): the expiries the sidecar reports must follow at once, and never
+/// read later than the moment the database ends the lease. The clock offset
+/// was measured only when the LISTEN connection connected: after a step of
+/// 5 s forward, a grant and a keepalive reported 5 s more than the database
+/// gave, so a client that trusted `expires_at_ms` went on working past its
+/// lease into the next holder's (and after a step back, 5 s less).
+#[rstest::rstest]
+#[case::forward("+5")]
+#[case::back("-5")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &str) {
+    let cluster = PgCluster::start_with_steppable_clock();
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE sidelock")
+        .await
+        .expect("create the database");
+    let sidecar = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let waiting = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let contended = unique_name("handed");
+    let holder = sidecar
+        .api()
+        .lock(&contended)
+        .acquire(&[("ttl", "30s")])
+        .await;
+    let mut waiter = waiting
+        .api()
+        .lock(&contended)
+        .hold(&[("wait", "60s"), ("ttl", "30s")])
+        .await;
+    waiter.expect_queued().await;
+    let early = unique_name("early");
+    let kept = sidecar.api().lock(&early).acquire(&[("ttl", "30s")]).await;
+    let db = cluster.client("sidelock").await;
+    let clock = "SELECT sidelock.ms(clock_timestamp())";
+    let before: i64 = db.query_one(clock, &[]).await.expect("clock").get(0);
+    cluster.step_clock(step);
+    let after: i64 = db.query_one(clock, &[]).await.expect("clock").get(0);
+    let stepped: i64 = step.parse::<i64>().expect("a step in seconds") * 1000;
+    assert!(
+        (after - before - stepped).abs() < 1000,
+        "the database clock did not step by {step} s: {before} → {after}"
+    );
+
+    // Handed over before the waiting sidecar runs a statement (it sends a
+    // heartbeat every 5 s): late by the notification's delay at most, and
+    // early by a step back (the safe side) until a statement settles it.
+    sidecar.api().lock(&contended).release(&holder.token).await;
+    let handed = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    let step_back = (-stepped).max(0);
+    expect_on_time(
+        &db,
+        "a handoff",
+        &handed.token,
+        handed.expires_at_ms,
+        (50, 500 + step_back),
+    )
+    .await;
+    let name = unique_name("late");
+    let grant = sidecar.api().lock(&name).acquire(&[("ttl", "30s")]).await;
+    expect_on_time(&db, "a grant", &grant.token, grant.expires_at_ms, (2, 500)).await;
+    let renewed = sidecar.api().lock(&early).keepalive(&kept.token, &[]).await;
+    expect_on_time(
+        &db,
+        "a keepalive",
+        &kept.token,
+        renewed.expires_at_ms,
+        (2, 500),
+    )
+    .await;
+}
+
+/// Asserts that `reported`, a lease's expiry as the sidecar told it, is
+/// the moment the database ends the lease: no more than `late_ms` later,
+/// and no more than `early_ms` earlier (the time the answers took).
+async fn expect_on_time(
+    db: &tokio_postgres::Client,
+    what: &str,
+    token: &str,
+    reported: u64,
+    (late_ms, early_ms): (i64, i64),
+) {
+    let db_left: i64 = db
+        .query_one(
+            "SELECT sidelock.ms(expires_at) - sidelock.ms(clock_timestamp()) \
+             FROM sidelock.leases WHERE token = $1",
+            &[&token],
+        )
+        .await
+        .expect("the lease's row")
+        .get(0);
+    let now = i64::try_from(now_ms()).expect("now");
+    let reported_left = i64::try_from(reported).expect("an expiry") - now;
+    assert!(
+        reported_left <= db_left + late_ms,
+        "{what} reported {reported_left} ms left, the database gives the lease {db_left} ms"
+    );
+    assert!(
+        reported_left >= db_left - early_ms,
+        "{what} reported {reported_left} ms left, the database gives the lease {db_left} ms"
+    );
+}

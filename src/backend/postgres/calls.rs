@@ -33,14 +33,52 @@ impl Inner {
     /// offset keeps the times reported for one lease consistent.
     pub(super) fn adopt_offset(&self, measured: i64) {
         let current = self.offset_ms.load(Ordering::Relaxed);
-        if (measured - current).abs() > OFFSET_SLACK_MS {
-            tracing::info!(
-                from_ms = current,
-                to_ms = measured,
-                "the database clock moved against ours; adopting the new offset"
-            );
+        let moved = (measured - current).abs();
+        if moved > OFFSET_SLACK_MS {
+            // A slow answer moves it by its delay, a clock step by more.
+            if moved >= 1000 {
+                tracing::info!(
+                    from_ms = current,
+                    to_ms = measured,
+                    "the database clock moved against ours; adopting the new offset"
+                );
+            } else {
+                tracing::debug!(from_ms = current, to_ms = measured, "clock offset settled");
+            }
             self.offset_ms.store(measured, Ordering::Relaxed);
         }
+    }
+
+    /// Lowers the clock offset to `bound` when it is above it by more than
+    /// [`OFFSET_SLACK_MS`]: `bound` is a database time's age here less the
+    /// time, measured when it arrived in a notification, so the true offset
+    /// is below it. A step of the database's clock forward since the last
+    /// statement then makes a lease handed over late only by the
+    /// notification's delay, not by the step, until the next statement
+    /// settles the offset.
+    pub(super) fn cap_offset(&self, bound: i64) {
+        if self.offset_ms.load(Ordering::Relaxed) > bound.saturating_add(OFFSET_SLACK_MS) {
+            self.adopt_offset(bound);
+        }
+    }
+
+    /// Settles the clock offset on the answer to a statement sent at `sent`
+    /// (local ms) that read the database's clock as it arrived (its
+    /// [`DB_NOW`](super::sql::DB_NOW) column): the database read it after
+    /// `sent`, so the offset measured is never above the true one, and each
+    /// answer may be taken (as [`Inner::adopt_offset`] does, past its
+    /// slack). Times are then never late however the database's clock
+    /// stepped since the LISTEN connection measured it.
+    fn settle_offset(&self, sent: u64, rows: &[Row]) {
+        let Some(db_now) = rows
+            .first()
+            .and_then(|r| r.try_get::<_, i64>("db_now").ok())
+        else {
+            return;
+        };
+        let sent = i64::try_from(sent).unwrap_or(i64::MAX);
+        // Less 1 ms: the database's time is floored to the millisecond.
+        self.adopt_offset(sent.saturating_sub(db_now) - 1);
     }
 
     /// A database deadline as a local moment that is never early: the time
@@ -135,7 +173,8 @@ impl Inner {
                     let client = pending.client();
                     let statement = client.prepare_cached(sql).await?;
                     sent.store(true, Ordering::Relaxed);
-                    Ok::<_, Failure>(client.query(&statement, params).await?)
+                    let at = now_ms();
+                    Ok::<_, Failure>((client.query(&statement, params).await?, at))
                 };
                 let answer = tokio::time::timeout(OP_TIMEOUT, query).await;
                 if answer.is_ok() {
@@ -144,7 +183,8 @@ impl Inner {
                 answer.unwrap_or_else(|_| Err(Failure::timeout(op)))
             };
             match run.await {
-                Ok(rows) => {
+                Ok((rows, sent_at)) => {
+                    self.settle_offset(sent_at, &rows);
                     self.progress_ms.store(now_ms(), Ordering::Relaxed);
                     if !*self.listening.borrow() {
                         self.reconnect.notify_one();

@@ -347,6 +347,13 @@ impl Inner {
             self.wakeups.changed(&h.key);
             return;
         };
+        // No statement of ours read the clock for this lease: its grant's
+        // database time came before its notification did.
+        self.cap_offset(
+            i64::try_from(crate::clock::now_ms())
+                .unwrap_or(i64::MAX)
+                .saturating_sub(h.since_ms),
+        );
         let lease = Handoff {
             token,
             fence: h.fence,

@@ -23,8 +23,8 @@
 //!   and the next fence from the key's counter, or queues.
 //! * Time is the database's clock, so sidecars with skewed clocks agree on
 //!   expiry. It is mapped onto this process's clock with an offset measured
-//!   on connecting, chosen so that expiries look slightly early here, never
-//!   late.
+//!   on connecting and settled on every answer that reads the database's
+//!   clock, chosen so that expiries look slightly early here, never late.
 //! * A release hands an exclusive lock to the first waiter in line in its
 //!   own transaction (`pass_on()` in `0004_handoff.sql`: the waiter's row
 //!   carries the lease it asks for) and tells that waiter's sidecar with

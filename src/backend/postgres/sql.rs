@@ -28,34 +28,42 @@ pub(super) struct Sql {
 impl Sql {
     pub(super) fn new(schema: &str) -> Self {
         let s = quote_ident(schema);
-        let fill = |template: &str| template.replace("{s}", &s);
+        let fill = |template: &str| template.replace("{DB_NOW}", DB_NOW).replace("{s}", &s);
         Self {
             acquire: fill(
-                "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)::text",
+                "SELECT {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)::text, \
+                 {DB_NOW}",
             ),
             dequeue: fill("SELECT {s}.dequeue($1, $2, $3)"),
-            renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text"),
-            renew_many: fill("SELECT i, expires_at_ms FROM {s}.renew_many($1, $2, $3, $4)"),
+            renew: fill("SELECT {s}.renew($1, $2, $3, $4)::text, {DB_NOW}"),
+            renew_many: fill(
+                "SELECT i, expires_at_ms, {DB_NOW} FROM {s}.renew_many($1, $2, $3, $4)",
+            ),
             // A statement of its own: a release that hands nothing over may
             // commit without its WAL flush (schema version 10).
             release: fill("SELECT {s}.release($1, $2, $3, $4, true)"),
             // A lease's expiry while it holds; else NULL if a force-release
             // removed it (no row: gone).
             status: fill(
-                "SELECT {s}.ms(expires_at) FROM {s}.leases \
+                "SELECT {s}.ms(expires_at), {DB_NOW} FROM {s}.leases \
                  WHERE token = $1 AND kind = $2 AND name = $3 AND expires_at > clock_timestamp() \
-                 UNION ALL SELECT NULL FROM {s}.forced WHERE token = $1",
+                 UNION ALL SELECT NULL, {DB_NOW} FROM {s}.forced WHERE token = $1",
             ),
-            inspect: fill("SELECT {s}.inspect($1, $2, $3)::text"),
+            inspect: fill("SELECT {s}.inspect($1, $2, $3)::text, {DB_NOW}"),
             list: fill(LIST_SQL),
             stale: fill(STALE_SQL),
             force_release: fill("SELECT {s}.force_release($1, $2)::text"),
-            heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text"),
+            heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text, {DB_NOW}"),
             leave: fill("SELECT 1 FROM {s}.leave($1)"),
             announce: fill("SELECT {s}.wake($1, $2)"),
         }
     }
 }
+
+/// The column by which a statement reads the database's clock for
+/// [`Inner::settle_offset`](super::Inner::settle_offset): when the statement
+/// arrived, so as close as the database can tell to when it was sent.
+pub(super) const DB_NOW: &str = "{s}.ms(statement_timestamp()) AS db_now";
 
 /// Held or contended keys after a cursor: `$1` prefix, `$2`/`$3` the cursor's
 /// kind and name (NULL for the first page), `$4` limit, `$5` lapse in ms.
