@@ -1123,19 +1123,9 @@ async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_t
         holder,
         mut waiter,
     } = queue_behind_a_holder(&backend).await;
-    let mut second = waiting
-        .api()
-        .lock(&name)
-        .hold(&[("owner", "second"), ("wait", "60s"), ("ttl", "60s")])
-        .await;
-    second.expect_queued().await;
+    let second = queue_second(&waiting, &name).await;
     let client = schema(&backend).client().await;
-    let epoch = "extract(epoch from clock_timestamp())::float8";
-    let cut: f64 = client
-        .query_one(&format!("SELECT {epoch}"), &[])
-        .await
-        .expect("the database clock")
-        .get(0);
+    let cut = db_epoch(&client).await;
     end_listen_connection(&client, &id).await;
     // Before the sidecar has reconnected (it waits 250 ms first).
     releasing.api().lock(&name).release(&holder.token).await;
@@ -1147,19 +1137,7 @@ async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_t
     let requeued = eventually(
         "the second waiter's row back in the queue",
         Duration::from_secs(10),
-        async || {
-            let rows = client
-                .query(
-                    &format!(
-                        "SELECT extract(epoch from queued_at)::float8 FROM {waiters} \
-                         WHERE owner = 'second'"
-                    ),
-                    &[],
-                )
-                .await
-                .expect("the second waiter's row");
-            rows.first().map(|r| r.get::<_, f64>(0))
-        },
+        async || queued_at(&client, &waiters, &name, "second").await,
     )
     .await;
     assert!(
@@ -1173,10 +1151,63 @@ async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_t
         .hold(&[("owner", "later"), ("wait", "60s")])
         .await;
     later.expect_queued().await;
+    expect_the_second_before_later(waiter, second, later).await;
+}
+
+/// The second waiter of the passed-by tests, queued behind the first on
+/// the same sidecar.
+async fn queue_second(waiting: &SidecarGuard, name: &str) -> HoldStream {
+    let mut second = waiting
+        .api()
+        .lock(name)
+        .hold(&[("owner", "second"), ("wait", "60s"), ("ttl", "60s")])
+        .await;
+    second.expect_queued().await;
+    second
+}
+
+/// The database's clock, in Unix seconds.
+async fn db_epoch(client: &tokio_postgres::Client) -> f64 {
+    client
+        .query_one("SELECT extract(epoch from clock_timestamp())::float8", &[])
+        .await
+        .expect("the database clock")
+        .get(0)
+}
+
+/// When `owner`'s row in the `waiters` table of lock `name` was queued
+/// (Unix seconds), if it has one.
+async fn queued_at(
+    client: &tokio_postgres::Client,
+    waiters: &str,
+    name: &str,
+    owner: &str,
+) -> Option<f64> {
+    client
+        .query(
+            &format!(
+                "SELECT extract(epoch from queued_at)::float8 FROM {waiters} \
+                 WHERE name = $1 AND owner = $2"
+            ),
+            &[&name, &owner],
+        )
+        .await
+        .expect("a waiter's row")
+        .first()
+        .map(|r| r.get(0))
+}
+
+/// The end both passed-by tests share: once the granted `waiter` leaves,
+/// the second waiter is granted at once, and `later` after it.
+async fn expect_the_second_before_later(
+    waiter: HoldStream,
+    mut second: HoldStream,
+    mut later: HoldStream,
+) {
     drop(waiter);
     let released = Instant::now();
     let grant = second.expect_acquired_within(Duration::from_secs(40)).await;
-    assert_eq!(grant.owner, "second");
+    assert_eq!(grant.owner, "second", "a claim queued later went first");
     assert!(
         released.elapsed() < Duration::from_secs(5),
         "the second waiter was granted {:?} after the first left",
@@ -1185,6 +1216,87 @@ async fn every_waiter_passed_by_while_the_listen_connection_was_down_keeps_its_t
     drop(second);
     let grant = later.expect_acquired_within(Duration::from_secs(10)).await;
     assert_eq!(grant.owner, "later");
+}
+
+/// A sidecar paused past the heartbeat lapse (a stopped process, a frozen
+/// VM) keeps its LISTEN connection, so nothing tells it that another
+/// sidecar's heartbeat dropped its waiters' rows meanwhile. Once it runs
+/// again, every one of its waiters must take its place back at its ticket.
+/// Before, only the local head did (woken by the drop's notification, read
+/// when the process ran again): the second waiter's row never came back,
+/// and a claim queued later through another sidecar went first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_of_a_sidecar_paused_past_the_heartbeat_lapse_keep_their_turn() {
+    let backend = postgres().await;
+    let Queued {
+        waiting,
+        releasing,
+        name,
+        holder,
+        mut waiter,
+        ..
+    } = queue_behind_a_holder(&backend).await;
+    let second = queue_second(&waiting, &name).await;
+    // A waiter of the releasing sidecar, on a lock of its own: its sidecar
+    // heartbeats meanwhile, and so drops the paused sidecar's rows.
+    let other = unique_name("beating");
+    let _blocking = releasing
+        .api()
+        .lock(&other)
+        .acquire(&[("ttl", "60s")])
+        .await;
+    let mut beating = releasing
+        .api()
+        .lock(&other)
+        .hold(&[("owner", "beating"), ("wait", "60s")])
+        .await;
+    beating.expect_queued().await;
+
+    let client = schema(&backend).client().await;
+    let waiters = schema(&backend).table("waiters");
+    let row = async |owner: &str| queued_at(&client, &waiters, &name, owner).await;
+    waiting.signal(Signal::SIGSTOP);
+    eventually(
+        "the paused sidecar's rows dropped",
+        Duration::from_secs(30),
+        async || (row("waiter").await.is_none() && row("second").await.is_none()).then_some(()),
+    )
+    .await;
+    let mut later = releasing
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "later"), ("wait", "60s")])
+        .await;
+    later.expect_queued().await;
+    let resumed = db_epoch(&client).await;
+    waiting.signal(Signal::SIGCONT);
+    // A release before the sidecar ran again would find no row of it: the
+    // head's comes back first (the drop's notification woke it already).
+    let back = eventually(
+        "the first waiter's row back in the queue",
+        Duration::from_secs(10),
+        async || row("waiter").await,
+    )
+    .await;
+    assert!(
+        back > resumed,
+        "queued again at {back}, resumed at {resumed}"
+    );
+
+    releasing.api().lock(&name).release(&holder.token).await;
+    let first = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(first.owner, "waiter");
+    let requeued = eventually(
+        "the second waiter's row back in the queue",
+        Duration::from_secs(10),
+        async || row("second").await,
+    )
+    .await;
+    assert!(
+        requeued > resumed,
+        "queued again at {requeued}, resumed at {resumed}"
+    );
+    expect_the_second_before_later(waiter, second, later).await;
 }
 
 /// A LISTEN connection that died on this side while the server still has
@@ -2386,9 +2498,9 @@ async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &st
         "the database clock did not step by {step} s: {before} → {after}"
     );
 
-    // Handed over before the waiting sidecar runs a statement (it sends a
-    // heartbeat every 5 s): late by the notification's delay at most, and
-    // early by a step back (the safe side) until a statement settles it.
+    // Handed over most likely before the waiting sidecar's next statement
+    // (a heartbeat every 2 s): late by the notification's delay at most,
+    // and early by a step back (the safe side) until a statement settles it.
     sidecar.api().lock(&contended).release(&holder.token).await;
     let handed = waiter.expect_acquired_within(Duration::from_secs(10)).await;
     let step_back = (-stepped).max(0);

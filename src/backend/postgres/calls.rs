@@ -27,14 +27,16 @@ impl Inner {
         u64::try_from(db_ms.saturating_add(offset)).unwrap_or(0)
     }
 
-    /// Takes a re-measured clock offset when it differs by more than
-    /// [`OFFSET_SLACK_MS`] (the database's clock moved, or another server took
-    /// over); smaller differences are measurement noise, and keeping the
-    /// offset keeps the times reported for one lease consistent.
+    /// Takes a re-measured clock offset when it is lower (times then read
+    /// earlier: always safe, and after a step of the database's clock
+    /// forward, needed at once) or higher by more than [`OFFSET_SLACK_MS`]
+    /// (the database's clock moved back, or another server took over);
+    /// smaller rises are measurement noise, and keeping the offset keeps
+    /// the times reported for one lease consistent.
     pub(super) fn adopt_offset(&self, measured: i64) {
         let current = self.offset_ms.load(Ordering::Relaxed);
         let moved = (measured - current).abs();
-        if moved > OFFSET_SLACK_MS {
+        if measured < current || moved > OFFSET_SLACK_MS {
             // A slow answer moves it by its delay, a clock step by more.
             if moved >= 1000 {
                 tracing::info!(
@@ -49,15 +51,14 @@ impl Inner {
         }
     }
 
-    /// Lowers the clock offset to `bound` when it is above it by more than
-    /// [`OFFSET_SLACK_MS`]: `bound` is a database time's age here less the
-    /// time, measured when it arrived in a notification, so the true offset
-    /// is below it. A step of the database's clock forward since the last
-    /// statement then makes a lease handed over late only by the
-    /// notification's delay, not by the step, until the next statement
-    /// settles the offset.
+    /// Lowers the clock offset to `bound` when it is above it: `bound` is
+    /// the local time a notification arrived less the database time it
+    /// carries, so the true offset is below it. A step of the database's
+    /// clock forward since the last statement then makes a lease handed
+    /// over late only by the notification's delay, not by the step, until
+    /// the next statement settles the offset.
     pub(super) fn cap_offset(&self, bound: i64) {
-        if self.offset_ms.load(Ordering::Relaxed) > bound.saturating_add(OFFSET_SLACK_MS) {
+        if self.offset_ms.load(Ordering::Relaxed) > bound {
             self.adopt_offset(bound);
         }
     }
@@ -69,7 +70,7 @@ impl Inner {
     /// answer may be taken (as [`Inner::adopt_offset`] does, past its
     /// slack). Times are then never late however the database's clock
     /// stepped since the LISTEN connection measured it.
-    fn settle_offset(&self, sent: u64, rows: &[Row]) {
+    pub(super) fn settle_offset(&self, sent: u64, rows: &[Row]) {
         let Some(db_now) = rows
             .first()
             .and_then(|r| r.try_get::<_, i64>("db_now").ok())

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::{AsyncMessage, NoTls, Row};
 
 use crate::backend::{Error, chain};
 use crate::clock::{ms, now_ms};
@@ -30,8 +30,10 @@ impl Inner {
         statement: &tokio_postgres::Statement,
     ) -> Result<(), tokio_postgres::Error> {
         let beat = self.beat();
-        client.query_one(statement, &beat.params(self)).await?;
-        self.beaten(&beat.gone);
+        let sent = now_ms();
+        let reply = client.query_one(statement, &beat.params(self)).await?;
+        self.settle_offset(sent, std::slice::from_ref(&reply));
+        self.beaten(&beat, Some(&reply));
         Ok(())
     }
 
@@ -40,9 +42,10 @@ impl Inner {
     /// monitor's housekeeping.
     pub(super) async fn heartbeat_now(&self, op: &'static str) -> Result<(), Error> {
         let beat = self.beat();
-        self.rows(op, &self.sql.heartbeat, &beat.params(self))
+        let reply = self
+            .rows(op, &self.sql.heartbeat, &beat.params(self))
             .await?;
-        self.beaten(&beat.gone);
+        self.beaten(&beat, reply.first());
         Ok(())
     }
 
@@ -74,12 +77,34 @@ impl Inner {
         !t.live.is_empty() || !t.gone.is_empty()
     }
 
-    /// A heartbeat sent `gone` with it: those rows are removed.
-    fn beaten(&self, gone: &[i64]) {
+    /// Heartbeat `beat` was answered with `reply`: the rows it sent as
+    /// gone are removed. When the one before it was a lapse ago on the
+    /// database's clock (this process was paused, a VM frozen, while its
+    /// LISTEN connection stayed up), any heartbeat in between may have
+    /// dropped this sidecar's waiter rows, and no notification says so:
+    /// every local waiter takes its place back, as after the LISTEN
+    /// connection reconnects. (A sidecar that had no waiters for a while
+    /// sends a heartbeat before its next join: that one is the last.)
+    fn beaten(&self, beat: &Beat, reply: Option<&Row>) {
         self.beat_ms.store(now_ms(), Ordering::Relaxed);
-        let mut t = self.tickets();
-        for seq in gone {
-            t.gone.remove(&u64::try_from(*seq).unwrap_or(0));
+        {
+            let mut t = self.tickets();
+            for seq in &beat.gone {
+                t.gone.remove(&u64::try_from(*seq).unwrap_or(0));
+            }
+        }
+        let Some(db_now) = reply.and_then(|r| r.try_get::<_, i64>("db_now").ok()) else {
+            return;
+        };
+        let last = self.beat_db_ms.swap(db_now, Ordering::Relaxed);
+        if !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= beat.lapse_ms {
+            tracing::warn!(
+                silent_ms = db_now - last,
+                "no heartbeat for longer than the lapse; every waiter takes its place back"
+            );
+            for key in self.wakeups.keys() {
+                self.wakeups.wake_all(&key);
+            }
         }
     }
 }

@@ -227,6 +227,10 @@ struct Inner {
     tickets: Mutex<Tickets>,
     /// When the last heartbeat succeeded (local ms; 0: none yet).
     beat_ms: AtomicU64,
+    /// The database's time at the last heartbeat (0: none yet): a
+    /// heartbeat that finds it a lapse ago knows this sidecar's waiter rows
+    /// may have been dropped meanwhile.
+    beat_db_ms: AtomicI64,
     /// Renewals waiting for their statement (see [`renewals`]).
     renewals: tokio::sync::mpsc::UnboundedSender<renewals::Renewal>,
     stop: CancellationToken,

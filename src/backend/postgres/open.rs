@@ -155,6 +155,7 @@ impl Postgres {
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             beat_ms: AtomicU64::new(0),
+            beat_db_ms: AtomicI64::new(0),
             renewals,
             stop: stop.clone(),
         });
