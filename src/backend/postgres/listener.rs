@@ -78,8 +78,9 @@ impl Inner {
     }
 
     /// Heartbeat `beat` was answered with `reply`: the rows it sent as
-    /// gone are removed. When the one before it was a lapse ago on the
-    /// database's clock (this process was paused, a VM frozen, while its
+    /// gone are removed. When the one before it was about a lapse ago on
+    /// the database's clock ([`suspect_gap_ms`]: this process was paused, a
+    /// VM frozen, while its
     /// LISTEN connection stayed up), any heartbeat in between may have
     /// dropped this sidecar's waiter rows, and no notification says so:
     /// every local waiter takes its place back, as after the LISTEN
@@ -97,7 +98,7 @@ impl Inner {
             return;
         };
         let last = self.beat_db_ms.swap(db_now, Ordering::Relaxed);
-        if !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= beat.lapse_ms {
+        if !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= suspect_gap_ms() {
             tracing::warn!(
                 silent_ms = db_now - last,
                 "no heartbeat for longer than the lapse; every waiter takes its place back"
@@ -107,6 +108,17 @@ impl Inner {
             }
         }
     }
+}
+
+/// A gap between two heartbeats (their statements' arrival, on the
+/// database's clock) after which this sidecar's waiter rows may have been
+/// dropped: the lapse, less two intervals, since a heartbeat's row takes
+/// effect only when it commits (after any key lock it waits for), and a
+/// pooled heartbeat that arrived earlier may commit after the LISTEN
+/// connection's. Normal heartbeats are one interval apart; a wrong guess
+/// costs one attempt per waiter.
+fn suspect_gap_ms() -> i64 {
+    ms_i64(LAPSE_AFTER.saturating_sub(HEARTBEAT_EVERY * 2))
 }
 
 /// The arguments of `heartbeat` in the SQL.
