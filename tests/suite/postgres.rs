@@ -2509,7 +2509,7 @@ async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &st
         "a handoff",
         &handed.token,
         handed.expires_at_ms,
-        (50, 500 + step_back),
+        (250, 500 + step_back),
     )
     .await;
     let name = unique_name("late");
@@ -2524,6 +2524,61 @@ async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &st
         (2, 500),
     )
     .await;
+}
+
+/// The database's clock steps forward while a statement waits for a row
+/// lock: the statement arrived before the step (its `statement_timestamp()`
+/// is on the old clock) and granted after it (the lease's expiry is on the
+/// new one). The grant must still not read late: a reading taken on
+/// arrival alone settled the offset on the old clock, and the grant
+/// reported the step as extra time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_waited_across_a_step_of_the_database_clock_is_on_time() {
+    let cluster = PgCluster::start_with_steppable_clock();
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE sidelock")
+        .await
+        .expect("create the database");
+    let sidecar = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let name = unique_name("stepped");
+    // The key's row exists once the lock was used.
+    let first = sidecar.api().lock(&name).acquire(&[("ttl", "30s")]).await;
+    sidecar.api().lock(&name).release(&first.token).await;
+    let mut blocker = cluster.client("sidelock").await;
+    let row_lock = blocker.transaction().await.expect("a transaction");
+    row_lock
+        .execute(
+            "SELECT 1 FROM sidelock.keys WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+            &[&name],
+        )
+        .await
+        .expect("lock the key's row");
+    let lock = sidecar.api().lock(&name);
+    let acquiring = tokio::spawn(async move { lock.acquire(&[("ttl", "30s")]).await });
+    // The acquire waits for the row lock (its statement has arrived).
+    let db = cluster.client("sidelock").await;
+    eventually(
+        "the acquire waiting for the row lock",
+        Duration::from_secs(10),
+        async || {
+            let waiting: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%acquire%'",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    cluster.step_clock("+5");
+    row_lock.rollback().await.expect("release the row lock");
+    let grant = acquiring.await.expect("the acquire");
+    expect_on_time(&db, "a grant", &grant.token, grant.expires_at_ms, (2, 1000)).await;
 }
 
 /// Asserts that `reported`, a lease's expiry as the sidecar told it, is

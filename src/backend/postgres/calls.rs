@@ -63,23 +63,37 @@ impl Inner {
         }
     }
 
-    /// Settles the clock offset on the answer to a statement sent at `sent`
-    /// (local ms) that read the database's clock as it arrived (its
-    /// [`DB_NOW`](super::sql::DB_NOW) column): the database read it after
-    /// `sent`, so the offset measured is never above the true one, and each
-    /// answer may be taken (as [`Inner::adopt_offset`] does, past its
-    /// slack). Times are then never late however the database's clock
-    /// stepped since the LISTEN connection measured it.
-    pub(super) fn settle_offset(&self, sent: u64, rows: &[Row]) {
-        let Some(db_now) = rows
-            .first()
-            .and_then(|r| r.try_get::<_, i64>("db_now").ok())
-        else {
+    /// Settles the clock offset on the answer, received at `received`, to a
+    /// statement sent at `sent` (local ms) that read the database's clock
+    /// as it arrived and as it ended (its [`DB_NOW`](super::sql::DB_NOW)
+    /// columns). Both readings came after `sent`, so `sent` less either is
+    /// never above the true offset, and each answer may be taken (as
+    /// [`Inner::adopt_offset`] does, past its slack): times are then never
+    /// late however the database's clock stepped since the LISTEN
+    /// connection measured it. The arrival's reading is the closer one,
+    /// unless the database's clock ran further during the statement than
+    /// ours did: it stepped forward meanwhile (say while the statement
+    /// waited for a row lock), and the times it wrote are on the new clock,
+    /// which only the end's reading knows.
+    pub(super) fn settle_offset(&self, (sent, received): (u64, u64), rows: &[Row]) {
+        let Some(row) = rows.first() else {
             return;
         };
-        let sent = i64::try_from(sent).unwrap_or(i64::MAX);
-        // Less 1 ms: the database's time is floored to the millisecond.
-        self.adopt_offset(sent.saturating_sub(db_now) - 1);
+        let (Ok(arrived), Ok(ended)) = (
+            row.try_get::<_, i64>("db_now"),
+            row.try_get::<_, i64>("db_end"),
+        ) else {
+            return;
+        };
+        let local = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
+        let (sent, took) = (local(sent), local(received.saturating_sub(sent)));
+        // Plus 1 ms: the database's times are floored to the millisecond.
+        let db = if ended.saturating_sub(arrived) > took + 1 {
+            ended
+        } else {
+            arrived
+        };
+        self.adopt_offset(sent.saturating_sub(db) - 1);
     }
 
     /// A database deadline as a local moment that is never early: the time
@@ -185,7 +199,7 @@ impl Inner {
             };
             match run.await {
                 Ok((rows, sent_at)) => {
-                    self.settle_offset(sent_at, &rows);
+                    self.settle_offset((sent_at, now_ms()), &rows);
                     self.progress_ms.store(now_ms(), Ordering::Relaxed);
                     if !*self.listening.borrow() {
                         self.reconnect.notify_one();

@@ -32,7 +32,7 @@ impl Inner {
         let beat = self.beat();
         let sent = now_ms();
         let reply = client.query_one(statement, &beat.params(self)).await?;
-        self.settle_offset(sent, std::slice::from_ref(&reply));
+        self.settle_offset((sent, now_ms()), std::slice::from_ref(&reply));
         self.beaten(&beat, Some(&reply));
         Ok(())
     }

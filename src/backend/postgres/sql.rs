@@ -60,10 +60,12 @@ impl Sql {
     }
 }
 
-/// The column by which a statement reads the database's clock for
+/// The columns by which a statement reads the database's clock for
 /// [`Inner::settle_offset`](super::Inner::settle_offset): when the statement
-/// arrived, so as close as the database can tell to when it was sent.
-pub(super) const DB_NOW: &str = "{s}.ms(statement_timestamp()) AS db_now";
+/// arrived, as close as the database can tell to when it was sent, and
+/// when it ended (after the call before it in the select list).
+pub(super) const DB_NOW: &str =
+    "{s}.ms(statement_timestamp()) AS db_now, {s}.ms(clock_timestamp()) AS db_end";
 
 /// Held or contended keys after a cursor: `$1` prefix, `$2`/`$3` the cursor's
 /// kind and name (NULL for the first page), `$4` limit, `$5` lapse in ms.
