@@ -507,7 +507,12 @@ struct Interval {
 /// A PostgreSQL server of the test's own, with an empty database
 /// `sidelock`, and that database's URL.
 async fn cluster_with_database() -> (Arc<PgCluster>, String) {
-    let cluster = Arc::new(PgCluster::start());
+    with_database(PgCluster::start()).await
+}
+
+/// `cluster` with the sidecars' database created in it, and that database's URL.
+async fn with_database(cluster: PgCluster) -> (Arc<PgCluster>, String) {
+    let cluster = Arc::new(cluster);
     let admin = cluster.client("postgres").await;
     admin
         .batch_execute("CREATE DATABASE sidelock")
@@ -2465,14 +2470,9 @@ impl SameOwnerReaders {
 #[case::back("-5")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &str) {
-    let cluster = PgCluster::start_with_steppable_clock();
-    let admin = cluster.client("postgres").await;
-    admin
-        .batch_execute("CREATE DATABASE sidelock")
-        .await
-        .expect("create the database");
-    let sidecar = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
-    let waiting = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let (cluster, url) = with_database(PgCluster::start_with_steppable_clock()).await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let waiting = SidecarBuilder::new(&url).start().await;
     let contended = unique_name("handed");
     let holder = sidecar
         .api()
@@ -2534,13 +2534,8 @@ async fn reported_expiries_follow_a_step_of_the_database_clock(#[case] step: &st
 /// reported the step as extra time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_that_waited_across_a_step_of_the_database_clock_is_on_time() {
-    let cluster = PgCluster::start_with_steppable_clock();
-    let admin = cluster.client("postgres").await;
-    admin
-        .batch_execute("CREATE DATABASE sidelock")
-        .await
-        .expect("create the database");
-    let sidecar = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let (cluster, url) = with_database(PgCluster::start_with_steppable_clock()).await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
     let name = unique_name("stepped");
     // The key's row exists once the lock was used.
     let first = sidecar.api().lock(&name).acquire(&[("ttl", "30s")]).await;
