@@ -1202,6 +1202,33 @@ async fn queued_at(
         .map(|r| r.get(0))
 }
 
+/// A waiter of `sidecar` on a lock of its own (and that lock's holder):
+/// while it waits, its sidecar heartbeats, and so drops the rows of a
+/// sidecar that stopped heartbeating.
+async fn heartbeating(sidecar: &SidecarGuard) -> (Grant, HoldStream) {
+    let other = unique_name("beating");
+    let blocking = sidecar.api().lock(&other).acquire(&[("ttl", "60s")]).await;
+    let mut beating = sidecar
+        .api()
+        .lock(&other)
+        .hold(&[("owner", "beating"), ("wait", "60s")])
+        .await;
+    beating.expect_queued().await;
+    (blocking, beating)
+}
+
+/// Stops `sidecar`'s process (its connections stay up) until `dropped`
+/// says another sidecar's heartbeat dropped its rows.
+async fn pause_until_dropped(sidecar: &SidecarGuard, dropped: impl AsyncFn() -> bool) {
+    sidecar.signal(Signal::SIGSTOP);
+    eventually(
+        "the paused sidecar's rows dropped",
+        Duration::from_secs(30),
+        async || dropped().await.then_some(()),
+    )
+    .await;
+}
+
 /// The end both passed-by tests share: once the granted `waiter` leaves,
 /// the second waiter is granted at once, and `later` after it.
 async fn expect_the_second_before_later(
@@ -1242,30 +1269,14 @@ async fn waiters_of_a_sidecar_paused_past_the_heartbeat_lapse_keep_their_turn() 
         ..
     } = queue_behind_a_holder(&backend).await;
     let second = queue_second(&waiting, &name).await;
-    // A waiter of the releasing sidecar, on a lock of its own: its sidecar
-    // heartbeats meanwhile, and so drops the paused sidecar's rows.
-    let other = unique_name("beating");
-    let _blocking = releasing
-        .api()
-        .lock(&other)
-        .acquire(&[("ttl", "60s")])
-        .await;
-    let mut beating = releasing
-        .api()
-        .lock(&other)
-        .hold(&[("owner", "beating"), ("wait", "60s")])
-        .await;
-    beating.expect_queued().await;
+    let _beating = heartbeating(&releasing).await;
 
     let client = schema(&backend).client().await;
     let waiters = schema(&backend).table("waiters");
     let row = async |owner: &str| queued_at(&client, &waiters, &name, owner).await;
-    waiting.signal(Signal::SIGSTOP);
-    eventually(
-        "the paused sidecar's rows dropped",
-        Duration::from_secs(30),
-        async || (row("waiter").await.is_none() && row("second").await.is_none()).then_some(()),
-    )
+    pause_until_dropped(&waiting, async || {
+        row("waiter").await.is_none() && row("second").await.is_none()
+    })
     .await;
     let mut later = releasing
         .api()
@@ -1302,6 +1313,81 @@ async fn waiters_of_a_sidecar_paused_past_the_heartbeat_lapse_keep_their_turn() 
         "queued again at {requeued}, resumed at {resumed}"
     );
     expect_the_second_before_later(waiter, second, later).await;
+}
+
+/// As above, for a semaphore, where a release hands nothing over but
+/// wakes, and a waiter takes a free permit when no row is ahead of its
+/// own: every row of the paused sidecar must be back before permits free.
+/// Before, only its local head's came back at once (each other one when it
+/// headed the sidecar's queue), so two permits freed together went to the
+/// head and to a claim queued later through another sidecar, past the
+/// second waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_waiters_of_a_paused_sidecar_all_take_their_places_back() {
+    let backend = postgres().await;
+    let waiting = backend.start_sidecar().await;
+    let releasing = backend.start_sidecar().await;
+    let name = unique_name("permits");
+    let permit = [("limit", "2"), ("ttl", "60s")];
+    let holders = [
+        releasing.api().semaphore(&name).acquire(&permit).await,
+        releasing.api().semaphore(&name).acquire(&permit).await,
+    ];
+    let mut queued = Vec::new();
+    for owner in ["first", "second"] {
+        let mut stream = waiting
+            .api()
+            .semaphore(&name)
+            .hold(&[("owner", owner), ("limit", "2"), ("wait", "60s")])
+            .await;
+        stream.expect_queued().await;
+        queued.push(stream);
+    }
+    let _beating = heartbeating(&releasing).await;
+
+    let client = schema(&backend).client().await;
+    let waiters = schema(&backend).table("waiters");
+    let row = async |owner: &str| queued_at(&client, &waiters, &name, owner).await;
+    pause_until_dropped(&waiting, async || {
+        row("first").await.is_none() && row("second").await.is_none()
+    })
+    .await;
+    let mut later = releasing
+        .api()
+        .semaphore(&name)
+        .hold(&[("owner", "later"), ("limit", "2"), ("wait", "60s")])
+        .await;
+    later.expect_queued().await;
+    let resumed = db_epoch(&client).await;
+    waiting.signal(Signal::SIGCONT);
+    for owner in ["first", "second"] {
+        let back = eventually(
+            &format!("{owner}'s row back in the queue"),
+            Duration::from_secs(10),
+            async || row(owner).await,
+        )
+        .await;
+        assert!(
+            back > resumed,
+            "{owner} queued again at {back}, resumed at {resumed}"
+        );
+    }
+    for holder in &holders {
+        releasing
+            .api()
+            .semaphore(&name)
+            .release(&holder.token)
+            .await;
+    }
+    // Held (not dropped) while `later` is watched.
+    for stream in &mut queued {
+        stream.expect_acquired_within(Duration::from_secs(10)).await;
+    }
+    let events = later.collect_for(Duration::from_secs(1)).await;
+    assert!(
+        !events.iter().any(|e| matches!(e, HoldEvent::Acquired(_))),
+        "a claim queued later took a permit: {events:?}"
+    );
 }
 
 /// A LISTEN connection that died on this side while the server still has

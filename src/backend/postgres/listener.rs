@@ -33,7 +33,9 @@ impl Inner {
         let sent = now_ms();
         let reply = client.query_one(statement, &beat.params(self)).await?;
         self.settle_offset((sent, now_ms()), std::slice::from_ref(&reply));
-        self.beaten(&beat, Some(&reply));
+        if self.beaten(&beat, Some(&reply)) {
+            self.rejoin().await;
+        }
         Ok(())
     }
 
@@ -45,7 +47,9 @@ impl Inner {
         let reply = self
             .rows(op, &self.sql.heartbeat, &beat.params(self))
             .await?;
-        self.beaten(&beat, reply.first());
+        if self.beaten(&beat, reply.first()) {
+            self.rejoin().await;
+        }
         Ok(())
     }
 
@@ -84,9 +88,9 @@ impl Inner {
     /// LISTEN connection stayed up), any heartbeat in between may have
     /// dropped this sidecar's waiter rows, and no notification says so:
     /// every local waiter takes its place back, as after the LISTEN
-    /// connection reconnects. (A sidecar that had no waiters for a while
-    /// sends a heartbeat before its next join: that one is the last.)
-    fn beaten(&self, beat: &Beat, reply: Option<&Row>) {
+    /// connection reconnects: true. (A sidecar that had no waiters for a
+    /// while sends a heartbeat before its next join: that one is the last.)
+    fn beaten(&self, beat: &Beat, reply: Option<&Row>) -> bool {
         self.beat_ms.store(now_ms(), Ordering::Relaxed);
         {
             let mut t = self.tickets();
@@ -95,18 +99,97 @@ impl Inner {
             }
         }
         let Some(db_now) = reply.and_then(|r| r.try_get::<_, i64>("db_now").ok()) else {
-            return;
+            return false;
         };
         let last = self.beat_db_ms.swap(db_now, Ordering::Relaxed);
-        if !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= suspect_gap_ms() {
+        let suspect =
+            !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= suspect_gap_ms();
+        if suspect {
             tracing::warn!(
                 silent_ms = db_now - last,
                 "no heartbeat for longer than the lapse; every waiter takes its place back"
             );
-            for key in self.wakeups.keys() {
-                self.wakeups.wake_all(&key);
+        }
+        suspect
+    }
+
+    /// Puts back the waiter rows of this sidecar's queued tickets that may
+    /// have gone while it could not be heard (dropped as a silent
+    /// sidecar's, or passed by as a dead one's), each at its own ticket, in
+    /// one statement under the keys' row locks: a row that is there, or
+    /// whose token holds a lease (handed to it meanwhile), stays as it is;
+    /// a ticket being dequeued is left out. Then each local queue head
+    /// looks, and every other waiter when it heads its queue (as before
+    /// this put them back, which it did one by one, each only once it was
+    /// the head: a release, or permits freed together, in the meantime
+    /// went to a claim queued later through another sidecar).
+    pub(super) async fn rejoin(&self) {
+        let mut params = Rejoin::default();
+        {
+            let t = self.tickets();
+            for (seq, live) in t.live.iter().filter(|(seq, _)| !t.gone.contains(seq)) {
+                params.add(*seq, live);
             }
         }
+        if !params.seqs.is_empty() {
+            match self
+                .rows("rejoin", &self.sql.rejoin, &params.params(self))
+                .await
+            {
+                Ok(rows) => tracing::debug!(rows = rows.len(), "waiter rows put back"),
+                Err(e) => tracing::debug!(error = %e, "could not put waiter rows back"),
+            }
+        }
+        for key in self.wakeups.keys() {
+            self.wakeups.wake_all(&key);
+        }
+    }
+}
+
+/// The arguments of the `rejoin` statement: one array per column.
+#[derive(Default)]
+struct Rejoin {
+    seqs: Vec<i64>,
+    kinds: Vec<&'static str>,
+    names: Vec<String>,
+    modes: Vec<&'static str>,
+    owners: Vec<String>,
+    sidecars: Vec<String>,
+    tokens: Vec<String>,
+    ttls: Vec<i64>,
+    max_holds: Vec<Option<i64>>,
+    lock_delays: Vec<i64>,
+}
+
+impl Rejoin {
+    fn add(&mut self, seq: u64, live: &super::Live) {
+        let claim = &live.claim;
+        self.seqs.push(i64::try_from(seq).unwrap_or(i64::MAX));
+        self.kinds.push(claim.key.kind.as_str());
+        self.names.push(claim.key.name.as_str().to_owned());
+        self.modes.push(claim.mode.as_str());
+        self.owners.push(claim.owner.clone());
+        self.sidecars.push(claim.sidecar.clone());
+        self.tokens.push(live.token.expose().to_owned());
+        self.ttls.push(ms_i64(claim.ttl));
+        self.max_holds.push(claim.max_hold.map(ms_i64));
+        self.lock_delays.push(ms_i64(claim.lock_delay));
+    }
+
+    fn params<'a>(&'a self, inner: &'a Inner) -> [&'a (dyn ToSql + Sync); 11] {
+        [
+            &inner.instance,
+            &self.seqs,
+            &self.kinds,
+            &self.names,
+            &self.modes,
+            &self.owners,
+            &self.sidecars,
+            &self.tokens,
+            &self.ttls,
+            &self.max_holds,
+            &self.lock_delays,
+        ]
     }
 }
 
@@ -295,11 +378,8 @@ impl Inner {
         // may have passed every local waiter by (`pass_on()` takes a
         // waiter's row when its instance's advisory lock is free, and then
         // every row of that instance, whose lock the transaction holds):
-        // each local queue head looks again now, and every other waiter
-        // when it heads its queue, taking its place back at its ticket.
-        for key in self.wakeups.keys() {
-            self.wakeups.wake_all(&key);
-        }
+        // their rows are put back, and each local queue head looks again.
+        self.rejoin().await;
         let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -378,7 +458,7 @@ impl Inner {
     /// more is released by its dequeue). Anyone else's tells observers.
     fn deliver(&self, h: Handed) {
         let token = (h.instance == self.instance)
-            .then(|| self.tickets().live.get(&h.seq).cloned())
+            .then(|| self.tickets().live.get(&h.seq).map(|l| l.token.clone()))
             .flatten();
         let Some(token) = token else {
             self.wakeups.changed(&h.key);

@@ -238,10 +238,17 @@ struct Inner {
 
 #[derive(Default)]
 struct Tickets {
-    /// Queued tickets, with the token each waiter row carries: the lease's,
-    /// when a release hands the lock to it.
-    live: HashMap<u64, Token>,
+    /// Queued tickets: each waiter row's token (the lease's, when a release
+    /// hands the lock to it) and claim, from which its row is put back when
+    /// it may have been dropped ([`Inner::rejoin`]).
+    live: HashMap<u64, Live>,
     gone: HashSet<u64>,
+}
+
+/// One queued ticket of this sidecar: what its waiter row holds.
+struct Live {
+    token: Token,
+    claim: Claim,
 }
 
 impl Inner {
@@ -373,7 +380,7 @@ impl Backend for Postgres {
         // waiter's place, which its wake-up makes it look at next.
         let token = match turn {
             Turn::Queued(ticket) => match inner.tickets().live.get(&ticket.seq) {
-                Some(token) => token.clone(),
+                Some(live) => live.token.clone(),
                 None => return Ok(Attempt::Busy(Busy::default())),
             },
             _ => Token::generate(),
@@ -416,7 +423,11 @@ impl Backend for Postgres {
         match (&reply, turn) {
             (AcquireReply::Busy(b), _) => {
                 if let Some(seq) = b.seq {
-                    inner.tickets().live.insert(seq, token.clone());
+                    let live = Live {
+                        token: token.clone(),
+                        claim: claim.clone(),
+                    };
+                    inner.tickets().live.insert(seq, live);
                 }
             }
             // The grant removed the ticket.
@@ -462,7 +473,7 @@ impl Backend for Postgres {
         let taken = inner.tickets().live.remove(&ticket.seq);
         let token = taken
             .as_ref()
-            .map(|t| t.expose().to_owned())
+            .map(|t| t.token.expose().to_owned())
             .unwrap_or_default();
         let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
         let result: Result<bool, Error> = inner
@@ -479,8 +490,8 @@ impl Backend for Postgres {
             tickets.gone.insert(ticket.seq);
             // Kept for the caller's retry, which must give back a lease the
             // database may have handed the ticket meanwhile.
-            if let Some(token) = taken {
-                tickets.live.insert(ticket.seq, token);
+            if let Some(live) = taken {
+                tickets.live.insert(ticket.seq, live);
             }
         }
         result.map(|_| ())

@@ -22,6 +22,7 @@ pub(super) struct Sql {
     pub(super) force_release: String,
     pub(super) heartbeat: String,
     pub(super) leave: String,
+    pub(super) rejoin: String,
     pub(super) announce: String,
 }
 
@@ -55,6 +56,7 @@ impl Sql {
             force_release: fill("SELECT {s}.force_release($1, $2)::text"),
             heartbeat: fill("SELECT {s}.heartbeat($1, $2, $3, $4, $5, $6)::text, {DB_NOW}"),
             leave: fill("SELECT 1 FROM {s}.leave($1)"),
+            rejoin: fill(REJOIN_SQL),
             announce: fill("SELECT {s}.wake($1, $2)"),
         }
     }
@@ -66,6 +68,36 @@ impl Sql {
 /// when it ended (after the call before it in the select list).
 pub(super) const DB_NOW: &str =
     "{s}.ms(statement_timestamp()) AS db_now, {s}.ms(clock_timestamp()) AS db_end";
+
+/// Puts back this sidecar's waiter rows that are gone, each at its own
+/// ticket (`seq`), under the keys' row locks (taken in one order, as a
+/// release or an acquire takes its key's): not a row whose ticket is
+/// there, nor one whose token holds a lease (handed to it meanwhile).
+/// `$1` the instance; then one array per column: `$2` seq, `$3` kind, `$4`
+/// name, `$5` mode, `$6` owner, `$7` sidecar, `$8` token, `$9` ttl ms,
+/// `$10` max_hold ms, `$11` lock-delay ms. Returns the seqs put back.
+pub(super) const REJOIN_SQL: &str = "
+WITH t AS (
+    SELECT * FROM unnest($2::bigint[], $3::text[], $4::text[], $5::text[], $6::text[],
+                         $7::text[], $8::text[], $9::bigint[], $10::bigint[], $11::bigint[])
+        AS t(seq, kind, name, mode, owner, sidecar, token, ttl_ms, max_hold_ms, lock_delay_ms)
+),
+locked AS (
+    SELECT k.kind, k.name FROM {s}.keys k
+     WHERE (k.kind, k.name) IN (SELECT kind, name FROM t)
+     ORDER BY k.kind, k.name
+       FOR NO KEY UPDATE
+)
+INSERT INTO {s}.waiters (seq, kind, name, owner, sidecar, instance, mode, queued_at,
+                         token, ttl_ms, max_hold_ms, lock_delay_ms)
+SELECT t.seq, t.kind, t.name, t.owner, t.sidecar, $1, t.mode, clock_timestamp(),
+       t.token, t.ttl_ms, t.max_hold_ms, t.lock_delay_ms
+  FROM t JOIN locked l ON l.kind = t.kind AND l.name = t.name
+ WHERE NOT EXISTS (SELECT 1 FROM {s}.waiters w WHERE w.seq = t.seq)
+   AND NOT EXISTS (SELECT 1 FROM {s}.leases x WHERE x.token = t.token)
+ ORDER BY t.seq
+ON CONFLICT (seq) DO NOTHING
+RETURNING seq";
 
 /// Held or contended keys after a cursor: `$1` prefix, `$2`/`$3` the cursor's
 /// kind and name (NULL for the first page), `$4` limit, `$5` lapse in ms.
