@@ -124,6 +124,7 @@ impl Inner {
     /// the head: a release, or permits freed together, in the meantime
     /// went to a claim queued later through another sidecar).
     pub(super) async fn rejoin(&self) {
+        let rejoining = self.rejoining.write().await;
         let mut params = Rejoin::default();
         {
             let t = self.tickets();
@@ -136,12 +137,45 @@ impl Inner {
                 .rows("rejoin", &self.sql.rejoin, &params.params(self))
                 .await
             {
-                Ok(rows) => tracing::debug!(rows = rows.len(), "waiter rows put back"),
+                Ok(rows) => {
+                    tracing::debug!(rows = rows.len(), "waiter rows put back");
+                    drop(rejoining);
+                    self.remove_delivered(&params, &rows).await;
+                }
                 Err(e) => tracing::debug!(error = %e, "could not put waiter rows back"),
             }
         }
         for key in self.wakeups.keys() {
             self.wakeups.wake_all(&key);
+        }
+    }
+
+    /// Removes the rows [`Inner::rejoin`] put back (`rows`, their seqs) for
+    /// tickets that are no longer queued: the one way one can leave while
+    /// the rejoin holds off its waiters is a handoff delivered (and its
+    /// lease released) between the rejoin's look at the tickets and its
+    /// statement. Removed with its token, so a lease handed to that row
+    /// since goes back too.
+    async fn remove_delivered(&self, params: &Rejoin, rows: &[Row]) {
+        for seq in rows.iter().filter_map(|r| r.try_get::<_, i64>(0).ok()) {
+            let gone = u64::try_from(seq).is_ok_and(|s| !self.tickets().live.contains_key(&s));
+            let Some(at) = params.seqs.iter().position(|s| *s == seq) else {
+                continue;
+            };
+            if !gone {
+                continue;
+            }
+            let token = &params.tokens[at];
+            let removed: Result<bool, Error> = self
+                .value(
+                    "dequeue",
+                    &self.sql.dequeue,
+                    &[&seq, token, &ms_i64(LAPSE_AFTER)],
+                )
+                .await;
+            if removed.is_err() {
+                self.tickets().gone.insert(u64::try_from(seq).unwrap_or(0));
+            }
         }
     }
 }

@@ -225,6 +225,12 @@ struct Inner {
     /// This sidecar's tickets: the ones requests wait with, and the ones whose
     /// dequeue failed; the heartbeat removes every other row of this instance.
     tickets: Mutex<Tickets>,
+    /// Held for writing while [`Inner::rejoin`] puts waiter rows back, and
+    /// for reading by a waiter's own queued attempt and dequeue: a row put
+    /// back for a ticket that was granted or left between the rejoin's look
+    /// at the tickets and its statement would be a ghost that a release
+    /// hands the lock to (or, granted, whose removal would take its lease).
+    rejoining: tokio::sync::RwLock<()>,
     /// When the last heartbeat succeeded (local ms; 0: none yet).
     beat_ms: AtomicU64,
     /// The database's time at the last heartbeat (0: none yet): a
@@ -370,6 +376,10 @@ impl Backend for Postgres {
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
         let inner = &self.inner;
+        let _rejoin = match turn {
+            Turn::Queued(_) => Some(inner.rejoining.read().await),
+            Turn::Once | Turn::Join => None,
+        };
         let (turn_name, seq) = match turn {
             Turn::Once => ("once", None),
             Turn::Join => ("join", None),
@@ -469,6 +479,7 @@ impl Backend for Postgres {
 
     async fn dequeue(&self, ticket: &Ticket) -> Result<(), Error> {
         let inner = &self.inner;
+        let _rejoin = inner.rejoining.read().await;
         // Without its token (handed a lease the waiter took), nothing matches.
         let taken = inner.tickets().live.remove(&ticket.seq);
         let token = taken

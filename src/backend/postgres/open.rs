@@ -154,6 +154,7 @@ impl Postgres {
             offset_ms: AtomicI64::new(0),
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
+            rejoining: tokio::sync::RwLock::new(()),
             beat_ms: AtomicU64::new(0),
             beat_db_ms: AtomicI64::new(0),
             renewals,
