@@ -34,7 +34,7 @@ impl Inner {
         let reply = client.query_one(statement, &beat.params(self)).await?;
         self.settle_offset((sent, now_ms()), std::slice::from_ref(&reply));
         if self.beaten(&beat, Some(&reply)) {
-            self.rejoin().await;
+            self.rejoin_soon.notify_one();
         }
         Ok(())
     }
@@ -48,7 +48,7 @@ impl Inner {
             .rows(op, &self.sql.heartbeat, &beat.params(self))
             .await?;
         if self.beaten(&beat, reply.first()) {
-            self.rejoin().await;
+            self.rejoin_soon.notify_one();
         }
         Ok(())
     }
@@ -123,13 +123,21 @@ impl Inner {
     /// this put them back, which it did one by one, each only once it was
     /// the head: a release, or permits freed together, in the meantime
     /// went to a claim queued later through another sidecar).
-    pub(super) async fn rejoin(&self) {
+    async fn rejoin(&self) {
+        // Its own row first: rows put back for a sidecar whose heartbeat is
+        // a lapse old would be dropped again by the next release.
+        if let Err(e) = self.heartbeat_now("rejoin").await {
+            tracing::warn!(error = %e, "could not put waiter rows back");
+            return;
+        }
         let rejoining = self.rejoining.write().await;
         let mut params = Rejoin::default();
         {
             let t = self.tickets();
-            for (seq, live) in t.live.iter().filter(|(seq, _)| !t.gone.contains(seq)) {
-                params.add(*seq, live);
+            for (seq, live) in t.live.iter() {
+                if !t.gone.contains(seq) && !t.leaving.contains(seq) {
+                    params.add(*seq, live);
+                }
             }
         }
         if !params.seqs.is_empty() {
@@ -142,11 +150,35 @@ impl Inner {
                     drop(rejoining);
                     self.remove_delivered(&params, &rows).await;
                 }
-                Err(e) => tracing::debug!(error = %e, "could not put waiter rows back"),
+                Err(e) => tracing::warn!(error = %e, "could not put waiter rows back"),
             }
         }
         for key in self.wakeups.keys() {
             self.wakeups.wake_all(&key);
+        }
+    }
+
+    /// Background task: runs [`Inner::rejoin`] whenever it is asked for
+    /// (one at a time; asks that come meanwhile make one more), apart from
+    /// the LISTEN connection's loop, which goes on reading notifications and
+    /// sending heartbeats within their time limit however long a rejoin
+    /// waits for connections and row locks.
+    pub(super) async fn rejoins(
+        me: std::sync::Weak<Self>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            let Some(asked) = me.upgrade().map(|inner| async move {
+                inner.rejoin_soon.notified().await;
+                inner
+            }) else {
+                return;
+            };
+            let inner = tokio::select! {
+                () = stop.cancelled() => return,
+                inner = asked => inner,
+            };
+            inner.rejoin().await;
         }
     }
 
@@ -413,7 +445,7 @@ impl Inner {
         // waiter's row when its instance's advisory lock is free, and then
         // every row of that instance, whose lock the transaction holds):
         // their rows are put back, and each local queue head looks again.
-        self.rejoin().await;
+        self.rejoin_soon.notify_one();
         let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -231,6 +231,8 @@ struct Inner {
     /// at the tickets and its statement would be a ghost that a release
     /// hands the lock to (or, granted, whose removal would take its lease).
     rejoining: tokio::sync::RwLock<()>,
+    /// Asks the rejoin task ([`Inner::rejoins`]) to put waiter rows back.
+    rejoin_soon: Notify,
     /// When the last heartbeat succeeded (local ms; 0: none yet).
     beat_ms: AtomicU64,
     /// The database's time at the last heartbeat (0: none yet): a
@@ -249,6 +251,9 @@ struct Tickets {
     /// it may have been dropped ([`Inner::rejoin`]).
     live: HashMap<u64, Live>,
     gone: HashSet<u64>,
+    /// Tickets whose waiter left while the database could not be told:
+    /// kept in `live` for the caller's retry, never put back.
+    leaving: HashSet<u64>,
 }
 
 /// One queued ticket of this sidecar: what its waiter row holds.
@@ -481,7 +486,11 @@ impl Backend for Postgres {
         let inner = &self.inner;
         let _rejoin = inner.rejoining.read().await;
         // Without its token (handed a lease the waiter took), nothing matches.
-        let taken = inner.tickets().live.remove(&ticket.seq);
+        let taken = {
+            let mut tickets = inner.tickets();
+            tickets.leaving.remove(&ticket.seq);
+            tickets.live.remove(&ticket.seq)
+        };
         let token = taken
             .as_ref()
             .map(|t| t.token.expose().to_owned())
@@ -503,6 +512,7 @@ impl Backend for Postgres {
             // database may have handed the ticket meanwhile.
             if let Some(live) = taken {
                 tickets.live.insert(ticket.seq, live);
+                tickets.leaving.insert(ticket.seq);
             }
         }
         result.map(|_| ())

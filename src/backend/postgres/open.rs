@@ -155,12 +155,18 @@ impl Postgres {
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             rejoining: tokio::sync::RwLock::new(()),
+            rejoin_soon: Notify::new(),
             beat_ms: AtomicU64::new(0),
             beat_db_ms: AtomicI64::new(0),
             renewals,
             stop: stop.clone(),
         });
-        tokio::spawn(super::renewals::run(Arc::downgrade(&inner), asked, stop));
+        tokio::spawn(super::renewals::run(
+            Arc::downgrade(&inner),
+            asked,
+            stop.clone(),
+        ));
+        tokio::spawn(Inner::rejoins(Arc::downgrade(&inner), stop));
         match tokio::time::timeout(Duration::from_secs(15), inner.setup()).await {
             Ok(Ok(())) => {}
             Ok(Err(f)) if f.class == Class::Fatal => {
