@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 
@@ -101,7 +101,8 @@ impl Inner {
         let Some(db_now) = reply.and_then(|r| r.try_get::<_, i64>("db_now").ok()) else {
             return false;
         };
-        let last = self.beat_db_ms.swap(db_now, Ordering::Relaxed);
+        // The latest: a slow pooled heartbeat may answer after a later one.
+        let last = self.beat_db_ms.fetch_max(db_now, Ordering::Relaxed);
         let suspect =
             !beat.live.is_empty() && last > 0 && db_now.saturating_sub(last) >= suspect_gap_ms();
         if suspect {
@@ -124,90 +125,92 @@ impl Inner {
     /// the head: a release, or permits freed together, in the meantime
     /// went to a claim queued later through another sidecar).
     async fn rejoin(&self) {
+        self.put_rows_back().await;
+        for key in self.wakeups.keys() {
+            self.wakeups.wake_all(&key);
+        }
+    }
+
+    /// [`Inner::rejoin`]'s statement, and the removal of rows it put back
+    /// for tickets delivered meanwhile.
+    async fn put_rows_back(&self) {
         // Its own row first: rows put back for a sidecar whose heartbeat is
         // a lapse old would be dropped again by the next release.
         if let Err(e) = self.heartbeat_now("rejoin").await {
             tracing::warn!(error = %e, "could not put waiter rows back");
             return;
         }
-        let rejoining = self.rejoining.write().await;
-        let mut params = Rejoin::default();
-        {
-            let t = self.tickets();
-            for (seq, live) in t.live.iter() {
-                if !t.gone.contains(seq) && !t.leaving.contains(seq) {
-                    params.add(*seq, live);
+        let delivered = {
+            let _rejoining = self.rejoining.write().await;
+            let mut params = Rejoin::default();
+            {
+                let t = self.tickets();
+                for (seq, live) in t.live.iter() {
+                    if !t.gone.contains(seq) && !t.leaving.contains(seq) {
+                        params.add(*seq, live);
+                    }
                 }
             }
-        }
-        if !params.seqs.is_empty() {
-            match self
+            if params.seqs.is_empty() {
+                return;
+            }
+            let rows = match self
                 .rows("rejoin", &self.sql.rejoin, &params.params(self))
                 .await
             {
-                Ok(rows) => {
-                    tracing::debug!(rows = rows.len(), "waiter rows put back");
-                    drop(rejoining);
-                    self.remove_delivered(&params, &rows).await;
+                Ok(rows) => rows,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not put waiter rows back");
+                    return;
                 }
-                Err(e) => tracing::warn!(error = %e, "could not put waiter rows back"),
-            }
-        }
-        for key in self.wakeups.keys() {
-            self.wakeups.wake_all(&key);
-        }
-    }
-
-    /// Background task: runs [`Inner::rejoin`] whenever it is asked for
-    /// (one at a time; asks that come meanwhile make one more), apart from
-    /// the LISTEN connection's loop, which goes on reading notifications and
-    /// sending heartbeats within their time limit however long a rejoin
-    /// waits for connections and row locks.
-    pub(super) async fn rejoins(
-        me: std::sync::Weak<Self>,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
-        loop {
-            let Some(asked) = me.upgrade().map(|inner| async move {
-                inner.rejoin_soon.notified().await;
-                inner
-            }) else {
-                return;
             };
-            let inner = tokio::select! {
-                () = stop.cancelled() => return,
-                inner = asked => inner,
-            };
-            inner.rejoin().await;
-        }
-    }
-
-    /// Removes the rows [`Inner::rejoin`] put back (`rows`, their seqs) for
-    /// tickets that are no longer queued: the one way one can leave while
-    /// the rejoin holds off its waiters is a handoff delivered (and its
-    /// lease released) between the rejoin's look at the tickets and its
-    /// statement. Removed with its token, so a lease handed to that row
-    /// since goes back too.
-    async fn remove_delivered(&self, params: &Rejoin, rows: &[Row]) {
-        for seq in rows.iter().filter_map(|r| r.try_get::<_, i64>(0).ok()) {
-            let gone = u64::try_from(seq).is_ok_and(|s| !self.tickets().live.contains_key(&s));
-            let Some(at) = params.seqs.iter().position(|s| *s == seq) else {
-                continue;
-            };
-            if !gone {
-                continue;
-            }
-            let token = &params.tokens[at];
+            tracing::debug!(rows = rows.len(), "waiter rows put back");
+            // Chosen while the sidecar's own attempts and dequeues wait: a
+            // ticket gone from `live` now was delivered a handoff (before
+            // the statement, its lease released since; or after it, to the
+            // row put back).
+            let t = self.tickets();
+            rows.iter()
+                .filter_map(|r| r.try_get::<_, i64>(0).ok())
+                .filter(|seq| u64::try_from(*seq).is_ok_and(|s| !t.live.contains_key(&s)))
+                .collect::<Vec<i64>>()
+        };
+        // By the row alone: a lease handed to the row after the statement
+        // is its waiter's now. (Handed to one put back for a lease already
+        // released, it lasts its ttl: a window of one round trip.)
+        for seq in delivered {
             let removed: Result<bool, Error> = self
                 .value(
                     "dequeue",
                     &self.sql.dequeue,
-                    &[&seq, token, &ms_i64(LAPSE_AFTER)],
+                    &[&seq, &"", &ms_i64(LAPSE_AFTER)],
                 )
                 .await;
             if removed.is_err() {
                 self.tickets().gone.insert(u64::try_from(seq).unwrap_or(0));
             }
+        }
+    }
+
+    /// Background task: runs [`Inner::rejoin`] whenever `asked` (one at a
+    /// time; asks that come meanwhile make one more), apart from the LISTEN
+    /// connection's loop, which goes on reading notifications and sending
+    /// heartbeats within their time limit however long a rejoin waits for
+    /// connections and row locks. Holds the backend only while it runs one.
+    pub(super) async fn rejoins(
+        me: std::sync::Weak<Self>,
+        asked: Arc<Notify>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = asked.notified() => {}
+            }
+            let Some(inner) = me.upgrade() else {
+                return;
+            };
+            inner.rejoin().await;
         }
     }
 }

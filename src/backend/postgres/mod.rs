@@ -232,7 +232,7 @@ struct Inner {
     /// hands the lock to (or, granted, whose removal would take its lease).
     rejoining: tokio::sync::RwLock<()>,
     /// Asks the rejoin task ([`Inner::rejoins`]) to put waiter rows back.
-    rejoin_soon: Notify,
+    rejoin_soon: Arc<Notify>,
     /// When the last heartbeat succeeded (local ms; 0: none yet).
     beat_ms: AtomicU64,
     /// The database's time at the last heartbeat (0: none yet): a

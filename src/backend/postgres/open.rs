@@ -155,7 +155,7 @@ impl Postgres {
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             rejoining: tokio::sync::RwLock::new(()),
-            rejoin_soon: Notify::new(),
+            rejoin_soon: Arc::new(Notify::new()),
             beat_ms: AtomicU64::new(0),
             beat_db_ms: AtomicI64::new(0),
             renewals,
@@ -166,7 +166,11 @@ impl Postgres {
             asked,
             stop.clone(),
         ));
-        tokio::spawn(Inner::rejoins(Arc::downgrade(&inner), stop));
+        tokio::spawn(Inner::rejoins(
+            Arc::downgrade(&inner),
+            inner.rejoin_soon.clone(),
+            stop,
+        ));
         match tokio::time::timeout(Duration::from_secs(15), inner.setup()).await {
             Ok(Ok(())) => {}
             Ok(Err(f)) if f.class == Class::Fatal => {
