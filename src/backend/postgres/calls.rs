@@ -16,7 +16,9 @@ use crate::lock::{Held, Kind};
 
 use super::errors::{Class, Failure};
 use super::sql::HolderRow;
-use super::{BUSY_POOL_TIMEOUT, Inner, OFFSET_SLACK_MS, OP_TIMEOUT, POOL_TIMEOUT, Tickets};
+use super::{
+    BUSY_POOL_TIMEOUT, Inner, OFFSET_SLACK_MS, OFFSET_STEP_MS, OP_TIMEOUT, POOL_TIMEOUT, Tickets,
+};
 
 impl Inner {
     /// A database time as this process's Unix milliseconds. The offset is
@@ -27,28 +29,43 @@ impl Inner {
         u64::try_from(db_ms.saturating_add(offset)).unwrap_or(0)
     }
 
-    /// Takes a re-measured clock offset when it is lower (times then read
-    /// earlier: always safe, and after a step of the database's clock
-    /// forward, needed at once) or higher by more than [`OFFSET_SLACK_MS`]
-    /// (the database's clock moved back, or another server took over);
-    /// smaller rises are measurement noise, and keeping the offset keeps
-    /// the times reported for one lease consistent.
+    /// Takes a re-measured clock offset:
+    /// - higher by more than [`OFFSET_SLACK_MS`] (the database's clock moved
+    ///   back, or another server took over): at once;
+    /// - lower by [`OFFSET_STEP_MS`] or more (the database's clock stepped
+    ///   forward; times would read late): at once;
+    /// - lower by less, but more than the slack: when the next measurement
+    ///   is that low too (the higher of the two). One slow answer measures
+    ///   low by its delay, and moving the offset with each would move the
+    ///   times of one lease between its grant and its renewals (a hold
+    ///   stream's `max_hold` check compares them).
+    ///
+    /// Smaller differences are measurement noise, and keeping the offset
+    /// keeps the times reported for one lease consistent.
     pub(super) fn adopt_offset(&self, measured: i64) {
         let current = self.offset_ms.load(Ordering::Relaxed);
-        let moved = (measured - current).abs();
-        if measured < current || moved > OFFSET_SLACK_MS {
-            // A slow answer moves it by its delay, a clock step by more.
-            if moved >= 1000 {
-                tracing::info!(
-                    from_ms = current,
-                    to_ms = measured,
-                    "the database clock moved against ours; adopting the new offset"
-                );
-            } else {
-                tracing::debug!(from_ms = current, to_ms = measured, "clock offset settled");
+        let pending = self.offset_low_ms.swap(i64::MIN, Ordering::Relaxed);
+        let take = if measured > current + OFFSET_SLACK_MS || measured <= current - OFFSET_STEP_MS {
+            measured
+        } else if measured < current - OFFSET_SLACK_MS {
+            if pending == i64::MIN {
+                self.offset_low_ms.store(measured, Ordering::Relaxed);
+                return;
             }
-            self.offset_ms.store(measured, Ordering::Relaxed);
+            pending.max(measured)
+        } else {
+            return;
+        };
+        if (take - current).abs() >= 1000 {
+            tracing::info!(
+                from_ms = current,
+                to_ms = take,
+                "the database clock moved against ours; adopting the new offset"
+            );
+        } else {
+            tracing::debug!(from_ms = current, to_ms = take, "clock offset settled");
         }
+        self.offset_ms.store(take, Ordering::Relaxed);
     }
 
     /// Lowers the clock offset to `bound` when it is above it: `bound` is

@@ -122,6 +122,9 @@ const MIN_BACKOFF: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Clock-offset changes up to this are measurement noise (see [`Inner::adopt_offset`]).
 const OFFSET_SLACK_MS: i64 = 10;
+/// A clock offset lower by this much is a step of the database's clock,
+/// taken at once (see [`Inner::adopt_offset`]).
+const OFFSET_STEP_MS: i64 = 100;
 /// Most stale entries reported per reason source.
 const STALE_LIMIT: i64 = 1000;
 
@@ -219,6 +222,9 @@ struct Inner {
     reconnect: Notify,
     /// Local clock minus database clock, in ms (see [`Inner::local`]).
     offset_ms: AtomicI64,
+    /// A lower offset measured once, waiting for the next measurement to
+    /// confirm it (`i64::MIN`: none; see [`Inner::adopt_offset`]).
+    offset_low_ms: AtomicI64,
     /// When a pooled statement last succeeded (local ms): a pool whose
     /// connections all are in use is busy, not down, while this moves.
     progress_ms: AtomicU64,

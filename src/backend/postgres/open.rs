@@ -152,6 +152,7 @@ impl Postgres {
             listening: watch::channel(false).0,
             reconnect: Notify::new(),
             offset_ms: AtomicI64::new(0),
+            offset_low_ms: AtomicI64::new(i64::MIN),
             progress_ms: AtomicU64::new(0),
             tickets: Mutex::default(),
             rejoining: tokio::sync::RwLock::new(()),
