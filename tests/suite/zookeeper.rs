@@ -739,6 +739,78 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
     assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
 }
 
+/// DESIGN.md: after a lease ends by loss rather than by release, the lock
+/// is not granted again for its `lock_delay`. A ZooKeeper session that ends
+/// deletes its nodes without a word: a sidecar killed with its leases loses
+/// them when the server expires its session, and the next claim — one that
+/// waited, or one that comes after the node went — must still wait out the
+/// lock-delay (it was granted as soon as the session expired).
+#[rstest::rstest]
+#[case::lock_waiter("lock", true)]
+#[case::lock_later("lock", false)]
+#[case::semaphore_waiter("semaphore", true)]
+#[case::semaphore_later("semaphore", false)]
+#[tokio::test]
+async fn a_lease_lost_with_its_session_keeps_its_lock_delay(
+    #[case] kind: &str,
+    #[case] waits: bool,
+) {
+    const DELAY: Duration = Duration::from_secs(5);
+    let server = ZkServer::start().await;
+    let a = sidecar(&format!("{}?session_timeout=1s", server.url("/lost"))).await;
+    let b = sidecar(&server.url("/lost")).await;
+    let name = unique_name("lost");
+    let on = |s: &SidecarGuard| match kind {
+        "lock" => s.api().lock(&name),
+        _ => s.api().semaphore(&name),
+    };
+    let limit: &[(&str, &str)] = if kind == "lock" {
+        &[]
+    } else {
+        &[("limit", "1")]
+    };
+    let held = [
+        &[("owner", "a"), ("ttl", "60s"), ("lock_delay", "5s")],
+        limit,
+    ]
+    .concat();
+    on(&a).acquire(&held).await;
+    let next = [&[("owner", "b"), ("ttl", "60s"), ("wait", "30s")], limit].concat();
+    let waiter = waits.then(|| {
+        let (resource, next) = (on(&b), next.clone());
+        tokio::spawn(async move {
+            let grant = resource.acquire(&next).await;
+            (grant, Instant::now())
+        })
+    });
+    if waits {
+        common::eventually("b waits", Duration::from_secs(10), async || {
+            (!on(&b).inspect().await.waiters.is_empty()).then_some(())
+        })
+        .await;
+    }
+    a.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    let (grant, granted_at) = match waiter {
+        Some(task) => task.await.expect("b's acquire"),
+        None => {
+            common::eventually(
+                "the server expires the killed sidecar's session",
+                Duration::from_secs(20),
+                async || on(&b).inspect().await.holders.is_empty().then_some(()),
+            )
+            .await;
+            (on(&b).acquire(&next).await, Instant::now())
+        }
+    };
+    assert_eq!(grant.owner, "b");
+    let after = granted_at - killed;
+    assert!(
+        after >= DELAY,
+        "granted {after:?} after the holder's sidecar was killed, inside the lost lease's {DELAY:?} lock-delay"
+    );
+}
+
 // The test server reaps empty container nodes every second: the lock-delay
 // must outlive the last claim of the lock node it applies to.
 #[tokio::test]
@@ -1181,11 +1253,13 @@ impl Proxied {
     /// written early), whose answer is held back and its connection reset
     /// `cut` after it; its owner re-enters that lease through the direct
     /// sidecar meanwhile. Returns the waiter's request and the re-entry.
+    /// `also` are more parameters of the waiter's claim and the re-entry.
     async fn lose_a_grant_its_owner_takes_up(
         &self,
         name: &str,
         owner: &str,
         cut: Duration,
+        also: &[(&str, &str)],
     ) -> (
         tokio::task::JoinHandle<reqwest::Response>,
         common::api::Grant,
@@ -1198,9 +1272,14 @@ impl Proxied {
         let waiter = {
             let lock = self.through_proxy.api().lock(name);
             let owner = owner.to_owned();
+            let also: Vec<(String, String)> = also
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
             tokio::spawn(async move {
-                lock.acquire_raw(&[("owner", &owner), ("ttl", "60s"), ("wait", "30s")])
-                    .await
+                let mut params = vec![("owner", owner.as_str()), ("ttl", "60s"), ("wait", "30s")];
+                params.extend(also.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+                lock.acquire_raw(&params).await
             })
         };
         common::eventually("the waiter queued", Duration::from_secs(10), async || {
@@ -1222,7 +1301,9 @@ impl Proxied {
             },
         )
         .await;
-        let taken_up = lock.acquire(&[("owner", owner), ("ttl", "60s")]).await;
+        let mut again = vec![("owner", owner), ("ttl", "60s")];
+        again.extend_from_slice(also);
+        let taken_up = lock.acquire(&again).await;
         assert_eq!(
             taken_up.count, 2,
             "the owner re-entered the lease the lost write granted"
@@ -1265,6 +1346,50 @@ fn next_waiter(sidecar: &SidecarGuard, name: &str) -> tokio::task::JoinHandle<re
     })
 }
 
+/// A waiter's grant with a lock-delay whose answer never came back (its
+/// sidecar killed before it), taken up by its owner through another
+/// sidecar meanwhile (re-entered: count 2), and then lost with the session
+/// of the sidecar that wrote it. Its lock-delay still holds off the next
+/// claim: the mark is made by the granting write itself (made by the
+/// sidecar once the answer came, it was never made, and the next claim was
+/// granted as soon as the session expired).
+#[tokio::test]
+async fn a_lost_grant_taken_up_elsewhere_keeps_its_lock_delay_when_its_session_ends() {
+    // Longer than the proxied sidecar's session timeout (10 s).
+    const DELAY: Duration = Duration::from_secs(15);
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/lost-delay").await;
+    let (name, owner) = (unique_name("lost-delay"), unique_name("owner"));
+    let (lost, taken_up) = p
+        .lose_a_grant_its_owner_takes_up(
+            &name,
+            &owner,
+            Duration::from_secs(5),
+            // A reader: granted by a write (an exclusive waiter is granted
+            // by its listing, and marked before it is written held).
+            &[("lock_delay", "15s"), ("mode", "shared")],
+        )
+        .await;
+    assert_eq!(taken_up.count, 2);
+    // Before the held-back answer reaches it (its request then fails).
+    lost.abort();
+    p.through_proxy.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    let next = p
+        .direct
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "next"), ("wait", "60s")])
+        .await;
+    assert_eq!(next.owner, "next");
+    let after = killed.elapsed();
+    eprintln!("the next claim was granted {after:?} after the kill");
+    assert!(
+        after >= DELAY,
+        "granted {after:?} after the sidecar that wrote the grant was killed, inside the lease's {DELAY:?} lock-delay"
+    );
+}
+
 /// A waiter's granting write — sent after the listing that admitted it, so
 /// a grant — ran but its answer was lost (a reset; the session lives on),
 /// and its owner took that lease up meanwhile through another sidecar
@@ -1280,7 +1405,7 @@ async fn a_lost_grant_its_owner_took_up_is_the_waiters_answer() {
     let p = Proxied::start(&server, "/lost").await;
     let (name, owner) = (unique_name("adopted"), unique_name("owner"));
     let (lost, taken_up) = p
-        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(2))
+        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(2), &[])
         .await;
     let lost = common::within("the waiter's answer", Duration::from_secs(30), lost)
         .await
@@ -1308,7 +1433,7 @@ async fn a_waiter_leaving_after_its_lost_grant_was_taken_up_leaves_the_lease() {
     let p = Proxied::start(&server, "/left").await;
     let (name, owner) = (unique_name("left"), unique_name("owner"));
     let (leaving, taken_up) = p
-        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(3))
+        .lose_a_grant_its_owner_takes_up(&name, &owner, Duration::from_secs(3), &[])
         .await;
     // The waiter's client goes while its attempt still waits for the answer.
     leaving.abort();

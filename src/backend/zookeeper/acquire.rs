@@ -10,7 +10,7 @@ use zookeeper_client as zk;
 use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent};
 use super::names::{EXCLUSIVE, READ, WRITE, matches_any, node_prefix};
 use super::request::{CLAIM_ROUNDS, Failed, Message, OP_TIMEOUT, call, commit, unavailable};
-use super::tree::{At, Found, admitted};
+use super::tree::{At, Found, Listing, admitted, mark_path};
 use super::watch::Follower;
 use super::{Inner, Queued, Record, ZooKeeper, lock};
 use crate::backend::{Attempt, Busy, Error, Grant, Holder, Ticket, Turn};
@@ -193,7 +193,9 @@ impl Inner {
                 ));
             }
             self.forget_ticket(key, seq);
-            return Ok(Reread::Granted(self.hold(zk, lease, listed.clone()).await?));
+            return Ok(Reread::Granted(
+                self.hold(zk, lease, listed.clone(), false).await?,
+            ));
         }
         let own = Own {
             name: own.name.clone(),
@@ -212,7 +214,10 @@ impl Inner {
     }
 
     /// Grants our node `own` with one write, marking it held; its fence is
-    /// that write's zxid. `None` when the node changed or went meanwhile.
+    /// that write's zxid. A lease with a lock-delay gets its mark in the
+    /// same request: written held and not tentative, it may be re-entered
+    /// through another sidecar at once. `None` when the node changed or
+    /// went meanwhile.
     async fn grant(
         &self,
         zk: &zk::Client,
@@ -221,17 +226,44 @@ impl Inner {
         max_hold: Option<u64>,
         parent: &Parent,
     ) -> Result<Option<Grant>, Error> {
+        let op = "try_acquire";
         let data = granted(own.data.clone(), max_hold, now_ms(), false);
         let bytes = serde_json::to_vec(&data).unwrap_or_default();
-        let stat = match call(
-            "try_acquire",
-            zk.set_data(path, &bytes, Some(own.stat.version)),
-        )
-        .await?
-        {
-            Ok(stat) => stat,
-            Err(zk::Error::NoNode | zk::Error::BadVersion) => return Ok(None),
-            Err(e) => return Err(unavailable("try_acquire", e)),
+        let mut mark = mark_path(path, data.lock_delay_ms);
+        let stat = loop {
+            let Some(m) = &mark else {
+                match call(op, zk.set_data(path, &bytes, Some(own.stat.version))).await? {
+                    Ok(stat) => break stat,
+                    Err(zk::Error::NoNode | zk::Error::BadVersion) => return Ok(None),
+                    Err(e) => return Err(unavailable(op, e)),
+                }
+            };
+            let mut writer = zk.new_multi_writer();
+            let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+            for added in [
+                writer.add_set_data(path, &bytes, Some(own.stat.version)),
+                writer.add_create(m, &[], &opts),
+            ] {
+                added.map_err(|e| unavailable(op, e))?;
+            }
+            match commit(op, writer.commit()).await? {
+                Ok(results) => match results.first() {
+                    Some(zk::MultiWriteResult::SetData { stat }) => break *stat,
+                    _ => {
+                        return Err(unavailable(op, Message("a write without its stat".into())));
+                    }
+                },
+                Err(Failed {
+                    index: 0,
+                    error: zk::Error::NoNode | zk::Error::BadVersion,
+                }) => return Ok(None),
+                // Made already (by a write of this grant whose answer was lost).
+                Err(Failed {
+                    index: 1,
+                    error: zk::Error::NodeExists,
+                }) if mark.is_some() => mark = None,
+                Err(Failed { error, .. }) => return Err(unavailable(op, error)),
+            }
         };
         let lease = Lease {
             path: path.to_owned(),
@@ -239,13 +271,22 @@ impl Inner {
             version: stat.version,
             fence: u64::try_from(stat.mzxid).unwrap_or(0),
         };
-        self.hold(zk, lease, parent.clone()).await.map(Some)
+        self.hold(zk, lease, parent.clone(), true).await.map(Some)
     }
 
-    /// Records `lease`, just granted, as this sidecar's, and answers its
-    /// grant; if the session was given up meanwhile, deletes its node
-    /// instead: this sidecar never vouched for it.
-    async fn hold(&self, zk: &zk::Client, lease: Lease, parent: Parent) -> Result<Grant, Error> {
+    /// Records `lease`, just granted, as this sidecar's, marks it if it has
+    /// a lock-delay and is not `marked` already ([`Inner::mark`]), and
+    /// answers its grant; if the session was given up meanwhile, or the
+    /// mark could not be made, deletes its node instead (unless written
+    /// since: re-entered through another sidecar, it is its owner's): this
+    /// sidecar never vouched for it.
+    async fn hold(
+        &self,
+        zk: &zk::Client,
+        lease: Lease,
+        parent: Parent,
+        marked: bool,
+    ) -> Result<Grant, Error> {
         let token = Token::from_client(lease.data.token.clone());
         let grant = Grant {
             token: token.clone(),
@@ -254,17 +295,32 @@ impl Inner {
             since_ms: lease.data.since_ms,
             expires_at_ms: lease.data.expires_at_ms,
         };
-        let path = lease.path.clone();
+        let (path, version) = (lease.path.clone(), lease.version);
+        let lock_delay_ms = lease.data.lock_delay_ms;
+        // Made before the lease is recorded and answered.
+        let marked = if marked {
+            Ok(())
+        } else {
+            self.mark(zk, "try_acquire", &lease).await
+        };
         let current = {
             let session = lock(&self.session);
             let current = *session == Some(zk.session_id());
-            if current {
+            if current && marked.is_ok() {
                 lock(&self.leases).insert(token, Box::new(Record { lease, parent }));
             }
             current
         };
-        if !current {
-            let _ = call("try_acquire", zk.delete(&path, None)).await;
+        if !current || marked.is_err() {
+            // Its mark once the node is gone (a mark left alone starts a
+            // lock-delay, which is the safe side).
+            if let Ok(Ok(()) | Err(zk::Error::NoNode)) =
+                call("try_acquire", zk.delete(&path, Some(version))).await
+                && let Some(mark) = mark_path(&path, lock_delay_ms)
+            {
+                let _ = call("try_acquire", zk.delete(&mark, None)).await;
+            }
+            marked?;
             return Err(unavailable(
                 "try_acquire",
                 Message("the ZooKeeper session was given up while granting".into()),
@@ -274,14 +330,17 @@ impl Inner {
     }
 
     /// Re-enters `lease` (held by `claim`'s owner) for `claim` and deletes
-    /// our own node `own_path` in the same request. `None` when either
-    /// changed meanwhile.
+    /// our own node `own_path` in the same request, which also makes the
+    /// lease's lock-delay mark when `listing` shows none (a lease whose
+    /// granting sidecar lost the answer of its grant has none yet). `None`
+    /// when either changed meanwhile.
     async fn reenter(
         &self,
         zk: &zk::Client,
         lease: &Lease,
         claim: &Claim,
         own: (&str, i32),
+        listing: &Listing,
     ) -> Result<Option<Grant>, Error> {
         let op = "try_acquire";
         let mut next = lease.next();
@@ -292,20 +351,35 @@ impl Inner {
             next.expires_at_ms = next.expires_at_ms.min(cap);
         }
         let bytes = serde_json::to_vec(&next).unwrap_or_default();
-        let mut writer = zk.new_multi_writer();
-        for added in [
-            writer.add_set_data(&lease.path, &bytes, Some(lease.version)),
-            writer.add_delete(own.0, Some(own.1)),
-        ] {
-            added.map_err(|e| unavailable(op, e))?;
-        }
-        let results = match commit(op, writer.commit()).await? {
-            Ok(results) => results,
-            Err(Failed {
-                error: zk::Error::NoNode | zk::Error::BadVersion,
-                ..
-            }) => return Ok(None),
-            Err(Failed { error, .. }) => return Err(unavailable(op, error)),
+        let mut mark =
+            mark_path(&lease.path, lease.data.lock_delay_ms).filter(|m| !listing.has_mark(m));
+        let results = loop {
+            let mut writer = zk.new_multi_writer();
+            for added in [
+                writer.add_set_data(&lease.path, &bytes, Some(lease.version)),
+                writer.add_delete(own.0, Some(own.1)),
+            ] {
+                added.map_err(|e| unavailable(op, e))?;
+            }
+            if let Some(m) = &mark {
+                let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                writer
+                    .add_create(m, &[], &opts)
+                    .map_err(|e| unavailable(op, e))?;
+            }
+            match commit(op, writer.commit()).await? {
+                Ok(results) => break results,
+                // Made since the listing.
+                Err(Failed {
+                    index: 2,
+                    error: zk::Error::NodeExists,
+                }) if mark.is_some() => mark = None,
+                Err(Failed {
+                    error: zk::Error::NoNode | zk::Error::BadVersion,
+                    ..
+                }) => return Ok(None),
+                Err(Failed { error, .. }) => return Err(unavailable(op, error)),
+            }
         };
         let token = Token::from_client(next.token.clone());
         if let Some(zk::MultiWriteResult::SetData { stat }) = results.first()
@@ -592,6 +666,12 @@ impl ZooKeeper {
             } else {
                 me.children(&zk, op, &parent).await?
             };
+            // A lease lost with its session: its lock-delay starts now,
+            // before anyone is admitted (a claim written as granted before
+            // it is then no grant: it would fall inside the delay).
+            if me.start_lost_delays(&zk, op, &parent, &listing).await? {
+                continue;
+            }
             let children = &listing.children;
             let Some(index) = children.iter().position(|c| c.name == own.name) else {
                 if let Turn::Queued(t) = turn {
@@ -675,7 +755,7 @@ impl ZooKeeper {
                 && let Some(lease) = &reentered
             {
                 match me
-                    .reenter(&zk, lease, claim, (&path, own.stat.version))
+                    .reenter(&zk, lease, claim, (&path, own.stat.version), &listing)
                     .await?
                 {
                     Some(grant) => {
@@ -719,7 +799,7 @@ impl ZooKeeper {
                     && listing.untouched_since(own.stat.mzxid)
                 {
                     let lease = Lease::read(path.clone(), own.data.clone(), &own.stat);
-                    let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
+                    let grant = me.hold(&zk, lease, listing.parent.clone(), false).await?;
                     if own.data.tentative {
                         me.confirm_later(&grant.token);
                     }
@@ -742,7 +822,7 @@ impl ZooKeeper {
                         version: own.stat.version,
                         fence: u64::try_from(stat.pzxid).unwrap_or(0),
                     };
-                    let grant = me.hold(&zk, lease, listing.parent.clone()).await?;
+                    let grant = me.hold(&zk, lease, listing.parent.clone(), false).await?;
                     me.confirm_later(&grant.token);
                     Some(grant)
                 } else {
@@ -941,7 +1021,7 @@ impl ZooKeeper {
                     {
                         let token = Token::from_client(data.token.clone());
                         let lease = Lease::read(path, data, &stat);
-                        me.hold(&zk, lease, Parent::default()).await?;
+                        me.hold(&zk, lease, Parent::default(), false).await?;
                         me.release(&ticket.key, &token).await?;
                         return Ok(());
                     }

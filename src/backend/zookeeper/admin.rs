@@ -7,9 +7,9 @@ use std::time::Duration;
 use zookeeper_client as zk;
 
 use super::data::{CONFIRM_WAIT, Node, NodeData, fence_of};
-use super::names::{DELAY_NODE, decode_name};
+use super::names::{DELAY_NODE, Mark, decode_name};
 use super::request::{Failed, Message, PARENT_ROUNDS, call, commit, unavailable};
-use super::tree::{Listing, add_end_record, conflict};
+use super::tree::{Listing, add_end_record, conflict, mark_path};
 use super::{Inner, lock};
 use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
 use crate::clock::{ms, now_ms};
@@ -169,6 +169,23 @@ impl Inner {
                     Err(e) => return Err(unavailable("stale", e)),
                 };
                 raw.retain(|n| n != DELAY_NODE);
+                let marked = raw.iter().any(|n| Mark::parse(n).is_some());
+                raw.retain(|n| Mark::parse(n).is_none());
+                if marked {
+                    // Leases lost with their session while nobody waited:
+                    // their lock-delay starts here, about when they were
+                    // lost, rather than when the next claim comes.
+                    // One lock that fails here does not end the scan.
+                    let started = async {
+                        let listing = self.children(&zk, "stale", &parent).await?;
+                        self.start_lost_delays(&zk, "stale", &parent, &listing)
+                            .await
+                    };
+                    if let Err(e) = started.await {
+                        tracing::debug!(backend = "zookeeper", %parent, error = %e,
+                            "could not start the lock-delay of leases lost with their session");
+                    }
+                }
                 if raw.is_empty() {
                     let age = now.saturating_sub(u64::try_from(pstat.mtime).unwrap_or(0));
                     let listing = self.children(&zk, "stale", &parent).await?;
@@ -286,6 +303,7 @@ impl Inner {
         let zk = self.client().await?;
         let parent = self.key_path(key);
         let mut rounds = 0;
+        let mut unmarked = std::collections::HashSet::new();
         let ended = 'read: loop {
             let (mut listing, nodes, _) = self.snapshot(&zk, OP, key, &parent).await?;
             let mut ending = self
@@ -303,6 +321,18 @@ impl Inner {
                 for e in &ending {
                     writer
                         .add_delete(&e.path, e.version)
+                        .map_err(|e| unavailable(OP, e))?;
+                }
+                // Their lock-delay marks go with them (this request starts
+                // their lock-delay itself), except those found missing.
+                let marks: Vec<String> = ending
+                    .iter()
+                    .filter_map(|e| mark_path(&e.path, e.lock_delay_ms))
+                    .filter(|m| !unmarked.contains(m))
+                    .collect();
+                for mark in &marks {
+                    writer
+                        .add_delete(mark, None)
                         .map_err(|e| unavailable(OP, e))?;
                 }
                 let fence = ending.iter().map(|e| e.fence).max().unwrap_or(0);
@@ -328,6 +358,17 @@ impl Inner {
                         index,
                         error: zk::Error::BadVersion,
                     }) if index < ending.len() => continue 'read,
+                    // A lease without its mark (granted by an older
+                    // version, or its mark not made yet).
+                    Err(Failed {
+                        index,
+                        error: zk::Error::NoNode,
+                    }) if index < ending.len() + marks.len() => {
+                        // Not counted: each mark is found missing once.
+                        unmarked.insert(marks[index - ending.len()].clone());
+                        rounds -= 1;
+                        continue;
+                    }
                     // The lock node's record or the delay node changed (a
                     // lease ended): only they are read again, not every
                     // holder.

@@ -88,7 +88,11 @@
 //! the expired (or force-released) lease, so that whoever sees the lease
 //! gone also sees the delay; it keeps the
 //! container parent from being reaped while the delay runs and is deleted
-//! once it is over. The per-lock ttl is enforced here: a node whose expiry
+//! once it is over. A lease with a lock-delay also has a persistent mark
+//! beside its node from its grant to its end ([`names::Mark`]): a session
+//! that ends deletes the node and nothing else, and whoever lists the lock
+//! then finds the mark alone and starts the lost lease's lock-delay. The
+//! per-lock ttl is enforced here: a node whose expiry
 //! passed is deleted by whichever sidecar notices (its status check, a
 //! waiter's expiry timer).
 //!

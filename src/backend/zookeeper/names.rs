@@ -17,6 +17,47 @@ pub(super) const WRITE: &str = "__WRIT__";
 /// name: no sequence suffix, and neither `lock-` nor Curator's infixes, so
 /// Curator sorts it after every claim.
 pub(super) const DELAY_NODE: &str = "_sidelock_delay";
+/// The start of the name of a lease's lock-delay mark,
+/// `_sidelock_held_<seq>_<lock_delay>ms`: a persistent child of the lock
+/// node created before a lease with a lock-delay is answered, and deleted
+/// by the request that ends the lease (release, expiry, force-release). A
+/// mark whose claim node is gone stands for a lease that ended without
+/// that request — lost with its session, whose end deletes the node and
+/// nothing else — and whoever lists the lock then starts its lock-delay.
+/// No claim name (no `lock-`, no Curator infix, no trailing digits), so
+/// Curator sorts it after every claim.
+const MARK_PREFIX: &str = "_sidelock_held_";
+
+/// A lease's lock-delay mark ([`MARK_PREFIX`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Mark {
+    /// The mark's name under its lock's parent.
+    pub(super) name: String,
+    /// The sequence of the lease's claim node.
+    pub(super) seq: u64,
+    /// The lease's lock-delay.
+    pub(super) delay_ms: u64,
+}
+
+impl Mark {
+    /// The mark of the lease in claim node `seq` with `delay_ms` of lock-delay.
+    pub(super) fn of(seq: u64, delay_ms: u64) -> Self {
+        Self {
+            name: format!("{MARK_PREFIX}{seq}_{delay_ms}ms"),
+            seq,
+            delay_ms,
+        }
+    }
+
+    /// The mark named `name`, or `None` for other nodes.
+    pub(super) fn parse(name: &str) -> Option<Self> {
+        let rest = name.strip_prefix(MARK_PREFIX)?.strip_suffix("ms")?;
+        let (seq, delay) = rest.split_once('_')?;
+        let mark = Self::of(seq.parse().ok()?, delay.parse().ok()?);
+        (mark.name == name).then_some(mark)
+    }
+}
+
 /// One child of a lock node.
 #[derive(Debug, Clone)]
 pub(super) struct Child {
@@ -137,7 +178,7 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use super::{DELAY_NODE, Mode, matches_any, parse_child, sorted};
+    use super::{DELAY_NODE, Mark, Mode, matches_any, parse_child, sorted};
 
     #[test]
     fn rw_lock_patterns_match_names_and_prefixes() {
@@ -159,6 +200,14 @@ mod tests {
         let mutex = parse_child("_c_0a-lock-0000000006").expect("a claim");
         assert_eq!(mutex.mode, Mode::Exclusive);
         assert!(parse_child(DELAY_NODE).is_none());
+        let mark = Mark::of(12, 5000);
+        assert_eq!(mark.name, "_sidelock_held_12_5000ms");
+        assert_eq!(Mark::parse(&mark.name), Some(mark.clone()));
+        assert!(parse_child(&mark.name).is_none());
+        // Ten digits and more of lock-delay are no claim's sequence either.
+        assert!(parse_child(&Mark::of(7, 12_345_678_901).name).is_none());
+        assert!(Mark::parse(DELAY_NODE).is_none());
+        assert!(Mark::parse("_sidelock_held_012_5ms").is_none());
         let order: Vec<u64> = sorted(vec![
             "_c_0a-__WRIT__0000000007".into(),
             DELAY_NODE.into(),

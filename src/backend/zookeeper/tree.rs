@@ -10,7 +10,7 @@ use std::time::Duration;
 use zookeeper_client as zk;
 
 use super::data::{CONFIRM_WAIT, Lease, Node, NodeData, Parent, ParentData};
-use super::names::{Child, DELAY_NODE, parse_child, sorted};
+use super::names::{Child, DELAY_NODE, Mark, parse_child, sorted};
 use super::request::{
     CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, commit, retry_on_conflict,
     unavailable,
@@ -33,6 +33,8 @@ pub(super) struct Listing {
     /// The end of the lock-delay in the delay node and that node's version,
     /// when there is one.
     pub(super) delay: Option<(u64, i32)>,
+    /// The lock-delay marks of leases ([`Mark`]).
+    pub(super) marks: Vec<Mark>,
 }
 
 impl Listing {
@@ -42,6 +44,23 @@ impl Listing {
         self.delay
             .map_or(0, |(until, _)| until)
             .max(self.parent.data.delay_until_ms)
+    }
+
+    /// The marks whose lease's node is gone: leases lost with their
+    /// session, whose lock-delay is still to start.
+    pub(super) fn orphans(&self) -> Vec<&Mark> {
+        self.marks
+            .iter()
+            .filter(|m| !self.children.iter().any(|c| c.seq == m.seq))
+            .collect()
+    }
+
+    /// Whether the mark at path `mark` ([`mark_path`]) was listed.
+    pub(super) fn has_mark(&self, mark: &str) -> bool {
+        self.marks.iter().any(|m| {
+            mark.rsplit_once('/')
+                .is_some_and(|(_, name)| name == m.name)
+        })
     }
 
     /// Whether no claim was created or deleted under the lock node after
@@ -233,6 +252,7 @@ impl Inner {
             None
         };
         Ok(Listing {
+            marks: names.iter().filter_map(|n| Mark::parse(n)).collect(),
             children: sorted(names),
             stat: Some(stat),
             parent: Parent {
@@ -249,6 +269,7 @@ impl Inner {
         let mut listing = Listing::default();
         match results.next() {
             Some(zk::MultiReadResult::Children { children }) => {
+                listing.marks = children.iter().filter_map(|n| Mark::parse(n)).collect();
                 listing.children = sorted(children);
             }
             Some(zk::MultiReadResult::Error {
@@ -377,6 +398,8 @@ impl Inner {
     /// when `delay_until` is ahead, the lock-delay in the delay node
     /// (created, or extended), all or nothing — so whoever sees the node
     /// gone also sees the delay. `listing` is the lock node as last listed.
+    /// The lease's lock-delay mark goes with its node, so that nobody takes
+    /// this end for a loss.
     pub(super) async fn end_lease(
         &self,
         zk: &zk::Client,
@@ -386,12 +409,97 @@ impl Inner {
         delay_until: u64,
         listing: &Listing,
     ) -> Result<Result<(), Failed>, Error> {
+        let mut mark = mark_path(&lease.path, lease.data.lock_delay_ms);
+        loop {
+            let mut writer = zk.new_multi_writer();
+            writer
+                .add_delete(&lease.path, Some(lease.version))
+                .map_err(|e| unavailable(op, e))?;
+            if let Some(m) = &mark {
+                writer.add_delete(m, None).map_err(|e| unavailable(op, e))?;
+            }
+            add_end_record(&mut writer, op, parent, listing, lease.fence, delay_until)?;
+            match commit(op, writer.commit()).await? {
+                // A lease without its mark: granted by an older version,
+                // or its mark was never made.
+                Err(Failed {
+                    index: 1,
+                    error: zk::Error::NoNode,
+                }) if mark.is_some() => mark = None,
+                ended => return Ok(ended.map(|_| ())),
+            }
+        }
+    }
+
+    /// Makes the lock-delay mark of `lease`, just granted, if it has a
+    /// lock-delay: in one request with a check that its node is still
+    /// there, so that no mark outlives a lease that ended before it. `Ok`
+    /// also when it was made before (a grant read again) or the lease is
+    /// gone already (its end was written with it).
+    pub(super) async fn mark(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        lease: &Lease,
+    ) -> Result<(), Error> {
+        let Some(mark) = mark_path(&lease.path, lease.data.lock_delay_ms) else {
+            return Ok(());
+        };
         let mut writer = zk.new_multi_writer();
-        writer
-            .add_delete(&lease.path, Some(lease.version))
-            .map_err(|e| unavailable(op, e))?;
-        add_end_record(&mut writer, op, parent, listing, lease.fence, delay_until)?;
-        Ok(commit(op, writer.commit()).await?.map(|_| ()))
+        let opts = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        for added in [
+            writer.add_check_version(&lease.path, -1),
+            writer.add_create(&mark, &[], &opts),
+        ] {
+            added.map_err(|e| unavailable(op, e))?;
+        }
+        match commit(op, writer.commit()).await? {
+            Ok(_)
+            | Err(Failed {
+                error: zk::Error::NoNode | zk::Error::NodeExists,
+                ..
+            }) => Ok(()),
+            Err(Failed { error, .. }) => Err(unavailable(op, error)),
+        }
+    }
+
+    /// Starts the lock-delay of the leases lost with their session that
+    /// `listing` shows ([`Listing::orphans`]), from now: deletes their
+    /// marks and writes the delay node in one request. True when there
+    /// were any: the caller lists the lock again (the request also fails
+    /// when another sidecar did it first).
+    pub(super) async fn start_lost_delays(
+        &self,
+        zk: &zk::Client,
+        op: &'static str,
+        parent: &str,
+        listing: &Listing,
+    ) -> Result<bool, Error> {
+        let orphans = listing.orphans();
+        let Some(delay) = orphans.iter().map(|m| m.delay_ms).max() else {
+            return Ok(false);
+        };
+        let mut writer = zk.new_multi_writer();
+        for m in &orphans {
+            writer
+                .add_delete(&format!("{parent}/{}", m.name), None)
+                .map_err(|e| unavailable(op, e))?;
+        }
+        add_delay(
+            &mut writer,
+            op,
+            parent,
+            listing,
+            now_ms().saturating_add(delay),
+        )?;
+        match commit(op, writer.commit()).await? {
+            Ok(_) => {
+                tracing::info!(backend = "zookeeper", %parent, leases = orphans.len(),
+                    "leases lost with their ZooKeeper session: their lock-delay starts");
+                Ok(true)
+            }
+            Err(failed) => conflict::<()>(op, failed).map(|_| true),
+        }
     }
 
     /// Deletes the held node `node` of `parent` if its lease expired and it
@@ -715,6 +823,17 @@ impl Inner {
     }
 }
 
+/// The path of the lock-delay mark of the lease in the claim node at
+/// `path`, if it has a lock-delay (`lock_delay_ms`).
+pub(super) fn mark_path(path: &str, lock_delay_ms: u64) -> Option<String> {
+    if lock_delay_ms == 0 {
+        return None;
+    }
+    let (parent, name) = path.rsplit_once('/')?;
+    let mark = Mark::of(parse_child(name)?.seq, lock_delay_ms);
+    Some(format!("{parent}/{}", mark.name))
+}
+
 /// Adds to `writer` the record of leases that end under `parent`, as
 /// `listing` last showed the lock node: their highest `fence` in the lock
 /// node (at the version listed, when there is one) and, when `delay_until`
@@ -728,11 +847,28 @@ pub(super) fn add_end_record(
     fence: u64,
     delay_until: u64,
 ) -> Result<bool, Error> {
-    let mut added = Vec::new();
+    let mut any = false;
     if let Some(version) = listing.parent.version {
         let record = serde_json::to_vec(&listing.parent.data.ended(fence)).unwrap_or_default();
-        added.push(writer.add_set_data(parent, &record, Some(version)));
+        writer
+            .add_set_data(parent, &record, Some(version))
+            .map_err(|e| unavailable(op, e))?;
+        any = true;
     }
+    Ok(add_delay(writer, op, parent, listing, delay_until)? || any)
+}
+
+/// Adds to `writer` the lock-delay of the lock node `parent` until
+/// `delay_until`, when that is ahead and later than the delay `listing`
+/// shows (created, or extended at the version listed). True when it added it.
+fn add_delay(
+    writer: &mut zk::MultiWriter<'_>,
+    op: &'static str,
+    parent: &str,
+    listing: &Listing,
+    delay_until: u64,
+) -> Result<bool, Error> {
+    let mut added = Vec::new();
     if delay_until > now_ms() {
         let delay_path = format!("{parent}/{DELAY_NODE}");
         let delay = serde_json::to_vec(&ParentData {
