@@ -17,6 +17,7 @@
 //! * [`expiry`]: the shared expiry timer, and when a lease is looked at.
 //! * [`hold`]: hold streams, the watchdog and the expiry checks.
 //! * [`acquire`]: caps, FIFO waiting, attempts and grants.
+//! * [`answered`]: releases answered lately, by their client's key.
 //! * [`release`]: release, keepalive and revoked leases.
 //! * [`admin`]: inspect, list, stale keys and force-release.
 //! * [`election`]: elections over holds — leaders, observers, who leads here.
@@ -24,6 +25,7 @@
 
 mod acquire;
 mod admin;
+mod answered;
 pub mod election;
 pub mod event;
 mod expiry;
@@ -108,6 +110,8 @@ pub struct Core {
     /// renew them: they answer 410 even if the backend comes back before
     /// their expiry, until a task has released them there.
     revoked: Mutex<HashSet<Token>>,
+    /// Releases answered lately, by the `Idempotency-Key` of their client.
+    answered: Mutex<answered::Answered>,
     events: broadcast::Sender<Event>,
     pub metrics: Arc<Metrics>,
     /// Cancelled on SIGTERM: ends waits, holds and event streams.
@@ -151,6 +155,7 @@ impl Core {
             limits,
             leases: Mutex::new(lease::Leases::default()),
             revoked: Mutex::new(HashSet::new()),
+            answered: Mutex::new(answered::Answered::default()),
             events: broadcast::channel(1024).0,
             metrics,
             shutdown,

@@ -92,6 +92,34 @@ impl Core {
         }
     }
 
+    /// Releases one hold of a lease once per `idempotency` key its client
+    /// sends: the same key again (for the same lease) answers what the
+    /// first release answered, and waits for it while it is under way —
+    /// for five minutes (`answered::KEPT_FOR`). An error is no answer: the
+    /// release runs again.
+    ///
+    /// # Errors
+    /// As [`Core::release`].
+    pub async fn release_once(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        idempotency: &str,
+    ) -> Result<u32, Error> {
+        let slot = self
+            .answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .slot(key, token, idempotency, std::time::Instant::now());
+        let mut answer = slot.lock().await;
+        if let Some(left) = *answer {
+            return Ok(left);
+        }
+        let left = self.release(key, token).await?;
+        *answer = Some(left);
+        Ok(left)
+    }
+
     /// The ttl of a lease on `key` granted through this sidecar.
     pub fn lease_ttl(&self, key: &LockKey, token: &Token) -> Option<Duration> {
         self.local_on(key, token).map(|l| l.ttl)

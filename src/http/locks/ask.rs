@@ -353,6 +353,37 @@ pub(crate) fn check_reason(reason: Option<String>) -> Result<Option<String>, Err
     Ok(Some(reason))
 }
 
+/// The longest `Idempotency-Key` accepted, in bytes.
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// The `Idempotency-Key` header of a release, if its client sent one:
+/// printable ASCII (spaces allowed inside) of at most
+/// [`MAX_IDEMPOTENCY_KEY`] bytes, sent once.
+pub(super) fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Error> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(Error::InvalidParameter(
+            "Idempotency-Key is repeated: send it once per request".into(),
+        ));
+    }
+    match value.to_str() {
+        Ok(k)
+            if !k.is_empty()
+                && k.len() <= MAX_IDEMPOTENCY_KEY
+                && k.bytes().all(|b| b == b' ' || b.is_ascii_graphic()) =>
+        {
+            Ok(Some(k.to_owned()))
+        }
+        _ => Err(Error::InvalidParameter(format!(
+            "Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY} printable ASCII characters: a \
+             random one per release (a UUID), sent again unchanged when the release is retried"
+        ))),
+    }
+}
+
 pub(super) fn require_token(token: Option<String>) -> Result<Token, Error> {
     match token {
         // Printable ASCII only: sidelock's tokens are hex, and a NUL or a

@@ -33,7 +33,7 @@ use crate::http::problem::Problem;
 use crate::lock::{Kind, LockKey, Name};
 
 use answers::acquired;
-use ask::require_token;
+use ask::{idempotency_key, require_token};
 use hold::{Finishing, hold};
 
 fn key(kind: Kind, name: Name) -> LockKey {
@@ -85,9 +85,27 @@ fn acquire(
     }
 }
 
-async fn release(app: &App, key: LockKey, token: Option<String>) -> Result<Json<Released>, Error> {
+/// Releases one hold, once per `Idempotency-Key` (`idempotency`). A
+/// client that disconnects drops the request: a release without a key is
+/// cancelled with it (a statement waiting for a locked row must not keep
+/// its connection), one with a key finishes in a task of its own
+/// ([`Finishing`]) — cut short after the backend ran it, its answer would
+/// not be kept for the client's retry, which would release one hold more.
+async fn release(
+    app: &App,
+    key: LockKey,
+    token: Option<String>,
+    idempotency: Option<String>,
+) -> Result<Json<Released>, Error> {
     let token = require_token(token)?;
-    let count = app.core.release(&key, &token).await?;
+    let count = match idempotency {
+        None => app.core.release(&key, &token).await?,
+        Some(idempotency) => {
+            let core = app.core.clone();
+            let work = async move { core.release_once(&key, &token, &idempotency).await };
+            Finishing::new(work, CancellationToken::new(), &app.core.tasks).await?
+        }
+    };
     Ok(Json(Released {
         released: count == 0,
         count,
@@ -155,7 +173,8 @@ macro_rules! kind_routes {
         }
 
         #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
-            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams),
+            params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams,
+                ("Idempotency-Key" = Option<String>, Header, description = "Optional, 1-255 printable ASCII characters, one per release: the same key again for the same lease answers what the first release answered (for 5 minutes) instead of releasing one hold more")),
             responses(
                 (status = 200, body = Released, description = "Released one hold; `remaining` holds are left"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
@@ -170,9 +189,11 @@ macro_rules! kind_routes {
         pub async fn $release(
             State(app): State<Arc<App>>,
             LockName(name): LockName,
+            headers: axum::http::HeaderMap,
             Params(p): Params<TokenParams>,
         ) -> Result<Json<Released>, Error> {
-            release(&app, key($kind, name), p.token).await
+            let idempotency = idempotency_key(&headers)?;
+            release(&app, key($kind, name), p.token, idempotency).await
         }
 
         #[utoipa::path(post, path = concat!($path, "/{name}/keepalive"), tag = $tag,

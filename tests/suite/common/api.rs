@@ -338,6 +338,21 @@ impl Resource {
             .await
     }
 
+    /// `DELETE /v1/{kind}/{name}?token=…` with `Idempotency-Key: key`, any status.
+    pub async fn release_with_key_raw(&self, token: &str, key: &str) -> Response {
+        self.api
+            .request(Method::DELETE, &self.segments(&[]), &[("token", token)])
+            .header("idempotency-key", key)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("DELETE /{}: {e}", self.segments(&[]).join("/")))
+    }
+
+    /// Release with `Idempotency-Key: key` that must succeed (200).
+    pub async fn release_with_key(&self, token: &str, key: &str) -> Released {
+        expect_json(self.release_with_key_raw(token, key).await, StatusCode::OK).await
+    }
+
     /// Release that must succeed (200).
     pub async fn release(&self, token: &str) -> Released {
         expect_json(self.release_raw(token).await, StatusCode::OK).await

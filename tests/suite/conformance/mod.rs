@@ -458,6 +458,48 @@ mod leases {
         assert!(lock.inspect().await.holders.is_empty());
     }
 
+    /// A release whose answer was lost is sent again: with the same
+    /// `Idempotency-Key` it answers what the first answered, and releases
+    /// nothing more — also when both are under way at once. (Sent again,
+    /// a release of one of two holds let the lock go, and a last hold's
+    /// release answered 410 as if the lease had been lost.)
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_release_sent_again_with_its_idempotency_key_releases_once(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("once"));
+        let grant = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+        assert_eq!(lock.acquire(&[("owner", "o")]).await.count, 2);
+
+        let one = Released {
+            released: false,
+            count: 1,
+        };
+        assert_eq!(lock.release_with_key(&grant.token, "first").await, one);
+        assert_eq!(lock.release_with_key(&grant.token, "first").await, one);
+        assert_eq!(lock.inspect().await.holders[0].count, 1);
+
+        let (a, b) = tokio::join!(
+            lock.release_with_key(&grant.token, "second"),
+            lock.release_with_key(&grant.token, "second"),
+        );
+        let none = Released {
+            released: true,
+            count: 0,
+        };
+        assert_eq!((a, b), (none, none));
+        assert_eq!(lock.release_with_key(&grant.token, "second").await, none);
+        assert!(lock.inspect().await.holders.is_empty());
+        // Another key is another release: the lease is gone.
+        assert_problem(
+            lock.release_with_key_raw(&grant.token, "third").await,
+            StatusCode::GONE,
+            "lease-lost",
+        )
+        .await;
+        lock.release_lost(&grant.token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn a_wrong_token_is_lease_lost_and_changes_nothing(backend: TestBackend) {

@@ -302,3 +302,49 @@ async fn a_parameter_that_is_not_utf8_is_refused_not_mangled() {
             .await;
     assert_eq!(grant.owner, "José");
 }
+
+/// An `Idempotency-Key` that is too long, holds a control or non-ASCII
+/// byte, or comes twice is refused with 400 `invalid-parameter` naming the
+/// header and what it may be, and the release does not run.
+#[tokio::test]
+async fn a_bad_idempotency_key_is_refused_and_releases_nothing() {
+    use reqwest::header::HeaderValue;
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let api = sidecar.api();
+    let lock = api.lock(&unique_name("bad-key"));
+    let grant = lock.acquire(&[("owner", "holder")]).await;
+    let path = ["v1", "locks", lock.name()];
+    let token = [("token", grant.token.as_str())];
+    let bad: [(&str, Vec<HeaderValue>); 4] = [
+        (
+            "too long",
+            vec![HeaderValue::from_str(&"k".repeat(256)).expect("value")],
+        ),
+        (
+            "a tab",
+            vec![HeaderValue::from_bytes(b"a\tb").expect("value")],
+        ),
+        (
+            "not ASCII",
+            vec![HeaderValue::from_bytes(b"caf\xc3\xa9").expect("value")],
+        ),
+        (
+            "sent twice",
+            vec![HeaderValue::from_static("a"), HeaderValue::from_static("b")],
+        ),
+    ];
+    for (what, values) in bad {
+        let mut request = api.request(Method::DELETE, &path, &token);
+        for value in values {
+            request = request.header("idempotency-key", value);
+        }
+        let answer = request.send().await.expect("send");
+        let problem = assert_problem(answer, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("Idempotency-Key"), "{what}: {detail}");
+    }
+    assert_eq!(lock.inspect().await.holder_owners(), ["holder"]);
+    // The longest key accepted, with spaces inside.
+    let longest = format!("a {}", "k".repeat(253));
+    assert!(lock.release_with_key(&grant.token, &longest).await.released);
+}
