@@ -33,9 +33,7 @@ impl Inner {
         let sent = now_ms();
         let reply = client.query_one(statement, &beat.params(self)).await?;
         self.settle_offset((sent, now_ms()), std::slice::from_ref(&reply));
-        if self.beaten(&beat, Some(&reply)) {
-            self.rejoin_soon.notify_one();
-        }
+        self.beaten(&beat, Some(&reply));
         Ok(())
     }
 
@@ -47,9 +45,7 @@ impl Inner {
         let reply = self
             .rows(op, &self.sql.heartbeat, &beat.params(self))
             .await?;
-        if self.beaten(&beat, reply.first()) {
-            self.rejoin_soon.notify_one();
-        }
+        self.beaten(&beat, reply.first());
         Ok(())
     }
 
@@ -83,14 +79,14 @@ impl Inner {
 
     /// Heartbeat `beat` was answered with `reply`: the rows it sent as
     /// gone are removed. When the one before it was about a lapse ago on
-    /// the database's clock ([`suspect_gap_ms`]: this process was paused, a
-    /// VM frozen, while its
-    /// LISTEN connection stayed up), any heartbeat in between may have
-    /// dropped this sidecar's waiter rows, and no notification says so:
-    /// every local waiter takes its place back, as after the LISTEN
-    /// connection reconnects: true. (A sidecar that had no waiters for a
-    /// while sends a heartbeat before its next join: that one is the last.)
-    fn beaten(&self, beat: &Beat, reply: Option<&Row>) -> bool {
+    /// the database's clock ([`suspect_gap_ms`]: this process was paused,
+    /// a VM frozen, while its LISTEN connection stayed up), any heartbeat
+    /// in between may have dropped this sidecar's waiter rows, and no
+    /// notification says so: every local waiter takes its place back, as
+    /// after the LISTEN connection reconnects (the rejoin task is asked
+    /// for). (A sidecar that had no waiters for a while sends a heartbeat
+    /// before its next join: that one is the last.)
+    fn beaten(&self, beat: &Beat, reply: Option<&Row>) {
         self.beat_ms.store(now_ms(), Ordering::Relaxed);
         {
             let mut t = self.tickets();
@@ -99,7 +95,7 @@ impl Inner {
             }
         }
         let Some(db_now) = reply.and_then(|r| r.try_get::<_, i64>("db_now").ok()) else {
-            return false;
+            return;
         };
         // The latest: a slow pooled heartbeat may answer after a later one.
         let last = self.beat_db_ms.fetch_max(db_now, Ordering::Relaxed);
@@ -110,8 +106,8 @@ impl Inner {
                 silent_ms = db_now - last,
                 "no heartbeat for longer than the lapse; every waiter takes its place back"
             );
+            self.rejoin_soon.notify_one();
         }
-        suspect
     }
 
     /// Puts back the waiter rows of this sidecar's queued tickets that may
