@@ -10,10 +10,10 @@ use crate::clock::{ms, now_ms};
 use crate::error::Error;
 use crate::lock::{LockKey, LostReason, Token};
 
-use super::Core;
 use super::event::EventType;
 use super::expiry::margin_ms;
 use super::lease::{End, Local, Underway};
+use super::{Core, answered};
 
 impl Core {
     /// Ends a local lease once: removes it, counts it, publishes the event.
@@ -95,29 +95,49 @@ impl Core {
     /// Releases one hold of a lease once per `idempotency` key its client
     /// sends: the same key again (for the same lease) answers what the
     /// first release answered, and waits for it while it is under way —
-    /// for five minutes (`answered::KEPT_FOR`). An error is no answer: the
-    /// release runs again.
+    /// for five minutes (`answered::KEPT_FOR`). Only an answer is kept: after
+    /// an error the release runs again. A request whose client `left`
+    /// before its release started gives up (one under way runs to its end,
+    /// so that its answer is kept).
     ///
     /// # Errors
-    /// As [`Core::release`].
+    /// As [`Core::release`]; [`Error::ShuttingDown`] when the client left.
     pub async fn release_once(
         &self,
         key: &LockKey,
         token: &Token,
         idempotency: &str,
+        left: &tokio_util::sync::CancellationToken,
     ) -> Result<u32, Error> {
-        let slot = self
-            .answered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .slot(key, token, idempotency, std::time::Instant::now());
-        let mut answer = slot.lock().await;
-        if let Some(left) = *answer {
-            return Ok(left);
+        let answered = || self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        let (release, turn) = {
+            let mut a = answered();
+            let release = a.release(key, token, idempotency);
+            if let Some(holds) = a.answer(release, std::time::Instant::now()) {
+                return Ok(holds);
+            }
+            (release, a.join(release))
+        };
+        // Leaves the turn however this ends (a request given up included).
+        let _leaving = answered::Leaving {
+            answered: &self.answered,
+            release,
+            turn: &turn,
+        };
+        let _mine = tokio::select! {
+            mine = turn.lock() => mine,
+            () = left.cancelled() => return Err(Error::ShuttingDown),
+        };
+        // The request before it may have been answered meanwhile.
+        if let Some(holds) = answered().answer(release, std::time::Instant::now()) {
+            return Ok(holds);
         }
-        let left = self.release(key, token).await?;
-        *answer = Some(left);
-        Ok(left)
+        if left.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        let holds = self.release(key, token).await?;
+        answered().keep(release, holds, std::time::Instant::now());
+        Ok(holds)
     }
 
     /// The ttl of a lease on `key` granted through this sidecar.

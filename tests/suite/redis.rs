@@ -3463,3 +3463,37 @@ async fn leases_ended_through_another_sidecar_free_their_places_under_max_held()
             .await;
     }
 }
+
+/// A release sent again with its `Idempotency-Key` while the first is
+/// still under way (Redis paused: both are in the sidecar at once) waits
+/// for the first's answer: one hold of two released, both told so. (Run
+/// side by side, each released a hold.)
+#[tokio::test]
+async fn a_retry_under_way_waits_for_the_first_release() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let lock = sidecar.api().lock(&unique_name("overlap"));
+    let grant = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    assert_eq!(lock.acquire(&[("owner", "o")]).await.count, 2);
+    let mut c = server.connection().await.expect("connect to Redis");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1000)
+        .query_async(&mut c)
+        .await
+        .expect("CLIENT PAUSE");
+    let first = {
+        let (lock, token) = (lock.clone(), grant.token.clone());
+        tokio::spawn(async move { lock.release_with_key(&token, "k").await })
+    };
+    // The first is at Redis, waiting for the pause to end.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = lock.release_with_key(&grant.token, "k").await;
+    let first = first.await.expect("the first release's task");
+    let one = common::Released {
+        released: false,
+        count: 1,
+    };
+    assert_eq!((first, second), (one, one));
+    assert_eq!(lock.inspect().await.holders[0].count, 1);
+}

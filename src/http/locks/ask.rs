@@ -356,17 +356,21 @@ pub(crate) fn check_reason(reason: Option<String>) -> Result<Option<String>, Err
 /// The longest `Idempotency-Key` accepted, in bytes.
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 
-/// The `Idempotency-Key` header of a release, if its client sent one:
+/// The `Idempotency-Key` header of a release (or `X-Idempotency-Key`, the
+/// other name Go's HTTP client retries on), if its client sent one:
 /// printable ASCII (spaces allowed inside) of at most
-/// [`MAX_IDEMPOTENCY_KEY`] bytes, sent once.
+/// [`MAX_IDEMPOTENCY_KEY`] bytes, one value.
 pub(super) fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<String>, Error> {
-    let mut values = headers.get_all("idempotency-key").iter();
+    let mut values = headers
+        .get_all("idempotency-key")
+        .iter()
+        .chain(headers.get_all("x-idempotency-key").iter());
     let Some(value) = values.next() else {
         return Ok(None);
     };
-    if values.next().is_some() {
+    if values.any(|v| v != value) {
         return Err(Error::InvalidParameter(
-            "Idempotency-Key is repeated: send it once per request".into(),
+            "Idempotency-Key is sent with two values: send one per request".into(),
         ));
     }
     match value.to_str() {

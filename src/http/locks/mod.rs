@@ -88,9 +88,10 @@ fn acquire(
 /// Releases one hold, once per `Idempotency-Key` (`idempotency`). A
 /// client that disconnects drops the request: a release without a key is
 /// cancelled with it (a statement waiting for a locked row must not keep
-/// its connection), one with a key finishes in a task of its own
-/// ([`Finishing`]) — cut short after the backend ran it, its answer would
-/// not be kept for the client's retry, which would release one hold more.
+/// its connection), one with a key that has started finishes in a task of
+/// its own ([`Finishing`]) — cut short after the backend ran it, its answer
+/// would not be kept for the client's retry, which would release one hold
+/// more; one still waiting for its turn gives up.
 async fn release(
     app: &App,
     key: LockKey,
@@ -101,9 +102,10 @@ async fn release(
     let count = match idempotency {
         None => app.core.release(&key, &token).await?,
         Some(idempotency) => {
-            let core = app.core.clone();
-            let work = async move { core.release_once(&key, &token, &idempotency).await };
-            Finishing::new(work, CancellationToken::new(), &app.core.tasks).await?
+            let (core, left) = (app.core.clone(), CancellationToken::new());
+            let gone = left.clone();
+            let work = async move { core.release_once(&key, &token, &idempotency, &gone).await };
+            Finishing::new(work, left, &app.core.tasks).await?
         }
     };
     Ok(Json(Released {
@@ -174,7 +176,7 @@ macro_rules! kind_routes {
 
         #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams,
-                ("Idempotency-Key" = Option<String>, Header, description = "Optional, 1-255 printable ASCII characters, one per release: the same key again for the same lease answers what the first release answered (for 5 minutes) instead of releasing one hold more")),
+                ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!-~]([ -~]{0,253}[!-~])?$", description = "Optional, 1-255 printable ASCII characters, one per release: the same key again for the same lease answers what the first release answered (for 5 minutes) instead of releasing one hold more")),
             responses(
                 (status = 200, body = Released, description = "Released one hold; `remaining` holds are left"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
