@@ -35,9 +35,10 @@ pub(super) struct Answered {
     /// The same releases with when each was answered, oldest first (one
     /// answered twice, its time up in between: twice).
     order: VecDeque<(Instant, Release)>,
-    /// The turns of releases under way, each removed by its last request
-    /// ([`Answered::leave`]): never pushed out while in use.
-    under_way: HashMap<Release, Turn>,
+    /// The turns of releases under way with how many requests hold each,
+    /// removed by the last of them ([`Answered::leave`]): never pushed out
+    /// while in use.
+    under_way: HashMap<Release, (Turn, usize)>,
     /// Keyed at random per process, so nobody can choose colliding keys.
     hasher: RandomState,
 }
@@ -88,21 +89,21 @@ impl Answered {
         self.order.push_back((now, release));
     }
 
-    /// The turn of `release` for one more request.
+    /// The turn of `release` for one more request, which must
+    /// [`leave`](Answered::leave) it.
     pub(super) fn join(&mut self, release: Release) -> Turn {
-        self.under_way.entry(release).or_default().clone()
+        let (turn, requests) = self.under_way.entry(release).or_default();
+        *requests += 1;
+        turn.clone()
     }
 
-    /// A request of `release` is done with `turn`: the last one removes it.
-    pub(super) fn leave(&mut self, release: Release, turn: &Turn) {
-        // The map's and the caller's: nobody else waits.
-        if Arc::strong_count(turn) <= 2
-            && self
-                .under_way
-                .get(&release)
-                .is_some_and(|t| Arc::ptr_eq(t, turn))
-        {
-            self.under_way.remove(&release);
+    /// A request of `release` is done with its turn: the last one removes it.
+    pub(super) fn leave(&mut self, release: Release) {
+        if let Some((_, requests)) = self.under_way.get_mut(&release) {
+            *requests -= 1;
+            if *requests == 0 {
+                self.under_way.remove(&release);
+            }
         }
     }
 
@@ -118,7 +119,6 @@ impl Answered {
 pub(super) struct Leaving<'a> {
     pub(super) answered: &'a std::sync::Mutex<Answered>,
     pub(super) release: Release,
-    pub(super) turn: &'a Turn,
 }
 
 impl Drop for Leaving<'_> {
@@ -126,7 +126,7 @@ impl Drop for Leaving<'_> {
         self.answered
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .leave(self.release, self.turn);
+            .leave(self.release);
     }
 }
 
@@ -196,13 +196,15 @@ mod tests {
             let r = answered.release(&key, &token, &i.to_string());
             answered.keep(r, 0, now);
         }
-        answered.leave(release, &first);
-        drop(first);
+        // Each leaves while the other still holds its turn (the order in
+        // which two requests' ends can interleave).
+        answered.leave(release);
         assert_eq!(answered.len().1, 1, "the second request still waits");
-        assert!(std::sync::Arc::ptr_eq(&answered.join(release), &second));
-        answered.leave(release, &second);
-        answered.leave(release, &second);
-        drop(second);
-        assert_eq!(answered.len().1, 0);
+        let third = answered.join(release);
+        assert!(std::sync::Arc::ptr_eq(&third, &second));
+        answered.leave(release);
+        answered.leave(release);
+        assert_eq!(answered.len().1, 0, "the last one out removed the turn");
+        drop((first, second, third));
     }
 }

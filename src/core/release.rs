@@ -122,7 +122,6 @@ impl Core {
         let _leaving = answered::Leaving {
             answered: &self.answered,
             release,
-            turn: &turn,
         };
         let _mine = tokio::select! {
             mine = turn.lock() => mine,

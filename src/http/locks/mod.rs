@@ -176,7 +176,7 @@ macro_rules! kind_routes {
 
         #[utoipa::path(delete, path = concat!($path, "/{name}"), tag = $tag,
             params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), TokenParams,
-                ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!-~]([ -~]{0,253}[!-~])?$", description = "Optional, 1-255 printable ASCII characters, one per release: the same key again for the same lease answers what the first release answered (for 5 minutes) instead of releasing one hold more")),
+                ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!-~]([ -~]{0,253}[!-~])?$", description = "Optional, 1-255 printable ASCII characters, one per release (X-Idempotency-Key is taken too): the same key again for the same lease answers what the first release answered (for 5 minutes) instead of releasing one hold more")),
             responses(
                 (status = 200, body = Released, description = "Released one hold; `remaining` holds are left"),
                 (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
