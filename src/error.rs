@@ -57,6 +57,10 @@ pub enum Error {
         "this sidecar has {limit} connections open, each with a request in flight; retry later, or raise --max-connections"
     )]
     TooManyConnections { limit: usize },
+    #[error(
+        "this sidecar has {limit} requests in flight, counting those still finishing after their clients left; retry later, or raise --max-connections"
+    )]
+    TooManyRequests { limit: usize },
     #[error("this sidecar already serves {limit} event streams; close one, or retry later")]
     TooManyEventStreams { limit: usize },
     #[error(

@@ -51,18 +51,6 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         &settings.sidecar_id,
         settings.dashboard_session_ttl,
     ));
-    let app = Arc::new(App {
-        core: core.clone(),
-        settings: settings.clone(),
-        started_at_ms: now_ms(),
-        event_streams: Arc::new(tokio::sync::Semaphore::new(
-            crate::http::locks::MAX_EVENT_STREAMS,
-        )),
-        observe_streams: Arc::new(tokio::sync::Semaphore::new(
-            crate::http::elections::MAX_OBSERVE_STREAMS,
-        )),
-        throttle: Default::default(),
-    });
     let mut listeners = Vec::with_capacity(settings.listen.len());
     for addr in &settings.listen {
         listeners.push(http::listener::Listener::bind(addr).await?);
@@ -92,6 +80,19 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             "max_connections lowered to fit the open-file limit"
         );
     }
+    let app = Arc::new(App {
+        core: core.clone(),
+        settings: settings.clone(),
+        started_at_ms: now_ms(),
+        event_streams: Arc::new(tokio::sync::Semaphore::new(
+            crate::http::locks::MAX_EVENT_STREAMS,
+        )),
+        observe_streams: Arc::new(tokio::sync::Semaphore::new(
+            crate::http::elections::MAX_OBSERVE_STREAMS,
+        )),
+        finishers: Arc::new(http::locks::Finishers::new(core.tasks.clone(), cap)),
+        throttle: Default::default(),
+    });
     let drained = async {
         let router = http::router(
             app,

@@ -139,7 +139,7 @@ pub async fn campaign(
     let claim = Box::new(claim);
     let hold = async move { core.hold(claim, wait, &reported).await };
     let stream = CampaignStream {
-        hold: Finishing::new(hold, events.left().clone(), &app.core.tasks),
+        hold: Finishing::new(hold, events.left().clone(), &app.finishers)?,
         events,
         app: app.clone(),
         name,

@@ -49,6 +49,8 @@ pub struct App {
     /// Permits for open election observe streams,
     /// [`elections::MAX_OBSERVE_STREAMS`] in all.
     pub observe_streams: Arc<tokio::sync::Semaphore>,
+    /// Places for requests that finish after their client left.
+    pub finishers: Arc<locks::Finishers>,
     /// Failed token checks per peer, shared by every place a token is checked.
     pub throttle: throttle::Throttle,
 }

@@ -49,7 +49,9 @@ impl Error {
             Error::CrossSite(_) => (S::FORBIDDEN, "cross-site"),
             Error::MisdirectedRequest(_) => (S::MISDIRECTED_REQUEST, "misdirected-request"),
             Error::TooManyWaiters { .. } => (S::TOO_MANY_REQUESTS, "too-many-waiters"),
-            Error::TooManyConnections { .. } => (S::TOO_MANY_REQUESTS, "too-many-connections"),
+            Error::TooManyConnections { .. } | Error::TooManyRequests { .. } => {
+                (S::TOO_MANY_REQUESTS, "too-many-connections")
+            }
             Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::TooManyFailedTokens { .. } => (S::TOO_MANY_REQUESTS, "too-many-failed-tokens"),

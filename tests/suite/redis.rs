@@ -3497,3 +3497,102 @@ async fn a_retry_under_way_waits_for_the_first_release() {
     assert_eq!((first, second), (one, one));
     assert_eq!(lock.inspect().await.holders[0].count, 1);
 }
+
+/// Clients that send a release with an `Idempotency-Key` and close at once
+/// leave the release to finish in the sidecar (Redis paused: each waits
+/// there). Such work counts against `--max-connections` (4 here) until it
+/// ends: with the cap used by it, a new request is answered 429 at once,
+/// not kept waiting; once Redis answers, the sidecar serves again, and each
+/// left release released one hold. (Without the count, closing connections
+/// left work behind without bound: the fifth request was taken in and
+/// waited for Redis.)
+#[tokio::test]
+async fn releases_left_by_their_clients_count_against_the_connection_cap() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .env("SIDELOCK_MAX_CONNECTIONS", "4")
+        .start()
+        .await;
+    let name = unique_name("left");
+    let lock = sidecar.api().lock(&name);
+    let grant = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    for count in 2..=5 {
+        assert_eq!(lock.acquire(&[("owner", "o")]).await.count, count);
+    }
+    let delete = |key: &str| {
+        format!(
+            "DELETE /v1/locks/{name}?token={} HTTP/1.1\r\nHost: localhost\r\n\
+             Idempotency-Key: {key}\r\nConnection: close\r\n\r\n",
+            grant.token
+        )
+    };
+    let connect = || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", sidecar.port()))
+            .await
+            .expect("connect to the sidecar")
+    };
+    let mut c = server.connection().await.expect("connect to Redis");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .query_async(&mut c)
+        .await
+        .expect("CLIENT PAUSE");
+    let paused = Instant::now();
+    // Four releases, each under its own key (a retry waiting for its
+    // turn would give up when its client left): all four go to Redis.
+    for i in 0..4 {
+        let mut stream = connect().await;
+        stream
+            .write_all(delete(&format!("k{i}")).as_bytes())
+            .await
+            .expect("send the release");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Their clients have gone; the sidecar sees the closes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let answer = within(
+        "a request beyond the cap",
+        Duration::from_millis(800),
+        async {
+            let mut stream = connect().await;
+            stream
+                .write_all(delete("k4").as_bytes())
+                .await
+                .expect("send");
+            let mut answer = Vec::new();
+            let _ = stream.read_to_end(&mut answer).await;
+            String::from_utf8_lossy(&answer).into_owned()
+        },
+    )
+    .await;
+    assert!(
+        paused.elapsed() < Duration::from_millis(1500),
+        "the test took too long to tell anything (Redis resumed): {answer}"
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 429")
+            && answer.contains("urn:sidelock:problem:too-many-connections")
+            && answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    // Once the left releases end, keyed releases are served again: the
+    // first's answer, kept for its key.
+    let replayed = eventually(
+        "the sidecar to serve keyed releases again",
+        Duration::from_secs(10),
+        || async {
+            let response = lock.release_with_key_raw(&grant.token, "k0").await;
+            (response.status() == StatusCode::OK).then_some(response)
+        },
+    )
+    .await;
+    let replayed: common::Released = replayed.json().await.expect("a release's JSON");
+    assert!((1..=4).contains(&replayed.count), "{replayed:?}");
+    assert_eq!(
+        lock.inspect().await.holders[0].count,
+        1,
+        "each left release released one hold"
+    );
+}

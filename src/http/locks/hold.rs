@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
@@ -31,26 +32,31 @@ pub(in crate::http) const SSE_KEEPALIVE: Duration = Duration::from_secs(15);
 /// gives up its wait or releases what it got. (A task per request from the
 /// start would cost every request a hand-over between tasks, and every hold
 /// a task.)
+///
+/// Each counts against [`Finishers`] from its start to the end of its work,
+/// wherever that ends.
 pub(in crate::http) struct Finishing<T: Send + 'static> {
     /// The work until it has returned.
     work: Option<futures::future::BoxFuture<'static, T>>,
     /// Tells the work that its client left.
     left: CancellationToken,
-    /// Where unfinished work finishes.
-    tasks: tokio_util::task::TaskTracker,
+    /// This work's place among the [`Finishers`] until it has returned.
+    place: Option<Place>,
 }
 
 impl<T: Send + 'static> Finishing<T> {
+    /// # Errors
+    /// [`Error::TooManyRequests`] when `finishers` are all in use.
     pub(in crate::http) fn new(
         work: impl Future<Output = T> + Send + 'static,
         left: CancellationToken,
-        tasks: &tokio_util::task::TaskTracker,
-    ) -> Self {
-        Self {
+        finishers: &Arc<Finishers>,
+    ) -> Result<Self, Error> {
+        Ok(Self {
+            place: Some(finishers.enter()?),
             work: Some(Box::pin(work)),
             left,
-            tasks: tasks.clone(),
-        }
+        })
     }
 
     pub(in crate::http) fn is_done(&self) -> bool {
@@ -73,24 +79,67 @@ impl<T: Send + 'static> Future for Finishing<T> {
             .expect("Finishing polled after it returned");
         let output = std::task::ready!(work.as_mut().poll(cx));
         self.work = None;
+        self.place = None;
         std::task::Poll::Ready(output)
     }
 }
 
 impl<T: Send + 'static> Drop for Finishing<T> {
     fn drop(&mut self) {
-        let Some(work) = self.work.take() else {
+        let (Some(work), Some(place)) = (self.work.take(), self.place.take()) else {
             return;
         };
         self.left.cancel();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            self.tasks.spawn_on(
+            place.0.tasks.clone().spawn_on(
                 async move {
                     work.await;
+                    drop(place);
                 },
                 &runtime,
             );
         }
+    }
+}
+
+/// The places of [`Finishing`] work, as many as the sidecar's connection cap.
+/// Work in flight has a connection each, so only work whose clients left can
+/// fill them: without the cap, clients that send a request and close at
+/// once would leave work behind without bound (each ends within its
+/// backend's time limits, but their number grows with the rate of closes).
+pub struct Finishers {
+    /// Where work whose client left finishes.
+    tasks: tokio_util::task::TaskTracker,
+    /// Work started and not yet returned, here or in `tasks`.
+    running: AtomicUsize,
+    /// The most work at once.
+    most: usize,
+}
+
+impl Finishers {
+    pub fn new(tasks: tokio_util::task::TaskTracker, most: usize) -> Self {
+        Self {
+            tasks,
+            running: AtomicUsize::new(0),
+            most,
+        }
+    }
+
+    fn enter(self: &Arc<Self>) -> Result<Place, Error> {
+        if self.running.fetch_add(1, Ordering::AcqRel) >= self.most {
+            self.running.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::TooManyRequests { limit: self.most });
+        }
+        Ok(Place(self.clone()))
+    }
+}
+
+/// One [`Finishing`] work's place among the [`Finishers`], given back on drop.
+struct Place(Arc<Finishers>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -152,7 +201,7 @@ pub(super) async fn hold(
     let claim = Box::new(claim);
     let hold = async move { core.hold(claim, wait, &reported).await };
     let stream = HoldStream {
-        hold: Finishing::new(hold, events.left().clone(), &app.core.tasks),
+        hold: Finishing::new(hold, events.left().clone(), &app.finishers)?,
         events,
     };
     let mut response = Sse::new(stream)

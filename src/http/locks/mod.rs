@@ -16,6 +16,7 @@ mod operations;
 
 pub use answers::*;
 pub use ask::*;
+pub use hold::Finishers;
 pub use operations::*;
 
 use std::sync::Arc;
@@ -71,7 +72,7 @@ fn acquire(
                 }
                 outcome
             };
-            Ok(Finishing::new(acquire, left, &app.core.tasks))
+            Finishing::new(acquire, left, &app.finishers)
         });
     async move {
         match finishing?.await? {
@@ -105,7 +106,7 @@ async fn release(
             let (core, left) = (app.core.clone(), CancellationToken::new());
             let gone = left.clone();
             let work = async move { core.release_once(&key, &token, &idempotency, &gone).await };
-            Finishing::new(work, left, &app.core.tasks).await?
+            Finishing::new(work, left, &app.finishers)?.await?
         }
     };
     Ok(Json(Released {
