@@ -668,6 +668,7 @@ impl Core {
                 // A count of 0 (a handoff) leaves the lease's own.
                 Some(local) => {
                     local.set(Some(g.expires_at_ms), (g.count > 0).then_some(g.count));
+                    local.count_here(true);
                     local.renewing.store(false, Ordering::Relaxed);
                     local.clone()
                 }
@@ -681,7 +682,7 @@ impl Core {
                         ttl: claim.ttl,
                         since_ms: g.since_ms,
                         cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
-                        state: Mutex::new((g.expires_at_ms, g.count.max(1))),
+                        state: Mutex::new((g.expires_at_ms, g.count.max(1), 1)),
                         renewing: AtomicBool::new(false),
                         end: std::sync::OnceLock::new(),
                         ended: CancellationToken::new(),

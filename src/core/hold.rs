@@ -250,9 +250,11 @@ impl Core {
         }
     }
 
-    /// Releases every hold count of a local lease and ends it as lost by shutdown.
+    /// Releases the holds of a local lease taken through this sidecar and
+    /// ends it as lost by shutdown. Its owner may hold the lease through
+    /// other sidecars too: those holds are theirs to give back.
     pub(super) async fn release_fully(&self, lease: &Local) {
-        for _ in 0..=lease.count() {
+        for _ in 0..lease.here() {
             match self
                 .op("release", self.backend.release(&lease.key, &lease.token))
                 .await

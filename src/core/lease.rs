@@ -37,8 +37,11 @@ pub struct Local {
     pub since_ms: u64,
     /// Renewals stop here (`max_hold`).
     pub cap_ms: Option<u64>,
-    /// Current expiry and hold count, as last seen.
-    pub(super) state: Mutex<(u64, u32)>,
+    /// Current expiry and hold count, as last seen, and the holds taken
+    /// through this sidecar less those released through it (what it gives
+    /// back at shutdown: its owner may hold the others through other
+    /// sidecars).
+    pub(super) state: Mutex<(u64, u32, u32)>,
     /// A renewal through this sidecar has started and none has succeeded
     /// since: the backend may not have extended the lease.
     pub(super) renewing: AtomicBool,
@@ -57,9 +60,19 @@ impl Local {
         self.lock_state().0
     }
 
-    /// Hold count.
-    pub fn count(&self) -> u32 {
-        self.lock_state().1
+    /// Holds taken through this sidecar less those released through it.
+    pub fn here(&self) -> u32 {
+        self.lock_state().2
+    }
+
+    /// One hold more taken (`true`) or released (`false`) through this sidecar.
+    pub(super) fn count_here(&self, taken: bool) {
+        let mut s = self.lock_state();
+        s.2 = if taken {
+            s.2.saturating_add(1)
+        } else {
+            s.2.saturating_sub(1)
+        };
     }
 
     pub(super) fn set(&self, expires_at_ms: Option<u64>, count: Option<u32>) {
@@ -72,7 +85,7 @@ impl Local {
         }
     }
 
-    pub(super) fn lock_state(&self) -> std::sync::MutexGuard<'_, (u64, u32)> {
+    pub(super) fn lock_state(&self) -> std::sync::MutexGuard<'_, (u64, u32, u32)> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -206,7 +219,7 @@ mod tests {
             ttl: Duration::from_secs(1),
             since_ms: 0,
             cap_ms: None,
-            state: Mutex::new((0, 1)),
+            state: Mutex::new((0, 1, 1)),
             renewing: AtomicBool::new(false),
             end: std::sync::OnceLock::new(),
             ended: CancellationToken::new(),

@@ -69,6 +69,9 @@ impl Core {
         }
         let result = self.op("release", self.backend.release(key, token)).await?;
         let local = self.local_on(key, token);
+        if let (Some(_), Some(local)) = (result, &local) {
+            local.count_here(false);
+        }
         match (result, local) {
             (Some(0), Some(local)) => {
                 self.end(&local, End::Released);
@@ -251,20 +254,29 @@ impl Core {
         }
     }
 
-    /// Releases a revoked lease in the backend, retrying until the backend
-    /// answers (it may have expired the lease meanwhile) or the token is
-    /// granted again.
+    /// Releases a revoked lease's holds taken through this sidecar in the
+    /// backend (its owner may hold others through other sidecars), retrying
+    /// until the backend answers (it may have expired the lease meanwhile)
+    /// or the token is granted again.
     pub(super) async fn release_revoked(self: Arc<Self>, lease: Arc<Local>) {
         let mut backoff = Duration::from_millis(100);
+        let mut holds = lease.here();
         loop {
             if !self.is_revoked(&lease.token) {
+                return;
+            }
+            if holds == 0 {
+                self.lock_revoked().remove(&lease.token);
                 return;
             }
             match self
                 .op("release", self.backend.release(&lease.key, &lease.token))
                 .await
             {
-                Ok(Some(n)) if n > 0 => continue,
+                Ok(Some(n)) if n > 0 => {
+                    holds -= 1;
+                    continue;
+                }
                 Ok(_) => {
                     self.lock_revoked().remove(&lease.token);
                     return;

@@ -220,3 +220,14 @@ impl BackendGuard {
 #[case::postgres(crate::common::TestBackend::Postgres)]
 #[case::zookeeper(crate::common::TestBackend::ZooKeeper)]
 pub fn backends(#[case] backend: crate::common::TestBackend) {}
+
+/// The networked backends two sidecars share, Sentinel and Cluster left out
+/// (their Redis scripts are single Redis's): for tests of what one sidecar
+/// leaves to another.
+#[template]
+#[rstest]
+#[case::redis(crate::common::TestBackend::Redis)]
+#[case::redlock(crate::common::TestBackend::Redlock)]
+#[case::postgres(crate::common::TestBackend::Postgres)]
+#[case::zookeeper(crate::common::TestBackend::ZooKeeper)]
+pub fn shared_backends(#[case] backend: crate::common::TestBackend) {}

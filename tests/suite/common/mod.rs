@@ -3,7 +3,8 @@
 //! ephemeral port and talks to it over real HTTP.
 //!
 //! * [`backend`]: the backends the conformance suite runs against, and the
-//!   `backends` rstest template (adding a backend is one `#[case]` line).
+//!   `backends` rstest template (adding a backend is one `#[case]` line), and
+//!   `shared_backends`, the networked ones two sidecars share.
 //! * [`sidecar`]: [`SidecarBuilder`] / [`SidecarGuard`] for `sidelock serve`.
 //! * [`api`]: typed HTTP helpers for locks and semaphores.
 //! * [`sse`]: a small Server-Sent-Events reader with deadlines.
@@ -29,8 +30,8 @@ pub use sidelock_test_support::{
 };
 
 pub use api::{Api, Grant, Keepalive, Kind, Released, Resource};
-pub(crate) use backend::backends;
 pub use backend::{BackendGuard, TestBackend};
+pub(crate) use backend::{backends, shared_backends};
 pub use problem::{assert_problem, problem_type};
 pub use sidecar::{SidecarBuilder, SidecarGuard};
 pub use sse::{HoldEvent, HoldStream, Queued, SseStream};

@@ -266,13 +266,9 @@ async fn a_leader_hears_shutdown_and_the_election_is_free(backend: TestBackend) 
 /// A leader whose whole pod dies (sidecar killed, nothing released) is
 /// replaced once its lease runs out: the follower leads after about the
 /// campaign's ttl, never before it.
-#[rstest]
-#[case::redis(TestBackend::Redis)]
-#[case::redlock(TestBackend::Redlock)]
-#[case::postgres(TestBackend::Postgres)]
-#[case::zookeeper(TestBackend::ZooKeeper)]
+#[apply(shared_backends)]
 #[tokio::test]
-async fn a_killed_leaders_lease_runs_out_before_the_follower_leads(#[case] backend: TestBackend) {
+async fn a_killed_leaders_lease_runs_out_before_the_follower_leads(backend: TestBackend) {
     let backend = backend.start().await;
     let mut sidecars = backend.sidecars(2).await;
     let name = unique_name("killed");

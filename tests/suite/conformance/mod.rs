@@ -2074,6 +2074,69 @@ mod auth {
 mod lifecycle {
     use super::*;
 
+    /// A sidecar shutting down releases the holds granted through it, and
+    /// only those: a lease its owner re-entered through another sidecar
+    /// keeps that hold (no stranger is granted), and its client there
+    /// releases it last. (It
+    /// released every hold of the token: the hold taken through the other
+    /// sidecar was let go behind its client's back, and a stranger was
+    /// granted while that client still counted on the lock.)
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn a_sidecar_shutting_down_releases_only_the_holds_it_granted(backend: TestBackend) {
+        let zookeeper = backend == TestBackend::ZooKeeper;
+        let backend = backend.start().await;
+        let mut a = backend.sidecar().shutdown_grace("5s").start().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("shutdown-reentered");
+        let (la, lb) = (a.api().lock(&name), b.api().lock(&name));
+        let first = la.acquire(&[("owner", "worker"), ("ttl", "60s")]).await;
+        let second = lb.acquire(&[("owner", "worker"), ("ttl", "60s")]).await;
+        assert_eq!(
+            (second.token.as_str(), second.count),
+            (first.token.as_str(), 2)
+        );
+        let stranger = {
+            let lb = lb.clone();
+            tokio::spawn(async move {
+                lb.acquire_raw(&[("owner", "stranger"), ("wait", "4s")])
+                    .await
+            })
+        };
+        a.terminate();
+        let status = a.wait_exit(Duration::from_secs(5) + TIMING_SLACK).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+        let stranger = stranger.await.expect("the stranger's task");
+        if zookeeper {
+            // A lease is a node of the session of the sidecar that created
+            // it: it ends with that sidecar, and its holder through another
+            // sidecar is told so (README, ZooKeeper).
+            assert_eq!(stranger.status(), StatusCode::OK);
+            lb.keepalive_lost(&first.token).await;
+            return;
+        }
+        assert_eq!(
+            stranger.status(),
+            StatusCode::CONFLICT,
+            "a stranger was granted while the lease was held through the other sidecar: {:?}",
+            stranger.text().await
+        );
+        let state = lb.inspect().await;
+        let holder = state
+            .holders
+            .iter()
+            .find(|h| h.owner == "worker")
+            .unwrap_or_else(|| panic!("the re-entered lease was released: {state:?}"));
+        assert_eq!(holder.count, 1, "{state:?}");
+        assert_eq!(
+            lb.release(&first.token).await,
+            Released {
+                released: true,
+                count: 0
+            }
+        );
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn sigterm_ends_holds_releases_and_exits_zero(backend: TestBackend) {
