@@ -305,6 +305,7 @@ impl Backend for Memory {
             }
             let mut busy = Busy {
                 holders: e.holders(claim.key.kind),
+                omitted: 0,
                 queue_length: e.queue.len(),
                 position: None,
                 retry_at_ms: e.retry_at(claim, now),

@@ -347,6 +347,10 @@ pub struct Grant {
 #[derive(Debug, Clone, Default)]
 pub struct Busy {
     pub holders: Vec<Holder>,
+    /// Holders left out of `holders`: the backends name every holder, and
+    /// the sidecar keeps and shows at most a few (a waiter keeps its last
+    /// busy answer for as long as it waits).
+    pub omitted: usize,
     pub queue_length: usize,
     /// 1-based place in the queue of the attempt's ticket, when it has one.
     pub position: Option<usize>,

@@ -485,6 +485,7 @@ impl Backend for Redlock {
         };
         Ok(Attempt::Busy(Busy {
             holders: shown.holders,
+            omitted: 0,
             queue_length: shown.queue_length,
             position: None,
             retry_at_ms,

@@ -336,7 +336,7 @@ impl Core {
         let Some(ticket) = busy.ticket.clone().filter(|_| queueing) else {
             self.metrics.acquired(key, "busy");
             return Ok(Outcome::Busy {
-                busy,
+                busy: kept(busy),
                 waited: Duration::ZERO,
             });
         };
@@ -720,11 +720,23 @@ impl Core {
     }
 }
 
+/// The most holders a busy answer keeps and shows. A lock may have any
+/// number of shared holders (a semaphore, `limit` of them), and every waiter
+/// keeps its last busy answer: all of them, kept by each waiter, would take
+/// memory in their product.
+pub(super) const SHOWN_HOLDERS: usize = 100;
+
 /// `busy` as a waiter keeps it for as long as it waits, for its 409 at the
-/// end (holders and queue length): without its ticket, and with no spare
-/// room in its holders, which a backend may have collected with some.
+/// end (holders and queue length), and as a try-once acquire answers it:
+/// without its ticket, with its first [`SHOWN_HOLDERS`] holders (the others
+/// counted), and with no spare room in its holders, which a backend may
+/// have collected with some.
 fn kept(mut busy: Busy) -> Busy {
     busy.ticket = None;
+    if busy.holders.len() > SHOWN_HOLDERS {
+        busy.omitted += busy.holders.len() - SHOWN_HOLDERS;
+        busy.holders.truncate(SHOWN_HOLDERS);
+    }
     busy.holders.shrink_to_fit();
     busy
 }

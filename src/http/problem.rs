@@ -21,7 +21,7 @@ pub struct Problem {
     pub title: String,
     pub status: u16,
     pub detail: String,
-    /// Extension members: `holders`, `queue_length`, `parameter`, `max_ms`, `limit`, `cap`.
+    /// Extension members: `holders`, `holders_total`, `queue_length`, `parameter`, `max_ms`, `limit`, `cap`.
     #[serde(flatten)]
     #[schema(value_type = Object)]
     pub extensions: Map<String, Value>,
@@ -84,6 +84,10 @@ impl Error {
             }
             Error::Busy { busy, waited_ms } => {
                 extensions.insert("holders".into(), json!(busy.holders));
+                if busy.omitted > 0 {
+                    let total = busy.holders.len() + busy.omitted;
+                    extensions.insert("holders_total".into(), json!(total));
+                }
                 extensions.insert("queue_length".into(), json!(busy.queue_length));
                 extensions.insert("waited_ms".into(), json!(waited_ms));
             }

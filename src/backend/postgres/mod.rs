@@ -471,6 +471,7 @@ impl Backend for Postgres {
                     .into_iter()
                     .map(|h| inner.holder(claim.key.kind, h))
                     .collect(),
+                omitted: 0,
                 queue_length: b.queue_length,
                 position: b.position,
                 retry_at_ms: b.retry_at_ms.map(|at| inner.local_deadline(at, b.now_ms)),

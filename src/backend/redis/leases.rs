@@ -164,6 +164,7 @@ impl Node {
                 }
                 Ok(Attempt::Busy(Busy {
                     holders,
+                    omitted: 0,
                     queue_length: int(&reply, 3) as usize,
                     position: (position > 0).then_some(position as usize),
                     retry_at_ms: (retry > 0).then(|| clock.local(retry)),

@@ -883,6 +883,7 @@ impl ZooKeeper {
             let waiting_total = children.len() - holders.len().min(children.len());
             let mut busy = Busy {
                 holders,
+                omitted: 0,
                 queue_length: waiting_total,
                 position: None,
                 retry_at_ms,

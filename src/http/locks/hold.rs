@@ -171,14 +171,17 @@ pub(in crate::http) fn hold_event(event: HoldEvent) -> SseEvent {
             },
         ),
         HoldEvent::Lost(reason) => sse_json("lost", &serde_json::json!({ "reason": reason })),
-        HoldEvent::Timeout { busy, waited } => sse_json(
-            "timeout",
-            &serde_json::json!({
+        HoldEvent::Timeout { busy, waited } => {
+            let mut timeout = serde_json::json!({
                 "waited_ms": ms(waited),
                 "queue_length": busy.queue_length,
                 "holders": busy.holders,
-            }),
-        ),
+            });
+            if busy.omitted > 0 {
+                timeout["holders_total"] = (busy.holders.len() + busy.omitted).into();
+            }
+            sse_json("timeout", &timeout)
+        }
         HoldEvent::Failed(e) => sse_json("error", &e.problem()),
     }
 }

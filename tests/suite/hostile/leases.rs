@@ -1459,3 +1459,44 @@ async fn head_on_a_hold_or_a_campaign_changes_nothing() {
     assert_eq!(election["leader"], serde_json::Value::Null, "{election}");
     assert_eq!(election["candidates"], 0, "{election}");
 }
+
+/// A lock with more holders than a busy answer shows (130 readers here; a
+/// semaphore's permits alike): a try-once claim, a waiter whose wait ran
+/// out and a hold stream's `timeout` name the first 100, and
+/// `holders_total` counts them all. (Every waiter kept every holder for as
+/// long as it waited, so that memory grew with holders times waiters, and
+/// each 409 wrote them all.)
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[case::postgres(TestBackend::Postgres)]
+#[case::zookeeper(TestBackend::ZooKeeper)]
+#[tokio::test]
+async fn a_busy_answer_names_at_most_100_holders(#[case] backend: TestBackend) {
+    const READERS: usize = 130;
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let lock = sidecar.api().lock(&unique_name("crowded"));
+    for i in 0..READERS {
+        let owner = format!("reader-{i}");
+        lock.acquire(&[("owner", &owner), ("mode", "shared"), ("ttl", "2m")])
+            .await;
+    }
+    let check = |what: &str, answer: &serde_json::Value| {
+        let holders = answer["holders"].as_array().map_or(0, Vec::len);
+        assert_eq!(
+            (holders, answer["holders_total"].as_u64()),
+            (100, Some(READERS as u64)),
+            "{what}: {answer}"
+        );
+    };
+    check("try once", &lock.acquire_busy(&[("owner", "writer")]).await);
+    check(
+        "a waiter",
+        &lock
+            .acquire_busy(&[("owner", "writer"), ("wait", "300ms")])
+            .await,
+    );
+    let mut hold = lock.hold(&[("owner", "writer"), ("wait", "300ms")]).await;
+    check("a hold stream", &hold.expect_timeout().await);
+}
