@@ -684,6 +684,7 @@ impl Core {
                         cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
                         state: Mutex::new((g.expires_at_ms, g.count.max(1), 1)),
                         renewing: AtomicBool::new(false),
+                        delayed: !claim.lock_delay.is_zero(),
                         end: std::sync::OnceLock::new(),
                         ended: CancellationToken::new(),
                         filing: Filing::default(),

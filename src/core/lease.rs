@@ -45,6 +45,9 @@ pub struct Local {
     /// A renewal through this sidecar has started and none has succeeded
     /// since: the backend may not have extended the lease.
     pub(super) renewing: AtomicBool,
+    /// The lease has a lock-delay: given up as lost, it is left to expire
+    /// in the backend, whose expiry starts the delay (a release would not).
+    pub(super) delayed: bool,
     /// How the lease ended; set once.
     pub(super) end: std::sync::OnceLock<End>,
     /// Cancelled once `end` is set. (A token rather than a watch channel:
@@ -221,6 +224,7 @@ mod tests {
             cap_ms: None,
             state: Mutex::new((0, 1, 1)),
             renewing: AtomicBool::new(false),
+            delayed: false,
             end: std::sync::OnceLock::new(),
             ended: CancellationToken::new(),
             filing: Filing::default(),

@@ -250,8 +250,26 @@ impl Core {
             "backend unreachable near the lease's expiry; lease given up"
         );
         if let Some(me) = self.me.upgrade() {
-            self.tasks.spawn(me.release_revoked(lease.clone()));
+            match lease.delayed {
+                true => self.tasks.spawn(me.forget_revoked(lease.clone())),
+                false => self.tasks.spawn(me.release_revoked(lease.clone())),
+            };
         }
+    }
+
+    /// Leaves a revoked lease with a lock-delay to expire in the backend:
+    /// it ended as lost, and its expiry there starts the delay, which a
+    /// release would skip. Its token answers 410 until the backend has
+    /// expired it even after a renewal that got through late (a ttl after
+    /// the expiry seen here), then is forgotten.
+    async fn forget_revoked(self: Arc<Self>, lease: Arc<Local>) {
+        let left = lease.expires_at_ms().saturating_sub(now_ms());
+        let gone = Duration::from_millis(left).saturating_add(lease.ttl);
+        tokio::select! {
+            () = tokio::time::sleep(gone) => {}
+            () = self.shutdown.cancelled() => return,
+        }
+        self.lock_revoked().remove(&lease.token);
     }
 
     /// Releases a revoked lease's holds taken through this sidecar in the

@@ -3596,3 +3596,53 @@ async fn releases_left_by_their_clients_count_against_the_connection_cap() {
         "each left release released one hold"
     );
 }
+
+/// A lease given up because its renewals could not get through (answers
+/// held back, so the renewal is still under way at the safety margin) ends
+/// as a loss, so its lock-delay runs: the waiter on another sidecar is
+/// granted no sooner than `lock_delay` after the holder was told `lost`.
+/// (The sidecar released it in Redis once answers came back, before Redis
+/// expired it, and a release starts no delay: the waiter was granted at
+/// once.)
+#[tokio::test]
+async fn a_lease_given_up_for_slow_answers_keeps_its_lock_delay() {
+    const DELAY: Duration = Duration::from_secs(4);
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let a = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let b = sidecar(&server).await;
+    let name = unique_name("given-up");
+    let mut hold = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "holder"), ("ttl", "6s"), ("lock_delay", "4s")])
+        .await;
+    hold.expect_acquired().await;
+    let waiter = {
+        let lock = b.api().lock(&name);
+        tokio::spawn(async move {
+            let grant = lock.acquire(&[("owner", "waiter"), ("wait", "30s")]).await;
+            (grant, Instant::now())
+        })
+    };
+    b.api().lock(&name).wait_for_waiters(&["waiter"]).await;
+
+    proxy.slow_answers(Duration::from_secs(5));
+    let reason = hold.expect_lost_within(Duration::from_secs(10)).await;
+    let lost_at = Instant::now();
+    assert_eq!(reason, "unreachable");
+    // Answers come back at once again, before Redis expires the lease.
+    proxy.slow_answers(Duration::ZERO);
+    let (grant, granted_at) = within("the waiter is granted", Duration::from_secs(30), async {
+        waiter.await.expect("the waiter's task")
+    })
+    .await;
+    let after = granted_at.saturating_duration_since(lost_at);
+    assert!(
+        after >= DELAY,
+        "the waiter was granted {after:?} after the holder was told lost, inside its lock-delay of {DELAY:?} (fence {})",
+        grant.fence
+    );
+}
