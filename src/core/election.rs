@@ -289,7 +289,15 @@ impl Core {
         let mut delivery = None;
         let mut settle = SETTLE;
         loop {
-            let Some(tx) = sender.upgrade() else { break };
+            let Some(tx) = sender.upgrade() else {
+                // Every follower left while this read (or before the first):
+                // the entry goes, unless a new observer has taken its place.
+                let mut observers = lock(&self.elections.observers);
+                if observers.get(&name).is_some_and(|s| s.ptr_eq(&sender)) {
+                    observers.remove(&name);
+                }
+                break;
+            };
             if delivery.is_none() {
                 delivery = self.op("observe", self.backend.observe(&key)).await.ok();
             }
@@ -343,4 +351,40 @@ pub fn election_key(name: &Name) -> LockKey {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::core::expiry::tests::core;
+    use crate::lock::Name;
+
+    /// A follower that leaves before its observer's first read (or while
+    /// a read is under way) leaves no entry behind: each name left one for
+    /// good, so clients opening and closing observe streams under new
+    /// names grew the map without bound.
+    #[tokio::test]
+    async fn an_observer_whose_followers_left_leaves_no_entry() {
+        let core = core();
+        for i in 0..20 {
+            let name = Name::parse(&format!("e{i}")).unwrap();
+            drop(core.follow(&name));
+        }
+        let followed = core.follow(&Name::parse("kept").unwrap());
+        for _ in 0..100 {
+            if super::lock(&core.elections.observers).len() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let observers = super::lock(&core.elections.observers);
+        assert_eq!(
+            observers.len(),
+            1,
+            "{:?}",
+            observers.keys().collect::<Vec<_>>()
+        );
+        drop((observers, followed));
+    }
 }

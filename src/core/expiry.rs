@@ -189,7 +189,7 @@ pub fn margin_ms(ttl: Duration) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -202,7 +202,7 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::wakeups::Wakeups;
 
-    fn core() -> Arc<Core> {
+    pub(in crate::core) fn core() -> Arc<Core> {
         let wakeups = Wakeups::default();
         let limits = Limits {
             default_ttl: Duration::from_secs(30),
