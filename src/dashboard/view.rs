@@ -602,7 +602,7 @@ pub fn build(
     let next_href = listing
         .next_cursor
         .as_deref()
-        .map(|c| filter.href(Some(c), filter.page + 1));
+        .map(|c| filter.href(Some(c), filter.page.saturating_add(1)));
     let first_href = filter.cursor.is_some().then(|| filter.href(None, 1));
     let (safety, safety_note) = match id.safety {
         Safety::SingleProcess => (

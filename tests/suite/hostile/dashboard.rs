@@ -651,3 +651,29 @@ async fn a_malformed_sign_in_or_asset_path_answers_a_problem_document() {
         .expect("asset");
     assert_problem(answer, StatusCode::NOT_FOUND, "not-found").await;
 }
+
+/// The dashboard's `page` at its largest, on a page that has a next one:
+/// the page answers, its next link counts on at most to the largest page.
+/// (The link's `page + 1` overflowed: a debug build panicked and the
+/// connection closed without an answer.)
+#[tokio::test]
+async fn the_largest_page_number_answers() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let api = sidecar.api();
+    for name in ["pages-b", "pages-c"] {
+        api.lock(name).acquire(&[("ttl", "1m")]).await;
+    }
+    for path in ["/", "/dashboard/live"] {
+        let url = format!(
+            "http://127.0.0.1:{}{path}?cursor=locks/pages-a&limit=1&page={}",
+            sidecar.port(),
+            u32::MAX
+        );
+        let response = client()
+            .get(&url)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        assert_eq!(response.status(), StatusCode::OK, "{url}");
+    }
+}
