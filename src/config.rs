@@ -187,7 +187,7 @@ pub struct ServeArgs {
     /// redis+sentinel://, rediss+sentinel://, redis+cluster://,
     /// rediss+cluster://, redlock://, redlocks://, zk://, postgres://,
     /// postgresql:// (README: "Backends and their guarantees").
-    #[arg(long, env = "SIDELOCK_BACKEND")]
+    #[arg(long, env = "SIDELOCK_BACKEND", hide_env_values = true)]
     pub backend: Option<Secret>,
     /// This sidecar's id in holder listings [default: hostname-<random>].
     #[arg(long, env = "SIDELOCK_SIDECAR_ID")]
@@ -557,7 +557,46 @@ fn check_socket_path(path: &Path) -> Result<(), String> {
 fn read_file(path: &Path) -> Result<ServeArgs, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+    toml::from_str(&text)
+        .map_err(|e| format!("config file {}: {}", path.display(), shown(&e, &text)))
+}
+
+/// A config file's error without its text: the parser's own message quotes
+/// the line, and its type errors the value, either of which may be a token
+/// or a backend password. Says where (line, key) and what was expected.
+fn shown(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim();
+    let message = match (message.split_once(": "), message.split_once(", expected ")) {
+        (
+            Some((kind @ ("invalid type" | "invalid value" | "invalid length"), _)),
+            Some((_, expected)),
+        ) => {
+            format!("{kind}, expected {expected}")
+        }
+        (Some((kind @ ("invalid type" | "invalid value" | "invalid length"), _)), None) => {
+            kind.to_owned()
+        }
+        _ => message.to_owned(),
+    };
+    let Some(span) = e.span() else {
+        return message;
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let key = text
+        .lines()
+        .nth(line - 1)
+        .and_then(|l| l.split_once('='))
+        .map(|(k, _)| k.trim())
+        .filter(|k| {
+            !k.is_empty()
+                && k.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-.\"' ".contains(c))
+        });
+    match key {
+        Some(key) => format!("line {line} ({key}): {message}"),
+        None => format!("line {line}: {message}"),
+    }
 }
 
 fn default_sidecar_id() -> String {
@@ -569,6 +608,33 @@ fn default_sidecar_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bad line of a config file is named by its number and key, never
+    /// quoted: it may hold a token or a backend password (the parser's
+    /// message quoted the whole line, and its type errors the value).
+    #[test]
+    fn a_bad_config_file_is_refused_without_its_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sidelock.toml");
+        for (text, says) in [
+            (
+                "max_ttl = \"2m\"\napi-token = \"s3cr3t-t0ken\"\n",
+                "line 2 (api-token): unknown field",
+            ),
+            (
+                "admin_token = 12345678\n",
+                "line 1 (admin_token): invalid type, expected a string",
+            ),
+            ("backend = \"postgres://u:s3cr3t-pw@db/x\n", "line 1"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let e = read_file(&path).unwrap_err();
+            assert!(e.contains(says), "{text:?}: {e}");
+            for secret in ["s3cr3t", "12345678"] {
+                assert!(!e.contains(secret), "{text:?}: {e}");
+            }
+        }
+    }
 
     #[test]
     fn file_rejects_unknown_keys_and_reads_durations() {

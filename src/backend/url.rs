@@ -112,30 +112,34 @@ const CREDENTIAL_WORDS: &[&str] = &[
 /// A backend URL as it may be shown (`/v1/info`, logs, errors, the
 /// dashboard): the one function every URL goes through before it is shown.
 ///
-/// Removes the password of the user info (everything up to the last `@`
-/// before the query, so a raw `/` or `@` in a password is covered too) and
+/// Removes the password of the user info (everything up to the last `@`,
+/// so a raw `/`, `?` or `@` in a password is covered too: drivers read the
+/// user info up to an `@`, a `?` before it included; a query with an `@` in
+/// it is hidden with it, on the safe side) and
 /// every query parameter whose name, once percent-decoded (repeatedly, so
 /// `pass%77ord` and `pass%2577ord` count), looks like a credential (see
 /// [`CREDENTIAL_WORDS`]). Works on the text, so multi-host URLs
 /// (`redlock://u:pw@a:1,b:2`) and strings that are no URL at all are
 /// covered too.
 pub fn redact(url: &str) -> String {
-    let (base, query) = url
-        .split_once('?')
-        .map_or((url, None), |(b, q)| (b, Some(q)));
-    let (scheme, rest) = base.split_once("://").map_or(("", base), |(s, r)| (s, r));
+    let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (s, r));
     let rest = match rest.rsplit_once('@') {
         Some((userinfo, hosts)) => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            // A user name cut at a `?` or `/`: what follows may be a password.
+            let user = user.split(['?', '/']).next().unwrap_or_default();
             let at = if user.is_empty() { "" } else { "@" };
             format!("{user}{at}{hosts}")
         }
         None => rest.to_owned(),
     };
-    let base = if base.contains("://") {
+    let (rest, query) = rest
+        .split_once('?')
+        .map_or((rest.as_str(), None), |(b, q)| (b, Some(q)));
+    let base = if url.contains("://") {
         format!("{scheme}://{rest}")
     } else {
-        rest
+        rest.to_owned()
     };
     let kept: Vec<&str> = query
         .into_iter()
@@ -247,6 +251,15 @@ mod tests {
             ),
             ("redis://h:1/0?api%5Fkey=pw&secret=pw", "redis://h:1/0"),
             ("redis://:pa/ss@h:1/0", "redis://h:1/0"),
+            (
+                "postgres://app:pa?ss@db:5432/locks",
+                "postgres://app@db:5432/locks",
+            ),
+            (
+                "redis://:p?a=b&c@h:1/0?protocol=resp3",
+                "redis://h:1/0?protocol=resp3",
+            ),
+            ("redis://:p?w@h:1/0?password=pw", "redis://h:1/0"),
             ("redis://u:p@ss@h:1/0", "redis://u@h:1/0"),
             ("redlock://:pw@a:1,b:2", "redlock://a:1,b:2"),
             ("admin:pw@h:1", "admin@h:1"),

@@ -593,6 +593,15 @@ TEMPLATE_ERRORS = {
     "password in redlock url": (
         {"backend": {"url": "redlock://:pw@a:6379,:pw@b:6379,:pw@c:6379"}},
         "backend.urlFromSecret.name"),
+    "password in sentinel url": (
+        {"backend": {"url": "redis+sentinel://:pw@sentinel:26379/mymaster"}},
+        "backend.url contains a password"),
+    "password with a slash": (
+        {"backend": {"url": "redis://:ab/cd@redis:6379/0"}},
+        "backend.url contains a password"),
+    "password as a parameter": (
+        {"backend": {"url": "postgres://db/locks?user=app&password=pw"}},
+        "backend.url contains a password"),
     "default ttl above max ttl": (
         {"config": {"defaultTtl": "2h", "maxTtl": "1h"}},
         "config.defaultTtl (2h) must not be longer than config.maxTtl (1h)"),

@@ -58,6 +58,30 @@ async fn the_listening_line_writes_the_safety_class_as_the_api_does() {
     assert!(!log.contains("SingleProcess"), "{log}");
 }
 
+/// `--help` in a pod whose backend URL, with its password, comes from the
+/// environment (the chart's Secret) does not print the URL, nor the
+/// tokens. (Clap printed `[env: SIDELOCK_BACKEND=<the URL>]`.)
+#[test]
+fn help_does_not_print_secrets_from_the_environment() {
+    let mut cmd = std::process::Command::new(common::sidecar::SIDELOCK_BIN);
+    common::sidecar::remove_inherited_sidelock_env(&mut cmd);
+    let out = cmd
+        .args(["serve", "--help"])
+        .env(
+            "SIDELOCK_BACKEND",
+            "postgres://app:Backend-Pw-9d2e@db/locks",
+        )
+        .env("SIDELOCK_API_TOKEN", "Api-Token-5c1b")
+        .env("SIDELOCK_ADMIN_TOKEN", "Admin-Token-7e4f")
+        .output()
+        .expect("spawn sidelock");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("SIDELOCK_BACKEND"), "{help}");
+    for secret in ["Backend-Pw-9d2e", "Api-Token-5c1b", "Admin-Token-7e4f"] {
+        assert!(!help.contains(secret), "--help shows {secret}:\n{help}");
+    }
+}
+
 #[test]
 fn help_for_backend_lists_every_scheme() {
     let (code, help) = sidelock(&["serve", "--help"]);

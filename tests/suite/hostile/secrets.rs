@@ -263,6 +263,8 @@ async fn no_secret_reaches_the_log_info_metrics_events_or_dashboard(
 #[case::bad_port("redis://:{pw}@127.0.0.1:notaport/0")]
 #[case::bad_database("redis://:{pw}@127.0.0.1:6379/notadb")]
 #[case::password_with_a_slash("redis://:{pw}/x@127.0.0.1:6379/0")]
+#[case::password_with_a_question_mark("redis://:x?{pw}@127.0.0.1:6379/0")]
+#[case::password_before_a_question_mark("redis://:{pw}?x@127.0.0.1:6379/0")]
 #[case::sentinel_without_master("redis+sentinel://user:{pw}@127.0.0.1:26379")]
 #[case::redlock_bad_port("redlock://:{pw}@127.0.0.1:1,127.0.0.1:x")]
 #[case::encoded_parameter("redis://127.0.0.1:6379/notadb?pass%77ord={pw}")]
