@@ -164,6 +164,50 @@ async fn assert_owner_keeps_its_hold(direct: &SidecarGuard, name: &str, token: &
     assert_eq!(released.count, 0, "the owner's one hold was left");
 }
 
+/// A join through the proxy whose answer was lost after the backend queued
+/// it, behind a holder through the direct sidecar.
+struct LostJoin {
+    /// The lost join's owner.
+    owner: String,
+    /// The lock through the proxied sidecar.
+    through: crate::common::api::Resource,
+    /// The lock through the direct sidecar.
+    lock: crate::common::api::Resource,
+    /// The holder the join queued behind.
+    holder: crate::common::api::Grant,
+}
+
+/// Makes a [`LostJoin`] on a new lock named from `prefix`, the join asking
+/// for `ttl`; returns once its 503 is back.
+async fn lose_a_join(
+    prefix: &str,
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+    ttl: &str,
+) -> LostJoin {
+    let name = unique_name(prefix);
+    let owner = unique_name("owner");
+    let through = through_proxy.api().lock(&name);
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let lock = direct.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+
+    proxy.cut_after(owner.as_bytes());
+    let lost = through
+        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", ttl)])
+        .await;
+    assert!(!proxy.armed(), "the join went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    LostJoin {
+        owner,
+        through,
+        lock,
+        holder,
+    }
+}
+
 /// A join whose answer is lost after the backend queued it leaves a queue
 /// entry nobody waits for; a release that hands the lock to that entry
 /// before it is removed as nobody's makes a lease nobody holds, which kept
@@ -178,20 +222,8 @@ pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
     ttl: &str,
     within: &str,
 ) {
-    let name = unique_name("ghost-join");
-    let owner = unique_name("owner");
-    let through = through_proxy.api().lock(&name);
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let lock = direct.api().lock(&name);
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
-
-    proxy.cut_after(owner.as_bytes());
-    let lost = through
-        .acquire_raw(&[("owner", &owner), ("wait", "30s"), ("ttl", ttl)])
-        .await;
-    assert!(!proxy.armed(), "the join went through the proxy");
-    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let LostJoin { lock, holder, .. } =
+        lose_a_join("ghost-join", proxy, through_proxy, direct, ttl).await;
     // Past the background release's first look and its second round.
     tokio::time::sleep(Duration::from_millis(6500)).await;
     lock.release(&holder.token).await;
@@ -206,6 +238,66 @@ pub async fn a_lock_handed_to_a_join_whose_answer_was_lost_is_given_back(
         started.elapsed(),
         lock.inspect().await
     );
+}
+
+/// A join whose answer was lost, handed the lock and then re-entered by
+/// its owner's retry, leaves the owner its one hold: of the two clean-ups
+/// of the lost grant — the background release of its token, and the
+/// give-back of a lock handed to a ticket this sidecar never knew — only
+/// one takes the lost grant's hold. (Both did: the background release took
+/// it, then the give-back found one hold left and passed the lock to the
+/// next waiter while the owner still held it.)
+pub async fn a_lost_join_handed_the_lock_and_re_entered_holds_once(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    let LostJoin {
+        owner,
+        through,
+        lock,
+        holder,
+    } = lose_a_join("ghost-reentered", proxy, through_proxy, direct, "60s").await;
+    let answered = Instant::now();
+    // The next waiter, queued behind the lost join.
+    let next = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "next"), ("wait", "30s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[owner.as_str(), "next"]).await;
+    // Past the background release's first look (which finds the join
+    // queued, holding nothing), the lock is handed to the lost join, and
+    // its owner asks again: it re-enters that lease.
+    tokio::time::sleep(Duration::from_millis(900).saturating_sub(answered.elapsed())).await;
+    lock.release(&holder.token).await;
+    let again = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        again.count, 2,
+        "the retry re-enters the lease handed to the lost join"
+    );
+    // Past the background release's second round (2.25 s) and the
+    // give-back of the handoff (2 s after it).
+    tokio::time::sleep(Duration::from_millis(3500).saturating_sub(answered.elapsed())).await;
+    let state = lock.inspect().await;
+    assert_eq!(
+        state
+            .holders
+            .iter()
+            .map(|h| (h.owner.as_str(), h.count))
+            .collect::<Vec<_>>(),
+        [(owner.as_str(), 1)],
+        "the owner keeps its one hold, and nobody else holds: {state:?}"
+    );
+    assert!(
+        !next.is_finished(),
+        "the next waiter was granted while the owner held the lock"
+    );
+    assert_eq!(through.release(&again.token).await.count, 0);
+    let next = next.await.expect("the next waiter's task");
+    assert_eq!(next.status(), StatusCode::OK);
 }
 
 /// A waiter woken by a release, whose look loses its connection after the

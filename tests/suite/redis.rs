@@ -1936,6 +1936,20 @@ async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again() {
     .await;
 }
 
+/// A join whose answer was lost, handed the lock and re-entered by its
+/// owner, keeps the owner's hold: the background release of its token and
+/// the give-back of the handoff do not both take the lost grant's hold.
+#[tokio::test]
+async fn a_lost_join_handed_the_lock_and_re_entered_holds_once() {
+    let p = Proxied::start().await;
+    lost_answers::a_lost_join_handed_the_lock_and_re_entered_holds_once(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
+    .await;
+}
+
 /// A join whose answer is lost after Redis queued it leaves a queue entry
 /// nobody waits for; the release that hands the lock to that entry must
 /// not leave a lease nobody holds until its ttl. (Passes since the handoff

@@ -186,28 +186,49 @@ impl Backend for Redis {
             // answer lost): nobody would hold that lease until its ttl.
             let (member, key) = (self.member.clone(), claim.key.clone());
             let until = tokio::time::Instant::now() + claim.ttl;
-            let release = move || {
-                let (member, key, token) = (member.clone(), key.clone(), token.clone());
-                async move {
-                    // Connected first: a failure after that may come after
-                    // the release ran.
-                    if member.node.connection("release").await.is_err() {
-                        return Err(Failed::NotRun);
+            let lost = (key.clone(), token.clone());
+            lock(&member.tickets).lost.insert(lost.clone(), false);
+            let release = {
+                let (member, lost) = (member.clone(), lost.clone());
+                move || {
+                    let (member, lost) = (member.clone(), lost.clone());
+                    async move {
+                        // Connected first: a failure after that may come
+                        // after the release ran.
+                        if member.node.connection("release").await.is_err() {
+                            return Err(Failed::NotRun);
+                        }
+                        let released = member.release(&lost.0, &lost.1).await;
+                        if !matches!(released, Ok(None)) {
+                            // The lost grant's hold is taken (or may be).
+                            lock(&member.tickets).lost.insert(lost, true);
+                        }
+                        released.map_err(|_| Failed::Unanswered)
                     }
-                    member
-                        .release(&key, &token)
-                        .await
-                        .map_err(|_| Failed::Unanswered)
                 }
             };
-            tokio::spawn(release_unanswered(
-                claim.key.clone(),
-                release,
-                CALL_TIMEOUT,
-                tokio::time::Instant::now(),
-                until,
-                self.stop.clone(),
-            ));
+            let stop = self.stop.clone();
+            tokio::spawn(async move {
+                release_unanswered(
+                    lost.0.clone(),
+                    release,
+                    CALL_TIMEOUT,
+                    tokio::time::Instant::now(),
+                    until,
+                    stop.clone(),
+                )
+                .await;
+                // A hold taken: a give-back of a handoff to the lost join,
+                // still to come, must not take another until the lease
+                // would have ended anyway.
+                if lock(&member.tickets).lost.get(&lost) == Some(&true) {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => {}
+                        () = stop.cancelled() => {}
+                    }
+                }
+                lock(&member.tickets).lost.remove(&lost);
+            });
         }
         result
     }

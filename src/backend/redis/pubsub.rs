@@ -444,7 +444,7 @@ pub(super) fn deliver(
         (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
     tokio::spawn(async move {
         tokio::time::sleep(UNKNOWN_GRACE).await;
-        let (known, mine, abandoned) = {
+        let (known, mine, abandoned, lost) = {
             let t = lock(&tickets);
             let mine = t
                 .queued
@@ -452,10 +452,14 @@ pub(super) fn deliver(
                 .and_then(|s| s.get(&h.seq))
                 .map(|q| q.token.clone());
             let abandoned = t.abandoned.contains_key(&(key.clone(), h.seq));
-            (t.knows(&key, h.seq), mine, abandoned)
+            (t.knows(&key, h.seq), mine, abandoned, t.lost_on(&key))
         };
         match mine {
             Some(token) => hand(&node, &tickets, &wakeups, &key, &h, token),
+            // A lost join's: its background release sees to it.
+            None if !known && lost => {
+                tracing::debug!(lock = %key, "a lock handed to a lost join is left to its release");
+            }
             // Unknown, or its waiter left while the node could not be told.
             None if !known || abandoned => {
                 if let Err(e) = node.give_back(&key, h.fence).await {

@@ -33,6 +33,13 @@ pub(super) struct Tickets {
     /// leaving is sent again (the key's reconciling, the caller's retries),
     /// and a lock handed to one meanwhile is given back.
     pub(super) abandoned: HashMap<(LockKey, u64), Queued>,
+    /// Tokens of joins whose answer was lost, while their background
+    /// release may still take the lost grant's hold (`false`) or has taken
+    /// it (`true`): a lock handed meanwhile to a ticket this sidecar never
+    /// knew — most likely that join's — is left to that release, not given
+    /// back as well, which would take a second hold (one its owner took
+    /// again by re-entering).
+    pub(super) lost: HashMap<(LockKey, Token), bool>,
 }
 
 /// Tickets that left the queue in the last [`FINISHED_FOR`]. Each is
@@ -85,6 +92,12 @@ impl Finished {
 }
 
 impl Tickets {
+    /// Whether the background release of a join on `key` whose answer was
+    /// lost is under way, or took a hold lately.
+    pub(super) fn lost_on(&self, key: &LockKey) -> bool {
+        self.lost.keys().any(|(k, _)| k == key)
+    }
+
     /// Whether ticket `seq` on `key` is queued or left lately.
     pub(super) fn knows(&self, key: &LockKey, seq: u64) -> bool {
         self.queued.get(key).is_some_and(|s| s.contains_key(&seq)) || self.finished.has(key, seq)
