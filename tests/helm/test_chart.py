@@ -504,6 +504,36 @@ def test_example_is_off_by_default_and_renders_only_shared_resources(chart: helm
         assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Secret", "Service"], values
 
 
+@pytest.mark.parametrize("election", [False, True], ids=["lock", "election"])
+def test_example_keeps_tokens_out_of_curl_arguments(chart: helm.Chart, election: bool) -> None:
+    # `ps` in the pod shows a process's arguments: the API token and the
+    # lease token go to curl on stdin (--config -), written by printf, the
+    # shell's own.
+    values = {"example": {"enabled": True, "election": election}}
+    if election:
+        values["election"] = {"readinessProbe": {"enabled": True}}
+    objects = manifests(render_chart(chart, values))
+    deployment = next(o for o in objects if o["kind"] == "Deployment"
+                      and o["metadata"]["name"] == f"{FULLNAME}-example")
+    _, app = find_container(pod_spec(deployment), "app")
+    script = "\n".join(line for line in app["command"][-1].split("\n")
+                       if not line.lstrip().startswith("#"))
+    calls = []
+    for after in script.split("curl ")[1:]:
+        lines = after.split("\n")
+        call = [lines[0]]
+        for line in lines[1:]:
+            if not call[-1].rstrip().endswith("\\"):
+                break
+            call.append(line)
+        calls.append("\n".join(call))
+    assert calls, script
+    for call in calls:
+        assert "--config -" in call, call
+        for secret in ("SIDELOCK_API_TOKEN", "$auth", "${token}"):
+            assert secret not in call, f"curl {call}"
+
+
 def test_notes_have_curl_commands(chart: helm.Chart) -> None:
     notes = render_chart(chart, EXAMPLE_ON)["sidelock/templates/NOTES.txt"]
     for needle in ("curl -s http://127.0.0.1:7070/healthz", "/readyz", "/metrics",
