@@ -744,12 +744,15 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
 /// deletes its nodes without a word: a sidecar killed with its leases loses
 /// them when the server expires its session, and the next claim — one that
 /// waited, or one that comes after the node went — must still wait out the
-/// lock-delay (it was granted as soon as the session expired).
+/// lock-delay (it was granted as soon as the session expired). Also when
+/// the lease is one of a semaphore's two permits, the other held on.
 #[rstest::rstest]
 #[case::lock_waiter("lock", true)]
 #[case::lock_later("lock", false)]
 #[case::semaphore_waiter("semaphore", true)]
 #[case::semaphore_later("semaphore", false)]
+#[case::one_of_two_permits_waiter("semaphore of 2", true)]
+#[case::one_of_two_permits_later("semaphore of 2", false)]
 #[tokio::test]
 async fn a_lease_lost_with_its_session_keeps_its_lock_delay(
     #[case] kind: &str,
@@ -764,10 +767,19 @@ async fn a_lease_lost_with_its_session_keeps_its_lock_delay(
         "lock" => s.api().lock(&name),
         _ => s.api().semaphore(&name),
     };
-    let limit: &[(&str, &str)] = if kind == "lock" {
-        &[]
+    let limit: &[(&str, &str)] = match kind {
+        "lock" => &[],
+        "semaphore" => &[("limit", "1")],
+        _ => &[("limit", "2")],
+    };
+    // Of two permits, the other is held through the sidecar that lives.
+    let others: &[&str] = if kind == "semaphore of 2" {
+        on(&b)
+            .acquire(&[("owner", "keeper"), ("ttl", "60s"), ("limit", "2")])
+            .await;
+        &["keeper"]
     } else {
-        &[("limit", "1")]
+        &[]
     };
     let held = [
         &[("owner", "a"), ("ttl", "60s"), ("lock_delay", "5s")],
@@ -797,7 +809,7 @@ async fn a_lease_lost_with_its_session_keeps_its_lock_delay(
             common::eventually(
                 "the server expires the killed sidecar's session",
                 Duration::from_secs(20),
-                async || on(&b).inspect().await.holders.is_empty().then_some(()),
+                async || (on(&b).inspect().await.holder_owners() == others).then_some(()),
             )
             .await;
             (on(&b).acquire(&next).await, Instant::now())
