@@ -308,6 +308,50 @@ async fn a_killed_leaders_lease_runs_out_before_the_follower_leads(backend: Test
     let _ = sidecars.remove(0);
 }
 
+/// A campaign's `lock_delay` holds after its leader's whole pod dies: the
+/// heir leads no sooner than the lock-delay after the lease ended — after
+/// its ttl ran out, or, on ZooKeeper, after the session ended (the delay
+/// then runs from when the loss is seen).
+#[apply(shared_backends)]
+#[tokio::test]
+async fn a_killed_leaders_lock_delay_holds_before_the_follower_leads(backend: TestBackend) {
+    const DELAY: Duration = Duration::from_secs(3);
+    let backend = backend.start().await;
+    let mut sidecars = backend.sidecars(2).await;
+    let name = unique_name("killed-delayed");
+    let ttl = Duration::from_secs(2);
+    let mut first = campaign(
+        &sidecars[0].api(),
+        &name,
+        &[("owner", "doomed"), ("ttl", "2s"), ("lock_delay", "3s")],
+    )
+    .await;
+    expect_event(&mut first, "leader").await;
+    let mut second = campaign(
+        &sidecars[1].api(),
+        &name,
+        &[("owner", "heir"), ("ttl", "2s"), ("lock_delay", "3s")],
+    )
+    .await;
+    expect_event(&mut second, "follower").await;
+
+    let killed = Instant::now();
+    sidecars[0].signal(nix::sys::signal::Signal::SIGKILL);
+    sidecars[0].wait_exit(EXIT_TIMEOUT).await;
+    expect_leadership(&mut second, ttl + DELAY + Duration::from_secs(15)).await;
+    let took = killed.elapsed();
+    let lease_left = if backend.backend() == TestBackend::ZooKeeper {
+        Duration::ZERO
+    } else {
+        ttl * 2 / 3 - Duration::from_millis(100)
+    };
+    assert!(
+        took >= lease_left + DELAY,
+        "the heir led {took:?} after the kill, inside the lost lease's lock-delay of {DELAY:?}"
+    );
+    let _ = sidecars.remove(0);
+}
+
 /// Bad parameters are refused before anything is written, with a sentence
 /// saying what is allowed.
 #[apply(backends)]
