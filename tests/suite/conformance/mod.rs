@@ -500,6 +500,55 @@ mod leases {
         lock.release_lost(&grant.token).await;
     }
 
+    /// A semaphore permit's release sent again with its `Idempotency-Key`
+    /// answers the first release's answer and frees no other permit; the
+    /// same token and key under the lock of that name is another request
+    /// (410: the answer is kept per kind and name).
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_permits_release_sent_again_with_its_key_frees_one_permit(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let name = unique_name("permit-once");
+        let sem = sidecar.api().semaphore(&name);
+        let limit = max_permits(backend, 2).to_string();
+        let limit = [("limit", limit.as_str())];
+        let take = |owner: &'static str| [&[("owner", owner), ("ttl", "60s")][..], &limit].concat();
+        let first = sem.acquire(&take("p1")).await;
+        let gone = Released {
+            released: true,
+            count: 0,
+        };
+        for _ in 0..3 {
+            assert_eq!(sem.release_with_key(&first.token, "k").await, gone);
+        }
+        let second = sem.acquire(&take("p2")).await;
+        if limit[0].1 == "2" {
+            let third = sem.acquire(&take("p3")).await;
+            sem.acquire_busy(&take("p4")).await;
+            assert_eq!(sem.release_with_key(&first.token, "k").await, gone);
+            assert_eq!(
+                sem.inspect().await.holder_owners().len(),
+                2,
+                "a replayed release freed another permit"
+            );
+            sem.release(&third.token).await;
+        } else {
+            assert_eq!(sem.release_with_key(&first.token, "k").await, gone);
+            assert_eq!(sem.inspect().await.holder_owners(), ["p2"]);
+        }
+        assert_problem(
+            sidecar
+                .api()
+                .lock(&name)
+                .release_with_key_raw(&first.token, "k")
+                .await,
+            StatusCode::GONE,
+            "lease-lost",
+        )
+        .await;
+        sem.release(&second.token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn a_wrong_token_is_lease_lost_and_changes_nothing(backend: TestBackend) {
