@@ -3660,3 +3660,64 @@ async fn a_lease_given_up_for_slow_answers_keeps_its_lock_delay() {
         grant.fence
     );
 }
+
+/// A keyed release whose client leaves while it waits for the turn of the
+/// same key's release under way gives up at once (it has not run; the
+/// client's retry waits for the first's answer): it holds no place among
+/// the requests still running after their clients left, so a new request
+/// is served beside the one under way, with `--max-connections 2`.
+#[tokio::test]
+async fn a_keyed_release_that_leaves_while_waiting_its_turn_gives_up() {
+    use tokio::io::AsyncWriteExt as _;
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .env("SIDELOCK_MAX_CONNECTIONS", "2")
+        .start()
+        .await;
+    let lock = sidecar.api().lock(&unique_name("gives-up"));
+    let grant = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    for count in 2..=3 {
+        assert_eq!(lock.acquire(&[("owner", "o")]).await.count, count);
+    }
+    let mut c = server.connection().await.expect("connect to Redis");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .query_async(&mut c)
+        .await
+        .expect("CLIENT PAUSE");
+    // The first, under way at Redis.
+    let first = {
+        let (lock, token) = (lock.clone(), grant.token.clone());
+        tokio::spawn(async move { lock.release_with_key(&token, "k").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Its retry waits for its turn, and its client leaves.
+    let mut retry = tokio::net::TcpStream::connect(("127.0.0.1", sidecar.port()))
+        .await
+        .expect("connect to the sidecar");
+    retry
+        .write_all(
+            format!(
+                "DELETE /v1/locks/{}?token={} HTTP/1.1\r\nHost: localhost\r\nIdempotency-Key: k\r\n\r\n",
+                lock.name(),
+                grant.token
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send the retry");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    drop(retry);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Another release (its own key) is taken in: it waits for Redis too.
+    let other = lock.release_with_key_raw(&grant.token, "other").await;
+    assert_eq!(other.status(), StatusCode::OK, "{:?}", other.text().await);
+    let first = first.await.expect("the first release's task");
+    assert_eq!(first.count, 2);
+    assert_eq!(
+        lock.inspect().await.holders[0].count,
+        1,
+        "two releases, two holds"
+    );
+}
