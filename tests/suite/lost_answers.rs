@@ -208,6 +208,24 @@ async fn lose_a_join(
     }
 }
 
+/// Past the background release's first look at a [`LostJoin`] (which
+/// finds it queued, holding nothing; `answered` is when its 503 came
+/// back), releases the holder, so that the lock is handed to the lost join,
+/// and asks again for its owner, which re-enters that lease.
+async fn hand_over_and_re_enter(join: &LostJoin, answered: Instant) -> crate::common::api::Grant {
+    tokio::time::sleep(Duration::from_millis(900).saturating_sub(answered.elapsed())).await;
+    join.lock.release(&join.holder.token).await;
+    let again = join
+        .through
+        .acquire(&[("owner", &join.owner), ("ttl", "60s")])
+        .await;
+    assert_eq!(
+        again.count, 2,
+        "the retry re-enters the lease handed to the lost join"
+    );
+    again
+}
+
 /// A join whose answer is lost after the backend queued it leaves a queue
 /// entry nobody waits for; a release that hands the lock to that entry
 /// before it is removed as nobody's makes a lease nobody holds, which kept
@@ -252,12 +270,13 @@ pub async fn a_lost_join_handed_the_lock_and_re_entered_holds_once(
     through_proxy: &SidecarGuard,
     direct: &SidecarGuard,
 ) {
+    let join = lose_a_join("ghost-reentered", proxy, through_proxy, direct, "60s").await;
     let LostJoin {
         owner,
         through,
         lock,
-        holder,
-    } = lose_a_join("ghost-reentered", proxy, through_proxy, direct, "60s").await;
+        ..
+    } = &join;
     let answered = Instant::now();
     // The next waiter, queued behind the lost join.
     let next = {
@@ -268,16 +287,7 @@ pub async fn a_lost_join_handed_the_lock_and_re_entered_holds_once(
         })
     };
     lock.wait_for_waiters(&[owner.as_str(), "next"]).await;
-    // Past the background release's first look (which finds the join
-    // queued, holding nothing), the lock is handed to the lost join, and
-    // its owner asks again: it re-enters that lease.
-    tokio::time::sleep(Duration::from_millis(900).saturating_sub(answered.elapsed())).await;
-    lock.release(&holder.token).await;
-    let again = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert_eq!(
-        again.count, 2,
-        "the retry re-enters the lease handed to the lost join"
-    );
+    let again = hand_over_and_re_enter(&join, answered).await;
     // Past the background release's second round (2.25 s) and the
     // give-back of the handoff (2 s after it).
     tokio::time::sleep(Duration::from_millis(3500).saturating_sub(answered.elapsed())).await;
@@ -298,6 +308,55 @@ pub async fn a_lost_join_handed_the_lock_and_re_entered_holds_once(
     assert_eq!(through.release(&again.token).await.count, 0);
     let next = next.await.expect("the next waiter's task");
     assert_eq!(next.status(), StatusCode::OK);
+}
+
+/// Two lost joins on one lock: the first handed the lock and re-entered
+/// by its owner (its release took the lost grant's hold), the second
+/// handed the lock when that owner releases, after its own release found
+/// nothing. The second's lease is given back within seconds: leaving a
+/// lease to a lost join's release is decided by its token, not by the lock.
+pub async fn a_second_lost_join_handed_the_lock_is_given_back(
+    proxy: &CuttingProxy,
+    through_proxy: &SidecarGuard,
+    direct: &SidecarGuard,
+) {
+    let join = lose_a_join("ghost-pair", proxy, through_proxy, direct, "60s").await;
+    let LostJoin { through, lock, .. } = &join;
+    let answered = Instant::now();
+    let again = hand_over_and_re_enter(&join, answered).await;
+    // The second lost join, queued behind that lease, and a waiter behind it.
+    let second = unique_name("second");
+    proxy.cut_after(second.as_bytes());
+    let lost = through
+        .acquire_raw(&[("owner", &second), ("wait", "30s"), ("ttl", "60s")])
+        .await;
+    assert!(!proxy.armed(), "the second join went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let next = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "next"), ("wait", "30s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[second.as_str(), "next"]).await;
+    // Past both background releases' second rounds (the first took its
+    // hold, the second found its join still queued).
+    tokio::time::sleep(Duration::from_millis(4500).saturating_sub(answered.elapsed())).await;
+    assert_eq!(through.release(&again.token).await.count, 0);
+    let released = Instant::now();
+    let next = within(
+        "the next waiter is granted",
+        Duration::from_secs(20),
+        async { next.await.expect("the next waiter's task") },
+    )
+    .await;
+    assert_eq!(next.status(), StatusCode::OK);
+    assert!(
+        released.elapsed() < Duration::from_secs(8),
+        "the lock handed to the second lost join was held {:?}",
+        released.elapsed()
+    );
 }
 
 /// A waiter woken by a release, whose look loses its connection after the

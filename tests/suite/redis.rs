@@ -1950,6 +1950,19 @@ async fn a_lost_join_handed_the_lock_and_re_entered_holds_once() {
     .await;
 }
 
+/// A second lost join on the lock, handed the lock after the first's
+/// release took its hold, is given back within seconds.
+#[tokio::test]
+async fn a_second_lost_join_handed_the_lock_is_given_back() {
+    let p = Proxied::start().await;
+    lost_answers::a_second_lost_join_handed_the_lock_is_given_back(
+        &p.proxy,
+        &p.through_proxy,
+        &p.direct,
+    )
+    .await;
+}
+
 /// A join whose answer is lost after Redis queued it leaves a queue entry
 /// nobody waits for; the release that hands the lock to that entry must
 /// not leave a lease nobody holds until its ttl. (Passes since the handoff

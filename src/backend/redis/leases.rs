@@ -13,6 +13,7 @@ use crate::lock::{Claim, LockKey, Token};
 use super::HEARTBEAT_TTL;
 use super::conn::unavailable;
 use super::node::Node;
+use super::pubsub::GaveBack;
 use super::pubsub::{Handed, handed};
 use super::scripts::{granted, holders, int, list, mode_arg, text, waiters};
 
@@ -340,13 +341,25 @@ impl Node {
 
     /// Gives back the lease of fence `fence` on `key` that a release handed
     /// to this process for a claim it does not know.
-    pub(super) async fn give_back(&self, key: &LockKey, fence: u64) -> Result<(), Error> {
+    pub(super) async fn give_back(
+        &self,
+        key: &LockKey,
+        fence: u64,
+        left_to_release: &[Token],
+    ) -> Result<GaveBack, Error> {
         let mut inv = self.invocation(&self.scripts.give_back, key);
         inv.arg(fence)
             .arg(self.handoff_arg())
             .arg(&self.instance)
             .arg(&self.stem);
-        self.run::<i64>("give_back", inv).await.map(|_| ())
+        for token in left_to_release {
+            inv.arg(token.expose());
+        }
+        Ok(match self.run::<i64>("give_back", inv).await? {
+            1 => GaveBack::Given,
+            2 => GaveBack::LeftToRelease,
+            _ => GaveBack::NotHeld,
+        })
     }
 
     /// Raises the key's fence counter to at least `fence`.

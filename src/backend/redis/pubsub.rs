@@ -443,32 +443,45 @@ pub(super) fn deliver(
     let (node, tickets, wakeups, key) =
         (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
     tokio::spawn(async move {
-        tokio::time::sleep(UNKNOWN_GRACE).await;
-        let (known, mine, abandoned, lost) = {
-            let t = lock(&tickets);
-            let mine = t
-                .queued
-                .get(&key)
-                .and_then(|s| s.get(&h.seq))
-                .map(|q| q.token.clone());
-            let abandoned = t.abandoned.contains_key(&(key.clone(), h.seq));
-            (t.knows(&key, h.seq), mine, abandoned, t.lost_on(&key))
-        };
-        match mine {
-            Some(token) => hand(&node, &tickets, &wakeups, &key, &h, token),
-            // A lost join's: its background release sees to it.
-            None if !known && lost => {
-                tracing::debug!(lock = %key, "a lock handed to a lost join is left to its release");
+        loop {
+            tokio::time::sleep(UNKNOWN_GRACE).await;
+            let (known, mine, abandoned, (lost, pending)) = {
+                let t = lock(&tickets);
+                let mine = t
+                    .queued
+                    .get(&key)
+                    .and_then(|s| s.get(&h.seq))
+                    .map(|q| q.token.clone());
+                let abandoned = t.abandoned.contains_key(&(key.clone(), h.seq));
+                (t.knows(&key, h.seq), mine, abandoned, t.lost_on(&key))
+            };
+            match mine {
+                Some(token) => hand(&node, &tickets, &wakeups, &key, &h, token),
+                // Unknown, or its waiter left while the node could not be told.
+                None if !known || abandoned => match node.give_back(&key, h.fence, &lost).await {
+                    // A lost join's, whose release may still take it: looked at
+                    // again once that release has run (it may find nothing).
+                    Ok(GaveBack::LeftToRelease) if pending => continue,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(lock = %key, error = %e, "could not give back a lease nobody waits for");
+                    }
+                },
+                None => {}
             }
-            // Unknown, or its waiter left while the node could not be told.
-            None if !known || abandoned => {
-                if let Err(e) = node.give_back(&key, h.fence).await {
-                    tracing::debug!(lock = %key, error = %e, "could not give back a lease nobody waits for");
-                }
-            }
-            None => {}
+            return;
         }
     });
+}
+
+/// What a give-back of a lock handed to a ticket nobody knows did.
+pub(super) enum GaveBack {
+    /// The lock passed on.
+    Given,
+    /// The lease is a lost join's, left to that join's background release.
+    LeftToRelease,
+    /// The lease is not there any more, or was re-entered.
+    NotHeld,
 }
 
 /// Puts a handed lease into its waiter's place.

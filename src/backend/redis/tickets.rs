@@ -35,10 +35,9 @@ pub(super) struct Tickets {
     pub(super) abandoned: HashMap<(LockKey, u64), Queued>,
     /// Tokens of joins whose answer was lost, while their background
     /// release may still take the lost grant's hold (`false`) or has taken
-    /// it (`true`): a lock handed meanwhile to a ticket this sidecar never
-    /// knew — most likely that join's — is left to that release, not given
-    /// back as well, which would take a second hold (one its owner took
-    /// again by re-entering).
+    /// it (`true`, until the lease's ttl): a lock handed to one of them is
+    /// left to that release, not given back as well, which would take a
+    /// second hold (one its owner took again by re-entering).
     pub(super) lost: HashMap<(LockKey, Token), bool>,
 }
 
@@ -92,10 +91,20 @@ impl Finished {
 }
 
 impl Tickets {
-    /// Whether the background release of a join on `key` whose answer was
-    /// lost is under way, or took a hold lately.
-    pub(super) fn lost_on(&self, key: &LockKey) -> bool {
-        self.lost.keys().any(|(k, _)| k == key)
+    /// The tokens of lost joins on `key` whose background release is under
+    /// way or took the lost grant's hold, and whether one is under way.
+    pub(super) fn lost_on(&self, key: &LockKey) -> (Vec<Token>, bool) {
+        let mut pending = false;
+        let tokens = self
+            .lost
+            .iter()
+            .filter(|((k, _), _)| k == key)
+            .map(|((_, token), taken)| {
+                pending |= !taken;
+                token.clone()
+            })
+            .collect();
+        (tokens, pending)
     }
 
     /// Whether ticket `seq` on `key` is queued or left lately.
