@@ -115,7 +115,7 @@ const CREDENTIAL_WORDS: &[&str] = &[
 /// Removes the password of the user info (everything up to the last `@`,
 /// so a raw `/`, `?` or `@` in a password is covered too: drivers read the
 /// user info up to an `@`, a `?` before it included; a query with an `@` in
-/// it is hidden with it, on the safe side) and
+/// it is then shown mangled, its credentials still removed) and
 /// every query parameter whose name, once percent-decoded (repeatedly, so
 /// `pass%77ord` and `pass%2577ord` count), looks like a credential (see
 /// [`CREDENTIAL_WORDS`]). Works on the text, so multi-host URLs
@@ -136,13 +136,20 @@ pub fn redact(url: &str) -> String {
     let (rest, query) = rest
         .split_once('?')
         .map_or((rest.as_str(), None), |(b, q)| (b, Some(q)));
+    // An `@` in the query was taken for the user info's end: the query's
+    // tail follows without its `?`, and its pairs are filtered as the
+    // query's are.
+    let (rest, tail) = rest
+        .split_once('&')
+        .map_or((rest, None), |(b, t)| (b, Some(t)));
     let base = if url.contains("://") {
         format!("{scheme}://{rest}")
     } else {
         rest.to_owned()
     };
-    let kept: Vec<&str> = query
+    let kept: Vec<&str> = tail
         .into_iter()
+        .chain(query)
         .flat_map(|q| q.split('&'))
         .filter(|pair| !pair.is_empty() && !is_credential(pair.split('=').next().unwrap_or("")))
         .collect();
@@ -260,6 +267,11 @@ mod tests {
                 "redis://h:1/0?protocol=resp3",
             ),
             ("redis://:p?w@h:1/0?password=pw", "redis://h:1/0"),
+            (
+                "postgres://db:5432/locks?user=app@tenant&password=pw&sslmode=require",
+                "postgres://db@tenant?sslmode=require",
+            ),
+            ("redis://h:1/0?client_name=a@b&auth=pw", "redis://h@b"),
             ("redis://u:p@ss@h:1/0", "redis://u@h:1/0"),
             ("redlock://:pw@a:1,b:2", "redlock://a:1,b:2"),
             ("admin:pw@h:1", "admin@h:1"),
