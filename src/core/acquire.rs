@@ -660,8 +660,12 @@ impl Core {
     ) -> Granted {
         let mut supervise_here = false;
         let waited = started.elapsed();
-        // A reentrant grant of a token given up earlier holds again.
-        self.lock_revoked().remove(&g.token);
+        // A reentrant grant of a token given up earlier holds again, with
+        // the holds taken here that were not released since.
+        let owed = self
+            .lock_revoked()
+            .remove(&g.token)
+            .map_or(0, |revoked| revoked.here());
         let lease = {
             let mut leases = self.lock_leases();
             match leases.get(&g.token) {
@@ -682,7 +686,11 @@ impl Core {
                         ttl: claim.ttl,
                         since_ms: g.since_ms,
                         cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
-                        state: Mutex::new((g.expires_at_ms, g.count.max(1), 1)),
+                        state: Mutex::new((
+                            g.expires_at_ms,
+                            g.count.max(1),
+                            owed.saturating_add(1),
+                        )),
                         renewing: AtomicBool::new(false),
                         delayed: !claim.lock_delay.is_zero(),
                         end: std::sync::OnceLock::new(),

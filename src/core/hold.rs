@@ -254,7 +254,7 @@ impl Core {
     /// ends it as lost by shutdown. Its owner may hold the lease through
     /// other sidecars too: those holds are theirs to give back.
     pub(super) async fn release_fully(&self, lease: &Local) {
-        for _ in 0..lease.here() {
+        while lease.take_here() {
             match self
                 .op("release", self.backend.release(&lease.key, &lease.token))
                 .await

@@ -78,6 +78,15 @@ impl Local {
         };
     }
 
+    /// Takes one hold taken here, to release it: false when none is left
+    /// (two releasing at once never take the same one).
+    pub(super) fn take_here(&self) -> bool {
+        let mut s = self.lock_state();
+        let some = s.2 > 0;
+        s.2 = s.2.saturating_sub(1);
+        some
+    }
+
     pub(super) fn set(&self, expires_at_ms: Option<u64>, count: Option<u32>) {
         let mut s = self.lock_state();
         if let Some(e) = expires_at_ms {

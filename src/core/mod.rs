@@ -38,7 +38,7 @@ mod release;
 pub use hold::{HoldEvent, HoldEvents};
 pub use lease::{Granted, Local, Outcome};
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
@@ -106,10 +106,11 @@ pub struct Core {
     pub limits: Limits,
     /// Leases granted through this sidecar and not ended.
     leases: Mutex<lease::Leases>,
-    /// Tokens of leases given up because the backend could not be reached to
-    /// renew them: they answer 410 even if the backend comes back before
-    /// their expiry, until a task has released them there.
-    revoked: Mutex<HashSet<Token>>,
+    /// Leases given up because the backend could not be reached to renew
+    /// them, by token: they answer 410 even if the backend comes back before
+    /// their expiry, until a task has released them there (its holds taken
+    /// here still to release: the lease's `here`).
+    revoked: Mutex<HashMap<Token, Arc<Local>>>,
     /// Releases answered lately, by the `Idempotency-Key` of their client.
     answered: Mutex<answered::Answered>,
     events: broadcast::Sender<Event>,
@@ -154,7 +155,7 @@ impl Core {
             sidecar,
             limits,
             leases: Mutex::new(lease::Leases::default()),
-            revoked: Mutex::new(HashSet::new()),
+            revoked: Mutex::new(HashMap::new()),
             answered: Mutex::new(answered::Answered::default()),
             events: broadcast::channel(1024).0,
             metrics,
@@ -254,14 +255,26 @@ impl Core {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lock_revoked(&self) -> std::sync::MutexGuard<'_, HashSet<Token>> {
+    fn lock_revoked(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Arc<Local>>> {
         self.revoked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether `token` was given up for an unreachable backend and is not
     /// yet released there.
     fn is_revoked(&self, token: &Token) -> bool {
-        self.lock_revoked().contains(token)
+        self.lock_revoked().contains_key(token)
+    }
+
+    /// Forgets revoked `lease`, unless its token was granted and revoked
+    /// again since (another lease of the token, with a task of its own).
+    fn forget_revoked_lease(&self, lease: &Arc<Local>) {
+        let mut revoked = self.lock_revoked();
+        if revoked
+            .get(&lease.token)
+            .is_some_and(|l| Arc::ptr_eq(l, lease))
+        {
+            revoked.remove(&lease.token);
+        }
     }
 
     /// Number of leases held through this sidecar.

@@ -238,10 +238,11 @@ impl Core {
     /// releases it in the backend once the backend answers again.
     pub(super) fn revoke(&self, lease: &Arc<Local>) {
         // Marked before the end, so no request sees it neither held nor revoked.
-        self.lock_revoked().insert(lease.token.clone());
+        self.lock_revoked()
+            .insert(lease.token.clone(), lease.clone());
         if !self.end(lease, End::Lost(LostReason::Unreachable)) {
             // It had ended already, and the client was told how.
-            self.lock_revoked().remove(&lease.token);
+            self.forget_revoked_lease(lease);
             return;
         }
         tracing::warn!(
@@ -260,16 +261,18 @@ impl Core {
     /// Leaves a revoked lease with a lock-delay to expire in the backend:
     /// it ended as lost, and its expiry there starts the delay, which a
     /// release would skip. Its token answers 410 until the backend has
-    /// expired it even after a renewal that got through late (a ttl after
-    /// the expiry seen here), then is forgotten.
+    /// expired it even after a renewal that got through late (one that
+    /// asked for the longest ttl, after the expiry seen here), then is
+    /// forgotten.
     async fn forget_revoked(self: Arc<Self>, lease: Arc<Local>) {
         let left = lease.expires_at_ms().saturating_sub(now_ms());
-        let gone = Duration::from_millis(left).saturating_add(lease.ttl);
+        let longest = self.limits.max_ttl.max(lease.ttl);
+        let gone = Duration::from_millis(left).saturating_add(longest);
         tokio::select! {
             () = tokio::time::sleep(gone) => {}
             () = self.shutdown.cancelled() => return,
         }
-        self.lock_revoked().remove(&lease.token);
+        self.forget_revoked_lease(&lease);
     }
 
     /// Releases a revoked lease's holds taken through this sidecar in the
@@ -278,28 +281,25 @@ impl Core {
     /// or the token is granted again.
     pub(super) async fn release_revoked(self: Arc<Self>, lease: Arc<Local>) {
         let mut backoff = Duration::from_millis(100);
-        let mut holds = lease.here();
         loop {
             if !self.is_revoked(&lease.token) {
                 return;
             }
-            if holds == 0 {
-                self.lock_revoked().remove(&lease.token);
+            if !lease.take_here() {
+                self.forget_revoked_lease(&lease);
                 return;
             }
             match self
                 .op("release", self.backend.release(&lease.key, &lease.token))
                 .await
             {
-                Ok(Some(n)) if n > 0 => {
-                    holds -= 1;
-                    continue;
-                }
+                Ok(Some(n)) if n > 0 => continue,
                 Ok(_) => {
-                    self.lock_revoked().remove(&lease.token);
+                    self.forget_revoked_lease(&lease);
                     return;
                 }
-                Err(_) => {}
+                // Not released: still owed.
+                Err(_) => lease.count_here(true),
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
