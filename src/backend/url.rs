@@ -97,6 +97,9 @@ pub fn scheme(url: &str) -> &str {
     url.split_once("://").map_or(url, |(s, _)| s)
 }
 
+/// What [`redact`] shows of a URL it cannot take apart safely.
+const HIDDEN: &str = "(not shown: it has an @ after a ?)";
+
 /// Substrings of a query parameter's name (decoded, lower-cased, letters
 /// and digits only) that mark its value as a credential.
 const CREDENTIAL_WORDS: &[&str] = &[
@@ -113,9 +116,9 @@ const CREDENTIAL_WORDS: &[&str] = &[
 /// dashboard): the one function every URL goes through before it is shown.
 ///
 /// Removes the password of the user info (everything up to the last `@`,
-/// so a raw `/`, `?` or `@` in a password is covered too: drivers read the
-/// user info up to an `@`, a `?` before it included; a query with an `@` in
-/// it is then shown mangled, its credentials still removed) and
+/// so a raw `/` or `@` in a password is covered too; a URL with an `@`
+/// after a `?` — a `?` in a password, or an `@` in a query — is not shown
+/// at all, as neither can be told from the other) and
 /// every query parameter whose name, once percent-decoded (repeatedly, so
 /// `pass%77ord` and `pass%2577ord` count), looks like a credential (see
 /// [`CREDENTIAL_WORDS`]). Works on the text, so multi-host URLs
@@ -123,6 +126,17 @@ const CREDENTIAL_WORDS: &[&str] = &[
 /// covered too.
 pub fn redact(url: &str) -> String {
     let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (s, r));
+    if let (Some(q), Some(a)) = (rest.find('?'), rest.rfind('@'))
+        && q < a
+    {
+        // An `@` after a `?`: a password with a `?` in it, or a query with
+        // an `@` (in a value that may be a password): either way, what
+        // follows the `?` cannot be told apart from a secret.
+        return match url.contains("://") {
+            true => format!("{scheme}://{HIDDEN}"),
+            false => HIDDEN.to_owned(),
+        };
+    }
     let rest = match rest.rsplit_once('@') {
         Some((userinfo, hosts)) => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
@@ -136,20 +150,13 @@ pub fn redact(url: &str) -> String {
     let (rest, query) = rest
         .split_once('?')
         .map_or((rest.as_str(), None), |(b, q)| (b, Some(q)));
-    // An `@` in the query was taken for the user info's end: the query's
-    // tail follows without its `?`, and its pairs are filtered as the
-    // query's are.
-    let (rest, tail) = rest
-        .split_once('&')
-        .map_or((rest, None), |(b, t)| (b, Some(t)));
     let base = if url.contains("://") {
         format!("{scheme}://{rest}")
     } else {
         rest.to_owned()
     };
-    let kept: Vec<&str> = tail
+    let kept: Vec<&str> = query
         .into_iter()
-        .chain(query)
         .flat_map(|q| q.split('&'))
         .filter(|pair| !pair.is_empty() && !is_credential(pair.split('=').next().unwrap_or("")))
         .collect();
@@ -260,18 +267,33 @@ mod tests {
             ("redis://:pa/ss@h:1/0", "redis://h:1/0"),
             (
                 "postgres://app:pa?ss@db:5432/locks",
-                "postgres://app@db:5432/locks",
+                "postgres://(not shown: it has an @ after a ?)",
             ),
             (
                 "redis://:p?a=b&c@h:1/0?protocol=resp3",
-                "redis://h:1/0?protocol=resp3",
+                "redis://(not shown: it has an @ after a ?)",
             ),
-            ("redis://:p?w@h:1/0?password=pw", "redis://h:1/0"),
+            (
+                "redis://:p?w@h:1/0?password=pw",
+                "redis://(not shown: it has an @ after a ?)",
+            ),
+            ("admin:p?w@h:1", "(not shown: it has an @ after a ?)"),
             (
                 "postgres://db:5432/locks?user=app@tenant&password=pw&sslmode=require",
-                "postgres://db@tenant?sslmode=require",
+                "postgres://(not shown: it has an @ after a ?)",
             ),
-            ("redis://h:1/0?client_name=a@b&auth=pw", "redis://h@b"),
+            (
+                "postgres://db/x?password=p@ss&sslmode=require",
+                "postgres://(not shown: it has an @ after a ?)",
+            ),
+            (
+                "postgres://db/x?user=a@b&password=se?cret",
+                "postgres://(not shown: it has an @ after a ?)",
+            ),
+            (
+                "redis://h:1/0?password=hunter@2",
+                "redis://(not shown: it has an @ after a ?)",
+            ),
             ("redis://u:p@ss@h:1/0", "redis://u@h:1/0"),
             ("redlock://:pw@a:1,b:2", "redlock://a:1,b:2"),
             ("admin:pw@h:1", "admin@h:1"),
