@@ -665,7 +665,7 @@ impl Core {
         let owed = self
             .lock_revoked()
             .remove(&g.token)
-            .map_or(0, |revoked| revoked.here());
+            .map_or(0, |revoked| revoked.take_all_here());
         let lease = {
             let mut leases = self.lock_leases();
             match leases.get(&g.token) {

@@ -63,11 +63,6 @@ impl Local {
         self.lock_state().0
     }
 
-    /// Holds taken through this sidecar less those released through it.
-    pub fn here(&self) -> u32 {
-        self.lock_state().2
-    }
-
     /// One hold more taken (`true`) or released (`false`) through this sidecar.
     pub(super) fn count_here(&self, taken: bool) {
         let mut s = self.lock_state();
@@ -85,6 +80,12 @@ impl Local {
         let some = s.2 > 0;
         s.2 = s.2.saturating_sub(1);
         some
+    }
+
+    /// Takes every hold taken here still to release (a revoked lease's,
+    /// when its token is granted again here: the new lease releases them).
+    pub(super) fn take_all_here(&self) -> u32 {
+        std::mem::take(&mut self.lock_state().2)
     }
 
     pub(super) fn set(&self, expires_at_ms: Option<u64>, count: Option<u32>) {

@@ -282,7 +282,13 @@ impl Core {
     pub(super) async fn release_revoked(self: Arc<Self>, lease: Arc<Local>) {
         let mut backoff = Duration::from_millis(100);
         loop {
-            if !self.is_revoked(&lease.token) {
+            // Granted again meanwhile (its holds went with the new lease),
+            // or revoked again (a task of its own).
+            if !self
+                .lock_revoked()
+                .get(&lease.token)
+                .is_some_and(|l| Arc::ptr_eq(l, &lease))
+            {
                 return;
             }
             if !lease.take_here() {
