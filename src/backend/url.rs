@@ -125,16 +125,25 @@ const CREDENTIAL_WORDS: &[&str] = &[
 /// (`redlock://u:pw@a:1,b:2`) and strings that are no URL at all are
 /// covered too.
 pub fn redact(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (s, r));
+    // A scheme is letters, digits, `+`, `.` and `-`: a `://` further on (in
+    // a query, after a mistyped `:/`) does not end one.
+    let (scheme, rest) = url
+        .split_once("://")
+        .filter(|(s, _)| {
+            s.starts_with(|c: char| c.is_ascii_alphabetic())
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))
+        })
+        .map_or(("", url), |(s, r)| (s, r));
     if let (Some(q), Some(a)) = (rest.find('?'), rest.rfind('@'))
         && q < a
     {
         // An `@` after a `?`: a password with a `?` in it, or a query with
         // an `@` (in a value that may be a password): either way, what
         // follows the `?` cannot be told apart from a secret.
-        return match url.contains("://") {
-            true => format!("{scheme}://{HIDDEN}"),
-            false => HIDDEN.to_owned(),
+        return match scheme.is_empty() {
+            false => format!("{scheme}://{HIDDEN}"),
+            true => HIDDEN.to_owned(),
         };
     }
     let rest = match rest.rsplit_once('@') {
@@ -150,10 +159,10 @@ pub fn redact(url: &str) -> String {
     let (rest, query) = rest
         .split_once('?')
         .map_or((rest.as_str(), None), |(b, q)| (b, Some(q)));
-    let base = if url.contains("://") {
-        format!("{scheme}://{rest}")
-    } else {
+    let base = if scheme.is_empty() {
         rest.to_owned()
+    } else {
+        format!("{scheme}://{rest}")
     };
     let kept: Vec<&str> = query
         .into_iter()
@@ -278,6 +287,10 @@ mod tests {
                 "redis://(not shown: it has an @ after a ?)",
             ),
             ("admin:p?w@h:1", "(not shown: it has an @ after a ?)"),
+            (
+                "postgres:/u:pw@db/app?sslrootcert=file:///ca.pem",
+                "postgres@db/app?sslrootcert=file:///ca.pem",
+            ),
             (
                 "postgres://db:5432/locks?user=app@tenant&password=pw&sslmode=require",
                 "postgres://(not shown: it has an @ after a ?)",

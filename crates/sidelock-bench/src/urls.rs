@@ -30,6 +30,14 @@ pub fn split_hosts(url: &str) -> Result<(String, Vec<String>, String), String> {
 /// after the first `?` removed, for the printed tables and the JSON.
 #[must_use]
 pub fn redact(url: &str) -> String {
+    // An `@` after a `?`: a `?` in the password, or an `@` in the query;
+    // either way what follows the `?` may be a secret.
+    if let (Some(q), Some(a)) = (url.find('?'), url.rfind('@'))
+        && q < a
+    {
+        let scheme = url.split_once("://").map_or("", |(s, _)| s);
+        return format!("{scheme}://(not shown: it has an @ after a ?)");
+    }
     let base = url.split_once('?').map_or(url, |(b, _)| b);
     match base.split_once("://") {
         Some((scheme, rest)) => match rest.rsplit_once('@') {
@@ -58,6 +66,10 @@ mod tests {
             "postgres://u@h:5432/db"
         );
         assert_eq!(redact("memory://"), "memory://");
+        assert_eq!(
+            redact("redis://:p?w@h:1"),
+            "redis://(not shown: it has an @ after a ?)"
+        );
         assert!(split_hosts("redis:///0").is_err());
     }
 }
