@@ -304,8 +304,18 @@ impl Core {
                     self.forget_revoked_lease(&lease);
                     return;
                 }
-                // Not released: still owed.
-                Err(_) => lease.count_here(true),
+                // Not released: still owed, by this lease or by the one
+                // that re-entered its token meanwhile (which took the rest).
+                Err(_) => {
+                    let mine = self
+                        .lock_revoked()
+                        .get(&lease.token)
+                        .is_some_and(|l| Arc::ptr_eq(l, &lease));
+                    match self.local(&lease.token).filter(|_| !mine) {
+                        Some(current) => current.count_here(true),
+                        None => lease.count_here(true),
+                    }
+                }
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
