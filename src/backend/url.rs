@@ -149,8 +149,9 @@ pub fn redact(url: &str) -> String {
     let rest = match rest.rsplit_once('@') {
         Some((userinfo, hosts)) => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            // A user name cut at a `?` or `/`: what follows may be a password.
-            let user = user.split(['?', '/']).next().unwrap_or_default();
+            // A user name cut at a `/`: what follows may be a password. (A
+            // `?` before the last `@` was answered above.)
+            let user = user.split('/').next().unwrap_or_default();
             let at = if user.is_empty() { "" } else { "@" };
             format!("{user}{at}{hosts}")
         }

@@ -733,7 +733,7 @@ impl Core {
 /// number of shared holders (a semaphore, `limit` of them), and every waiter
 /// keeps its last busy answer: all of them, kept by each waiter, would take
 /// memory in their product.
-pub(super) const SHOWN_HOLDERS: usize = 100;
+const SHOWN_HOLDERS: usize = 100;
 
 /// `busy` as a waiter keeps it for as long as it waits, for its 409 at the
 /// end (holders and queue length), and as a try-once acquire answers it:

@@ -251,10 +251,11 @@ impl Core {
             "backend unreachable near the lease's expiry; lease given up"
         );
         if let Some(me) = self.me.upgrade() {
-            match lease.delayed {
-                true => self.tasks.spawn(me.forget_revoked(lease.clone())),
-                false => self.tasks.spawn(me.release_revoked(lease.clone())),
-            };
+            if lease.delayed {
+                self.tasks.spawn(me.forget_revoked(lease.clone()));
+            } else {
+                self.tasks.spawn(me.release_revoked(lease.clone()));
+            }
         }
     }
 
