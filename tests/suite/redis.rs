@@ -3724,10 +3724,13 @@ async fn a_keyed_release_that_leaves_while_waiting_its_turn_gives_up() {
     drop(retry);
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Another release (its own key) is taken in: it waits for Redis too.
-    let other = lock.release_with_key_raw(&grant.token, "other").await;
-    assert_eq!(other.status(), StatusCode::OK, "{:?}", other.text().await);
+    let other = lock.release_with_key(&grant.token, "other").await;
     let first = first.await.expect("the first release's task");
-    assert_eq!(first.count, 2);
+    // Both waited for the pause; Redis serves its paused clients in no
+    // promised order, so either may have taken the third hold.
+    let mut counts = [first.count, other.count];
+    counts.sort_unstable();
+    assert_eq!(counts, [1, 2], "each release took one hold");
     assert_eq!(
         lock.inspect().await.holders[0].count,
         1,
