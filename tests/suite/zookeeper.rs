@@ -1791,3 +1791,92 @@ async fn an_unwritten_lease_that_lapses_while_its_node_is_unreachable_is_deleted
     let next: Value = answer.json().await.expect("a grant");
     assert!(next["fence"].as_u64() > Some(granted.fence));
 }
+
+/// Milliseconds since the Unix epoch on this host's clock.
+fn wall_ms() -> u64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is past 1970");
+    u64::try_from(since.as_millis()).expect("milliseconds fit")
+}
+
+// ZooKeeper has no clock a client reads, and each sidecar judged a lease's
+// end on its own: a waiter's sidecar whose clock ran 4 s ahead took a 6-s
+// lease taken through a sidecar on time for expired 4 s early, and granted
+// the lock while its holder still held it.
+#[tokio::test]
+async fn a_waiters_sidecar_whose_clock_runs_ahead_never_ends_a_lease_early() {
+    let server = ZkServer::start().await;
+    let on_time = sidecar(&server.url("/skew")).await;
+    let ahead = SidecarBuilder::new(&server.url("/skew"))
+        .clock_ahead(4)
+        .start()
+        .await;
+    let name = unique_name("skew");
+    let holder = on_time
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "6s")])
+        .await;
+    let next = ahead
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "next"), ("ttl", "6s"), ("wait", "20s")])
+        .await;
+    let granted_at = wall_ms();
+    assert_eq!(next.owner, "next");
+    assert!(
+        granted_at >= holder.expires_at_ms,
+        "granted {} ms before the holder's lease ended (fence {} after {})",
+        holder.expires_at_ms - granted_at,
+        next.fence,
+        holder.fence
+    );
+}
+
+// A force-release's lock-delay was written as its sidecar's clock plus the
+// delay: through a sidecar whose clock ran 4 s behind, a 6-s lock-delay
+// ended after 2 s for the sidecars on time.
+#[tokio::test]
+async fn a_force_release_through_a_sidecar_whose_clock_runs_behind_keeps_its_lock_delay() {
+    const ADMIN: &str = "admin-token-of-the-skewed-force-release-test";
+    const DELAY: Duration = Duration::from_secs(6);
+    let server = ZkServer::start().await;
+    let on_time = sidecar(&server.url("/skewforce")).await;
+    let behind = SidecarBuilder::new(&server.url("/skewforce"))
+        .clock_ahead(-4)
+        .admin_token(ADMIN)
+        .start()
+        .await;
+    let name = unique_name("skewforce");
+    let lock = on_time.api().lock(&name);
+    lock.acquire(&[("owner", "holder"), ("ttl", "60s"), ("lock_delay", "6s")])
+        .await;
+    let waiter = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            lock.acquire(&[("owner", "next"), ("ttl", "6s"), ("wait", "30s")])
+                .await
+        })
+    };
+    common::eventually("next waits", Duration::from_secs(10), async || {
+        (!lock.inspect().await.waiters.is_empty()).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    assert_eq!(
+        behind
+            .api_with_token(ADMIN)
+            .lock(&name)
+            .force_release()
+            .await,
+        1
+    );
+    let next = waiter.await.expect("the waiter's task");
+    let after = released.elapsed();
+    assert_eq!(next.owner, "next");
+    assert!(
+        after >= DELAY,
+        "granted {after:?} after the force-release, inside its {DELAY:?} lock-delay"
+    );
+}

@@ -196,7 +196,7 @@ fn server_bin() -> PathBuf {
 }
 
 /// libfaketime's library, which `scripts/setup.sh` installs.
-fn faketime_library() -> PathBuf {
+pub fn faketime_library() -> PathBuf {
     let found = std::fs::read_dir("/usr/lib")
         .into_iter()
         .flatten()

@@ -181,7 +181,7 @@ impl Inner {
         };
         if data.held && !data.tentative {
             let lease = Lease::read(path, data, &stat);
-            if lease.data.expires_at_ms <= now_ms() {
+            if lease.data.expires_at_ms <= self.clock.now() {
                 // Changed since it was read (renewed elsewhere): the ticket
                 // stays, and the next attempt reads it again.
                 if self.expire_lease(zk, op, parent, &lease, None).await? {
@@ -227,9 +227,10 @@ impl Inner {
         parent: &Parent,
     ) -> Result<Option<Grant>, Error> {
         let op = "try_acquire";
-        let data = granted(own.data.clone(), max_hold, now_ms(), false);
+        let data = granted(own.data.clone(), max_hold, self.clock.now_late(), false);
         let bytes = serde_json::to_vec(&data).unwrap_or_default();
         let mut mark = mark_path(path, data.lock_delay_ms);
+        let sent = now_ms();
         let stat = loop {
             let Some(m) = &mark else {
                 match call(op, zk.set_data(path, &bytes, Some(own.stat.version))).await? {
@@ -265,6 +266,7 @@ impl Inner {
                 Err(Failed { error, .. }) => return Err(unavailable(op, error)),
             }
         };
+        self.clock.observe(sent, &stat);
         let lease = Lease {
             path: path.to_owned(),
             data,
@@ -292,8 +294,8 @@ impl Inner {
             token: token.clone(),
             fence: lease.fence,
             count: lease.data.count,
-            since_ms: lease.data.since_ms,
-            expires_at_ms: lease.data.expires_at_ms,
+            since_ms: self.clock.earliest(lease.data.since_ms),
+            expires_at_ms: self.clock.earliest(lease.data.expires_at_ms),
         };
         let (path, version) = (lease.path.clone(), lease.version);
         let lock_delay_ms = lease.data.lock_delay_ms;
@@ -344,7 +346,7 @@ impl Inner {
     ) -> Result<Option<Grant>, Error> {
         let op = "try_acquire";
         let mut next = lease.next();
-        let now = now_ms();
+        let now = self.clock.now_late();
         next.count += 1;
         next.expires_at_ms = next.expires_at_ms.max(now.saturating_add(ms(claim.ttl)));
         if let Some(cap) = next.cap_ms {
@@ -392,8 +394,8 @@ impl Inner {
             token,
             fence: lease.fence,
             count: next.count,
-            since_ms: next.since_ms,
-            expires_at_ms: next.expires_at_ms,
+            since_ms: self.clock.earliest(next.since_ms),
+            expires_at_ms: self.clock.earliest(next.expires_at_ms),
         }))
     }
 
@@ -523,7 +525,7 @@ impl ZooKeeper {
                 {
                     return Err(Error::LimitRequired);
                 }
-                let now = now_ms();
+                let now = me.clock.now_late();
                 let mut data = NodeData {
                     token: Token::generate().expose().to_owned(),
                     owner: claim.owner.clone(),
@@ -580,10 +582,12 @@ impl ZooKeeper {
                 let (stat, seq) = loop {
                     // The listing goes out right behind the create, which
                     // the server answers first: one round trip for both.
+                    let sent = now_ms();
                     let create = call(op, zk.create(&prefix, &bytes, &opts));
                     let (created, listing) = tokio::join!(create, me.children(&zk, op, &parent));
                     match created? {
                         Ok(created) => {
+                            me.clock.observe(sent, &created.0);
                             listed = listing.ok();
                             break created;
                         }
@@ -630,16 +634,18 @@ impl ZooKeeper {
                 && !me.grants_by_listing(key.kind, claim.mode)
                 && !own.data.held
             {
-                let data = granted(own.data.clone(), max_hold, now_ms(), true);
+                let data = granted(own.data.clone(), max_hold, me.clock.now_late(), true);
                 let bytes = serde_json::to_vec(&data).unwrap_or_default();
                 // Sent as the request's future is made, before the listing's.
                 if let Some(node) = unclaimed.as_mut() {
                     node.writing = true;
                 }
+                let sent = now_ms();
                 let write = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
                 let (written, listing) = tokio::join!(write, me.children(&zk, op, &parent));
                 match written? {
                     Ok(stat) => {
+                        me.clock.observe(sent, &stat);
                         if let Some(node) = unclaimed.as_mut() {
                             (node.version, node.writing) = (stat.version, false);
                         }
@@ -769,7 +775,7 @@ impl ZooKeeper {
                 }
             }
 
-            let now = now_ms();
+            let now = me.clock.now();
             let queue_ahead = ahead.iter().filter(|n| !n.is_held()).count();
             // Once/Join: busy while anyone waits ahead (fairness).
             let fair = !matches!(turn, Turn::Once | Turn::Join)
@@ -818,7 +824,7 @@ impl ZooKeeper {
                     // lease released at once costs no write.
                     let lease = Lease {
                         path: path.clone(),
-                        data: granted(own.data.clone(), max_hold, now_ms(), true),
+                        data: granted(own.data.clone(), max_hold, me.clock.now_late(), true),
                         version: own.stat.version,
                         fence: u64::try_from(stat.pzxid).unwrap_or(0),
                     };
@@ -865,19 +871,20 @@ impl ZooKeeper {
             let holders: Vec<Holder> = ahead
                 .iter()
                 .filter(|n| n.is_held())
-                .map(|n| n.holder(claim.key.kind))
+                .map(|n| n.holder(claim.key.kind, &me.clock))
                 .collect();
             let blocking = ahead
                 .iter()
                 .filter(|n| n.is_held())
                 .filter(|n| claim.mode == Mode::Exclusive || n.child.mode == Mode::Exclusive)
-                .map(|n| n.holder(claim.key.kind).expires_at_ms)
+                .map(Node::expires_at_ms)
                 .min();
-            let mut retry_at_ms = if delayed { Some(delay_until) } else { blocking };
+            let mut retry_at_ms =
+                if delayed { Some(delay_until) } else { blocking }.map(|at| me.clock.surely(at));
             // A waiter's follower sees its blocker go, not its confirmation:
             // one behind its owner's unconfirmed node looks again soon.
             if unconfirmed {
-                let soon = now + ms(CONFIRM_WAIT);
+                let soon = now_ms() + ms(CONFIRM_WAIT);
                 retry_at_ms = Some(retry_at_ms.map_or(soon, |at| at.min(soon)));
             }
             let waiting_total = children.len() - holders.len().min(children.len());

@@ -12,7 +12,7 @@ use super::request::{Failed, Message, PARENT_ROUNDS, call, commit, unavailable};
 use super::tree::{Listing, add_end_record, conflict, mark_path};
 use super::{Inner, lock};
 use crate::backend::{Error, Holder, StaleKey, StaleReason, State, Summary, Waiter};
-use crate::clock::{ms, now_ms};
+use crate::clock::ms;
 use crate::lock::{Held, Kind, LockKey, Token};
 
 /// How long a GET waits for a lease granted by its listing through another
@@ -45,7 +45,7 @@ impl Inner {
         let holders: Vec<Holder> = nodes
             .iter()
             .filter(|n| n.is_held())
-            .map(|n| n.holder(key.kind))
+            .map(|n| n.holder(key.kind, &self.clock))
             .collect();
         let mut waiters = Vec::new();
         for c in children.iter() {
@@ -69,7 +69,7 @@ impl Inner {
                 sidecar,
                 mode: Held::of(key.kind, c.mode),
                 position: waiters.len() + 1,
-                since_ms,
+                since_ms: self.clock.earliest(since_ms),
             });
         }
         let fence = holders
@@ -129,7 +129,7 @@ impl Inner {
             let fence = nodes
                 .iter()
                 .filter(|n| n.is_held())
-                .map(|n| n.holder(key.kind).fence)
+                .map(|n| n.holder(key.kind, &self.clock).fence)
                 .max()
                 .unwrap_or(0)
                 .max(pdata.fence);
@@ -151,7 +151,7 @@ impl Inner {
         stale_after: Duration,
     ) -> Result<Vec<StaleKey>, Error> {
         let zk = self.client().await?;
-        let now = now_ms();
+        let now = self.clock.now();
         let mut out = Vec::new();
         for kind in Kind::ALL {
             let dir = format!("{}/{}", self.root, kind.plural());
@@ -286,7 +286,7 @@ impl Inner {
         (head.child.name == first.name
             && waiting
             && self.grants_by_listing(key.kind, head.child.mode)
-            && listing.delay_until_ms() <= now_ms())
+            && listing.delay_until_ms() <= self.clock.now())
         .then_some(head)
     }
 
@@ -338,11 +338,12 @@ impl Inner {
                 let fence = ending.iter().map(|e| e.fence).max().unwrap_or(0);
                 let delay = ending.iter().map(|e| e.lock_delay_ms).max().unwrap_or(0);
                 let until = if delay > 0 {
-                    now_ms().saturating_add(delay)
+                    self.clock.now_late().saturating_add(delay)
                 } else {
                     0
                 };
-                add_end_record(&mut writer, OP, &parent, &listing, fence, until)?;
+                let now = self.clock.now();
+                add_end_record(&mut writer, OP, &parent, &listing, fence, until, now)?;
                 match commit(OP, writer.commit()).await? {
                     Ok(_) => break 'read ending,
                     // A lease that ended meanwhile is left out (its end was

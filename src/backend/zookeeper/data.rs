@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use zookeeper_client as zk;
 
 use super::names::Child;
+use super::server_time::ServerClock;
 use crate::backend::Holder;
 use crate::lock::{Held, Kind};
 
@@ -146,15 +147,16 @@ pub(super) struct Node {
 }
 
 impl Node {
-    /// The holder this node stands for, as [`State`](crate::backend::State) shows it.
-    pub(super) fn holder(&self, kind: Kind) -> Holder {
+    /// The holder this node stands for, as [`State`](crate::backend::State)
+    /// shows it: its times on this process's clock.
+    pub(super) fn holder(&self, kind: Kind, clock: &ServerClock) -> Holder {
         match &self.data {
             Some(d) => Holder {
                 owner: d.owner.clone(),
                 sidecar: d.sidecar.clone(),
                 mode: Held::of(kind, self.child.mode),
-                since_ms: d.since_ms,
-                expires_at_ms: d.expires_at_ms,
+                since_ms: clock.earliest(d.since_ms),
+                expires_at_ms: clock.earliest(d.expires_at_ms),
                 fence: fence_of(d, &self.stat).max(1),
                 count: d.count,
             },
@@ -162,12 +164,18 @@ impl Node {
                 owner: "(foreign)".into(),
                 sidecar: String::new(),
                 mode: Held::of(kind, self.child.mode),
-                since_ms: u64::try_from(self.stat.ctime).unwrap_or(0),
+                since_ms: clock.earliest(u64::try_from(self.stat.ctime).unwrap_or(0)),
                 expires_at_ms: u64::MAX / 2,
                 fence: u64::try_from(self.stat.czxid).unwrap_or(0),
                 count: 1,
             },
         }
+    }
+
+    /// When its lease ends on the servers' clock (far ahead for a node
+    /// sidelock did not write, which has no end).
+    pub(super) fn expires_at_ms(&self) -> u64 {
+        self.data.as_ref().map_or(u64::MAX / 2, |d| d.expires_at_ms)
     }
 
     /// Whether the node holds the lock: granted, or not written by sidelock.

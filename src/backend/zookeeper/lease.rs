@@ -74,7 +74,7 @@ impl Inner {
             let Some(record) = tentative() else {
                 return Ok(Round::Done(()));
             };
-            if record.lease.data.expires_at_ms <= now_ms() {
+            if record.lease.data.expires_at_ms <= self.clock.now() {
                 let parent = record.lease.path.rsplit_once('/').map_or("", |(p, _)| p);
                 return Ok(
                     if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
@@ -187,8 +187,10 @@ impl Inner {
     ) -> Result<Round<bool>, Error> {
         let lease = &record.lease;
         let bytes = serde_json::to_vec(&next).unwrap_or_default();
+        let sent = now_ms();
         match call(op, zk.set_data(&lease.path, &bytes, Some(lease.version))).await? {
             Ok(stat) => {
+                self.clock.observe(sent, &stat);
                 let written = Lease {
                     data: next,
                     ..lease.clone()
@@ -231,7 +233,7 @@ impl Inner {
         let Some(lease) = self.refresh(zk, op, token, record).await? else {
             return Ok(true);
         };
-        if lease.data.expires_at_ms > now_ms() {
+        if lease.data.expires_at_ms > self.clock.now() {
             return Ok(false);
         }
         let gone = self.expire_lease(zk, op, parent, &lease, None).await?;
@@ -261,8 +263,7 @@ impl Inner {
             let Some(record) = self.lease_of(zk, op, parent, token).await? else {
                 return Ok(Round::Done(None));
             };
-            let now = now_ms();
-            if record.lease.data.expires_at_ms <= now {
+            if record.lease.data.expires_at_ms <= self.clock.now() {
                 return Ok(
                     if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
                         Round::Done(None)
@@ -274,13 +275,13 @@ impl Inner {
             let lease = &record.lease;
             // This write moves the node's mzxid: the fence is stored in it.
             let mut next = lease.next();
-            let mut until = now.saturating_add(ttl.map_or(next.ttl_ms, ms));
+            let mut until = (self.clock.now_late()).saturating_add(ttl.map_or(next.ttl_ms, ms));
             if let Some(cap) = next.cap_ms {
                 until = until.min(cap);
             }
             next.expires_at_ms = until;
             Ok(match self.rewrite(zk, op, token, &record, next).await? {
-                Round::Done(written) => Round::Done(written.then_some(until)),
+                Round::Done(written) => Round::Done(written.then(|| self.clock.earliest(until))),
                 Round::Conflict => Round::Conflict,
             })
         })
@@ -312,7 +313,7 @@ impl Inner {
             let Some(mut record) = self.lease_of(zk, op, parent, token).await? else {
                 return Ok(Round::Done(None));
             };
-            if record.lease.data.expires_at_ms <= now_ms() {
+            if record.lease.data.expires_at_ms <= self.clock.now() {
                 return Ok(
                     if Box::pin(self.ended(zk, op, parent, token, &record)).await? {
                         self.wakeups.wake(key);
@@ -401,14 +402,14 @@ impl Inner {
         let Some(d) = &node.data else {
             return Ok(Status::Gone(Loss::Backend));
         };
-        if d.expires_at_ms <= now_ms() {
+        if d.expires_at_ms <= self.clock.now() {
             self.expire(&zk, "status", &parent, &node, None).await?;
             lock(&self.leases).remove(token);
             self.wakeups.wake(key);
             return Ok(Status::Gone(Loss::Expired));
         }
         Ok(Status::Held {
-            expires_at_ms: d.expires_at_ms,
+            expires_at_ms: self.clock.earliest(d.expires_at_ms),
         })
     }
 }

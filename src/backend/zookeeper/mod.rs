@@ -73,7 +73,8 @@
 //! # Data
 //!
 //! The node data (JSON) carries the token, owner, sidecar, mode, hold count,
-//! expiry and fence. The fence is the zxid of the write that granted the
+//! expiry and fence; its times are on the servers' clock, which every
+//! sidecar learns from its own writes ([`server_time`]). The fence is the zxid of the write that granted the
 //! lease — the create of a try-once claim admitted at once, else the
 //! `setData` that marked a waiting node held — and the node's `mzxid` until
 //! a later write stores it in the data; strictly increasing across the
@@ -183,6 +184,7 @@ mod data;
 mod lease;
 mod names;
 mod request;
+mod server_time;
 mod session;
 mod tree;
 mod watch;
@@ -247,6 +249,9 @@ struct Inner {
     /// Whether the server answers multi-reads (ZooKeeper 3.6 and later);
     /// cleared at the first that it refuses.
     multi_read: std::sync::atomic::AtomicBool,
+    /// The servers' clock, on which every time in a node is written and
+    /// judged.
+    clock: server_time::ServerClock,
     /// The session whose nodes count as this sidecar's; `None` between sessions.
     /// Locked before `leases`.
     session: Mutex<Option<zk::SessionId>>,
@@ -367,6 +372,7 @@ impl ZooKeeper {
                 listers: Mutex::new(HashMap::new()),
                 containers: std::sync::atomic::AtomicBool::new(true),
                 multi_read: std::sync::atomic::AtomicBool::new(true),
+                clock: server_time::ServerClock::default(),
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
                 losses: broadcast::channel(4096).0,

@@ -67,6 +67,11 @@ impl Inner {
             )
             .await?;
         }
+        // Times in nodes are on the servers' clock: learn it before the
+        // session's first use (an empty write; the root holds no data).
+        let sent = crate::clock::now_ms();
+        let stat = must("connect", client.set_data(&self.root, &[], None)).await?;
+        self.clock.observe(sent, &stat);
         tracing::info!(
             backend = "zookeeper",
             session = ?client.session_id(),

@@ -17,7 +17,6 @@ use super::request::{
 };
 use super::{Inner, lock};
 use crate::backend::Error;
-use crate::clock::now_ms;
 use crate::lock::{Kind, LockKey, Mode, Token};
 
 /// What one listing of a lock node found.
@@ -418,7 +417,16 @@ impl Inner {
             if let Some(m) = &mark {
                 writer.add_delete(m, None).map_err(|e| unavailable(op, e))?;
             }
-            add_end_record(&mut writer, op, parent, listing, lease.fence, delay_until)?;
+            let now = self.clock.now();
+            add_end_record(
+                &mut writer,
+                op,
+                parent,
+                listing,
+                lease.fence,
+                delay_until,
+                now,
+            )?;
             match commit(op, writer.commit()).await? {
                 // A lease without its mark: granted by an older version,
                 // or its mark was never made.
@@ -485,12 +493,14 @@ impl Inner {
                 .add_delete(&format!("{parent}/{}", m.name), None)
                 .map_err(|e| unavailable(op, e))?;
         }
+        let now = self.clock.now();
         add_delay(
             &mut writer,
             op,
             parent,
             listing,
-            now_ms().saturating_add(delay),
+            self.clock.now_late().saturating_add(delay),
+            now,
         )?;
         match commit(op, writer.commit()).await? {
             Ok(_) => {
@@ -584,7 +594,7 @@ impl Inner {
         let recorded = retry_on_conflict(PARENT_ROUNDS, || async move {
             let listing = self.children(zk, op, parent).await?;
             let mut writer = zk.new_multi_writer();
-            if !add_end_record(&mut writer, op, parent, &listing, fence, 0)? {
+            if !add_end_record(&mut writer, op, parent, &listing, fence, 0, 0)? {
                 return Ok(Round::Done(()));
             }
             Ok(match commit(op, writer.commit()).await? {
@@ -631,7 +641,7 @@ impl Inner {
         let children = &listing.children;
         let mut nodes = Vec::new();
         let (mut gone, mut expired) = (false, false);
-        let now = now_ms();
+        let now = self.clock.now();
         for (i, c) in children.iter().enumerate() {
             if until.is_some_and(|u| i >= u) {
                 break;
@@ -837,8 +847,9 @@ pub(super) fn mark_path(path: &str, lock_delay_ms: u64) -> Option<String> {
 /// Adds to `writer` the record of leases that end under `parent`, as
 /// `listing` last showed the lock node: their highest `fence` in the lock
 /// node (at the version listed, when there is one) and, when `delay_until`
-/// is ahead, the lock-delay in the delay node (created, or extended).
-/// `false` when there is nothing to write.
+/// is ahead of `now` (both on the servers' clock), the lock-delay in the
+/// delay node (created, or extended). `false` when there is nothing to
+/// write.
 pub(super) fn add_end_record(
     writer: &mut zk::MultiWriter<'_>,
     op: &'static str,
@@ -846,6 +857,7 @@ pub(super) fn add_end_record(
     listing: &Listing,
     fence: u64,
     delay_until: u64,
+    now: u64,
 ) -> Result<bool, Error> {
     let mut any = false;
     if let Some(version) = listing.parent.version {
@@ -855,21 +867,23 @@ pub(super) fn add_end_record(
             .map_err(|e| unavailable(op, e))?;
         any = true;
     }
-    Ok(add_delay(writer, op, parent, listing, delay_until)? || any)
+    Ok(add_delay(writer, op, parent, listing, delay_until, now)? || any)
 }
 
 /// Adds to `writer` the lock-delay of the lock node `parent` until
-/// `delay_until`, when that is ahead and later than the delay `listing`
-/// shows (created, or extended at the version listed). True when it added it.
+/// `delay_until`, when that is ahead of `now` and later than the delay
+/// `listing` shows (created, or extended at the version listed). True when
+/// it added it.
 fn add_delay(
     writer: &mut zk::MultiWriter<'_>,
     op: &'static str,
     parent: &str,
     listing: &Listing,
     delay_until: u64,
+    now: u64,
 ) -> Result<bool, Error> {
     let mut added = Vec::new();
-    if delay_until > now_ms() {
+    if delay_until > now {
         let delay_path = format!("{parent}/{DELAY_NODE}");
         let delay = serde_json::to_vec(&ParentData {
             fence: 0,

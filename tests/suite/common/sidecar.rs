@@ -86,6 +86,16 @@ impl SidecarBuilder {
         self
     }
 
+    /// Runs the sidecar with its wall clock `seconds` ahead (negative:
+    /// behind) of the host's, under libfaketime (`scripts/setup.sh`
+    /// installs it); its monotonic clock is left as it is.
+    pub fn clock_ahead(self, seconds: i32) -> Self {
+        let library = super::postgres::faketime_library();
+        self.env("LD_PRELOAD", &library.to_string_lossy())
+            .env("FAKETIME", &format!("{seconds:+}"))
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+    }
+
     /// `SIDELOCK_API_TOKEN`: every `/v1` call then needs the bearer token.
     pub fn api_token(self, token: &str) -> Self {
         self.env("SIDELOCK_API_TOKEN", token)
