@@ -168,6 +168,16 @@ struct CampaignStream {
     leading: Option<Leading>,
 }
 
+/// Whether `leader` is the leadership `shown` last (`None`: nothing shown
+/// yet; `Some(None)`: no leader), by [`Leader::same_as`].
+fn shown_already(shown: Option<&Option<Leader>>, leader: Option<&Leader>) -> bool {
+    match (shown, leader) {
+        (Some(Some(shown)), Some(leader)) => shown.same_as(leader),
+        (Some(None), None) => true,
+        _ => false,
+    }
+}
+
 impl CampaignStream {
     /// The SSE event for a hold event, if the campaign reports it.
     fn campaign_event(&mut self, event: HoldEvent) -> Option<SseEvent> {
@@ -207,7 +217,7 @@ impl CampaignStream {
         if view.leader_campaign.as_deref() == Some(self.candidate.campaign.as_str()) {
             return None;
         }
-        if self.shown.as_ref() == Some(&view.leader) {
+        if shown_already(self.shown.as_ref(), view.leader.as_ref()) {
             return None;
         }
         self.shown = Some(view.leader.clone());
@@ -332,12 +342,7 @@ impl Stream for ObserveStream {
             return Poll::Ready(None);
         }
         while let Poll::Ready(view) = self.following.poll_view(cx) {
-            let same = match (&self.shown, &view.leader) {
-                (Some(Some(shown)), Some(leader)) => shown.same_as(leader),
-                (Some(None), None) => true,
-                _ => false,
-            };
-            if !same {
+            if !shown_already(self.shown.as_ref(), view.leader.as_ref()) {
                 self.shown = Some(view.leader.clone());
                 let event = sse_json("leader", &serde_json::json!(view.leader));
                 return Poll::Ready(Some(Ok(event)));

@@ -873,3 +873,71 @@ async fn a_waiter_does_not_wait_for_a_stopped_node_to_subscribe() {
     );
     lock.release(&holder.token).await;
 }
+
+/// Pauses every client of `node` for `ms` milliseconds.
+async fn pause(node: &common::redis::RedisServer, ms: u64) {
+    let mut c = node.connection().await.expect("connect to a node");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .query_async(&mut c)
+        .await
+        .expect("CLIENT PAUSE");
+}
+
+// A leader's `since_ms` is the earliest among the nodes that answered: a
+// slow node moves it without any change of leader. Observers compared
+// leaders without it, but a campaign's `follower` events compared whole
+// readings, and told a waiting campaign of the same leader again.
+#[tokio::test]
+async fn a_waiting_campaign_hears_of_its_leader_once_while_a_node_is_slow() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let api = sidecar.api();
+    let name = unique_name("once");
+    let segments = ["v1", "elections", name.as_str(), "campaign"];
+    // The leader's grant lands on each node at another moment: its
+    // `since` differs from node to node.
+    pause(&nodes.nodes[0], 150).await;
+    pause(&nodes.nodes[1], 350).await;
+    let mut leader = api
+        .open_stream(&segments, &[("owner", "leader"), ("ttl", "30s")])
+        .await;
+    leader
+        .wait_for("the leader event", Duration::from_secs(10), |e| {
+            e.event == "leader"
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut waiting = api.open_stream(&segments, &[("owner", "waiting")]).await;
+    let told = waiting
+        .wait_for("the follower event", Duration::from_secs(10), |e| {
+            e.event == "follower"
+        })
+        .await;
+    assert_eq!(
+        told.json()["leader"]["owner"],
+        "leader",
+        "{}",
+        waiting.raw()
+    );
+    // The node where the grant came first hangs; another campaign joins,
+    // and the election is read again without it.
+    pause(&nodes.nodes[2], 4_000).await;
+    let joining = {
+        let api = api.clone();
+        let segments = segments.map(str::to_owned);
+        tokio::spawn(async move {
+            let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+            api.open_stream(&segments, &[("owner", "joining")]).await
+        })
+    };
+    match waiting.next_within(Duration::from_secs(3)).await {
+        Err(()) => {}
+        Ok(event) => panic!(
+            "told of the same leader again: {event:?}\n{}",
+            waiting.raw()
+        ),
+    }
+    drop(joining);
+}
