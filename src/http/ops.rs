@@ -10,6 +10,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::App;
+use super::params::{NoParams, Params};
 use super::problem::Problem;
 use crate::backend::Description;
 use crate::clock::{ms, now_ms};
@@ -112,7 +113,7 @@ pub(crate) fn info_of(app: &App) -> Info {
         (status = 429, body = Problem, content_type = "application/problem+json", description = "too-many-failed-tokens: more than 10 wrong tokens from this address; the token was not compared (Retry-After)"),
     ))]
 /// Sidecar id, version, backend and its safety class, limits.
-pub async fn info(State(app): State<Arc<App>>) -> Json<Info> {
+pub async fn info(State(app): State<Arc<App>>, Params(_none): Params<NoParams>) -> Json<Info> {
     Json(info_of(&app))
 }
 

@@ -20,6 +20,11 @@ use crate::lock::Name;
 /// Largest accepted request body.
 pub const MAX_BODY: usize = 64 * 1024;
 
+/// The parameters of a route that takes none: any given is refused.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
 /// Parameters of type `T` gathered from the query string and the body.
 pub struct Params<T>(pub T);
 

@@ -126,11 +126,6 @@ pub struct KeepaliveParams {
     pub ttl: Option<Given<Duration>>,
 }
 
-/// No parameters accepted.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NoParams {}
-
 /// Parameters of the listing.
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]

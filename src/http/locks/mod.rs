@@ -29,7 +29,7 @@ use crate::clock::ms;
 use crate::core::Outcome;
 use crate::error::Error;
 use crate::http::App;
-use crate::http::params::{LockName, Params};
+use crate::http::params::{LockName, NoParams, Params};
 use crate::http::problem::Problem;
 use crate::lock::{Kind, LockKey, Name};
 

@@ -18,9 +18,10 @@ use crate::http::{App, auth};
 use crate::lock::{Kind, LockKey, Name};
 
 use super::answers::{ForceReleased, LockList, LockRow, StaleList};
-use super::ask::{AdminParams, ListParams, NoParams, check_reason};
+use super::ask::{AdminParams, ListParams, check_reason};
 use super::hold::{SSE_KEEPALIVE, sse_json};
 use super::key;
+use crate::http::params::NoParams;
 
 pub(super) fn parse_cursor(cursor: &str) -> Result<LockKey, Error> {
     LockKey::parse(cursor).ok_or_else(|| {

@@ -1839,6 +1839,8 @@ mod validation {
             // Parameters.
             Case::new("unknown query parameter", Method::POST, &lock).query("bogus", "1"),
             Case::new("unknown JSON field", Method::POST, &lock).json(json!({"bogus": 1})),
+            Case::new("info with a query parameter", Method::GET, &["v1", "info"])
+                .query("bogus", "1"),
             Case::new("parameter repeated in the query", Method::POST, &lock)
                 .query("ttl", "1s")
                 .query("ttl", "2s"),
