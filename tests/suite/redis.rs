@@ -3737,3 +3737,41 @@ async fn a_keyed_release_that_leaves_while_waiting_its_turn_gives_up() {
         "two releases, two holds"
     );
 }
+
+/// The warning a sidecar logs for a Redis that may evict its keys.
+const EVICTS: &str = "set maxmemory-policy noeviction";
+
+// A Redis with a maxmemory and an allkeys policy may evict a lease while
+// it is held, or a fence counter: the sidecar said nothing of it. It warns
+// now, once it connects, and not for a Redis that never evicts.
+#[tokio::test]
+async fn a_redis_that_may_evict_keys_is_named_in_a_warning() {
+    let evicting =
+        RedisServer::start_with(&["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"])
+            .await;
+    let keeping = RedisServer::start_with(&["--maxmemory", "100mb"]).await;
+    let warned = sidecar(&evicting).await;
+    let quiet = sidecar(&keeping).await;
+    for s in [&warned, &quiet] {
+        let lock = s.api().lock(&unique_name("evict"));
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+    }
+    eventually("the warning", Duration::from_secs(10), async || {
+        warned.log().contains(EVICTS).then_some(())
+    })
+    .await;
+    let line = warned
+        .log()
+        .lines()
+        .find(|l| l.contains(EVICTS))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(
+        line.contains("WARN") && line.contains("allkeys-lru"),
+        "{line}"
+    );
+    // The other's check ran as it connected, as this one's did.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!quiet.log().contains(EVICTS), "{}", quiet.log());
+}

@@ -329,6 +329,9 @@ impl Node {
             .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
             .map_err(|e| unavailable(op, e))?;
         *lock(&self.conn) = Some(c.clone());
+        let (url, stop) = (self.url.clone(), self.stop.clone());
+        let check = tokio::time::timeout(CALL_TIMEOUT, warn_of_eviction(c.clone(), url));
+        tokio::spawn(async move { stop.run_until_cancelled(check).await });
         Ok(c)
     }
 
@@ -591,4 +594,44 @@ mod tests {
         );
         accepting.abort();
     }
+}
+
+/// Logs a warning when the Redis behind `conn` (at `url`, shown without
+/// credentials) may evict keys: under a `maxmemory` with any policy but
+/// `noeviction`, a lease could vanish while its holder holds it, or a
+/// fence counter start again (README, *Eviction*). Quiet where `CONFIG` is
+/// not allowed (managed services rename or refuse it).
+async fn warn_of_eviction(mut conn: Conn, url: String) {
+    async fn setting(conn: &mut Conn, name: &str) -> Option<String> {
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg(name)
+            .query_async(conn)
+            .await
+            .map_err(
+                |e| tracing::debug!(backend = "redis", error = %e, "CONFIG GET {name} refused"),
+            )
+            .ok()?;
+        reply.into_iter().nth(1)
+    }
+    let Some(policy) = setting(&mut conn, "maxmemory-policy").await else {
+        return;
+    };
+    if policy == "noeviction" {
+        return;
+    }
+    let Some(maxmemory) = setting(&mut conn, "maxmemory").await else {
+        return;
+    };
+    if maxmemory == "0" {
+        return;
+    }
+    tracing::warn!(
+        backend = "redis",
+        %url,
+        %policy,
+        %maxmemory,
+        "this Redis evicts keys when it reaches maxmemory: a lease could vanish while held, \
+         or a fence counter start again; set maxmemory-policy noeviction"
+    );
 }
