@@ -552,6 +552,46 @@ impl Node {
     }
 }
 
+/// Logs a warning when the Redis behind `conn` (at `url`, shown without
+/// credentials) may evict keys: under a `maxmemory` with any policy but
+/// `noeviction`, a lease could vanish while its holder holds it, or a
+/// fence counter start again (README, *Eviction*). Quiet where `CONFIG` is
+/// not allowed (managed services rename or refuse it).
+async fn warn_of_eviction(mut conn: Conn, url: String) {
+    async fn setting(conn: &mut Conn, name: &str) -> Option<String> {
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg(name)
+            .query_async(conn)
+            .await
+            .map_err(
+                |e| tracing::debug!(backend = "redis", error = %e, "CONFIG GET {name} refused"),
+            )
+            .ok()?;
+        reply.into_iter().nth(1)
+    }
+    let Some(policy) = setting(&mut conn, "maxmemory-policy").await else {
+        return;
+    };
+    if policy == "noeviction" {
+        return;
+    }
+    let Some(maxmemory) = setting(&mut conn, "maxmemory").await else {
+        return;
+    };
+    if maxmemory == "0" {
+        return;
+    }
+    tracing::warn!(
+        backend = "redis",
+        %url,
+        %policy,
+        %maxmemory,
+        "this Redis evicts keys when it reaches maxmemory: a lease could vanish while held, \
+         or a fence counter start again; set maxmemory-policy noeviction"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
@@ -594,44 +634,4 @@ mod tests {
         );
         accepting.abort();
     }
-}
-
-/// Logs a warning when the Redis behind `conn` (at `url`, shown without
-/// credentials) may evict keys: under a `maxmemory` with any policy but
-/// `noeviction`, a lease could vanish while its holder holds it, or a
-/// fence counter start again (README, *Eviction*). Quiet where `CONFIG` is
-/// not allowed (managed services rename or refuse it).
-async fn warn_of_eviction(mut conn: Conn, url: String) {
-    async fn setting(conn: &mut Conn, name: &str) -> Option<String> {
-        let reply: Vec<String> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg(name)
-            .query_async(conn)
-            .await
-            .map_err(
-                |e| tracing::debug!(backend = "redis", error = %e, "CONFIG GET {name} refused"),
-            )
-            .ok()?;
-        reply.into_iter().nth(1)
-    }
-    let Some(policy) = setting(&mut conn, "maxmemory-policy").await else {
-        return;
-    };
-    if policy == "noeviction" {
-        return;
-    }
-    let Some(maxmemory) = setting(&mut conn, "maxmemory").await else {
-        return;
-    };
-    if maxmemory == "0" {
-        return;
-    }
-    tracing::warn!(
-        backend = "redis",
-        %url,
-        %policy,
-        %maxmemory,
-        "this Redis evicts keys when it reaches maxmemory: a lease could vanish while held, \
-         or a fence counter start again; set maxmemory-policy noeviction"
-    );
 }
