@@ -1803,34 +1803,57 @@ fn wall_ms() -> u64 {
 // ZooKeeper has no clock a client reads, and each sidecar judged a lease's
 // end on its own: a waiter's sidecar whose clock ran 4 s ahead took a 6-s
 // lease taken through a sidecar on time for expired 4 s early, and granted
-// the lock while its holder still held it.
+// the lock while its holder still held it; so did a waiter's sidecar on
+// time with a lease taken through a sidecar 4 s behind. Each reports times
+// on its own clock.
+#[rstest::rstest]
+#[case::waiter_ahead(0, 4)]
+#[case::holder_behind(-4, 0)]
 #[tokio::test]
-async fn a_waiters_sidecar_whose_clock_runs_ahead_never_ends_a_lease_early() {
+async fn a_lease_never_ends_early_for_a_sidecar_whose_clock_is_off(
+    #[case] holders_clock: i32,
+    #[case] waiters_clock: i32,
+) {
     let server = ZkServer::start().await;
-    let on_time = sidecar(&server.url("/skew")).await;
-    let ahead = SidecarBuilder::new(&server.url("/skew"))
-        .clock_ahead(4)
-        .start()
-        .await;
+    let skewed = |seconds: i32| {
+        SidecarBuilder::new(&server.url("/skew"))
+            .clock_ahead(seconds)
+            .start()
+    };
+    let (holders, waiters) = (skewed(holders_clock).await, skewed(waiters_clock).await);
     let name = unique_name("skew");
-    let holder = on_time
+    let asked = wall_ms();
+    let holder = holders
         .api()
         .lock(&name)
         .acquire(&[("owner", "holder"), ("ttl", "6s")])
         .await;
-    let next = ahead
+    let told = i64::try_from(holder.expires_at_ms).unwrap() - i64::from(holders_clock) * 1000;
+    let asked_end = i64::try_from(asked).unwrap() + 6_000;
+    assert!(
+        (asked_end..asked_end + 2_000).contains(&told),
+        "the holder was told its lease ends at {told} (on this host's clock), 6 s after {asked}"
+    );
+    let next = waiters
         .api()
         .lock(&name)
         .acquire(&[("owner", "next"), ("ttl", "6s"), ("wait", "20s")])
         .await;
     let granted_at = wall_ms();
     assert_eq!(next.owner, "next");
+    let told = u64::try_from(told).unwrap();
     assert!(
-        granted_at >= holder.expires_at_ms,
+        granted_at >= told,
         "granted {} ms before the holder's lease ended (fence {} after {})",
-        holder.expires_at_ms - granted_at,
+        told - granted_at,
         next.fence,
         holder.fence
+    );
+    let shown = i64::try_from(next.expires_at_ms).unwrap() - i64::from(waiters_clock) * 1000;
+    let end = i64::try_from(granted_at).unwrap() + 6_000;
+    assert!(
+        (end - 2_000..=end).contains(&shown),
+        "the next holder was told its lease ends at {shown} (on this host's clock), granted at {granted_at}"
     );
 }
 

@@ -801,7 +801,7 @@ impl ZooKeeper {
                 let grant = if own.data.held
                     && fresh
                     && !awaited
-                    && delay_until <= own.data.since_ms
+                    && i64::try_from(delay_until).is_ok_and(|until| until <= own.stat.mtime)
                     && listing.untouched_since(own.stat.mzxid)
                 {
                     let lease = Lease::read(path.clone(), own.data.clone(), &own.stat);

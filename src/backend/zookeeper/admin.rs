@@ -286,7 +286,7 @@ impl Inner {
         (head.child.name == first.name
             && waiting
             && self.grants_by_listing(key.kind, head.child.mode)
-            && listing.delay_until_ms() <= self.clock.now())
+            && listing.delay_until_ms() <= self.clock.now_late())
         .then_some(head)
     }
 

@@ -52,6 +52,30 @@ impl Inner {
         });
     }
 
+    /// Whether the lease of `token` on `key`, ending at `end` on the
+    /// servers' clock, is over for its holder, who was told it ends at
+    /// [`earliest`](super::server_time::ServerClock::earliest)`(end)`,
+    /// though the servers' clock may not be there yet. Its node then stays
+    /// until that is sure (its owner may hold it re-entered through another
+    /// sidecar, whose bounds on the servers' clock are narrower): a check
+    /// then deletes it, as it does an expired lease.
+    fn over_for_holder(self: &Arc<Self>, key: &LockKey, token: &Token, end: u64) -> bool {
+        if self.clock.earliest(end) > now_ms() {
+            return false;
+        }
+        let (me, key, token) = (self.clone(), key.clone(), token.clone());
+        let at = crate::clock::instant_at(self.clock.surely(end).saturating_add(1));
+        tokio::spawn(async move {
+            tokio::select! {
+                () = me.closing.cancelled() => {}
+                () = tokio::time::sleep_until(at) => {
+                    let _ = Box::pin(me.status(&key, &token)).await;
+                }
+            }
+        });
+        true
+    }
+
     /// Rewrites the node of `token` with its fence stored and no longer
     /// tentative, if this sidecar still holds it as a tentative grant; one
     /// that expired first is deleted as an expired lease is (a lease granted
@@ -272,6 +296,9 @@ impl Inner {
                     },
                 );
             }
+            if self.over_for_holder(key, token, record.lease.data.expires_at_ms) {
+                return Ok(Round::Done(None));
+            }
             let lease = &record.lease;
             // This write moves the node's mzxid: the fence is stored in it.
             let mut next = lease.next();
@@ -322,6 +349,9 @@ impl Inner {
                         Round::Conflict
                     },
                 );
+            }
+            if self.over_for_holder(key, token, record.lease.data.expires_at_ms) {
+                return Ok(Round::Done(None));
             }
             let lease = &record.lease;
             if lease.data.count > 1 {
@@ -406,6 +436,9 @@ impl Inner {
             self.expire(&zk, "status", &parent, &node, None).await?;
             lock(&self.leases).remove(token);
             self.wakeups.wake(key);
+            return Ok(Status::Gone(Loss::Expired));
+        }
+        if self.over_for_holder(key, token, d.expires_at_ms) {
             return Ok(Status::Gone(Loss::Expired));
         }
         Ok(Status::Held {

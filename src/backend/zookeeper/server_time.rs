@@ -56,37 +56,51 @@ pub(super) struct ServerClock {
 
 impl ServerClock {
     /// Takes what a write sent at `sent` (this process's [`now_ms`]) and
-    /// answered now, with `stat`, tells of the servers' clock. Its bounds
-    /// replace the ones in use when they are no wider than those are now
-    /// (aged), or when the two disagree (a clock was stepped).
+    /// answered now, with `stat`, tells of the servers' clock.
     pub(super) fn observe(&self, sent: u64, stat: &zk::Stat) {
+        self.observe_at(sent, now_ms(), stat);
+    }
+
+    /// [`Self::observe`] for a write answered at `received`. The bounds it
+    /// gives always hold the offset as it is now, so they are kept: alone
+    /// when they are no wider than those in use (aged) or disagree with
+    /// them (a clock was stepped), else joined with those (the join holds
+    /// the offset if either does, also after a step smaller than they are
+    /// wide).
+    fn observe_at(&self, sent: u64, received: u64, stat: &zk::Stat) {
         // A server without the stat of a create answers zeros.
         if stat.mtime <= 0 {
             return;
         }
-        let received = now_ms();
-        let (sent, received) = (
+        let (sent_ms, received_ms) = (
             i64::try_from(sent).unwrap_or(i64::MAX),
             i64::try_from(received).unwrap_or(i64::MAX),
         );
         // Both clocks count whole milliseconds: the server's stamp lies in
         // [mtime, mtime + 1), this process's moment in [sent, received + 1).
         let new = Bounds {
-            low: stat.mtime.saturating_sub(received).saturating_sub(1),
-            high: stat.mtime.saturating_add(1).saturating_sub(sent),
-            at: u64::try_from(received).unwrap_or(0),
+            low: stat.mtime.saturating_sub(received_ms).saturating_sub(1),
+            high: stat.mtime.saturating_add(1).saturating_sub(sent_ms),
+            at: received,
         };
         let mut bounds = self.bounds.lock().unwrap_or_else(|e| e.into_inner());
-        let replace = match *bounds {
-            None => true,
+        *bounds = Some(match *bounds {
+            None => new,
             Some(old) => {
                 let (low, high) = old.aged(new.at);
-                new.high - new.low <= high - low || new.high < low || new.low > high
+                let narrower = new.high - new.low <= high - low;
+                let apart = new.high < low || new.low > high;
+                if narrower || apart {
+                    new
+                } else {
+                    Bounds {
+                        low: low.min(new.low),
+                        high: high.max(new.high),
+                        at: new.at,
+                    }
+                }
             }
-        };
-        if replace {
-            *bounds = Some(new);
-        }
+        });
     }
 
     /// The offset's bounds now.
@@ -163,25 +177,31 @@ mod tests {
         let (low, high) = clock.offsets(now_ms());
         assert!(low <= 4_000 && high >= 4_000, "{low}..{high}");
         assert!(high - low < 1_000, "{low}..{high}");
+        let before = now_ms();
         let end = clock.now_late() + 6_000;
         assert!(clock.earliest(end) <= now_ms() + 6_000);
-        assert!(clock.surely(end) >= now_ms() + 6_000);
+        assert!(clock.surely(end) >= before + 6_000);
         assert!(clock.now() <= clock.now_late());
     }
 
     #[test]
-    fn a_wider_answer_keeps_the_narrower_bounds_until_they_disagree() {
+    fn a_wider_answer_widens_the_bounds_and_a_narrower_or_disagreeing_one_replaces_them() {
+        const T: u64 = 1_000_000;
         let clock = ServerClock::default();
-        let now = now_ms();
-        let mtime = i64::try_from(now).unwrap();
-        clock.observe(now, &stat(mtime));
-        let narrow = clock.offsets(now_ms());
-        // A slow answer: sent 3 s ago.
-        clock.observe(now.saturating_sub(3_000), &stat(mtime));
-        assert_eq!(clock.offsets(now_ms()), narrow);
-        // A step of the servers' clock by a minute.
-        clock.observe(now_ms(), &stat(mtime + 60_000));
-        assert!(clock.offsets(now_ms()).0 > 59_000);
+        let mtime = i64::try_from(T).unwrap() + 500;
+        clock.observe_at(T, T + 2, &stat(mtime));
+        assert_eq!(clock.offsets(T + 2), (497, 501));
+        // A slow answer, which overlaps: joined.
+        clock.observe_at(T - 3_000, T + 2, &stat(mtime));
+        assert_eq!(clock.offsets(T + 2), (497, 3_501));
+        // A narrower one replaces them.
+        clock.observe_at(T + 10, T + 11, &stat(mtime + 10));
+        assert_eq!(clock.offsets(T + 11), (498, 501));
+        // Older bounds widen by a thousandth of their age.
+        assert_eq!(clock.offsets(T + 5_011), (493, 506));
+        // A step of the servers' clock by a minute, answered slowly: apart.
+        clock.observe_at(T + 5_000, T + 7_000, &stat(mtime + 66_000));
+        assert_eq!(clock.offsets(T + 7_000), (59_499, 61_501));
     }
 
     #[test]

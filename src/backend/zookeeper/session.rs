@@ -68,9 +68,12 @@ impl Inner {
             .await?;
         }
         // Times in nodes are on the servers' clock: learn it before the
-        // session's first use (an empty write; the root holds no data).
+        // session's first use (an empty write to the node of locks, which
+        // sidelock made and which holds no data; the root may be the
+        // operator's).
         let sent = crate::clock::now_ms();
-        let stat = must("connect", client.set_data(&self.root, &[], None)).await?;
+        let locks = format!("{}/{}", self.root, crate::lock::Kind::Lock.plural());
+        let stat = must("connect", client.set_data(&locks, &[], None)).await?;
         self.clock.observe(sent, &stat);
         tracing::info!(
             backend = "zookeeper",
