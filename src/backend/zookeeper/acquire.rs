@@ -519,11 +519,20 @@ impl ZooKeeper {
                 }
             }
             Turn::Once | Turn::Join => {
-                if key.kind == Kind::Semaphore
-                    && claim.limit.is_none()
-                    && me.children(&zk, op, &parent).await?.children.is_empty()
-                {
-                    return Err(Error::LimitRequired);
+                // A permit asked without a limit takes the one in use, and
+                // its node records it, as every permit's does: admitted
+                // only behind nodes of its own limit, it never holds
+                // beside permits taken under another.
+                let mut limit = claim.limit;
+                if key.kind == Kind::Semaphore && limit.is_none() {
+                    let listing = me.children(&zk, op, &parent).await?;
+                    let mut known = Vec::new();
+                    limit = me
+                        .active_limit(&zk, op, &parent, &listing.children, &mut known)
+                        .await?;
+                    if limit.is_none() {
+                        return Err(Error::LimitRequired);
+                    }
                 }
                 let now = me.clock.now_late();
                 let mut data = NodeData {
@@ -538,7 +547,7 @@ impl ZooKeeper {
                     lock_delay_ms: ms(claim.lock_delay),
                     count: 1,
                     fence: 0,
-                    limit: claim.limit,
+                    limit,
                     queued_ms: now,
                     tentative: false,
                 };
@@ -697,10 +706,13 @@ impl ZooKeeper {
             // Semaphore limit: the first node's limit is the active one.
             let mut limit = 0;
             if key.kind == Kind::Semaphore {
+                let asked = own.data.limit.or(claim.limit);
                 limit = me
                     .active_limit(&zk, op, &parent, children, &mut known)
-                    .await?;
-                if let Some(asked) = claim.limit
+                    .await?
+                    .or(asked)
+                    .unwrap_or(1);
+                if let Some(asked) = asked
                     && asked != limit
                 {
                     if unclaimed.is_some()
@@ -723,6 +735,22 @@ impl ZooKeeper {
             if found == Found::Expired || (found == Found::Gone && by_place) {
                 continue;
             }
+            // A permit is admitted only behind permits of its own limit: a
+            // node ahead with another (a claim that has not yet seen that
+            // it mismatches, or one whose answer was lost) would make its
+            // limit the active one once the first node leaves, while the
+            // permits admitted under this one are still held. Its place
+            // admits it (every node ahead is in `ahead`): it waits for
+            // that node to go.
+            let mixed = (key.kind == Kind::Semaphore && by_place)
+                .then(|| {
+                    ahead
+                        .iter()
+                        .find(|n| n.data.as_ref().and_then(|d| d.limit) != Some(limit))
+                        .map(|n| n.child.name.clone())
+                })
+                .flatten();
+            let by_place = by_place && mixed.is_none();
 
             // Re-entry: the same owner holding the lock in the same mode,
             // by a grant this sidecar made or one its holder wrote since.
@@ -958,6 +986,7 @@ impl ZooKeeper {
                             answer: first.then(|| Box::new(busy.clone())),
                             hint: false,
                             unsure: false,
+                            mixed: None,
                         }),
                     );
                     drop(tickets);
@@ -975,8 +1004,11 @@ impl ZooKeeper {
             // is missed.
             let waits_for_delay = by_place && fair && delayed;
             let following = lock(&me.tickets)
-                .get(&(key.clone(), seq))
-                .is_some_and(|q| q.follower.is_some());
+                .get_mut(&(key.clone(), seq))
+                .is_some_and(|q| {
+                    q.mixed.clone_from(&mixed);
+                    q.follower.is_some()
+                });
             if !waits_for_delay && !following {
                 Follower {
                     me: me.clone(),

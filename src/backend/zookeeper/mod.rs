@@ -286,6 +286,10 @@ struct Queued {
     /// of that attempt may have run without an answer, so `own` may be out
     /// of date, and the next attempt reads the node first.
     unsure: bool,
+    /// A semaphore claim's node ahead with another limit, which keeps it
+    /// waiting although its place admits it: its follower watches that
+    /// node.
+    mixed: Option<String>,
 }
 
 /// A lease granted through this sidecar: its node, which a release or

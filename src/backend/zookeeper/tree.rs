@@ -702,7 +702,8 @@ impl Inner {
             if key.kind == Kind::Semaphore && !listing.children.is_empty() {
                 limit = self
                     .active_limit(zk, op, parent, &listing.children, &mut known)
-                    .await?;
+                    .await?
+                    .unwrap_or(1);
             }
             let at = At {
                 zk,
@@ -722,8 +723,9 @@ impl Inner {
         snapshot.ok_or_else(|| unavailable(op, Message("the lock's children kept changing".into())))
     }
 
-    /// A semaphore's limit: the one recorded by its first sidelock node.
-    /// Nodes in `known` are not read again; those read are added to it.
+    /// A semaphore's limit: the one recorded by its first sidelock node
+    /// that records one (`None`: none does). Nodes in `known` are not read
+    /// again; those read are added to it.
     pub(super) async fn active_limit(
         &self,
         zk: &zk::Client,
@@ -731,7 +733,7 @@ impl Inner {
         parent: &str,
         children: &[Child],
         known: &mut Vec<Node>,
-    ) -> Result<u32, Error> {
+    ) -> Result<Option<u32>, Error> {
         for c in children {
             let node = match known.iter().find(|n| n.child.name == c.name) {
                 Some(n) => Some(n.clone()),
@@ -742,10 +744,10 @@ impl Inner {
                 }
             };
             if let Some(limit) = node.and_then(|n| n.data).and_then(|d| d.limit) {
-                return Ok(limit);
+                return Ok(Some(limit));
             }
         }
-        Ok(1)
+        Ok(None)
     }
 
     /// Finds the node of `token` under `parent`: this sidecar's record first, else a scan.

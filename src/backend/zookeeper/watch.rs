@@ -224,9 +224,24 @@ impl Follower {
             (Kind::Semaphore, _) => {
                 let limit = me
                     .active_limit(zk, "watch", &parent, children, &mut Vec::new())
-                    .await? as usize;
+                    .await?
+                    .unwrap_or(1) as usize;
                 match at.cmp(&limit) {
-                    std::cmp::Ordering::Less => (Blocker::Nothing, limit),
+                    // Admitted by place, unless its attempt found a node
+                    // ahead with another limit: it watches that one.
+                    std::cmp::Ordering::Less => {
+                        let mixed = lock(&me.tickets)
+                            .get(&(key.clone(), seq))
+                            .and_then(|q| q.mixed.clone())
+                            .filter(|m| children[..at].iter().any(|c| c.name == *m));
+                        (
+                            mixed.map_or(Blocker::Nothing, |name| Blocker::Node {
+                                name,
+                                last: false,
+                            }),
+                            limit,
+                        )
+                    }
                     // The head of the queue: any deletion before it admits it.
                     std::cmp::Ordering::Equal => (Blocker::Earlier, limit),
                     // Further back: its predecessor, which is deleted or

@@ -1310,6 +1310,48 @@ mod semaphores {
         semaphore.acquire(&[("limit", &changed.to_string())]).await;
         assert_eq!(semaphore.inspect().await.limit, Some(u64::from(changed)));
     }
+
+    // A claim without a limit takes the one in use. On ZooKeeper it wrote
+    // none: granted after the holder with limit 1 left, it left the
+    // semaphore without a limit, and a claim with limit 2 through another
+    // sidecar was granted beside it.
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn a_semaphore_keeps_its_limit_while_a_claim_without_one_holds_it(backend: TestBackend) {
+        let guard = backend.start().await;
+        let sidecars = guard.sidecars(2).await;
+        let name = unique_name("kept-limit");
+        let (one, two) = (
+            sidecars[0].api().semaphore(&name),
+            sidecars[1].api().semaphore(&name),
+        );
+        let first = one.acquire(&[("owner", "first"), ("limit", "1")]).await;
+        let waiter = {
+            let two = two.clone();
+            tokio::spawn(
+                async move { two.acquire(&[("owner", "no-limit"), ("wait", "30s")]).await },
+            )
+        };
+        eventually(
+            "the claim without a limit waits",
+            Duration::from_secs(10),
+            async || (!one.inspect().await.waiters.is_empty()).then_some(()),
+        )
+        .await;
+        one.release(&first.token).await;
+        let second = waiter.await.expect("the waiter's task");
+        assert_eq!(second.owner, "no-limit");
+        let refused = one.acquire_raw(&[("owner", "two"), ("limit", "2")]).await;
+        if backend == TestBackend::Redlock {
+            assert_problem(refused, StatusCode::BAD_REQUEST, "unsupported").await;
+        } else {
+            let mismatch = assert_problem(refused, StatusCode::BAD_REQUEST, "limit-mismatch").await;
+            assert_eq!(mismatch["limit"], 1, "{mismatch}");
+        }
+        let state = one.inspect().await;
+        assert_eq!(state.holder_owners(), ["no-limit"]);
+        assert_eq!(state.limit, Some(1));
+    }
 }
 
 mod fencing {
