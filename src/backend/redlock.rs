@@ -401,10 +401,11 @@ impl Backend for Redlock {
                 .collect();
             let fence = won.iter().map(|(_, g)| g.fence).max().unwrap_or(0);
             let count = majority_count(won.iter().map(|(_, g)| g.count), self.quorum);
-            let behind = won
-                .iter()
-                .filter(|(_, g)| g.fence < fence)
-                .map(|(i, _)| self.members[*i].node.raise_fence(&claim.key, fence));
+            let behind = won.iter().filter(|(_, g)| g.fence < fence).map(|(i, g)| {
+                self.members[*i]
+                    .node
+                    .raise_fence(&claim.key, fence, &g.token)
+            });
             let raises = join_all(behind).await;
             let raised = raises.iter().filter(|r| r.is_ok()).count();
             // Any later majority continues above this fence only if a

@@ -941,3 +941,35 @@ async fn a_waiting_campaign_hears_of_its_leader_once_while_a_node_is_slow() {
     }
     drop(joining);
 }
+
+// Each node stored a lease with the fence it counted, and the grant raised
+// only the nodes' counters to the highest: with the node that counted it
+// gone, the owner's re-entry through another sidecar answered the same
+// lease with the fence of the others (1 after 101), and `inspect` showed it.
+#[tokio::test]
+async fn a_lease_keeps_its_fence_when_the_node_that_counted_it_is_gone() {
+    let mut nodes = RedisNodes::start(3).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("kept-fence");
+    let (main, _) = keys_of(&name);
+    let _: () = nodes.nodes[0]
+        .cmd(&["SET", &format!("{{{main}}}:fence"), "100"])
+        .await;
+    let grant = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "o"), ("ttl", "60s")])
+        .await;
+    assert_eq!(grant.fence, 101);
+    nodes.nodes[0].kill();
+    let again = b
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "o"), ("ttl", "60s")])
+        .await;
+    assert_eq!(again.token, grant.token);
+    assert_eq!(again.count, 2);
+    assert_eq!(again.fence, 101, "the re-entered lease's fence");
+    assert_eq!(b.api().lock(&name).inspect().await.holders[0].fence, 101);
+}

@@ -362,10 +362,11 @@ impl Node {
         })
     }
 
-    /// Raises the key's fence counter to at least `fence`.
-    pub async fn raise_fence(&self, key: &LockKey, fence: u64) -> Result<(), Error> {
+    /// Raises the key's fence counter to at least `fence`, and the fence
+    /// stored for the lease of `token` to `fence`.
+    pub async fn raise_fence(&self, key: &LockKey, fence: u64, token: &Token) -> Result<(), Error> {
         let mut inv = self.invocation(&self.scripts.raise_fence, key);
-        inv.arg(fence);
+        inv.arg(fence).arg(token.expose());
         self.run::<i64>("raise_fence", inv).await.map(|_| ())
     }
 
