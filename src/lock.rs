@@ -332,8 +332,12 @@ impl fmt::Debug for Token {
 }
 
 /// How the owner made up for a claim sent without one begins (followed by
-/// random hex): such a claim never re-enters anything.
+/// [`ANONYMOUS_DIGITS`] random lowercase hex digits): such a claim never
+/// re-enters anything, and no client may give such an owner.
 pub const ANONYMOUS: &str = "anonymous-";
+
+/// The random hex digits after [`ANONYMOUS`] in a made-up owner.
+pub const ANONYMOUS_DIGITS: usize = 12;
 
 /// What a client asks a backend for: everything needed to grant one lease.
 #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@ use crate::core::Limits;
 use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::params::{Given, count, duration, mode};
-use crate::lock::{ANONYMOUS, Claim, LockKey, Mode, Token, check_plain_text};
+use crate::lock::{ANONYMOUS, ANONYMOUS_DIGITS, Claim, LockKey, Mode, Token, check_plain_text};
 
 /// Longest accepted owner identity, in characters.
 pub(super) const MAX_OWNER_LEN: usize = 200;
@@ -292,7 +292,10 @@ impl Ask {
         };
         let owner = match self.owner {
             Some(o) => check_owner(o)?,
-            None => format!("{ANONYMOUS}{}", &Token::generate().expose()[..12]),
+            None => format!(
+                "{ANONYMOUS}{}",
+                &Token::generate().expose()[..ANONYMOUS_DIGITS]
+            ),
         };
         let claim = Claim {
             key,
@@ -330,6 +333,19 @@ pub(crate) fn check_ttl(
 
 pub(super) fn check_owner(owner: String) -> Result<String, Error> {
     check_plain_text("owner", &owner, MAX_OWNER_LEN).map_err(Error::InvalidParameter)?;
+    // The owner made up for a claim without one is shown (busy answers,
+    // listings, events): given back, it would re-enter that claim's lease
+    // and answer its token.
+    if owner.strip_prefix(ANONYMOUS).is_some_and(|rest| {
+        rest.len() == ANONYMOUS_DIGITS
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    }) {
+        return Err(Error::InvalidParameter(format!(
+            "owner {owner:?} has the form of the owners made up for claims sent without one ({ANONYMOUS} and {ANONYMOUS_DIGITS} hex digits), which never re-enter; choose another owner"
+        )));
+    }
     Ok(owner)
 }
 

@@ -1500,3 +1500,39 @@ async fn a_busy_answer_names_at_most_100_holders(#[case] backend: TestBackend) {
     let mut hold = lock.hold(&[("owner", "writer"), ("wait", "300ms")]).await;
     check("a hold stream", &hold.expect_timeout().await);
 }
+
+// The owner made up for a claim sent without one is shown in busy answers
+// and listings; given back by another client, it re-entered that claim's
+// lease and answered its token (the README says such claims never
+// re-enter).
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[case::zookeeper(TestBackend::ZooKeeper)]
+#[tokio::test]
+async fn a_made_up_owner_given_back_is_refused_and_never_reenters(#[case] backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let lock = sidecar.api().lock(&unique_name("made-up"));
+    let grant = lock.acquire(&[("ttl", "30s")]).await;
+    let busy = lock.acquire_busy(&[]).await;
+    let owner = busy["holders"][0]["owner"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a holder's owner: {busy}"))
+        .to_owned();
+    assert!(owner.starts_with("anonymous-"), "{owner}");
+    let problem = assert_problem(
+        lock.acquire_raw(&[("owner", owner.as_str())]).await,
+        StatusCode::BAD_REQUEST,
+        "invalid-parameter",
+    )
+    .await;
+    assert!(
+        problem["detail"].as_str().unwrap_or("").contains("made up"),
+        "{problem}"
+    );
+    let state = lock.inspect().await;
+    assert_eq!(state.holders.len(), 1);
+    assert_eq!(state.holders[0].count, 1, "the lease was not re-entered");
+    assert!(lock.release(&grant.token).await.released);
+}
