@@ -75,6 +75,27 @@ impl HoldEvents {
         true
     }
 
+    /// Whether nothing is reported and not yet handed out.
+    pub fn is_empty(&self) -> bool {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    /// The error the hold ended with, when that is the oldest event not
+    /// yet handed out (taken out); else nothing changes.
+    pub fn take_failure(&self) -> Option<crate::error::Error> {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(queue.front(), Some(HoldEvent::Failed(_))) {
+            return None;
+        }
+        match queue.pop_front() {
+            Some(HoldEvent::Failed(e)) => Some(*e),
+            _ => None,
+        }
+    }
+
     /// The oldest event not yet handed out.
     pub fn next(&self) -> Option<HoldEvent> {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());

@@ -21,7 +21,7 @@ use crate::core::election::{
 use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::App;
-use crate::http::locks::hold::{Finishing, SSE_KEEPALIVE, hold_event, sse_json};
+use crate::http::locks::hold::{Finishing, SSE_KEEPALIVE, first_failure, hold_event, sse_json};
 use crate::http::locks::{Ask, DurationValue};
 use crate::http::params::NoParams;
 use crate::http::params::{Given, LockName, Params, duration};
@@ -139,8 +139,12 @@ pub async fn campaign(
     let reported = events.clone();
     let claim = Box::new(claim);
     let hold = async move { core.hold(claim, wait, &reported).await };
+    let mut hold = Finishing::new(hold, events.left().clone(), &app.finishers)?;
+    if let Some(e) = first_failure(&mut hold, &events).await {
+        return Err(e);
+    }
     let stream = CampaignStream {
-        hold: Finishing::new(hold, events.left().clone(), &app.finishers)?,
+        hold,
         events,
         app: app.clone(),
         name,

@@ -203,10 +203,13 @@ pub(super) async fn hold(
     let reported = events.clone();
     let claim = Box::new(claim);
     let hold = async move { core.hold(claim, wait, &reported).await };
-    let stream = HoldStream {
+    let mut stream = HoldStream {
         hold: Finishing::new(hold, events.left().clone(), &app.finishers)?,
         events,
     };
+    if let Some(e) = first_failure(&mut stream.hold, &stream.events).await {
+        return Err(e);
+    }
     let mut response = Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
         .into_response();
@@ -227,6 +230,30 @@ pub(super) async fn hold(
 pub(super) struct HoldStream {
     hold: Finishing<()>,
     events: Arc<HoldEvents>,
+}
+
+/// Runs `hold` until it reports its first event in `events` or ends, and
+/// takes out the error it ended with, if that is its first event: the
+/// first attempt answers before the response does, so an error the
+/// backend finds in the claim (a semaphore's limit missing or not the one
+/// in use, a kind it cannot hold) or an outage is answered with its own
+/// status, as an acquire's is, not as a 200 stream that opens with `error`.
+pub(in crate::http) async fn first_failure(
+    hold: &mut Finishing<()>,
+    events: &HoldEvents,
+) -> Option<Error> {
+    std::future::poll_fn(|cx| {
+        if !hold.is_done() {
+            let _ = std::pin::Pin::new(&mut *hold).poll(cx);
+        }
+        if hold.is_done() || !events.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    events.take_failure()
 }
 
 impl Stream for HoldStream {

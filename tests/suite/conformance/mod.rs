@@ -1894,6 +1894,13 @@ mod validation {
             Case::new("release without a token", Method::DELETE, &lock),
             Case::new("keepalive without a token", Method::POST, &keepalive),
             Case::new("hold with an unknown mode", Method::GET, &hold).query("mode", "banana"),
+            // Found by the backend's first attempt, which answers before
+            // the stream opens (it was a 200 stream opening with `error`).
+            Case::new(
+                "semaphore hold without a limit",
+                Method::GET,
+                &["v1", "semaphores", &unique_name("no-limit"), "hold"],
+            ),
             out_of_range(
                 Case::new("hold with ttl above --max-ttl", Method::GET, &hold).query("ttl", "1h"),
                 "ttl",
