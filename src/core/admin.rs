@@ -1,12 +1,28 @@
 //! What operators ask of the core: a key's global state, the listing of
 //! held and contended keys, stale keys, and force-release.
 
-use crate::backend::{self, State, Summary};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::backend::{StaleKey, State, Summary};
 use crate::error::Error;
 use crate::lock::{LockKey, LostReason};
 
 use super::Core;
 use super::lease::End;
+
+/// The stale-key scans of a sidecar, one at a time: callers that arrive
+/// while one runs wait for it, then share the next, which began after they
+/// asked, so it shows everything they saw before asking. A burst of
+/// requests costs the backend two scans, not one each (a scan reads the
+/// whole keyspace).
+#[derive(Default)]
+pub(super) struct StaleScans {
+    /// Scans begun so far.
+    begun: AtomicU64,
+    /// The last scan that succeeded, with its number; held while a scan
+    /// runs.
+    last: tokio::sync::Mutex<Option<(u64, Vec<StaleKey>)>>,
+}
 
 impl Core {
     /// The global state of a key.
@@ -35,9 +51,21 @@ impl Core {
     ///
     /// # Errors
     /// Backend outages.
-    pub async fn stale(&self) -> Result<Vec<backend::StaleKey>, Error> {
-        self.op("stale", self.backend.stale(self.limits.stale_after))
-            .await
+    pub async fn stale(&self) -> Result<Vec<StaleKey>, Error> {
+        let scans = &self.stale_scans;
+        let asked = scans.begun.load(Ordering::SeqCst);
+        let mut last = scans.last.lock().await;
+        if let Some((scan, keys)) = last.as_ref()
+            && *scan > asked
+        {
+            return Ok(keys.clone());
+        }
+        let scan = scans.begun.fetch_add(1, Ordering::SeqCst) + 1;
+        let keys = self
+            .op("stale", self.backend.stale(self.limits.stale_after))
+            .await?;
+        *last = Some((scan, keys.clone()));
+        Ok(keys)
     }
 
     /// Removes every holder of `key`; `who` describes the caller for the log.

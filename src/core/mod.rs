@@ -134,6 +134,8 @@ pub struct Core {
     pub health: health::Health,
     /// Election observers and the elections led through this sidecar.
     elections: election::Elections,
+    /// Stale-key scans, one at a time and shared.
+    stale_scans: admin::StaleScans,
 }
 
 impl Core {
@@ -166,6 +168,7 @@ impl Core {
             held_slots: AtomicUsize::new(0),
             reclaimed_at: Mutex::new(None),
             elections: election::Elections::default(),
+            stale_scans: admin::StaleScans::default(),
         })
     }
 

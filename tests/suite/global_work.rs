@@ -214,6 +214,12 @@ async fn a_release_costs_postgres_the_same_whatever_the_number_of_sidecars() {
 
 /// The pings a sidecar sent its backend, by its own count.
 async fn pings(sidecar: &SidecarGuard) -> u64 {
+    backend_ops(sidecar, "ping").await
+}
+
+/// The backend operations `op` a sidecar ran, by its own count.
+async fn backend_ops(sidecar: &SidecarGuard, op: &str) -> u64 {
+    let op = format!("op=\"{op}\"");
     let text = sidecar
         .api()
         .get(&["metrics"], &[])
@@ -223,7 +229,7 @@ async fn pings(sidecar: &SidecarGuard) -> u64 {
         .expect("metrics");
     text.lines()
         .filter(|l| l.starts_with("sidelock_backend_operations_total{"))
-        .filter(|l| l.contains("op=\"ping\""))
+        .filter(|l| l.contains(&op))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }
@@ -403,4 +409,25 @@ async fn a_monitor_whose_lease_the_backend_lost_is_elected_again() {
         },
     )
     .await;
+}
+
+// `GET /v1/stale` scans the whole keyspace (every key in use, a `SCAN` of
+// the legacy pattern): each request ran its own scan, so a burst of them
+// cost the shared backend one full scan each. Requests that arrive while a
+// scan runs now share the next.
+#[tokio::test]
+async fn a_burst_of_stale_key_requests_costs_the_backend_two_scans() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url()).start().await;
+    let before = backend_ops(&sidecar, "stale").await;
+    let api = sidecar.api();
+    // Redis holds the first scan while the others arrive.
+    let _: () = server.cmd(&["CLIENT", "PAUSE", "1000"]).await;
+    let answers = join_all((0..20).map(|_| api.stale())).await;
+    assert_eq!(answers.len(), 20);
+    let scans = backend_ops(&sidecar, "stale").await - before;
+    assert!(
+        (1..=2).contains(&scans),
+        "20 requests at once ran {scans} scans"
+    );
 }
