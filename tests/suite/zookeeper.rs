@@ -1903,3 +1903,88 @@ async fn a_force_release_through_a_sidecar_whose_clock_runs_behind_keeps_its_loc
         "granted {after:?} after the force-release, inside its {DELAY:?} lock-delay"
     );
 }
+
+// A permit is admitted by its place behind the first node's limit; a node
+// ahead with another limit (here one whose create went through and whose
+// answer never came back, so its sidecar never saw that it mismatched)
+// was passed over, and would have made its limit the active one once the
+// first node left, beside the permits admitted under the first's. A claim
+// behind such a node now waits for it to go.
+#[tokio::test]
+async fn a_permit_is_never_admitted_behind_a_node_of_another_limit() {
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/mixed").await;
+    let name = unique_name("mixed");
+    let direct = p.direct.api().semaphore(&name);
+    direct
+        .acquire(&[("owner", "first"), ("ttl", "60s"), ("limit", "3")])
+        .await;
+    p.proxy
+        .hold_answer_after(br#""limit":5"#, Duration::from_secs(5));
+    let stray = p.through_proxy.api().semaphore(&name).spawn_acquire_raw(&[
+        ("owner", "stray"),
+        ("ttl", "60s"),
+        ("limit", "5"),
+    ]);
+    common::eventually("the stray node", Duration::from_secs(10), async || {
+        (direct.inspect().await.holders.len() == 2).then_some(())
+    })
+    .await;
+    assert_eq!(p.proxy.silence(br#""limit":5"#), 1, "its connection");
+    let behind = direct
+        .acquire_raw(&[("owner", "behind"), ("ttl", "60s"), ("limit", "3")])
+        .await;
+    assert_eq!(
+        behind.status(),
+        StatusCode::CONFLICT,
+        "a permit behind a node of limit 5: {}",
+        behind.text().await.unwrap_or_default()
+    );
+    drop(stray);
+}
+
+// A claim sent without a limit takes the one in use when it lists the
+// semaphore. Its create was delayed while the semaphore went idle and a
+// claim took another limit: it answered 400 limit-mismatch (the README
+// lets a claim leave the limit out while the semaphore is in use); it now
+// takes the new one.
+#[tokio::test]
+async fn a_claim_without_a_limit_follows_a_limit_changed_before_its_node_was_made() {
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/adopted").await;
+    let name = unique_name("adopted");
+    let direct = p.direct.api().semaphore(&name);
+    let first = direct
+        .acquire(&[("owner", "first"), ("ttl", "60s"), ("limit", "2")])
+        .await;
+    let owner = unique_name("late");
+    p.proxy.delay_request(
+        format!(r#""owner":"{owner}""#).as_bytes(),
+        Duration::from_secs(2),
+    );
+    let late = p
+        .through_proxy
+        .api()
+        .semaphore(&name)
+        .spawn_acquire_raw(&[("owner", owner.as_str()), ("ttl", "60s")]);
+    common::eventually(
+        "the late create held back",
+        Duration::from_secs(10),
+        async || (!p.proxy.delaying()).then_some(()),
+    )
+    .await;
+    direct.release(&first.token).await;
+    direct
+        .acquire(&[("owner", "second"), ("ttl", "60s"), ("limit", "5")])
+        .await;
+    let late = late.await.expect("the late claim's task");
+    assert_eq!(
+        late.status(),
+        StatusCode::OK,
+        "{}",
+        late.text().await.unwrap_or_default()
+    );
+    let state = direct.inspect().await;
+    assert_eq!(state.limit, Some(5));
+    assert_eq!(state.holders.len(), 2);
+}

@@ -714,6 +714,42 @@ impl ZooKeeper {
                     .unwrap_or(1);
                 if let Some(asked) = asked
                     && asked != limit
+                    && claim.limit.is_none()
+                {
+                    // Sent without a limit, it took the one in use when
+                    // it was made; the semaphore has another since (it
+                    // went idle, and a claim brought a new one): it takes
+                    // that one, as it would have had it come now.
+                    let mut data = own.data.clone();
+                    data.limit = Some(limit);
+                    let bytes = serde_json::to_vec(&data).unwrap_or_default();
+                    if let Some(node) = unclaimed.as_mut() {
+                        node.writing = true;
+                    }
+                    let written = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
+                    let stat = match written.await? {
+                        Ok(stat) => stat,
+                        // Answered: the write did not run.
+                        Err(e) => {
+                            if let Some(node) = unclaimed.as_mut() {
+                                node.writing = false;
+                            }
+                            return Err(unavailable(op, e));
+                        }
+                    };
+                    if let Some(node) = unclaimed.as_mut() {
+                        (node.version, node.writing) = (stat.version, false);
+                    }
+                    own = Own { data, stat, ..own };
+                    if let Turn::Queued(t) = turn
+                        && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
+                    {
+                        queued.own = own.clone();
+                    }
+                    continue;
+                }
+                if let Some(asked) = asked
+                    && asked != limit
                 {
                     if unclaimed.is_some()
                         && let Ok(()) | Err(zk::Error::NoNode) =
@@ -760,10 +796,14 @@ impl ZooKeeper {
             // A waiting exclusive node first in line may be a lease its
             // sidecar granted by its listing and has not written yet: the
             // same.
+            // (A lease over for its holder — told it ended, though the
+            // servers' clock may not be there yet — is never re-entered:
+            // its owner was told it is lost.)
             let same_owner = ahead.iter().find(|n| {
                 n.data.as_ref().is_some_and(|d| {
                     d.owner == claim.owner
                         && (d.held || me.grants_by_listing(key.kind, n.child.mode))
+                        && !(d.held && me.clock.earliest(d.expires_at_ms) <= now_ms())
                 }) && n.child.mode == claim.mode
             });
             // (This sidecar reads its own lease granted by its listing as

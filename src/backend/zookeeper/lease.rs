@@ -59,9 +59,14 @@ impl Inner {
     /// until that is sure (its owner may hold it re-entered through another
     /// sidecar, whose bounds on the servers' clock are narrower): a check
     /// then deletes it, as it does an expired lease.
+    /// Only for a lease granted through this sidecar, whose holder it
+    /// told that end; one check per lease is scheduled at a time.
     fn over_for_holder(self: &Arc<Self>, key: &LockKey, token: &Token, end: u64) -> bool {
-        if self.clock.earliest(end) > now_ms() {
+        if self.clock.earliest(end) > now_ms() || !lock(&self.leases).contains_key(token) {
             return false;
+        }
+        if !lock(&self.lapsing).insert(token.clone()) {
+            return true;
         }
         let (me, key, token) = (self.clone(), key.clone(), token.clone());
         let at = crate::clock::instant_at(self.clock.surely(end).saturating_add(1));
@@ -69,6 +74,7 @@ impl Inner {
             tokio::select! {
                 () = me.closing.cancelled() => {}
                 () = tokio::time::sleep_until(at) => {
+                    lock(&me.lapsing).remove(&token);
                     let _ = Box::pin(me.status(&key, &token)).await;
                 }
             }

@@ -27,7 +27,9 @@
 //!
 //! * an exclusive claim is admitted when its node is the first child;
 //! * a shared claim when no exclusive node comes before it;
-//! * a semaphore claim when fewer than `limit` nodes come before it.
+//! * a semaphore claim when fewer than `limit` nodes come before it, all
+//!   of its own limit (a node ahead with another keeps it waiting, and its
+//!   follower watches that node).
 //!
 //! # Watches
 //!
@@ -258,6 +260,9 @@ struct Inner {
     /// Tokens reported lost, with when: they hold nothing even while their
     /// node may still exist (abandoned session not yet closed or expired).
     revoked: Mutex<HashMap<Token, Instant>>,
+    /// Leases over for their holders whose nodes a check deletes once the
+    /// servers' clock is surely past their end (one check each).
+    lapsing: Mutex<std::collections::HashSet<Token>>,
     /// Where lost leases are announced ([`Backend::losses`]).
     losses: broadcast::Sender<Token>,
     /// Lock names whose exclusive claims are `__WRIT__` nodes (`?rw_locks=`).
@@ -379,6 +384,7 @@ impl ZooKeeper {
                 clock: server_time::ServerClock::default(),
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
+                lapsing: Mutex::new(std::collections::HashSet::new()),
                 losses: broadcast::channel(4096).0,
                 rw_locks,
                 closing: tokio_util::sync::CancellationToken::new(),
