@@ -19,9 +19,25 @@ use super::lease::End;
 pub(super) struct StaleScans {
     /// Scans begun so far.
     begun: AtomicU64,
-    /// The last scan that succeeded, with its number; held while a scan
-    /// runs.
-    last: tokio::sync::Mutex<Option<(u64, Vec<StaleKey>)>>,
+    /// The last scan with its number and outcome; held while a scan runs.
+    last: tokio::sync::Mutex<Option<(u64, Scanned)>>,
+}
+
+/// What a stale-key scan found.
+type Scanned = Result<Vec<StaleKey>, Error>;
+
+/// The same outcome again, for a caller that shares a scan: an outage is
+/// shared as it was met; any other error is not (the caller scans).
+fn again(outcome: &Scanned) -> Option<Scanned> {
+    match outcome {
+        Ok(keys) => Some(Ok(keys.clone())),
+        Err(Error::Unavailable { backend, cause, op }) => Some(Err(Error::Unavailable {
+            backend: backend.clone(),
+            cause: *cause,
+            op,
+        })),
+        Err(_) => None,
+    }
 }
 
 impl Core {
@@ -55,17 +71,24 @@ impl Core {
         let scans = &self.stale_scans;
         let asked = scans.begun.load(Ordering::SeqCst);
         let mut last = scans.last.lock().await;
-        if let Some((scan, keys)) = last.as_ref()
+        if let Some((scan, outcome)) = last.as_ref()
             && *scan > asked
+            && let Some(outcome) = again(outcome)
         {
-            return Ok(keys.clone());
+            return outcome;
         }
         let scan = scans.begun.fetch_add(1, Ordering::SeqCst) + 1;
-        let keys = self
-            .op("stale", self.backend.stale(self.limits.stale_after))
-            .await?;
-        *last = Some((scan, keys.clone()));
-        Ok(keys)
+        let outcome = self.scan_stale().await;
+        let shared = again(&outcome);
+        *last = shared.map(|shared| (scan, shared));
+        outcome
+    }
+
+    /// One stale-key scan of the backend, not shared: the monitor's, which
+    /// must not wait behind requests' scans (its beat renews its lease).
+    pub(super) async fn scan_stale(&self) -> Result<Vec<StaleKey>, Error> {
+        self.op("stale", self.backend.stale(self.limits.stale_after))
+            .await
     }
 
     /// Removes every holder of `key`; `who` describes the caller for the log.

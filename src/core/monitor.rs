@@ -146,7 +146,7 @@ impl Core {
                     break;
                 }
                 _ = scan.tick() => {
-                    if let Ok(stale) = self.stale().await {
+                    if let Ok(stale) = self.scan_stale().await {
                         self.metrics.stale.set(stale.len() as f64);
                     }
                 }
