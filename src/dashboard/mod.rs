@@ -230,9 +230,16 @@ fn sign_in_page(app: &App, error: Option<&str>) -> Response {
 }
 
 fn page_query(uri: &Uri) -> PageQuery {
-    uri.query()
-        .and_then(|q| serde_urlencoded::from_str(q).ok())
-        .unwrap_or_default()
+    uri.query().map(page_query_of).unwrap_or_default()
+}
+
+/// The page's query read from `query`; one that cannot be read is marked
+/// so (the page says why) rather than taken for none.
+fn page_query_of(query: &str) -> PageQuery {
+    serde_urlencoded::from_str(query).unwrap_or_else(|_| PageQuery {
+        unreadable: true,
+        ..PageQuery::default()
+    })
 }
 
 /// `GET /`: the dashboard.

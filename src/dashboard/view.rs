@@ -32,11 +32,16 @@ const TTL_WARN_MS: u64 = 5_000;
 /// The query string of the page and its live fragment (all optional, all
 /// checked here so that a bad value shows a message instead of an error page).
 #[derive(Debug, Default, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PageQuery {
     pub prefix: Option<String>,
     pub cursor: Option<String>,
     pub limit: Option<String>,
     pub page: Option<String>,
+    /// Set when the query string could not be read (a parameter unknown
+    /// or given twice): the page then shows why, unfiltered.
+    #[serde(skip)]
+    pub unreadable: bool,
 }
 
 /// The backend's health at render time.
@@ -80,8 +85,16 @@ impl Filter {
                 _ => f.error = Some(format!("page size must be 1 to {MAX_LIMIT}")),
             }
         }
-        if let Some(page) = q.page.as_deref().and_then(|p| p.parse::<u32>().ok()) {
-            f.page = page.max(1);
+        if let Some(page) = q.page.as_deref().filter(|p| !p.is_empty()) {
+            match page.parse::<u32>() {
+                Ok(page) => f.page = page.max(1),
+                Err(_) => f.error = Some("page must be a whole number from 1".into()),
+            }
+        }
+        if q.unreadable {
+            f.error = Some(
+                "the query string takes prefix, limit, cursor and page, each at most once".into(),
+            );
         }
         if f.cursor.is_none() {
             f.page = 1;
@@ -701,6 +714,7 @@ mod tests {
             limit: Some("100".into()),
             cursor: Some("locks/billing:x".into()),
             page: Some("3".into()),
+            unreadable: false,
         });
         assert_eq!(f.error, None);
         assert_eq!((f.limit, f.page), (100, 3));
@@ -710,5 +724,9 @@ mod tests {
         );
         assert_eq!(f.href(None, 1), "/?prefix=billing%3A&limit=100");
         assert_eq!(Filter::parse(&PageQuery::default()).href(None, 1), "/");
+        for unread in ["prefix=a&prefix=b", "bogus=1", "page=abc"] {
+            let f = Filter::parse(&super::super::page_query_of(unread));
+            assert!(f.error.is_some(), "{unread}");
+        }
     }
 }

@@ -328,6 +328,13 @@ async fn page_is_a_complete_snapshot_without_javascript() {
     let (status, _, bad) = get_text(&format!("{base}/?prefix=no%20spaces"), &[]).await;
     assert_eq!(status, StatusCode::OK);
     assert!(bad.contains("Filter not applied"), "{bad}");
+    // A query string it cannot read says so too (it was the unfiltered
+    // page, without a word).
+    for unread in ["prefix=a&prefix=b", "bogus=1", "page=abc"] {
+        let (status, _, page) = get_text(&format!("{base}/?{unread}"), &[]).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(page.contains("Filter not applied"), "{unread}: {page}");
+    }
 }
 
 #[tokio::test]
