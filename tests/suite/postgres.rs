@@ -2692,3 +2692,42 @@ async fn expect_on_time(
         "{what} reported {reported_left} ms left, the database gives the lease {db_left} ms"
     );
 }
+
+// Owners and values are any Unicode text. On a database of another
+// encoding, one it cannot store (SQLSTATE 22P05) would be taken for an
+// outage: 503, the backend marked down, an ERROR logged per request. On
+// LATIN1 even the schema's own text cannot be stored. A sidecar refuses such
+// a database when it starts, naming the encoding it needs.
+#[tokio::test]
+async fn a_database_that_is_not_utf8_is_refused_at_start_naming_the_encoding() {
+    let cluster = PgCluster::start();
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute(
+            "CREATE DATABASE win ENCODING 'WIN1252' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+        )
+        .await
+        .expect("create a WIN1252 database");
+    drop(admin);
+    let mut cmd = tokio::process::Command::new(common::sidecar::SIDELOCK_BIN);
+    let out = cmd
+        .env_remove("SIDELOCK_BACKEND")
+        .env("NO_COLOR", "1")
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend"])
+        .arg(cluster.url("win"))
+        .kill_on_drop(true)
+        .output();
+    let out = common::within("the sidecar to exit", Duration::from_secs(30), out)
+        .await
+        .expect("run sidelock serve");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("WIN1252") && text.contains("ENCODING 'UTF8'"),
+        "{text}"
+    );
+}

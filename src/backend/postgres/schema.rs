@@ -8,7 +8,7 @@ use deadpool_postgres::Object;
 
 use crate::backend::{Error, StaleKey};
 
-use super::errors::Failure;
+use super::errors::{Class, Failure};
 use super::listener::measure_offset;
 use super::sql::{quote_ident, quote_literal};
 use super::{Inner, MIGRATIONS, STALE_LIMIT};
@@ -89,6 +89,20 @@ impl Inner {
     /// this sidecar. Safe when several sidecars do it at once.
     pub(super) async fn setup(&self) -> Result<(), Failure> {
         let mut client = self.connection(&self.pool).await?;
+        // Owners and values are any Unicode text: a database of another
+        // encoding cannot store some of them (each such request would fail
+        // as if the database were down), nor the schema's own text.
+        let encoding: String = client.query_one("SHOW server_encoding", &[]).await?.get(0);
+        if encoding != "UTF8" {
+            return Err(Failure {
+                class: Class::Fatal,
+                source: format!(
+                    "the database's encoding is {encoding}; sidelock stores owners and values \
+                     as Unicode text: use a database created with ENCODING 'UTF8'"
+                )
+                .into(),
+            });
+        }
         self.migrate(&mut client).await?;
         let offset = measure_offset(&client).await?;
         self.offset_ms.store(offset, Ordering::Relaxed);
