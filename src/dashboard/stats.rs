@@ -21,8 +21,7 @@ use utoipa::ToSchema;
 use crate::clock::{instant_at, now_ms};
 use crate::core::Core;
 use crate::http::App;
-use crate::http::params::NoParams;
-use crate::http::params::Params;
+use crate::http::params::{NoParams, Params};
 use crate::http::problem::Problem;
 use crate::metrics::Metrics;
 

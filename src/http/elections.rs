@@ -23,8 +23,7 @@ use crate::error::Error;
 use crate::http::App;
 use crate::http::locks::hold::{Finishing, SSE_KEEPALIVE, first_failure, hold_event, sse_json};
 use crate::http::locks::{Ask, DurationValue};
-use crate::http::params::NoParams;
-use crate::http::params::{Given, LockName, Params, duration};
+use crate::http::params::{Given, LockName, NoParams, Params, duration};
 use crate::http::problem::Problem;
 use crate::lock::{Name, check_plain_text};
 

@@ -422,7 +422,7 @@ async fn a_burst_of_stale_key_requests_shares_scans() {
     let before = backend_ops(&sidecar, "stale").await;
     let api = sidecar.api();
     // Redis holds the first scan while the others arrive.
-    let _: () = server.cmd(&["CLIENT", "PAUSE", "1500"]).await;
+    server.pause_clients(1500).await;
     let answers = join_all((0..20).map(|_| api.stale())).await;
     assert_eq!(answers.len(), 20);
     let scans = backend_ops(&sidecar, "stale").await - before;

@@ -3502,13 +3502,7 @@ async fn a_retry_under_way_waits_for_the_first_release() {
     let lock = sidecar.api().lock(&unique_name("overlap"));
     let grant = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
     assert_eq!(lock.acquire(&[("owner", "o")]).await.count, 2);
-    let mut c = server.connection().await.expect("connect to Redis");
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1000)
-        .query_async(&mut c)
-        .await
-        .expect("CLIENT PAUSE");
+    server.pause_clients(1000).await;
     let first = {
         let (lock, token) = (lock.clone(), grant.token.clone());
         tokio::spawn(async move { lock.release_with_key(&token, "k").await })
@@ -3559,13 +3553,7 @@ async fn releases_left_by_their_clients_count_against_the_connection_cap() {
             .await
             .expect("connect to the sidecar")
     };
-    let mut c = server.connection().await.expect("connect to Redis");
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1500)
-        .query_async(&mut c)
-        .await
-        .expect("CLIENT PAUSE");
+    server.pause_clients(1500).await;
     let paused = Instant::now();
     // Four releases, each under its own key (a retry waiting for its
     // turn would give up when its client left): all four go to Redis.
@@ -3692,13 +3680,7 @@ async fn a_keyed_release_that_leaves_while_waiting_its_turn_gives_up() {
     for count in 2..=3 {
         assert_eq!(lock.acquire(&[("owner", "o")]).await.count, count);
     }
-    let mut c = server.connection().await.expect("connect to Redis");
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1500)
-        .query_async(&mut c)
-        .await
-        .expect("CLIENT PAUSE");
+    server.pause_clients(1500).await;
     // The first, under way at Redis.
     let first = {
         let (lock, token) = (lock.clone(), grant.token.clone());

@@ -867,17 +867,6 @@ async fn a_waiter_does_not_wait_for_a_stopped_node_to_subscribe() {
     lock.release(&holder.token).await;
 }
 
-/// Pauses every client of `node` for `ms` milliseconds.
-async fn pause(node: &common::redis::RedisServer, ms: u64) {
-    let mut c = node.connection().await.expect("connect to a node");
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(ms)
-        .query_async(&mut c)
-        .await
-        .expect("CLIENT PAUSE");
-}
-
 // A leader's `since_ms` is the earliest among the nodes that answered: a
 // slow node moves it without any change of leader. Observers compared
 // leaders without it, but a campaign's `follower` events compared whole
@@ -891,8 +880,8 @@ async fn a_waiting_campaign_hears_of_its_leader_once_while_a_node_is_slow() {
     let segments = ["v1", "elections", name.as_str(), "campaign"];
     // The leader's grant lands on each node at another moment: its
     // `since` differs from node to node.
-    pause(&nodes.nodes[0], 150).await;
-    pause(&nodes.nodes[1], 350).await;
+    nodes.nodes[0].pause_clients(150).await;
+    nodes.nodes[1].pause_clients(350).await;
     let mut leader = api
         .open_stream(&segments, &[("owner", "leader"), ("ttl", "30s")])
         .await;
@@ -916,7 +905,7 @@ async fn a_waiting_campaign_hears_of_its_leader_once_while_a_node_is_slow() {
     );
     // The node where the grant came first hangs; another campaign joins,
     // and the election is read again without it.
-    pause(&nodes.nodes[2], 4_000).await;
+    nodes.nodes[2].pause_clients(4_000).await;
     let joining = {
         let api = api.clone();
         let segments = segments.map(str::to_owned);

@@ -188,6 +188,13 @@ impl RedisServer {
             .unwrap_or_else(|e| panic!("redis {args:?}: {e}"))
     }
 
+    /// Pauses every client of the server for `ms` milliseconds
+    /// (`CLIENT PAUSE`): commands sent meanwhile wait, and are then served
+    /// in no promised order.
+    pub async fn pause_clients(&self, ms: u64) {
+        let _: () = self.cmd(&["CLIENT", "PAUSE", &ms.to_string()]).await;
+    }
+
     /// Queues, by hand, another sidecar process's exclusive claim at the tail
     /// of `name`'s queue (default prefix), its process alive: its heartbeat
     /// runs for another minute of this server's clock.

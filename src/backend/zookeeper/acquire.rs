@@ -331,6 +331,45 @@ impl Inner {
         Ok(grant)
     }
 
+    /// Writes `data` over our node `own` at `path`, at the version this
+    /// sidecar last wrote, and keeps `unclaimed` and the ticket of `queued`
+    /// (key and sequence) in step with it.
+    async fn rewrite_own(
+        &self,
+        (zk, op): (&zk::Client, &'static str),
+        path: &str,
+        own: Own,
+        data: NodeData,
+        unclaimed: &mut Option<Unclaimed>,
+        queued: (&LockKey, u64),
+    ) -> Result<Own, Error> {
+        let bytes = serde_json::to_vec(&data).unwrap_or_default();
+        if let Some(node) = unclaimed.as_mut() {
+            node.writing = true;
+        }
+        let own = match call(op, zk.set_data(path, &bytes, Some(own.stat.version))).await? {
+            Ok(stat) => Own { data, stat, ..own },
+            Err(e) => {
+                // Answered: the write did not run (a node written since, by
+                // a sidecar that ignores `tentative`, is not this one's to
+                // delete at a later version).
+                if let (Some(node), zk::Error::BadVersion | zk::Error::NoNode) =
+                    (unclaimed.as_mut(), &e)
+                {
+                    node.writing = false;
+                }
+                return Err(unavailable(op, e));
+            }
+        };
+        if let Some(node) = unclaimed.as_mut() {
+            (node.version, node.writing) = (own.stat.version, false);
+        }
+        if let Some(ticket) = lock(&self.tickets).get_mut(&(queued.0.clone(), queued.1)) {
+            ticket.own = own.clone();
+        }
+        Ok(own)
+    }
+
     /// Re-enters `lease` (held by `claim`'s owner) for `claim` and deletes
     /// our own node `own_path` in the same request, which also makes the
     /// lease's lock-delay mark when `listing` shows none (a lease whose
@@ -722,30 +761,9 @@ impl ZooKeeper {
                     // that one, as it would have had it come now.
                     let mut data = own.data.clone();
                     data.limit = Some(limit);
-                    let bytes = serde_json::to_vec(&data).unwrap_or_default();
-                    if let Some(node) = unclaimed.as_mut() {
-                        node.writing = true;
-                    }
-                    let written = call(op, zk.set_data(&path, &bytes, Some(own.stat.version)));
-                    let stat = match written.await? {
-                        Ok(stat) => stat,
-                        // Answered: the write did not run.
-                        Err(e) => {
-                            if let Some(node) = unclaimed.as_mut() {
-                                node.writing = false;
-                            }
-                            return Err(unavailable(op, e));
-                        }
-                    };
-                    if let Some(node) = unclaimed.as_mut() {
-                        (node.version, node.writing) = (stat.version, false);
-                    }
-                    own = Own { data, stat, ..own };
-                    if let Turn::Queued(t) = turn
-                        && let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), t.seq))
-                    {
-                        queued.own = own.clone();
-                    }
+                    own = me
+                        .rewrite_own((&zk, op), &path, own, data, &mut unclaimed, (key, seq))
+                        .await?;
                     continue;
                 }
                 if let Some(asked) = asked
@@ -973,30 +991,9 @@ impl ZooKeeper {
             // listing) waits again.
             if own.data.held && !matches!(turn, Turn::Once) {
                 let data = waiting(own.data.clone(), max_hold);
-                let bytes = serde_json::to_vec(&data).unwrap_or_default();
-                if let Some(node) = unclaimed.as_mut() {
-                    node.writing = true;
-                }
-                match call(op, zk.set_data(&path, &bytes, Some(own.stat.version))).await? {
-                    Ok(stat) => own = Own { data, stat, ..own },
-                    Err(e) => {
-                        // Answered: the write did not run (a node written
-                        // since, by a sidecar that ignores `tentative`, is
-                        // not this one's to delete at a later version).
-                        if let (Some(node), zk::Error::BadVersion | zk::Error::NoNode) =
-                            (unclaimed.as_mut(), &e)
-                        {
-                            node.writing = false;
-                        }
-                        return Err(unavailable(op, e));
-                    }
-                }
-                if let Some(node) = unclaimed.as_mut() {
-                    (node.version, node.writing) = (own.stat.version, false);
-                }
-                if let Some(queued) = lock(&me.tickets).get_mut(&(key.clone(), seq)) {
-                    queued.own = own.clone();
-                }
+                own = me
+                    .rewrite_own((&zk, op), &path, own, data, &mut unclaimed, (key, seq))
+                    .await?;
             }
             match turn {
                 Turn::Once => {

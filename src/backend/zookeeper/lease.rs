@@ -59,8 +59,9 @@ impl Inner {
     /// until that is sure (its owner may hold it re-entered through another
     /// sidecar, whose bounds on the servers' clock are narrower): a check
     /// then deletes it, as it does an expired lease.
-    /// Only for a lease granted through this sidecar, whose holder it
-    /// told that end; one check per lease is scheduled at a time.
+    ///
+    /// Only for a lease granted through this sidecar, whose holder it told
+    /// that end; one check per lease is scheduled at a time.
     fn over_for_holder(self: &Arc<Self>, key: &LockKey, token: &Token, end: u64) -> bool {
         if self.clock.earliest(end) > now_ms() || !lock(&self.leases).contains_key(token) {
             return false;
@@ -308,7 +309,10 @@ impl Inner {
             let lease = &record.lease;
             // This write moves the node's mzxid: the fence is stored in it.
             let mut next = lease.next();
-            let mut until = (self.clock.now_late()).saturating_add(ttl.map_or(next.ttl_ms, ms));
+            let mut until = self
+                .clock
+                .now_late()
+                .saturating_add(ttl.map_or(next.ttl_ms, ms));
             if let Some(cap) = next.cap_ms {
                 until = until.min(cap);
             }

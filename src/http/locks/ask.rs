@@ -338,9 +338,7 @@ pub(super) fn check_owner(owner: String) -> Result<String, Error> {
     // and answer its token.
     if owner.strip_prefix(ANONYMOUS).is_some_and(|rest| {
         rest.len() == ANONYMOUS_DIGITS
-            && rest
-                .bytes()
-                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            && rest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
     }) {
         return Err(Error::InvalidParameter(format!(
             "owner {owner:?} has the form of the owners made up for claims sent without one ({ANONYMOUS} and {ANONYMOUS_DIGITS} hex digits), which never re-enter; choose another owner"
