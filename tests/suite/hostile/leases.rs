@@ -1536,3 +1536,34 @@ async fn a_made_up_owner_given_back_is_refused_and_never_reenters(#[case] backen
     assert_eq!(state.holders[0].count, 1, "the lease was not re-entered");
     assert!(lock.release(&grant.token).await.released);
 }
+
+// The same through a hold, in shared mode, and on a semaphore: a made-up
+// owner is refused wherever an owner is taken.
+#[tokio::test]
+async fn a_made_up_owner_is_refused_by_holds_shared_locks_and_semaphores() {
+    let backend = TestBackend::Memory.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let made_up = "anonymous-0123456789ab";
+    let lock = api.lock(&unique_name("made-up-kinds"));
+    let semaphore = api.semaphore(&unique_name("made-up-kinds"));
+    for refused in [
+        lock.hold_raw(&[("owner", made_up)]).await,
+        lock.acquire_raw(&[("owner", made_up), ("mode", "shared")])
+            .await,
+        semaphore
+            .acquire_raw(&[("owner", made_up), ("limit", "3")])
+            .await,
+    ] {
+        assert_problem(refused, StatusCode::BAD_REQUEST, "invalid-parameter").await;
+    }
+    // Names that only look alike are owners like any other.
+    for owner in [
+        "anonymous-0123456789AB",
+        "anonymous-0123456789abc",
+        "anonymous-me",
+    ] {
+        let grant = lock.acquire(&[("owner", owner)]).await;
+        assert!(lock.release(&grant.token).await.released, "{owner}");
+    }
+}
