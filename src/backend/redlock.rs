@@ -343,6 +343,11 @@ impl Backend for Redlock {
         // A refusal ends the attempt, but only once every answer is in: a
         // node later in the list may have granted, or queued the claim.
         let mut refused = None;
+        // Nodes that found the semaphore idle and the claim without a
+        // limit: they did nothing, and refuse the claim only when no node
+        // granted or queued it (a node it never queued on sees the
+        // semaphore idle once its holder left, while the others queue it).
+        let mut unlimited = 0;
         let mut failed = Vec::new();
         for (i, a) in answers.into_iter().enumerate() {
             match a {
@@ -357,11 +362,8 @@ impl Backend for Redlock {
                 Err(Error::Unsupported(_)) => {
                     refused.get_or_insert(unsupported_semaphore(self.members.len(), None));
                 }
-                Err(
-                    e @ (Error::LimitMismatch { .. }
-                    | Error::LimitRequired
-                    | Error::KeyConflict { .. }),
-                ) => {
+                Err(Error::LimitRequired) => unlimited += 1,
+                Err(e @ (Error::LimitMismatch { .. } | Error::KeyConflict { .. })) => {
                     refused.get_or_insert(e);
                 }
                 Err(e) => failed.push(e),
@@ -375,6 +377,13 @@ impl Backend for Redlock {
         for (i, b) in &busy {
             if let Some(nt) = &b.ticket {
                 seqs[*i] = Some(nt.seq);
+            }
+        }
+        if unlimited > 0 {
+            if grants.is_empty() && busy.is_empty() {
+                refused.get_or_insert(Error::LimitRequired);
+            } else {
+                failed.extend((0..unlimited).map(|_| Error::LimitRequired));
             }
         }
         if let Some(refused) = refused {

@@ -955,3 +955,28 @@ async fn a_lease_keeps_its_fence_when_the_node_that_counted_it_is_gone() {
     assert_eq!(again.fence, 101, "the re-entered lease's fence");
     assert_eq!(b.api().lock(&name).inspect().await.holders[0].fence, 101);
 }
+
+// A semaphore waiter sent without a limit, which one node did not queue
+// (it was slow): once the holder left, that node found the semaphore idle
+// and answered "limit required", and that one answer refused the claim
+// with 400 although the other two queued and granted it.
+#[tokio::test]
+async fn a_waiter_without_a_limit_is_granted_when_one_node_never_queued_it() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let semaphore = sidecar.api().semaphore(&unique_name("unlimited"));
+    let first = semaphore
+        .acquire(&[("owner", "first"), ("limit", "1"), ("ttl", "60s")])
+        .await;
+    nodes.nodes[2].pause_clients(1_000).await;
+    let waiter = semaphore.spawn_acquire_raw(&[("owner", "waiter"), ("wait", "30s")]);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    semaphore.release(&first.token).await;
+    let answer = waiter.await.expect("the waiter's task");
+    assert_eq!(
+        answer.status(),
+        StatusCode::OK,
+        "{}",
+        answer.text().await.unwrap_or_default()
+    );
+}
