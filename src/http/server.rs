@@ -29,7 +29,9 @@
 //! Cap: at `max_connections` open connections, a new one makes room by
 //! closing the oldest connection without a request in flight (idle, or still
 //! sending its head); when every connection has a request in flight, the
-//! new one is answered 429 at once and closed.
+//! new one is answered 429 at once and closed. At most
+//! [`REFUSALS_AT_ONCE`] refusals are in flight; a connection beyond them is
+//! closed without an answer, so a flood cannot fill the file table.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -46,6 +48,7 @@ use futures::FutureExt as _;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
@@ -67,8 +70,13 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// which may take in 16 KiB more: heads up to 48 KiB are read.
 pub const MAX_HEAD: usize = 32 * 1024;
 
-/// Open files kept free of connections (backend connections, config, logs).
+/// Open files kept free of connections (backend connections, config, logs,
+/// refusals in flight).
 const FILES_IN_RESERVE: u64 = 64;
+
+/// Connections being answered 429 at once at most, each for up to
+/// [`REFUSE_WITHIN`]; they come out of [`FILES_IN_RESERVE`].
+const REFUSALS_AT_ONCE: usize = 16;
 
 impl ConnectionLimits {
     /// The cap on open connections within `files` open files (the process's
@@ -102,12 +110,14 @@ pub async fn serve(
     let limits = Arc::new(limits);
     let open = Arc::new(Registry::default());
     let next_id = Arc::new(AtomicU64::new(0));
+    let refusals = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     futures::future::join_all(listeners.into_iter().map(|listener| {
         accept(
             listener,
             router.clone(),
             limits.clone(),
             cap,
+            refusals.clone(),
             stop.clone(),
             connections.clone(),
             open.clone(),
@@ -126,6 +136,7 @@ async fn accept(
     router: Router,
     limits: Arc<ConnectionLimits>,
     cap: usize,
+    refusals: Arc<Semaphore>,
     stop: CancellationToken,
     connections: TaskTracker,
     open: Arc<Registry>,
@@ -144,7 +155,11 @@ async fn accept(
             },
         };
         if open.len() >= cap && !open.shed_oldest_idle() {
-            refuse(stream, cap);
+            // Beyond the refusals in flight the connection is dropped: closed
+            // at once, without an answer.
+            if let Ok(refusal) = refusals.clone().try_acquire_owned() {
+                refuse(stream, cap, refusal);
+            }
             continue;
         }
         let id = next_id.fetch_add(1, Ordering::Relaxed) + 1;
@@ -171,7 +186,8 @@ const REFUSE_WITHIN: Duration = Duration::from_secs(1);
 /// Answers a connection over the cap with a 429 problem and closes it,
 /// giving the peer at most [`REFUSE_WITHIN`]. The request is read and
 /// discarded first, so the close is not a reset that would lose the answer.
-fn refuse(mut stream: Conn, cap: usize) {
+/// `refusal` is held until the connection is closed.
+fn refuse(mut stream: Conn, cap: usize, refusal: OwnedSemaphorePermit) {
     let problem = Error::TooManyConnections { limit: cap }.problem();
     let body = serde_json::to_vec(&problem).unwrap_or_default();
     let head = format!(
@@ -195,6 +211,7 @@ fn refuse(mut stream: Conn, cap: usize) {
             Ok::<_, io::Error>(())
         })
         .await;
+        drop((stream, refusal));
     });
 }
 

@@ -456,6 +456,61 @@ async fn a_sidecar_full_of_waiters_refuses_new_connections_with_429() {
     drop((holder, waiters));
 }
 
+/// The sidecar's open file descriptors.
+fn open_files_of(sidecar: &SidecarGuard) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", sidecar.pid()))
+        .expect("read the sidecar's /proc fd table")
+        .count()
+}
+
+/// The refusals at the cap are bounded too: 300 connections that arrive
+/// while every open connection has a request in flight, and that neither
+/// send nor read nor close, keep at most a few descriptors of the sidecar
+/// (the old sidecar kept each for up to a second, with no bound on their
+/// number, so a flood could exhaust its file table). Each is answered 429
+/// or closed at once.
+#[tokio::test]
+async fn connections_refused_at_the_cap_hold_a_bounded_number_of_files() {
+    const FLOOD: usize = 300;
+    let sidecar = SidecarBuilder::new("memory://")
+        .env("SIDELOCK_MAX_CONNECTIONS", "4")
+        .start()
+        .await;
+    let port = sidecar.port();
+    let api = sidecar.api();
+    let name = unique_name("refusals");
+    let holder = api.lock(&name).acquire(&[("ttl", "1m")]).await;
+    let mut waiters = Vec::new();
+    for _ in 0..4 {
+        let mut hold = api.lock(&name).hold(&[("wait", "30s")]).await;
+        hold.expect_queued().await;
+        waiters.push(hold);
+    }
+    let before = open_files_of(&sidecar);
+    let mut flood = Vec::with_capacity(FLOOD);
+    for _ in 0..FLOOD {
+        flood.push(connect(port).await);
+    }
+    // Let the sidecar accept every one of them.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let during = open_files_of(&sidecar);
+    assert!(
+        during <= before + 20,
+        "{FLOOD} refused connections kept {} descriptors of the sidecar open ({before} before)",
+        during.saturating_sub(before)
+    );
+    for stream in &mut flood {
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(RAW_TIMEOUT, stream.read_to_end(&mut answer)).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            read.is_ok() && (answer.is_empty() || answer.starts_with("HTTP/1.1 429")),
+            "a refused connection is answered 429 or closed, got {read:?}: {answer}"
+        );
+    }
+    drop((holder, waiters));
+}
+
 /// A raw request's body: its content type (`None`: no header) and text.
 type RawBody<'a> = Option<(Option<&'a str>, &'a str)>;
 
