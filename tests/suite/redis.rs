@@ -3757,3 +3757,67 @@ async fn a_redis_that_may_evict_keys_is_named_in_a_warning() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!quiet.log().contains(EVICTS), "{}", quiet.log());
 }
+
+/// Fences stay exact at the top of the counter: Lua numbers hold integers
+/// exactly only up to 2^53 - 1, and a fence counter set near it by hand
+/// (the old scripts handed out 9007199254740996 twice) grants up to that
+/// fence and then refuses with 409 `key-conflict` naming the counter, on
+/// the free lock's short path and on a handoff to a queued claim alike,
+/// leaving the counter where it was (inspecting the lock is refused the
+/// same way from then on).
+#[tokio::test]
+async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
+    const LAST_EXACT: u64 = 9_007_199_254_740_991;
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("top-fence");
+    let fence_key = format!("{{sidelock:{name}}}:fence");
+    let lock = sidecar.api().lock(&name);
+    let _: () = server
+        .cmd(&["SET", &fence_key, &(LAST_EXACT - 3).to_string()])
+        .await;
+    let grant = lock.acquire(&[]).await;
+    assert_eq!(grant.fence, LAST_EXACT - 2);
+    assert!(lock.release(&grant.token).await.released);
+
+    // Two claims queue behind a holder; the lock is handed to the first
+    // with the last exact fence, and the second is refused when it would
+    // be handed the next.
+    let holder = lock.acquire(&[("owner", "holder")]).await;
+    assert_eq!(holder.fence, LAST_EXACT - 1);
+    let queue = format!("{{sidelock:{name}}}:q");
+    let mut waiters = Vec::new();
+    for (i, owner) in ["first", "second"].into_iter().enumerate() {
+        waiters.push(lock.spawn_acquire_raw(&[("owner", owner), ("wait", "20s")]));
+        eventually("the claim is queued", Duration::from_secs(10), async || {
+            let queued: usize = server.cmd(&["LLEN", &queue]).await;
+            (queued == i + 1).then_some(())
+        })
+        .await;
+    }
+    let [first, second] = <[_; 2]>::try_from(waiters).expect("two waiters");
+    assert!(lock.release(&holder.token).await.released);
+    let first = within("the first claim's answer", Duration::from_secs(20), first)
+        .await
+        .expect("the first claim's task");
+    assert_eq!(first.status(), StatusCode::OK);
+    let first: common::Grant = first.json().await.expect("grant");
+    assert_eq!(first.fence, LAST_EXACT);
+    assert!(lock.release(&first.token).await.released);
+    let refused = within("the second claim's answer", Duration::from_secs(20), second)
+        .await
+        .expect("the second claim's task");
+    let problem = common::assert_problem(refused, StatusCode::CONFLICT, "key-conflict").await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&fence_key),
+        "{problem}"
+    );
+    // And so is a claim on the free lock.
+    let refused = lock.acquire_raw(&[]).await;
+    common::assert_problem(refused, StatusCode::CONFLICT, "key-conflict").await;
+    let counter: String = server.cmd(&["GET", &fence_key]).await;
+    assert_eq!(counter, LAST_EXACT.to_string());
+}

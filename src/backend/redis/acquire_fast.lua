@@ -36,7 +36,9 @@ do
         end
         if about == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
-          if type(fence) == "number" then granted = fence end
+          if type(fence) == "number" then
+            if fence <= LAST_EXACT then granted = fence else redis.call("DECR", TAG .. "fence") end
+          end
         elseif (turn == "o" or (ARGV[12] or "0") == "0")
             and (fifo and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0
                  or not fifo and about == 1) then
@@ -56,6 +58,10 @@ do
               if type(n) == "number" then return {0, 0, {}, n, 0, retry, 0} end
             else
               local seq = redis.pcall("INCR", TAG .. "seq")
+              if type(seq) == "number" and seq > LAST_EXACT then
+                redis.call("DECR", TAG .. "seq")
+                seq = nil
+              end
               if type(seq) == "number" then
                 local n = redis.pcall("RPUSH", TAG .. "q",
                   string.format("%d x %s %s %s %s", seq, token, ARGV[11] or "0", ARGV[9], spec))
@@ -75,6 +81,10 @@ do
             if type(n) == "number" then return {0, 0, {holder}, n, 0, l.e, 0, l.dl} end
           elseif (ARGV[12] or "0") == "0" then
             local seq = redis.pcall("INCR", TAG .. "seq")
+            if type(seq) == "number" and seq > LAST_EXACT then
+              redis.call("DECR", TAG .. "seq")
+              seq = nil
+            end
             if type(seq) == "number" then
               local n = redis.pcall("RPUSH", TAG .. "q",
                 string.format("%d x %s %s %s %s", seq, token, ARGV[11] or "0", ARGV[9], spec))
@@ -106,6 +116,10 @@ do
         local first = (ARGV[14] or "1") ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
         if first and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
+          if type(fence) == "number" and fence > LAST_EXACT then
+            redis.call("DECR", TAG .. "fence")
+            fence = nil
+          end
           if type(fence) == "number" and redis.pcall("LREM", Q, 1, entry) == 1 then
             granted = fence
           end

@@ -94,6 +94,10 @@ local function hand_over(mode, alive, stem, keep, first, read)
     end
     if live then
       local fence = redis.pcall("INCR", TAG .. "fence")
+      if type(fence) == "number" and fence > LAST_EXACT then
+        redis.call("DECR", TAG .. "fence")
+        fence = nil
+      end
       if type(fence) ~= "number" then
         -- A fence counter written by hand: the full scripts report it.
         redis.call("LPUSH", Q, head)

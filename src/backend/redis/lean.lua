@@ -29,6 +29,11 @@ local IS_LOCK = ARGV[1] == "l"
 -- redis/mod.rs, which a test keeps equal), and a waiter whose process wrote
 -- none yet.
 local HEARTBEAT_TTL = 15000
+-- The last fence (and queue ticket) a counter may reach: 2^53 - 1, the
+-- largest integer a Lua number holds exactly. Past it two grants could be
+-- told the same fence, so an INCR that goes past it is undone and the full
+-- script refuses the key (misfit()).
+local LAST_EXACT = 9007199254740991
 
 -- Text that is known to hold digits (what TIME answers, a pattern's %d+
 -- capture, a number the sidecar sent) is read with arithmetic, `s + 0`:

@@ -63,15 +63,28 @@ end
 -- of the type sidelock writes there (and that counters are numbers): the
 -- first key that is not, and what it is; nil when all fit. The main key is
 -- not checked: any type there is a foreign holder (main_get).
+-- Counters (fence, seq) are numbers INCR takes (no sign, no leading zero)
+-- below LAST_EXACT, so that the next INCR stays exact in a Lua number; the
+-- other numbers are integers as sidelock writes them.
 local function misfit()
-  local want = {{FENCE, "number"}, {SEQ, "number"}, {QUEUE, "list"}, {BEAT, "hash"},
+  local want = {{FENCE, "counter"}, {SEQ, "counter"}, {QUEUE, "list"}, {BEAT, "hash"},
                 {HOLDERS, "hash"}, {EXPIRY, "zset"}, {DELAY, "number"}, {LIMIT, "number"}}
   for _, w in ipairs(want) do
     local found = redis.call("TYPE", w[1]).ok
     if found ~= "none" then
-      if w[2] == "number" then
+      if w[2] == "counter" or w[2] == "number" then
         if found ~= "string" then return w[1], found end
-        if not tonumber(redis.call("GET", w[1])) then return w[1], "string that is not a number" end
+        local v = redis.call("GET", w[1])
+        if w[2] == "counter" then
+          if v ~= "0" and not string.match(v, "^[1-9]%d*$") then
+            return w[1], "string that is not a counter (digits without a leading zero)"
+          end
+          if tonumber(v) >= LAST_EXACT then
+            return w[1], "counter at 2^53 - 1 or above (fences past it would not be exact)"
+          end
+        elseif not string.match(v, "^%-?%d+$") then
+          return w[1], "string that is not an integer"
+        end
       elseif found ~= w[2] then
         return w[1], found
       end

@@ -412,6 +412,11 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
         ("holders", &["SET", "KEY", "not a hash"]),
         ("expiry", &["HSET", "KEY", "f", "v"]),
         ("fence", &["SET", "KEY", "not a number"]),
+        // A number INCR refuses, and one past which fences are not exact.
+        ("fence", &["SET", "KEY", "007"]),
+        ("fence", &["SET", "KEY", "9007199254740991"]),
+        ("seq", &["SET", "KEY", "1e3"]),
+        ("limit", &["SET", "KEY", "1.5"]),
         ("fence", &["HSET", "KEY", "f", "v"]),
         ("q", &["SET", "KEY", "1"]),
         ("heartbeat", &["SADD", "KEY", "x"]),
