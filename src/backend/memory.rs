@@ -456,8 +456,11 @@ impl Backend for Memory {
     }
 
     async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error> {
-        let now = now_ms();
         let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        // Read after taking the mutex, so no lease in the map was granted
+        // with a later reading; ages saturate all the same, as the wall
+        // clock may step back.
+        let now = now_ms();
         Ok(keys
             .iter()
             .flat_map(|(key, e)| {
@@ -466,12 +469,12 @@ impl Backend for Memory {
                     .filter(move |l| {
                         key.kind != Kind::Election
                             && l.expires_at_ms > now
-                            && now - l.since_ms > ms(stale_after)
+                            && now.saturating_sub(l.since_ms) > ms(stale_after)
                     })
                     .map(move |l| StaleKey {
                         key: key.to_string(),
                         reason: super::StaleReason::HeldTooLong,
-                        age_ms: now - l.since_ms,
+                        age_ms: now.saturating_sub(l.since_ms),
                         detail: format!(
                             "held by owner {:?} on sidecar {:?} with fence {} for longer than {}",
                             l.owner,
@@ -565,5 +568,35 @@ mod tests {
             panic!("not granted");
         };
         assert!(again.fence > grant.fence);
+    }
+
+    /// A lease granted with a clock read later than the scan's (the grant
+    /// read it before the scan took the mutex, or the wall clock stepped
+    /// back) is not stale: its age is 0, not an underflow (a panic in a
+    /// debug build, an age of 584 million years in a release build).
+    #[tokio::test]
+    async fn a_lease_from_the_scans_future_is_not_stale() {
+        let memory = Memory::new(Wakeups::default());
+        let claim = Claim {
+            key: key("future"),
+            mode: Mode::Exclusive,
+            owner: "owner".into(),
+            sidecar: "sidecar".into(),
+            ttl: Duration::from_secs(30),
+            limit: None,
+            lock_delay: Duration::ZERO,
+            max_hold: None,
+        };
+        memory
+            .try_acquire(&claim, Turn::Once)
+            .await
+            .expect("acquire");
+        for entry in memory.keys.lock().unwrap().values_mut() {
+            for lease in &mut entry.leases {
+                lease.since_ms += 60_000;
+            }
+        }
+        let stale = memory.stale(Duration::ZERO).await.expect("stale");
+        assert!(stale.is_empty(), "{stale:?}");
     }
 }
