@@ -130,12 +130,15 @@ impl Core {
     /// room under this sidecar's caps now, so that a hold can answer 429
     /// before its stream starts. The acquire itself takes the place. A
     /// `claim` re-entering a lease held through this sidecar finds room at
-    /// the cap ([`Core::reenters`]).
+    /// either cap ([`Core::reenters`]).
     ///
     /// # Errors
     /// [`Error::SidecarFull`] naming the cap reached.
     pub async fn check_room(&self, waits: bool, claim: Option<&Claim>) -> Result<(), Error> {
-        if waits && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters {
+        if waits
+            && self.waiting_slots.load(Ordering::Acquire) >= self.limits.max_total_waiters
+            && !claim.is_some_and(|c| self.reenters(c))
+        {
             return Err(self.full_of_waiters());
         }
         if self.held_slots.load(Ordering::Acquire) >= self.limits.max_held {
@@ -296,7 +299,11 @@ impl Core {
             .unwrap_or_else(|| after(wait));
         let key = &claim.key;
         let queueing = !wait.is_zero();
-        if queueing && self.wakeups.len(key) >= self.limits.max_waiters {
+        // The owner re-entering its own lease does not wait, so the waiter
+        // caps do not refuse it. Should its lease end before the attempt,
+        // it waits outside them: at most once per lease held here.
+        let capped = queueing && !self.reenters(claim);
+        if capped && self.wakeups.len(key) >= self.limits.max_waiters {
             self.metrics.acquired(key, "rejected");
             return Err(Error::TooManyWaiters {
                 limit: self.limits.max_waiters,
@@ -304,7 +311,7 @@ impl Core {
         }
         // Taken before the first attempt, so the cap holds however many
         // acquires race; given back when this returns or is dropped.
-        let _waiting_slot = match queueing {
+        let _waiting_slot = match capped {
             true => Some(
                 Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(
                     || {

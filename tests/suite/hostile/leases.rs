@@ -1126,6 +1126,59 @@ async fn a_reentry_at_the_cap_whose_gone_lease_cannot_be_confirmed_gives_its_gra
     lock.release(&granted.token).await;
 }
 
+/// A holder's re-entry is no waiter: at either waiter cap (`--max-waiters`
+/// per lock, `--max-total-waiters` per sidecar) full, the owner holding a
+/// lock, exclusive or shared, re-enters it with the `wait` it always sends,
+/// by acquire or by hold stream, while another owner's wait still gets 429
+/// (the old sidecar refused the re-entry with 429 before trying it).
+/// Semaphore permits never re-enter.
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[tokio::test]
+async fn a_holder_reenters_with_a_wait_at_the_waiter_caps(#[case] backend: TestBackend) {
+    let backend = backend.start().await;
+    for flag in ["max-waiters", "max-total-waiters"] {
+        let sidecar = backend.sidecar().flag(flag, "1").start().await;
+        let api = sidecar.api();
+        for mode in ["exclusive", "shared"] {
+            let r = api.lock(&unique_name("reenter-at-cap"));
+            let holder = [("owner", "holder"), ("mode", mode)];
+            let with = |extra: (&'static str, &'static str)| {
+                let mut params = holder.to_vec();
+                params.push(extra);
+                params
+            };
+            let held = r.acquire(&with(("ttl", "60s"))).await;
+            let waiter = {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    r.acquire_raw(&[("wait", "30s"), ("owner", "w")])
+                        .await
+                        .status()
+                })
+            };
+            r.wait_for_waiters(&["w"]).await;
+            let again = r.acquire(&with(("wait", "5s"))).await;
+            assert_eq!(again.count, 2, "{flag}, {mode}");
+            let hold = r.hold_raw(&with(("wait", "5s"))).await;
+            assert_eq!(hold.status(), StatusCode::OK, "{flag}, {mode}");
+            let refused = r
+                .acquire_raw(&[("wait", "5s"), ("owner", "other"), ("mode", mode)])
+                .await;
+            assert_eq!(
+                refused.status(),
+                StatusCode::TOO_MANY_REQUESTS,
+                "{flag}, {mode}"
+            );
+            drop(hold);
+            r.release(&again.token).await;
+            r.release(&held.token).await;
+            assert_eq!(waiter.await.unwrap(), StatusCode::OK, "{flag}, {mode}");
+        }
+    }
+}
+
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
 /// three different busy names (lock, semaphore, hold stream) fit and a
 /// fourth on a fourth name gets 429 with `Retry-After`; try-once acquires
