@@ -195,7 +195,15 @@ impl Core {
         let every = (lease.ttl / 3).max(Duration::from_millis(1));
         // After a failed renewal, try again sooner: the lease is running out.
         let retry = (every / 3).max(Duration::from_millis(1));
-        let mut next = after(every);
+        // A third of the ttl into the lease, not from here: a lease handed
+        // over while this sidecar was busy or stopped reaches the hold with
+        // its ttl running since the handoff, and may have less than a third
+        // left.
+        let mut next = after(every).min(instant_at(
+            lease
+                .expires_at_ms()
+                .saturating_sub(ms(every).saturating_mul(2)),
+        ));
         loop {
             if let Some(&end) = lease.end.get() {
                 let reason = match end {

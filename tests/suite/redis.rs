@@ -3821,3 +3821,36 @@ async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
     let counter: String = server.cmd(&["GET", &fence_key]).await;
     assert_eq!(counter, LAST_EXACT.to_string());
 }
+
+/// A hold whose lease reaches it late is renewed in time: the lock is
+/// handed to a queued hold while its sidecar is stopped, and the lease's
+/// ttl runs from the handoff, so when the sidecar resumes 1.1 s later only
+/// 0.4 s of the 1.5 s ttl is left. The old watchdog waited a third of the
+/// ttl (0.5 s) from its own start and reported `lost` at the expiry,
+/// although a renewal would have kept it; now it renews at once. (The stop
+/// is shorter than the sidecar's backend call timeout, so no call it had
+/// in flight times out on resuming.)
+#[tokio::test]
+async fn a_hold_handed_a_lease_while_its_sidecar_was_stopped_renews_it_in_time() {
+    let server = RedisServer::start().await;
+    let releaser = sidecar(&server).await;
+    let waiting = sidecar(&server).await;
+    let name = unique_name("late-lease");
+    let holder = releaser.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    let mut hold = waiting
+        .api()
+        .lock(&name)
+        .hold(&[("ttl", "1500ms"), ("wait", "30s")])
+        .await;
+    hold.expect_queued().await;
+    waiting.signal(Signal::SIGSTOP);
+    let released = releaser.api().lock(&name).release(&holder.token).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    waiting.signal(Signal::SIGCONT);
+    assert!(released.released);
+    hold.expect_acquired().await;
+    match hold.next_within(Duration::from_secs(2)).await {
+        Ok(Some(common::HoldEvent::Renewed(_))) => {}
+        other => panic!("the late lease should be renewed before its expiry, got {other:?}"),
+    }
+}
