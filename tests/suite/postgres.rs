@@ -428,6 +428,103 @@ async fn a_server_crash_after_releases_keeps_the_handoff_and_the_fences() {
     drop(waiter);
 }
 
+/// A database whose sessions default to `synchronous_commit = off` (a
+/// common tuning), with the WAL writer at its slowest: a grant still
+/// survives a crash straight after its answer, as the sidecar turns the
+/// flush back on for its own sessions. (The old sidecar inherited the
+/// setting: after the crash the lease was gone and the next claim was
+/// granted the same fence.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_survives_a_crash_on_a_database_without_synchronous_commit() {
+    let cluster = Arc::new(PgCluster::start());
+    let admin = cluster.client("postgres").await;
+    for sql in [
+        "CREATE DATABASE sidelock",
+        "ALTER DATABASE sidelock SET synchronous_commit = off",
+        "ALTER SYSTEM SET wal_writer_delay = '10s'",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.expect(sql);
+    }
+    drop(admin);
+    let sidecar = SidecarBuilder::new(&cluster.url("sidelock")).start().await;
+    let lock = sidecar.api().lock(&unique_name("unflushed"));
+    // Past the sidecar's start-up writes, so that the grant is the last.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let crasher = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        crasher.crash_server();
+        crasher.start_server();
+    })
+    .await
+    .expect("crash and restart the server");
+    eventually("/readyz to pass", Duration::from_secs(15), async || {
+        (readyz_status(&sidecar).await == StatusCode::OK).then_some(())
+    })
+    .await;
+    let holders: Vec<(String, u64)> = lock
+        .inspect()
+        .await
+        .holders
+        .into_iter()
+        .map(|h| (h.owner, h.fence))
+        .collect();
+    assert_eq!(holders, [("holder".to_owned(), holder.fence)]);
+    lock.acquire_busy(&[("owner", "other")]).await;
+}
+
+/// A database whose transactions default to `repeatable read`: contended
+/// claims of two sidecars on one lock are all answered (granted or timed
+/// out), none 503. The old sidecar's functions took their snapshot before
+/// the key's row lock, so a concurrent grant failed them with a
+/// serialization error, 503 after three tries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contention_on_a_database_defaulting_to_repeatable_read_answers_no_503() {
+    let cluster = Arc::new(PgCluster::start());
+    let admin = cluster.client("postgres").await;
+    for sql in [
+        "CREATE DATABASE sidelock",
+        "ALTER DATABASE sidelock SET default_transaction_isolation = 'repeatable read'",
+    ] {
+        admin.batch_execute(sql).await.expect(sql);
+    }
+    drop(admin);
+    let url = cluster.url("sidelock");
+    let sidecars = [
+        SidecarBuilder::new(&url).start().await,
+        SidecarBuilder::new(&url).start().await,
+    ];
+    let name = unique_name("repeatable");
+    let mut clients = Vec::new();
+    for i in 0..16 {
+        let lock = sidecars[i % 2].api().lock(&name);
+        clients.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for _ in 0..10 {
+                let response = lock.acquire_raw(&[("wait", "10s"), ("ttl", "10s")]).await;
+                let status = response.status();
+                if status == StatusCode::OK {
+                    let grant: Grant = response.json().await.expect("grant");
+                    lock.release(&grant.token).await;
+                }
+                statuses.push(status);
+            }
+            statuses
+        }));
+    }
+    let mut statuses = Vec::new();
+    for client in clients {
+        statuses.extend(client.await.expect("client"));
+    }
+    let failed: Vec<&StatusCode> = statuses.iter().filter(|s| **s != StatusCode::OK).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 160 claims failed: {failed:?}",
+        failed.len()
+    );
+}
+
 /// A cluster of the test's own whose database `sidelock` has
 /// `pg_stat_statements` count the statements inside functions too, and a
 /// client of its `postgres` database.

@@ -17,7 +17,7 @@ use crate::lock::LockKey;
 use crate::wakeups::Handoff;
 
 use super::errors::Failure;
-use super::sql::{NOW_SQL, ms_i64, quote_ident};
+use super::sql::{NOW_SQL, SESSION_SETUP, ms_i64, quote_ident};
 use super::{
     GHOST_AFTER, HEARTBEAT_EVERY, Inner, LAPSE_AFTER, MAX_BACKOFF, MIN_BACKOFF, OP_TIMEOUT,
 };
@@ -367,7 +367,8 @@ impl Inner {
         });
         client
             .batch_execute(&format!(
-                "LISTEN {}; LISTEN {}",
+                "{}; LISTEN {}; LISTEN {}",
+                SESSION_SETUP,
                 quote_ident(&self.channel),
                 quote_ident(&self.own_channel())
             ))

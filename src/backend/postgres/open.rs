@@ -17,7 +17,7 @@ use crate::wakeups::Wakeups;
 
 use super::errors::Class;
 use super::schema::LegacyTable;
-use super::sql::Sql;
+use super::sql::{SESSION_SETUP, Sql};
 use super::{DEFAULT_POOL_SIZE, Inner, POOL_TIMEOUT, Postgres, UPKEEP_LOCK_WAIT, UPKEEP_POOL_SIZE};
 
 /// Checks `--pg-schema`: lower-case letters, digits and `_`, so it needs no
@@ -114,7 +114,17 @@ impl Postgres {
                 .build()
                 .map_err(|e| format!("PostgreSQL connection pool: {e}"))
         };
-        let pool = build(pool_size, None)?;
+        let pool = build(
+            pool_size,
+            Some(Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    client
+                        .batch_execute(SESSION_SETUP)
+                        .await
+                        .map_err(HookError::Backend)
+                })
+            })),
+        )?;
         // The upkeep connections wait for a row lock only briefly: a
         // statement that would wait longer runs again on the main pool
         // (`Inner::rows_or_fate`), so that a row another transaction keeps
@@ -126,7 +136,7 @@ impl Postgres {
                 Box::pin(async move {
                     let wait = UPKEEP_LOCK_WAIT.as_millis();
                     client
-                        .batch_execute(&format!("SET lock_timeout = {wait}"))
+                        .batch_execute(&format!("{SESSION_SETUP}; SET lock_timeout = {wait}"))
                         .await
                         .map_err(HookError::Backend)
                 })

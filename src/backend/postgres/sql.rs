@@ -149,6 +149,21 @@ SELECT * FROM (
 ORDER BY kind, name, reason
 LIMIT $3";
 
+/// Run first on every connection the sidecar opens, whatever the database,
+/// role or server set as defaults (set per session, not as a startup
+/// option, which poolers refuse):
+/// - `read committed`: every function takes the key's row lock first and
+///   must then see what the transaction before it committed; under
+///   `repeatable read` or `serializable` its snapshot predates the lock and
+///   a concurrent grant fails it with a serialization error;
+/// - a commit waits for its WAL flush (`synchronous_commit` back `on` where
+///   it is `off`; stronger settings stay): a grant answered is a grant a
+///   crash keeps. The releases that may skip it say so themselves.
+pub(super) const SESSION_SETUP: &str = "SELECT set_config('default_transaction_isolation', \
+     'read committed', false), set_config('synchronous_commit', \
+     CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' \
+     ELSE current_setting('synchronous_commit') END, false)";
+
 /// The database clock in ms (works before the schema exists).
 pub(super) const NOW_SQL: &str =
     "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
