@@ -2828,3 +2828,40 @@ async fn a_database_that_is_not_utf8_is_refused_at_start_naming_the_encoding() {
         "{text}"
     );
 }
+
+/// A semaphore limit PostgreSQL cannot store (its `permits` column is an
+/// `integer`) is refused with 400 `unsupported` naming the largest it can,
+/// by acquire and by hold alike, and nothing is taken; the largest is
+/// granted and kept exactly. (The old sidecar stored 4294967295 as
+/// 2147483647: both limits were then accepted on one semaphore, and
+/// inspecting it showed a limit nobody had asked for.)
+#[tokio::test]
+async fn a_semaphore_limit_above_what_postgres_stores_is_refused() {
+    let backend = postgres().await;
+    let sidecar = backend.sidecar().start().await;
+    let semaphore = sidecar.api().semaphore(&unique_name("wide"));
+    for limit in ["2147483648", "4294967295"] {
+        let refused = semaphore.acquire_raw(&[("limit", limit)]).await;
+        let problem = assert_problem(refused, StatusCode::BAD_REQUEST, "unsupported").await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("2147483647"),
+            "{problem}"
+        );
+        let refused = semaphore.hold_raw(&[("limit", limit)]).await;
+        assert_problem(refused, StatusCode::BAD_REQUEST, "unsupported").await;
+    }
+    assert!(semaphore.inspect().await.holders.is_empty());
+    let grant = semaphore.acquire(&[("limit", "2147483647")]).await;
+    let state: serde_json::Value = sidecar
+        .api()
+        .get(&["v1", "semaphores", &grant.name], &[])
+        .await
+        .json()
+        .await
+        .expect("inspect");
+    assert_eq!(state["limit"], 2_147_483_647_u64, "{state}");
+    semaphore.release(&grant.token).await;
+}

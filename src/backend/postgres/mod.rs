@@ -338,6 +338,7 @@ impl Postgres {
         token: &Token,
     ) -> Result<Option<AcquireReply>, (Error, Fate)> {
         let inner = &self.inner;
+        // Above i32::MAX refused by `try_acquire`.
         let limit = claim.limit.map(|l| i32::try_from(l).unwrap_or(i32::MAX));
         inner
             .json_or_fate(
@@ -386,6 +387,13 @@ impl Backend for Postgres {
     }
 
     async fn try_acquire(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
+        if let Some(limit) = claim.limit.filter(|&l| i32::try_from(l).is_err()) {
+            return Err(Error::Unsupported(format!(
+                "limit={limit} is refused: the postgres backend stores a semaphore's permits \
+                 as an integer column, at most {} permits",
+                i32::MAX
+            )));
+        }
         let inner = &self.inner;
         let _rejoin = match turn {
             Turn::Queued(_) => Some(inner.rejoining.read().await),
