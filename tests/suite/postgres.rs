@@ -1648,7 +1648,8 @@ async fn stale_lists_every_reason() {
                  description varchar(1024),
                  update_time timestamp NOT NULL DEFAULT now());
              INSERT INTO {table} (method_name, update_time)
-                 VALUES ('nightly_report', now() - interval '2 hours')"
+                 VALUES ('nightly_report', now() - interval '2 hours'),
+                        ('forever', 'infinity'), ('since_ever', '-infinity')"
         ))
         .await
         .expect("create the legacy table");
@@ -1705,6 +1706,12 @@ async fn stale_lists_every_reason() {
         legacy.age_ms >= 2 * 3_600_000 - 60_000,
         "age from update_time: {legacy:?}"
     );
+    // Rows whose time says "always" or "never" are listed without an age
+    // (the old scan failed on them, 503).
+    for endless in ["forever", "since_ever"] {
+        let row = find("no-expiry", endless);
+        assert_eq!(row.age_ms, 0, "{row:?}");
+    }
     let explicit_stale = explicit.api().stale().await;
     assert!(
         explicit_stale

@@ -208,10 +208,13 @@ impl Inner {
             Some(_) => find(&legacy.time_column),
             None => columns.iter().find(|c| is_time_type(&c.ty)),
         };
+        // A time of `infinity` or `-infinity` (hand-written tables use them
+        // for "never" and "always") has no age: subtracting it fails.
         let age = match time_column {
             Some(c) => format!(
-                "floor(extract(epoch FROM (clock_timestamp() - {}::timestamptz)) * 1000)::bigint",
-                quote_ident(&c.name)
+                "CASE WHEN isfinite({col}::timestamptz) THEN floor(extract(epoch FROM \
+                 (clock_timestamp() - {col}::timestamptz)) * 1000)::bigint END",
+                col = quote_ident(&c.name)
             ),
             None => "NULL::bigint".to_owned(),
         };
