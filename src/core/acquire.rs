@@ -730,6 +730,7 @@ impl Core {
             lease,
             count,
             expires_at_ms: g.expires_at_ms,
+            ttl: claim.ttl,
             waited,
             supervise_here,
         }

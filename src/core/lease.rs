@@ -178,6 +178,9 @@ pub struct Granted {
     pub lease: Arc<Local>,
     pub count: u32,
     pub expires_at_ms: u64,
+    /// The ttl this grant ran the lease to: the claim's (a re-entry's may
+    /// not be the lease's own), before `max_hold` cuts it.
+    pub ttl: Duration,
     pub waited: Duration,
     /// The lease is new and its expiry timer is the caller's to run (a
     /// hold runs it inside its watchdog); otherwise the shared timer has it

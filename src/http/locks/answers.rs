@@ -5,7 +5,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::backend::{Holder, StaleKey, Waiter};
-use crate::clock::ms;
+use crate::clock::{ms, now_ms};
 use crate::core::Granted;
 use crate::lock::{Held, Kind};
 
@@ -99,7 +99,11 @@ pub(super) fn acquired(g: &Granted) -> Acquired {
         mode: Held::of(lease.key.kind, lease.mode),
         owner: lease.owner.clone(),
         count: g.count,
-        ttl_ms: ms(lease.ttl),
+        // Where `max_hold` ends the lease first, the time left to it.
+        ttl_ms: match lease.cap_ms {
+            Some(cap) => ms(g.ttl).min(cap.saturating_sub(now_ms())),
+            None => ms(g.ttl),
+        },
         expires_at_ms: g.expires_at_ms,
         waited_ms: ms(g.waited),
     }

@@ -1126,6 +1126,43 @@ async fn a_reentry_at_the_cap_whose_gone_lease_cannot_be_confirmed_gives_its_gra
     lock.release(&granted.token).await;
 }
 
+/// An acquire's `ttl_ms` says the time the grant gave: cut by `max_hold`
+/// (acquire and the hold's `acquired`), and, for a re-entry, the ttl that
+/// re-entry asked for, which is where the lease now expires (the old answer
+/// gave the lease's first ttl in both cases: 30000 for a lease ending in
+/// 2 s, 10000 for one ending in 60 s).
+#[rstest]
+#[case::memory(TestBackend::Memory)]
+#[case::redis(TestBackend::Redis)]
+#[tokio::test]
+async fn an_acquires_ttl_ms_is_the_time_it_granted(#[case] backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.sidecar().start().await;
+    let api = sidecar.api();
+    let capped = api.lock(&unique_name("capped"));
+    let grant = capped.acquire(&[("ttl", "30s"), ("max_hold", "2s")]).await;
+    assert!(grant.ttl_ms <= 2000, "{grant:?}");
+    capped.release(&grant.token).await;
+    let mut hold = capped.hold(&[("ttl", "30s"), ("max_hold", "2s")]).await;
+    let held = hold.expect_acquired().await;
+    assert!(held.ttl_ms <= 2000, "{held:?}");
+    drop(hold);
+
+    let lock = api.lock(&unique_name("reentered"));
+    let first = lock.acquire(&[("owner", "me"), ("ttl", "10s")]).await;
+    assert_eq!(first.ttl_ms, 10_000);
+    let again = lock.acquire(&[("owner", "me"), ("ttl", "60s")]).await;
+    assert_eq!(again.count, 2);
+    assert_eq!(again.ttl_ms, 60_000, "{again:?}");
+    let left = again.expires_at_ms.saturating_sub(first.expires_at_ms);
+    assert!(
+        left >= 45_000,
+        "the re-entry ran the lease to 60 s: {again:?}"
+    );
+    lock.release(&again.token).await;
+    lock.release(&again.token).await;
+}
+
 /// A holder's re-entry is no waiter: at either waiter cap (`--max-waiters`
 /// per lock, `--max-total-waiters` per sidecar) full, the owner holding a
 /// lock, exclusive or shared, re-enters it with the `wait` it always sends,
