@@ -360,28 +360,46 @@ impl Core {
         // The watch races the lock being handed to this waiter, which comes
         // on the sidecar's own channel without it; what else is told
         // meanwhile is read again below (a wake is kept for the head).
+        // The wait, the client and shutdown are heeded meanwhile: a watch
+        // may take as long as the backend's call limit.
         let mut woken = false;
         let watching = self.op("watch", self.backend.watch(key));
         tokio::pin!(watching);
         let watch = loop {
             tokio::select! {
                 biased;
-                w = &mut watching => break Some(w),
+                w = &mut watching => break Ok(Some(w)),
                 news = place.news() => {
                     woken |= news.has(News::WOKEN);
                     if place.has_handoff() {
-                        break None;
+                        break Ok(None);
                     }
                 }
+                () = cancel.cancelled() => break Err(false),
+                () = self.shutdown.cancelled() => break Err(false),
+                () = sleep_until(deadline) => break Err(true),
             }
         };
         let watch = match watch {
-            Some(Ok(w)) => Some(w),
-            None => None,
-            Some(Err(e)) => {
+            Ok(Some(Ok(w))) => Some(w),
+            Ok(None) => None,
+            Ok(Some(Err(e))) => {
                 self.leave_queue(key, place, &ticket).await;
                 self.metrics.acquired(key, "error");
                 return Err(e);
+            }
+            // Out of time (`true`), or left.
+            Err(late) => {
+                self.leave_queue(key, place, &ticket).await;
+                self.metrics
+                    .acquired(key, if late { "timeout" } else { "cancelled" });
+                return Ok(match late {
+                    true => Outcome::Busy {
+                        busy: kept(busy),
+                        waited: started.elapsed(),
+                    },
+                    false => Outcome::Cancelled,
+                });
             }
         };
         let (local_pos, _) = place.position();

@@ -3854,3 +3854,51 @@ async fn a_hold_handed_a_lease_while_its_sidecar_was_stopped_renews_it_in_time()
         other => panic!("the late lease should be renewed before its expiry, got {other:?}"),
     }
 }
+
+/// While a waiter's sidecar subscribes to the lock's wake-ups (here a
+/// SUBSCRIBE held back 1.5 s on its way to Redis), the waiter's `wait` still
+/// runs and its client may still leave: a `wait=200ms` claim answers 409
+/// well before the subscription is confirmed, and a client that gives up
+/// leaves the queue at once. The old sidecar heeded neither until the
+/// subscription was confirmed (a 200 ms wait answered after 1.5 s; a gone
+/// client stayed queued as long).
+#[tokio::test]
+async fn a_waiter_whose_subscription_is_slow_keeps_its_wait_and_its_client() {
+    let p = Proxied::start().await;
+    for leaves in [true, false] {
+        let name = unique_name("slow-subscribe");
+        let holder = p.direct.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+        p.proxy.delay_request(
+            format!("{{sidelock:{name}}}:wake").as_bytes(),
+            Duration::from_millis(1500),
+        );
+        let lock = p.through_proxy.api().lock(&name);
+        let started = Instant::now();
+        if leaves {
+            let waiter = lock.spawn_acquire_raw(&[("wait", "30s"), ("owner", "leaver")]);
+            p.direct
+                .api()
+                .lock(&name)
+                .wait_for_waiters(&["leaver"])
+                .await;
+            waiter.abort();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let state = p.direct.api().lock(&name).inspect().await;
+            assert!(
+                state.waiters.is_empty(),
+                "a client gone {:?} after it came is still queued: {:?}",
+                started.elapsed(),
+                state.waiters
+            );
+        } else {
+            let answer = lock.acquire_raw(&[("wait", "200ms")]).await;
+            assert_eq!(answer.status(), StatusCode::CONFLICT);
+            assert!(
+                started.elapsed() < Duration::from_millis(1000),
+                "a 200 ms wait answered after {:?}",
+                started.elapsed()
+            );
+        }
+        p.direct.api().lock(&name).release(&holder.token).await;
+    }
+}
