@@ -412,6 +412,10 @@ pub struct Summary {
     pub fence: u64,
 }
 
+/// The most entries a stale-key scan keeps and `GET /v1/stale` answers,
+/// so that a keyspace full of abandoned keys makes no unbounded answer.
+pub const MOST_STALE: usize = 1000;
+
 /// A key an operator should look at.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct StaleKey {
@@ -590,7 +594,8 @@ pub trait Backend: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<Summary>, Error>;
 
-    /// Keys an operator should look at.
+    /// Keys an operator should look at. A backend may stop looking once it
+    /// has found more than [`MOST_STALE`] (the caller shows that many).
     async fn stale(&self, stale_after: Duration) -> Result<Vec<StaleKey>, Error>;
 
     /// Removes every lease of `key` (admin), returning their tokens.

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::{StaleKey, State, Summary};
+use crate::backend::{MOST_STALE, StaleKey, State, Summary};
 use crate::error::Error;
 use crate::lock::{LockKey, LostReason};
 
@@ -86,9 +86,16 @@ impl Core {
 
     /// One stale-key scan of the backend, not shared: the monitor's, which
     /// must not wait behind requests' scans (its beat renews its lease).
+    ///
+    /// Keeps the [`MOST_STALE`] oldest entries found, and one more when
+    /// there were more (see [`shown_stale`]).
     pub(super) async fn scan_stale(&self) -> Result<Vec<StaleKey>, Error> {
-        self.op("stale", self.backend.stale(self.limits.stale_after))
-            .await
+        let mut found = self
+            .op("stale", self.backend.stale(self.limits.stale_after))
+            .await?;
+        found.sort_by_key(|k| std::cmp::Reverse(k.age_ms));
+        found.truncate(MOST_STALE + 1);
+        Ok(found)
     }
 
     /// Removes every holder of `key`; `who` describes the caller for the log.
@@ -108,4 +115,12 @@ impl Core {
         }
         Ok(tokens.len())
     }
+}
+
+/// The entries of a stale scan to show, at most [`MOST_STALE`], and whether
+/// the scan found more.
+pub fn shown_stale(mut found: Vec<StaleKey>) -> (Vec<StaleKey>, bool) {
+    let more = found.len() > MOST_STALE;
+    found.truncate(MOST_STALE);
+    (found, more)
 }

@@ -35,6 +35,7 @@ mod lease;
 pub mod monitor;
 mod release;
 
+pub use admin::shown_stale;
 pub use hold::{HoldEvent, HoldEvents};
 pub use lease::{Granted, Local, Outcome};
 

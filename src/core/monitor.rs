@@ -147,7 +147,8 @@ impl Core {
                 }
                 _ = scan.tick() => {
                     if let Ok(stale) = self.scan_stale().await {
-                        self.metrics.stale.set(stale.len() as f64);
+                        let (shown, _) = super::shown_stale(stale);
+                        self.metrics.stale.set(shown.len() as f64);
                     }
                 }
                 _ = beat.tick() => {

@@ -91,6 +91,7 @@ impl Dashboard {
         let result = core
             .stale()
             .await
+            .map(|found| crate::core::shown_stale(found).0)
             .map_err(|e| format!("the stale-key scan failed: {e}"));
         *self.stale.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Instant::now(), result.clone()));

@@ -3902,3 +3902,49 @@ async fn a_waiter_whose_subscription_is_slow_keeps_its_wait_and_its_client() {
         p.direct.api().lock(&name).release(&holder.token).await;
     }
 }
+
+/// A keyspace full of abandoned locks makes a bounded stale report: with
+/// 1,500 hand-written keys without expiry matching `--legacy-pattern`,
+/// `/v1/stale` lists 1,000 and says it is `truncated` (the old answer
+/// listed every one, however many). With fewer, nothing is cut and the answer has no `truncated`.
+#[tokio::test]
+async fn a_stale_report_is_bounded() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .flag("legacy-pattern", "legacy:*")
+        .start()
+        .await;
+    let stale = async || -> Value {
+        sidecar
+            .api()
+            .get(&["v1", "stale"], &[])
+            .await
+            .json()
+            .await
+            .expect("the stale report")
+    };
+    let _: () = server.cmd(&["SET", "legacy:one", "x"]).await;
+    let report = stale().await;
+    assert_eq!(
+        report["stale"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    assert!(report.get("truncated").is_none(), "{report}");
+
+    let keys: Vec<String> = (0..1500).map(|i| format!("legacy:{i}")).collect();
+    let mut mset = vec!["MSET"];
+    for key in &keys {
+        mset.extend([key.as_str(), "x"]);
+    }
+    let _: () = server.cmd(&mset).await;
+    // Past the one-scan-at-a-time sharing of the first report.
+    let report = stale().await;
+    assert_eq!(
+        report["stale"].as_array().map(Vec::len),
+        Some(1000),
+        "{}",
+        report["truncated"]
+    );
+    assert_eq!(report["truncated"], true);
+}

@@ -69,8 +69,13 @@ pub(super) fn config() -> AsyncConnectionConfig {
         .set_response_timeout(Some(CALL_TIMEOUT))
 }
 
-/// String keys matching `pattern` that have no expiry, on one server.
-pub(super) async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, RedisError> {
+/// String keys matching `pattern` that have no expiry, on one server; the
+/// scan stops once it has found `most`.
+pub(super) async fn scan(
+    c: &mut Conn,
+    pattern: &str,
+    most: usize,
+) -> Result<Vec<String>, RedisError> {
     let mut found = Vec::new();
     let mut cursor: u64 = 0;
     loop {
@@ -90,7 +95,7 @@ pub(super) async fn scan(c: &mut Conn, pattern: &str) -> Result<Vec<String>, Red
                 found.push(k);
             }
         }
-        if next == 0 {
+        if next == 0 || found.len() >= most {
             return Ok(found);
         }
         cursor = next;

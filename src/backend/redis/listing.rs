@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use crate::backend::{Error, StaleKey, Summary};
+use crate::backend::{Error, MOST_STALE, StaleKey, Summary};
 use crate::clock::ms;
 use crate::lock::{Kind, LockKey};
 
@@ -166,8 +166,13 @@ impl Node {
         stale_after: Duration,
         legacy: Option<&str>,
     ) -> Result<Vec<StaleKey>, Error> {
+        // One more than are shown tells that there are more.
+        let most = MOST_STALE + 1;
         let mut out = Vec::new();
         for key in self.keys_in_use(true).await? {
+            if out.len() >= most {
+                break;
+            }
             let mut inv = self.invocation(&self.scripts.stale, &key);
             // A leader leads for as long as its campaign lives.
             inv.arg(if key.kind == Kind::Election {
@@ -190,7 +195,11 @@ impl Node {
             let mut patterns = vec![format!("{}*", glob_escape(&self.prefix))];
             patterns.extend(legacy.map(str::to_owned));
             for pattern in patterns {
-                for k in self.scan_without_expiry(&pattern).await? {
+                let left = most.saturating_sub(out.len());
+                if left == 0 {
+                    break;
+                }
+                for k in self.scan_without_expiry(&pattern, left).await? {
                     let legacy_key = !k.starts_with(&self.prefix);
                     out.push(StaleKey {
                         detail: if legacy_key {
@@ -248,11 +257,20 @@ impl Node {
         Ok(conns)
     }
 
-    pub(super) async fn scan_without_expiry(&self, pattern: &str) -> Result<Vec<String>, Error> {
+    /// String keys matching `pattern` without expiry, on every server that
+    /// holds keys; at most `most` (or a few more).
+    pub(super) async fn scan_without_expiry(
+        &self,
+        pattern: &str,
+        most: usize,
+    ) -> Result<Vec<String>, Error> {
         let mut found = Vec::new();
         for mut c in self.scan_connections("stale").await? {
+            if found.len() >= most {
+                break;
+            }
             found.extend(
-                scan(&mut c, pattern)
+                scan(&mut c, pattern, most - found.len())
                     .await
                     .map_err(|e| unavailable("stale", e))?,
             );

@@ -80,6 +80,10 @@ pub struct LockList {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StaleList {
     pub stale: Vec<StaleKey>,
+    /// Present (`true`) when the scan found more than the 1000 entries
+    /// listed (the oldest it found).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
 
 /// Force-release result.

@@ -92,9 +92,8 @@ pub async fn stale(
     State(app): State<Arc<App>>,
     Params(_none): Params<NoParams>,
 ) -> Result<Json<StaleList>, Error> {
-    Ok(Json(StaleList {
-        stale: app.core.stale().await?,
-    }))
+    let (stale, truncated) = crate::core::shown_stale(app.core.stale().await?);
+    Ok(Json(StaleList { stale, truncated }))
 }
 
 /// Open `/v1/events` streams per sidecar at most, so that streams, which
