@@ -311,6 +311,23 @@ impl Backend for Redlock {
         if claim.key.kind == Kind::Semaphore && claim.limit.is_some_and(|l| l > MAX_PERMITS) {
             return Err(unsupported_semaphore(self.members.len(), claim.limit));
         }
+        // A queued semaphore claim without a limit joined a semaphore in
+        // use, whose limit is 1 (the only one allowed here): it claims
+        // that. A node whose grant to it was undone after a split vote, or
+        // that never queued it, would otherwise find the semaphore idle
+        // and the claim without a limit, and refuse it (400, or 503 once
+        // fewer than a majority answered).
+        let adopted;
+        let claim = match turn {
+            Turn::Queued(_) if claim.key.kind == Kind::Semaphore && claim.limit.is_none() => {
+                adopted = Claim {
+                    limit: Some(MAX_PERMITS),
+                    ..claim.clone()
+                };
+                &adopted
+            }
+            _ => claim,
+        };
         // Never closed.
         let _admitted = self.attempts.acquire().await;
         let token = Token::generate();
