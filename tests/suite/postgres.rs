@@ -2872,3 +2872,43 @@ async fn a_semaphore_limit_above_what_postgres_stores_is_refused() {
     assert_eq!(state["limit"], 2_147_483_647_u64, "{state}");
     semaphore.release(&grant.token).await;
 }
+
+/// A stale report with more entries than it lists says so, and lists the
+/// oldest: 1,001 locks held past `--stale-after` make 1,000 entries and
+/// `truncated`, and the one left out is the newest. (The old query cut its
+/// rows at 1,000 in name order, so the answer never said it was cut, and
+/// kept the first names, not the oldest leases.)
+#[tokio::test]
+async fn a_cut_stale_report_says_so_and_keeps_the_oldest() {
+    let backend = postgres().await;
+    let sidecar = backend.sidecar().flag("stale-after", "1s").start().await;
+    let api = sidecar.api();
+    let prefix = unique_name("many-stale");
+    for i in (1..1001).rev() {
+        api.lock(&format!("{prefix}-{i:04}"))
+            .acquire(&[("ttl", "60s")])
+            .await;
+    }
+    // The newest lease, clearly newer, has the first name.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    api.lock(&format!("{prefix}-0000"))
+        .acquire(&[("ttl", "60s")])
+        .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let report: serde_json::Value = api
+        .get(&["v1", "stale"], &[])
+        .await
+        .json()
+        .await
+        .expect("the stale report");
+    let entries = report["stale"].as_array().expect("stale entries");
+    assert_eq!(entries.len(), 1000, "{}", report["truncated"]);
+    assert_eq!(report["truncated"], true);
+    let newest = format!("{prefix}-0000");
+    assert!(
+        entries
+            .iter()
+            .all(|e| !e["key"].as_str().unwrap_or_default().ends_with(&newest)),
+        "the newest lease is the one left out"
+    );
+}

@@ -80,8 +80,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::unanswered::{Failed, release_unanswered};
 use crate::backend::{
-    Attempt, Backend, Busy, Cause, Description, Error, Grant, Loss, Safety, StaleKey, State,
-    Status, Summary, Ticket, Turn, Waiter, Watch,
+    Attempt, Backend, Busy, Cause, Description, Error, Grant, Loss, MOST_STALE, Safety, StaleKey,
+    State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::lock::{Claim, Held, Kind, LockKey, Name, Token};
 use crate::wakeups::Wakeups;
@@ -125,8 +125,10 @@ const OFFSET_SLACK_MS: i64 = 10;
 /// A clock offset lower by this much is a step of the database's clock,
 /// taken at once (see [`Inner::adopt_offset`]).
 const OFFSET_STEP_MS: i64 = 100;
-/// Most stale entries reported per reason source.
-const STALE_LIMIT: i64 = 1000;
+/// Most stale entries read per source (sidelock's tables, the legacy
+/// table), the oldest first: one more than are shown tells that there are
+/// more.
+const STALE_LIMIT: i64 = MOST_STALE as i64 + 1;
 
 /// One versioned schema migration.
 struct Migration {

@@ -219,7 +219,7 @@ impl Inner {
             None => "NULL::bigint".to_owned(),
         };
         let sql = format!(
-            "SELECT {}::text, {age} FROM {table} LIMIT {STALE_LIMIT}",
+            "SELECT {}::text, {age} FROM {table} ORDER BY 2 DESC NULLS LAST LIMIT {STALE_LIMIT}",
             quote_ident(&name_column.name)
         );
         let rows = self.rows("stale", &sql, &[]).await?;

@@ -125,8 +125,8 @@ SELECT a.kind, a.name, k.fence,
  ORDER BY a.kind, a.name
  LIMIT $4";
 
-/// Stale rows of sidelock's own tables: `$1` stale-after in ms, `$2` orphan
-/// threshold in ms, `$3` limit.
+/// Stale rows of sidelock's own tables, the oldest first: `$1` stale-after
+/// in ms, `$2` orphan threshold in ms, `$3` limit.
 pub(super) const STALE_SQL: &str = "
 WITH t AS (SELECT clock_timestamp() AS now)
 SELECT * FROM (
@@ -146,7 +146,7 @@ SELECT * FROM (
       FROM {s}.waiters w LEFT JOIN {s}.sidecars s ON s.instance = w.instance, t
      WHERE s.heartbeat_at IS NULL OR s.heartbeat_at <= t.now - {s}.millis($2)
 ) x
-ORDER BY kind, name, reason
+ORDER BY age_ms DESC, kind, name, reason
 LIMIT $3";
 
 /// Run first on every connection the sidecar opens, whatever the database,
