@@ -300,26 +300,12 @@ impl Core {
         let key = &claim.key;
         let queueing = !wait.is_zero();
         // The owner re-entering its own lease does not wait, so the waiter
-        // caps do not refuse it. Should its lease end before the attempt,
-        // it waits outside them: at most once per lease held here.
-        let capped = queueing && !self.reenters(claim);
-        if capped && self.wakeups.len(key) >= self.limits.max_waiters {
-            self.metrics.acquired(key, "rejected");
-            return Err(Error::TooManyWaiters {
-                limit: self.limits.max_waiters,
-            });
-        }
+        // caps do not refuse it; should the backend queue it after all (the
+        // lease gone), it takes its place under them then.
         // Taken before the first attempt, so the cap holds however many
         // acquires race; given back when this returns or is dropped.
-        let _waiting_slot = match capped {
-            true => Some(
-                Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(
-                    || {
-                        self.metrics.acquired(key, "rejected");
-                        self.full_of_waiters()
-                    },
-                )?,
-            ),
+        let waiting_slot = match queueing && !self.reenters(claim) {
+            true => Some(self.room_to_wait(key)?),
             false => None,
         };
         let turn = if queueing { Turn::Join } else { Turn::Once };
@@ -346,6 +332,19 @@ impl Core {
                 busy: kept(busy),
                 waited: Duration::ZERO,
             });
+        };
+        let _waiting_slot = match waiting_slot {
+            Some(slot) => slot,
+            None => match self.room_to_wait(key) {
+                Ok(slot) => slot,
+                Err(e) => {
+                    let told = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                    if matches!(told, Err(Error::Unavailable { .. })) {
+                        self.tell_later(key, Leaving::Dequeue(ticket.clone()));
+                    }
+                    return Err(e);
+                }
+            },
         };
 
         let place = self.wakeups.join(key, ticket.seq, progress.is_some());
@@ -563,6 +562,24 @@ impl Core {
         };
         self.metrics.acquired(key, result);
         Ok(outcome)
+    }
+
+    /// A place to wait on `key` under the waiter caps (`--max-waiters` here
+    /// per lock, `--max-total-waiters` per sidecar), held until dropped.
+    ///
+    /// # Errors
+    /// [`Error::TooManyWaiters`] or [`Error::SidecarFull`] at a cap.
+    fn room_to_wait(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+        if self.wakeups.len(key) >= self.limits.max_waiters {
+            self.metrics.acquired(key, "rejected");
+            return Err(Error::TooManyWaiters {
+                limit: self.limits.max_waiters,
+            });
+        }
+        Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(|| {
+            self.metrics.acquired(key, "rejected");
+            self.full_of_waiters()
+        })
     }
 
     /// Leaves the queue without a grant: a lease the backend handed to this

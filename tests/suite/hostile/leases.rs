@@ -1216,6 +1216,47 @@ async fn a_holder_reenters_with_a_wait_at_the_waiter_caps(#[case] backend: TestB
     }
 }
 
+/// The waiter caps still hold for claims that only look like re-entries:
+/// an owner whose lease this sidecar still counts, but which another
+/// sidecar force-released and granted to someone else, sends five waiting
+/// claims at a sidecar whose caps allow one waiter; one waits, the others
+/// get 429 (before, each skipped the caps as a re-entry and all five
+/// queued).
+#[tokio::test]
+async fn claims_that_only_look_like_reentries_stay_under_the_waiter_caps() {
+    let backend = TestBackend::Redis.start().await;
+    let capped = backend
+        .sidecar()
+        .flag("max-waiters", "1")
+        .flag("max-total-waiters", "1")
+        .start()
+        .await;
+    let other = backend.sidecar().admin_token("admin").start().await;
+    let name = unique_name("lookalike");
+    let lock = capped.api().lock(&name);
+    lock.acquire(&[("owner", "a"), ("ttl", "60s")]).await;
+    let admin = other.api_with_token("admin").lock(&name);
+    assert_eq!(admin.force_release().await, 1);
+    let taken = other
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "b"), ("ttl", "60s")])
+        .await;
+    let claims: Vec<_> = (0..5)
+        .map(|_| lock.spawn_acquire_raw(&[("owner", "a"), ("wait", "3s")]))
+        .collect();
+    let mut statuses = Vec::new();
+    for claim in claims {
+        statuses.push(claim.await.expect("claim").status());
+    }
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert!(refused >= 4, "{statuses:?}");
+    other.api().lock(&name).release(&taken.token).await;
+}
+
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
 /// three different busy names (lock, semaphore, hold stream) fit and a
 /// fourth on a fourth name gets 429 with `Retry-After`; try-once acquires
