@@ -3763,8 +3763,8 @@ async fn a_redis_that_may_evict_keys_is_named_in_a_warning() {
 /// (the old scripts handed out 9007199254740996 twice) grants up to that
 /// fence and then refuses with 409 `key-conflict` naming the counter, on
 /// the free lock's short path and on a handoff to a queued claim alike,
-/// leaving the counter where it was (inspecting the lock is refused the
-/// same way from then on).
+/// leaving the counter where it was; the lock can still be inspected and
+/// scanned.
 #[tokio::test]
 async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
     const LAST_EXACT: u64 = 9_007_199_254_740_991;
@@ -3803,6 +3803,10 @@ async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
     assert_eq!(first.status(), StatusCode::OK);
     let first: common::Grant = first.json().await.expect("grant");
     assert_eq!(first.fence, LAST_EXACT);
+    // A spent counter leaves the lock readable.
+    let state = lock.inspect().await;
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    assert_eq!(state.holders[0].fence, LAST_EXACT);
     assert!(lock.release(&first.token).await.released);
     let refused = within("the second claim's answer", Duration::from_secs(20), second)
         .await
@@ -3815,9 +3819,13 @@ async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
             .contains(&fence_key),
         "{problem}"
     );
-    // And so is a claim on the free lock.
+    // And so is a claim on the free lock, while the lock can still be
+    // inspected and scanned.
     let refused = lock.acquire_raw(&[]).await;
     common::assert_problem(refused, StatusCode::CONFLICT, "key-conflict").await;
+    assert!(lock.inspect().await.holders.is_empty());
+    let stale = sidecar.api().get(&["v1", "stale"], &[]).await;
+    assert_eq!(stale.status(), StatusCode::OK);
     let counter: String = server.cmd(&["GET", &fence_key]).await;
     assert_eq!(counter, LAST_EXACT.to_string());
 }
@@ -3947,4 +3955,23 @@ async fn a_stale_report_is_bounded() {
         report["truncated"]
     );
     assert_eq!(report["truncated"], true);
+}
+
+/// A semaphore's limit as some Redis 7.2 releases wrote it (a Lua number
+/// of eight or more trailing zeros as `1e+8`) is read as the number it is,
+/// not refused as a key of the wrong type.
+#[tokio::test]
+async fn a_limit_written_in_exponent_form_is_still_the_semaphores_limit() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("exponent");
+    let semaphore = sidecar.api().semaphore(&name);
+    let first = semaphore.acquire(&[("limit", "100000000")]).await;
+    let limit_key = format!("{{sidelock:semaphores/{name}}}:limit");
+    let written: String = server.cmd(&["GET", &limit_key]).await;
+    assert_eq!(written, "100000000");
+    let _: () = server.cmd(&["SET", &limit_key, "1e+8"]).await;
+    let second = semaphore.acquire(&[("limit", "100000000")]).await;
+    semaphore.release(&second.token).await;
+    semaphore.release(&first.token).await;
 }

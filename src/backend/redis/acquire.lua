@@ -33,7 +33,7 @@ local most = tonumber(ARGV[15] or "0")
 local again = (ARGV[16] or "0") == "1"
 clock()
 
-local bad, found = misfit()
+local bad, found = misfit(true)
 if bad then return {5, NOW, bad, found} end
 
 prune()
@@ -51,7 +51,7 @@ if not IS_LOCK then
   end
   -- Before the limit or anything else is written.
   if most > 0 and limit > most then return {4, NOW, limit} end
-  if limit ~= active then redis.call("SET", LIMIT, limit) end
+  if limit ~= active then redis.call("SET", LIMIT, string.format("%d", limit)) end
 end
 
 local function leave_queue()
@@ -103,7 +103,7 @@ if IS_LOCK then
       if m.m == "s" and mine(cjson.encode({m.o, m.s})) then
         if again then return {6, NOW} end
         m.c = m.c + 1
-        m.e = cap(math.max(m.e, NOW + m.ttl), m)
+        m.e = cap(math.max(m.e, NOW + tonumber(string.match(spec, "^%d+"))), m)
         put_holder(held, m)
         redis.call("ZADD", EXPIRY, m.e, held)
         sync_shared()

@@ -63,10 +63,13 @@ end
 -- of the type sidelock writes there (and that counters are numbers): the
 -- first key that is not, and what it is; nil when all fit. The main key is
 -- not checked: any type there is a foreign holder (main_get).
--- Counters (fence, seq) are numbers INCR takes (no sign, no leading zero)
--- below LAST_EXACT, so that the next INCR stays exact in a Lua number; the
--- other numbers are integers as sidelock writes them.
-local function misfit()
+-- Counters (fence, seq) are numbers INCR takes (no sign, no leading zero),
+-- and, where the script may count (`counting`), below LAST_EXACT, so that
+-- the next INCR stays exact in a Lua number: a lock whose counter is spent
+-- can still be inspected, scanned and released. The other numbers are
+-- integers (in any form Redis may have written a Lua number in: some 7.2
+-- releases wrote 100000000 as 1e+8).
+local function misfit(counting)
   local want = {{FENCE, "counter"}, {SEQ, "counter"}, {QUEUE, "list"}, {BEAT, "hash"},
                 {HOLDERS, "hash"}, {EXPIRY, "zset"}, {DELAY, "number"}, {LIMIT, "number"}}
   for _, w in ipairs(want) do
@@ -79,11 +82,14 @@ local function misfit()
           if v ~= "0" and not string.match(v, "^[1-9]%d*$") then
             return w[1], "string that is not a counter (digits without a leading zero)"
           end
-          if tonumber(v) >= LAST_EXACT then
+          if counting and tonumber(v) >= LAST_EXACT then
             return w[1], "counter at 2^53 - 1 or above (fences past it would not be exact)"
           end
-        elseif not string.match(v, "^%-?%d+$") then
-          return w[1], "string that is not an integer"
+        else
+          local n = tonumber(v)
+          if not n or n ~= math.floor(n) or n == math.huge or n == -math.huge then
+            return w[1], "string that is not an integer"
+          end
         end
       elseif found ~= w[2] then
         return w[1], found
@@ -201,7 +207,11 @@ local function delay_until(ms)
     end
   end
   local cur = tonumber(redis.call("GET", DELAY) or "0")
-  if ms > cur then redis.call("SET", DELAY, ms, "PX", ms - NOW) end
+  -- As text: a number would be formatted by "%.17g" (or, by some 7.2
+  -- releases, as 1e+8).
+  if ms > cur then
+    redis.call("SET", DELAY, string.format("%d", ms), "PX", string.format("%d", ms - NOW))
+  end
 end
 
 -- When the delay key's delay ends (0: none).

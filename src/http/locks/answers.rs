@@ -93,6 +93,18 @@ pub struct ForceReleased {
     pub released: usize,
 }
 
+/// The time a grant gave: its claim's ttl, or more where a re-entry found
+/// the lease running longer (re-entries never shorten it), and no more than
+/// is left before `max_hold` ends the lease.
+fn granted_ttl_ms(g: &Granted) -> u64 {
+    let now = now_ms();
+    let ttl_ms = ms(g.ttl).max(g.expires_at_ms.saturating_sub(now));
+    match g.lease.cap_ms {
+        Some(cap) => ttl_ms.min(cap.saturating_sub(now)),
+        None => ttl_ms,
+    }
+}
+
 pub(super) fn acquired(g: &Granted) -> Acquired {
     let lease = &g.lease;
     Acquired {
@@ -103,11 +115,7 @@ pub(super) fn acquired(g: &Granted) -> Acquired {
         mode: Held::of(lease.key.kind, lease.mode),
         owner: lease.owner.clone(),
         count: g.count,
-        // Where `max_hold` ends the lease first, the time left to it.
-        ttl_ms: match lease.cap_ms {
-            Some(cap) => ms(g.ttl).min(cap.saturating_sub(now_ms())),
-            None => ms(g.ttl),
-        },
+        ttl_ms: granted_ttl_ms(g),
         expires_at_ms: g.expires_at_ms,
         waited_ms: ms(g.waited),
     }

@@ -1128,9 +1128,11 @@ async fn a_reentry_at_the_cap_whose_gone_lease_cannot_be_confirmed_gives_its_gra
 
 /// An acquire's `ttl_ms` says the time the grant gave: cut by `max_hold`
 /// (acquire and the hold's `acquired`), and, for a re-entry, the ttl that
-/// re-entry asked for, which is where the lease now expires (the old answer
-/// gave the lease's first ttl in both cases: 30000 for a lease ending in
-/// 2 s, 10000 for one ending in 60 s).
+/// re-entry asked for, which is where the lease now expires, exclusive or
+/// shared, or more where the lease already ran longer (the old answer gave
+/// the lease's first ttl: 30000 for a lease ending in 2 s, 10000 for one
+/// ending in 60 s; a shared re-entry on Redis ran the lease to its first
+/// ttl only).
 #[rstest]
 #[case::memory(TestBackend::Memory)]
 #[case::redis(TestBackend::Redis)]
@@ -1148,19 +1150,31 @@ async fn an_acquires_ttl_ms_is_the_time_it_granted(#[case] backend: TestBackend)
     assert!(held.ttl_ms <= 2000, "{held:?}");
     drop(hold);
 
-    let lock = api.lock(&unique_name("reentered"));
-    let first = lock.acquire(&[("owner", "me"), ("ttl", "10s")]).await;
-    assert_eq!(first.ttl_ms, 10_000);
-    let again = lock.acquire(&[("owner", "me"), ("ttl", "60s")]).await;
-    assert_eq!(again.count, 2);
-    assert_eq!(again.ttl_ms, 60_000, "{again:?}");
-    let left = again.expires_at_ms.saturating_sub(first.expires_at_ms);
-    assert!(
-        left >= 45_000,
-        "the re-entry ran the lease to 60 s: {again:?}"
-    );
-    lock.release(&again.token).await;
-    lock.release(&again.token).await;
+    for mode in ["exclusive", "shared"] {
+        let lock = api.lock(&unique_name("reentered"));
+        let first = lock
+            .acquire(&[("owner", "me"), ("ttl", "10s"), ("mode", mode)])
+            .await;
+        assert_eq!(first.ttl_ms, 10_000);
+        let again = lock
+            .acquire(&[("owner", "me"), ("ttl", "60s"), ("mode", mode)])
+            .await;
+        assert_eq!(again.count, 2);
+        assert_eq!(again.ttl_ms, 60_000, "{mode}: {again:?}");
+        let later = again.expires_at_ms.saturating_sub(first.expires_at_ms);
+        assert!(
+            later >= 45_000,
+            "{mode}: the re-entry runs the lease to 60 s: {again:?}"
+        );
+        // A shorter re-entry does not shorten it, and says so.
+        let shorter = lock
+            .acquire(&[("owner", "me"), ("ttl", "5s"), ("mode", mode)])
+            .await;
+        assert!(shorter.ttl_ms >= 45_000, "{mode}: {shorter:?}");
+        for _ in 0..3 {
+            lock.release(&again.token).await;
+        }
+    }
 }
 
 /// A holder's re-entry is no waiter: at either waiter cap (`--max-waiters`
