@@ -100,7 +100,11 @@ fn granted_ttl_ms(g: &Granted) -> u64 {
     let now = now_ms();
     let ttl_ms = ms(g.ttl).max(g.expires_at_ms.saturating_sub(now));
     match g.lease.cap_ms {
-        Some(cap) => ttl_ms.min(cap.saturating_sub(now)),
+        // Never more than `max_hold` either: the backend's clock and ours
+        // may round a millisecond apart.
+        Some(cap) => ttl_ms
+            .min(cap.saturating_sub(now))
+            .min(cap.saturating_sub(g.lease.since_ms)),
         None => ttl_ms,
     }
 }
