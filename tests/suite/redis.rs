@@ -3828,6 +3828,13 @@ async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
     assert_eq!(stale.status(), StatusCode::OK);
     let counter: String = server.cmd(&["GET", &fence_key]).await;
     assert_eq!(counter, LAST_EXACT.to_string());
+    // A counter past it, set by hand, shows no rounded fence: inspecting
+    // is refused (the fence 2^53 + 1 read as 2^53, a 20-digit one as 2^63).
+    for past in ["9007199254740993", "99999999999999999999"] {
+        let _: () = server.cmd(&["SET", &fence_key, past]).await;
+        let inspected = sidecar.api().get(&["v1", "locks", &name], &[]).await;
+        common::assert_problem(inspected, StatusCode::CONFLICT, "key-conflict").await;
+    }
 }
 
 /// A hold whose lease reaches it late is renewed in time: the lock is

@@ -64,9 +64,10 @@ end
 -- first key that is not, and what it is; nil when all fit. The main key is
 -- not checked: any type there is a foreign holder (main_get).
 -- Counters (fence, seq) are numbers INCR takes (no sign, no leading zero),
--- and, where the script may count (`counting`), below LAST_EXACT, so that
--- the next INCR stays exact in a Lua number: a lock whose counter is spent
--- can still be inspected, scanned and released. The other numbers are
+-- at most LAST_EXACT (a Lua number holds them exactly) and, where the
+-- script may count (`counting`), below it, so that the next INCR stays
+-- exact: a lock whose counter is spent can still be inspected, scanned and
+-- released. The other numbers are
 -- integers (in any form Redis may have written a Lua number in: some 7.2
 -- releases wrote 100000000 as 1e+8).
 local function misfit(counting)
@@ -82,7 +83,8 @@ local function misfit(counting)
           if v ~= "0" and not string.match(v, "^[1-9]%d*$") then
             return w[1], "string that is not a counter (digits without a leading zero)"
           end
-          if counting and tonumber(v) >= LAST_EXACT then
+          local n = tonumber(v)
+          if n > LAST_EXACT or (counting and n >= LAST_EXACT) then
             return w[1], "counter at 2^53 - 1 or above (fences past it would not be exact)"
           end
         else

@@ -5,7 +5,11 @@
 -- counted its own, and the lease's is the highest, which every later
 -- answer of any majority (a re-entry, a listing) then shows.
 local f = tonumber(ARGV[2])
-if tonumber(redis.call("GET", FENCE) or "0") < f then redis.call("SET", FENCE, f) end
+-- As text: some Redis 7.2 releases formatted a Lua number such as 1e8 as
+-- 1e+8, which INCR refuses.
+if tonumber(redis.call("GET", FENCE) or "0") < f then
+  redis.call("SET", FENCE, string.format("%d", f))
+end
 local token = ARGV[3]
 local x = xlease()
 if x and x.token == token then
