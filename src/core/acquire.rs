@@ -2,6 +2,7 @@
 //! queue (woken by the backend, never polling), attempts, `queued` updates,
 //! and recording a grant.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -67,6 +68,44 @@ impl Drop for Slot<'_> {
     fn drop(&mut self) {
         if self.taken {
             self.count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// One place among the requests waiting on one lock here (`max_waiters`),
+/// given back when dropped; a lock nobody waits on keeps no entry.
+pub(super) struct LockSlot<'a> {
+    counts: &'a Mutex<HashMap<LockKey, usize>>,
+    key: LockKey,
+}
+
+impl<'a> LockSlot<'a> {
+    /// A place on `key` if fewer than `limit` are taken.
+    fn take(
+        counts: &'a Mutex<HashMap<LockKey, usize>>,
+        key: &LockKey,
+        limit: usize,
+    ) -> Option<Self> {
+        let mut taken = counts.lock().unwrap_or_else(|e| e.into_inner());
+        if taken.get(key).copied().unwrap_or(0) >= limit {
+            return None;
+        }
+        *taken.entry(key.clone()).or_default() += 1;
+        Some(LockSlot {
+            counts,
+            key: key.clone(),
+        })
+    }
+}
+
+impl Drop for LockSlot<'_> {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.key);
+            }
         }
     }
 }
@@ -566,20 +605,24 @@ impl Core {
 
     /// A place to wait on `key` under the waiter caps (`--max-waiters` here
     /// per lock, `--max-total-waiters` per sidecar), held until dropped.
+    /// Both are taken before the first attempt, so that requests arriving
+    /// together cannot all pass a cap before any of them joins the queue.
     ///
     /// # Errors
     /// [`Error::TooManyWaiters`] or [`Error::SidecarFull`] at a cap.
-    fn room_to_wait(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
-        if self.wakeups.len(key) >= self.limits.max_waiters {
+    fn room_to_wait(&self, key: &LockKey) -> Result<(LockSlot<'_>, Slot<'_>), Error> {
+        let Some(on_lock) = LockSlot::take(&self.waiting_on, key, self.limits.max_waiters) else {
             self.metrics.acquired(key, "rejected");
             return Err(Error::TooManyWaiters {
                 limit: self.limits.max_waiters,
             });
-        }
-        Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(|| {
-            self.metrics.acquired(key, "rejected");
-            self.full_of_waiters()
-        })
+        };
+        let here =
+            Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(|| {
+                self.metrics.acquired(key, "rejected");
+                self.full_of_waiters()
+            })?;
+        Ok((on_lock, here))
     }
 
     /// Leaves the queue without a grant: a lease the backend handed to this

@@ -125,6 +125,10 @@ pub struct Core {
     /// Waits under way or about to start (acquires and holds with a
     /// `wait`), against `max_total_waiters`.
     waiting_slots: AtomicUsize,
+    /// The same per lock, against `max_waiters`: a lock's count is taken
+    /// before its first attempt, as `waiting_slots`, so that claims
+    /// arriving together cannot all pass the cap before any joins.
+    waiting_on: Mutex<HashMap<LockKey, usize>>,
     /// Leases in `leases` plus attempts under way that may add one, against
     /// `max_held`.
     held_slots: AtomicUsize,
@@ -166,6 +170,7 @@ impl Core {
             tasks: TaskTracker::new(),
             expiries: expiry::Expiries::default(),
             waiting_slots: AtomicUsize::new(0),
+            waiting_on: Mutex::new(HashMap::new()),
             held_slots: AtomicUsize::new(0),
             reclaimed_at: Mutex::new(None),
             elections: election::Elections::default(),

@@ -1271,6 +1271,32 @@ async fn claims_that_only_look_like_reentries_stay_under_the_waiter_caps() {
     other.api().lock(&name).release(&taken.token).await;
 }
 
+/// `--max-waiters` holds for claims that arrive together: ten waiting
+/// claims sent at once at a held lock, with one waiter allowed per lock,
+/// leave one waiting and nine refused with 429 `too-many-waiters` (the cap
+/// counted the lock's waiters only once they had joined, after their first
+/// attempt's round trip, so claims arriving together all passed it).
+#[tokio::test]
+async fn claims_arriving_together_stay_under_the_per_lock_waiter_cap() {
+    let backend = TestBackend::Redis.start().await;
+    let sidecar = backend.sidecar().flag("max-waiters", "1").start().await;
+    let lock = sidecar.api().lock(&unique_name("together"));
+    let holder = lock.acquire(&[("owner", "h"), ("ttl", "60s")]).await;
+    let claims: Vec<_> = (0..10)
+        .map(|_| lock.spawn_acquire_raw(&[("wait", "2s")]))
+        .collect();
+    let mut statuses = Vec::new();
+    for claim in claims {
+        statuses.push(claim.await.expect("claim").status());
+    }
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert!(refused >= 9, "{statuses:?}");
+    lock.release(&holder.token).await;
+}
+
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
 /// three different busy names (lock, semaphore, hold stream) fit and a
 /// fourth on a fourth name gets 429 with `Retry-After`; try-once acquires
