@@ -343,10 +343,17 @@ impl Core {
         // lease gone), it takes its place under them then.
         // Taken before the first attempt, so the cap holds however many
         // acquires race; given back when this returns or is dropped.
-        let waiting_slot = match queueing && !self.reenters(claim) {
-            true => Some(self.room_to_wait(key)?),
+        // The per-lock place is taken too when there is one; at that cap the
+        // first attempt goes without (it may be granted at once: no waiter)
+        // and takes one should it have to wait.
+        let capped = queueing && !self.reenters(claim);
+        let here = match capped {
+            true => Some(self.room_here(key)?),
             false => None,
         };
+        let on_lock = capped
+            .then(|| LockSlot::take(&self.waiting_on, key, self.limits.max_waiters))
+            .flatten();
         let turn = if queueing { Turn::Join } else { Turn::Once };
         let slot = self.held_slot(claim).await?;
         let busy = match self.attempt(claim, turn).await? {
@@ -372,18 +379,20 @@ impl Core {
                 waited: Duration::ZERO,
             });
         };
-        let _waiting_slot = match waiting_slot {
-            Some(slot) => slot,
-            None => match self.room_to_wait(key) {
-                Ok(slot) => slot,
-                Err(e) => {
-                    let told = self.op("dequeue", self.backend.dequeue(&ticket)).await;
-                    if matches!(told, Err(Error::Unavailable { .. })) {
-                        self.tell_later(key, Leaving::Dequeue(ticket.clone()));
-                    }
-                    return Err(e);
+        let room = match (here, on_lock) {
+            (Some(here), Some(on_lock)) => Ok((on_lock, here)),
+            (Some(here), None) => self.room_on_lock(key).map(|on_lock| (on_lock, here)),
+            (None, _) => self.room_to_wait(key),
+        };
+        let _room = match room {
+            Ok(room) => room,
+            Err(e) => {
+                let told = self.op("dequeue", self.backend.dequeue(&ticket)).await;
+                if matches!(told, Err(Error::Unavailable { .. })) {
+                    self.tell_later(key, Leaving::Dequeue(ticket.clone()));
                 }
-            },
+                return Err(e);
+            }
         };
 
         let place = self.wakeups.join(key, ticket.seq, progress.is_some());
@@ -605,24 +614,39 @@ impl Core {
 
     /// A place to wait on `key` under the waiter caps (`--max-waiters` here
     /// per lock, `--max-total-waiters` per sidecar), held until dropped.
-    /// Both are taken before the first attempt, so that requests arriving
-    /// together cannot all pass a cap before any of them joins the queue.
+    /// Taken before the first attempt where there is room, so that requests
+    /// arriving together cannot all pass a cap before any of them joins the
+    /// queue.
     ///
     /// # Errors
     /// [`Error::TooManyWaiters`] or [`Error::SidecarFull`] at a cap.
     fn room_to_wait(&self, key: &LockKey) -> Result<(LockSlot<'_>, Slot<'_>), Error> {
-        let Some(on_lock) = LockSlot::take(&self.waiting_on, key, self.limits.max_waiters) else {
+        let on_lock = self.room_on_lock(key)?;
+        Ok((on_lock, self.room_here(key)?))
+    }
+
+    /// A place among the requests waiting on `key` here.
+    ///
+    /// # Errors
+    /// [`Error::TooManyWaiters`] at `--max-waiters`.
+    fn room_on_lock(&self, key: &LockKey) -> Result<LockSlot<'_>, Error> {
+        LockSlot::take(&self.waiting_on, key, self.limits.max_waiters).ok_or_else(|| {
             self.metrics.acquired(key, "rejected");
-            return Err(Error::TooManyWaiters {
+            Error::TooManyWaiters {
                 limit: self.limits.max_waiters,
-            });
-        };
-        let here =
-            Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(|| {
-                self.metrics.acquired(key, "rejected");
-                self.full_of_waiters()
-            })?;
-        Ok((on_lock, here))
+            }
+        })
+    }
+
+    /// A place among the requests waiting here on any lock.
+    ///
+    /// # Errors
+    /// [`Error::SidecarFull`] at `--max-total-waiters`.
+    fn room_here(&self, key: &LockKey) -> Result<Slot<'_>, Error> {
+        Slot::take(&self.waiting_slots, self.limits.max_total_waiters).ok_or_else(|| {
+            self.metrics.acquired(key, "rejected");
+            self.full_of_waiters()
+        })
     }
 
     /// Leaves the queue without a grant: a lease the backend handed to this

@@ -1275,7 +1275,8 @@ async fn claims_that_only_look_like_reentries_stay_under_the_waiter_caps() {
 /// claims sent at once at a held lock, with one waiter allowed per lock,
 /// leave one waiting and nine refused with 429 `too-many-waiters` (the cap
 /// counted the lock's waiters only once they had joined, after their first
-/// attempt's round trip, so claims arriving together all passed it).
+/// attempt's round trip, so claims arriving together all passed it); and
+/// twenty claims granted at once, which never wait, are not refused by it.
 #[tokio::test]
 async fn claims_arriving_together_stay_under_the_per_lock_waiter_cap() {
     let backend = TestBackend::Redis.start().await;
@@ -1295,6 +1296,21 @@ async fn claims_arriving_together_stay_under_the_per_lock_waiter_cap() {
         .count();
     assert!(refused >= 9, "{statuses:?}");
     lock.release(&holder.token).await;
+
+    // Claims that are granted at once never wait: twenty shared claims
+    // sent together at a free lock are all granted, whatever the cap.
+    let shared = sidecar.api().lock(&unique_name("together-shared"));
+    let claims: Vec<_> = (0..20)
+        .map(|_| shared.spawn_acquire_raw(&[("wait", "2s"), ("mode", "shared")]))
+        .collect();
+    let mut statuses = Vec::new();
+    for claim in claims {
+        statuses.push(claim.await.expect("claim").status());
+    }
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
 }
 
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
