@@ -523,6 +523,20 @@ mod tests {
         }
     }
 
+    /// An exclusive claim of `name` by one owner, 30 s.
+    fn claim(name: &str) -> Claim {
+        Claim {
+            key: key(name),
+            mode: Mode::Exclusive,
+            owner: "owner".into(),
+            sidecar: "sidecar".into(),
+            ttl: Duration::from_secs(30),
+            limit: None,
+            lock_delay: Duration::ZERO,
+            max_hold: None,
+        }
+    }
+
     /// Requests on names never granted keep nothing; a name once granted
     /// keeps its entry (its fence) after its release.
     #[tokio::test]
@@ -538,16 +552,7 @@ mod tests {
             memory.force_release(&key).await.expect("force-release");
         }
         assert_eq!(memory.keys.lock().unwrap().len(), 0);
-        let claim = Claim {
-            key: key("granted"),
-            mode: Mode::Exclusive,
-            owner: "owner".into(),
-            sidecar: "sidecar".into(),
-            ttl: Duration::from_secs(30),
-            limit: None,
-            lock_delay: Duration::ZERO,
-            max_hold: None,
-        };
+        let claim = claim("granted");
         let Attempt::Granted(grant) = memory
             .try_acquire(&claim, Turn::Once)
             .await
@@ -577,16 +582,7 @@ mod tests {
     #[tokio::test]
     async fn a_lease_from_the_scans_future_is_not_stale() {
         let memory = Memory::new(Wakeups::default());
-        let claim = Claim {
-            key: key("future"),
-            mode: Mode::Exclusive,
-            owner: "owner".into(),
-            sidecar: "sidecar".into(),
-            ttl: Duration::from_secs(30),
-            limit: None,
-            lock_delay: Duration::ZERO,
-            max_hold: None,
-        };
+        let claim = claim("future");
         memory
             .try_acquire(&claim, Turn::Once)
             .await

@@ -390,25 +390,9 @@ async fn a_server_crash_after_releases_keeps_the_handoff_and_the_fences() {
         free.release(&grant.token).await;
     }
     // Straight after the answers: what the server had not written is lost.
-    let crasher = cluster.clone();
-    tokio::task::spawn_blocking(move || {
-        crasher.crash_server();
-        crasher.start_server();
-    })
-    .await
-    .expect("crash and restart the server");
-    eventually("/readyz to pass", Duration::from_secs(15), async || {
-        (readyz_status(&sidecar).await == StatusCode::OK).then_some(())
-    })
-    .await;
+    crash_and_restart(&cluster, &sidecar).await;
 
-    let holders: Vec<(String, u64)> = handed
-        .inspect()
-        .await
-        .holders
-        .into_iter()
-        .map(|h| (h.owner, h.fence))
-        .collect();
+    let holders = owners_and_fences(&handed).await;
     assert_eq!(holders, [("waiter".to_owned(), handed_over.fence)]);
     handed.acquire_busy(&[("owner", "other")]).await;
 
@@ -452,24 +436,8 @@ async fn a_grant_survives_a_crash_on_a_database_without_synchronous_commit() {
     // Past the sidecar's start-up writes, so that the grant is the last.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
-    let crasher = cluster.clone();
-    tokio::task::spawn_blocking(move || {
-        crasher.crash_server();
-        crasher.start_server();
-    })
-    .await
-    .expect("crash and restart the server");
-    eventually("/readyz to pass", Duration::from_secs(15), async || {
-        (readyz_status(&sidecar).await == StatusCode::OK).then_some(())
-    })
-    .await;
-    let holders: Vec<(String, u64)> = lock
-        .inspect()
-        .await
-        .holders
-        .into_iter()
-        .map(|h| (h.owner, h.fence))
-        .collect();
+    crash_and_restart(&cluster, &sidecar).await;
+    let holders = owners_and_fences(&lock).await;
     assert_eq!(holders, [("holder".to_owned(), holder.fence)]);
     lock.acquire_busy(&[("owner", "other")]).await;
 }
@@ -523,6 +491,32 @@ async fn contention_on_a_database_defaulting_to_repeatable_read_answers_no_503()
         "{} of 160 claims failed: {failed:?}",
         failed.len()
     );
+}
+
+/// Crashes the server (WAL in its buffers is lost), starts it again and
+/// waits until `sidecar` is ready.
+async fn crash_and_restart(cluster: &Arc<PgCluster>, sidecar: &SidecarGuard) {
+    let crasher = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        crasher.crash_server();
+        crasher.start_server();
+    })
+    .await
+    .expect("crash and restart the server");
+    eventually("/readyz to pass", Duration::from_secs(15), async || {
+        (readyz_status(sidecar).await == StatusCode::OK).then_some(())
+    })
+    .await;
+}
+
+/// The owner and fence of each holder of `lock`.
+async fn owners_and_fences(lock: &Resource) -> Vec<(String, u64)> {
+    lock.inspect()
+        .await
+        .holders
+        .into_iter()
+        .map(|h| (h.owner, h.fence))
+        .collect()
 }
 
 /// A cluster of the test's own whose database `sidelock` has

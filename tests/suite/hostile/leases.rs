@@ -1230,6 +1230,18 @@ async fn a_holder_reenters_with_a_wait_at_the_waiter_caps(#[case] backend: TestB
     }
 }
 
+/// The statuses of `n` acquires of `lock` with `params` sent at once, in
+/// order (by their numeric value).
+async fn sent_together(lock: &Resource, n: usize, params: &[(&str, &str)]) -> Vec<StatusCode> {
+    let claims: Vec<_> = (0..n).map(|_| lock.spawn_acquire_raw(params)).collect();
+    let mut statuses = Vec::new();
+    for claim in claims {
+        statuses.push(claim.await.expect("claim").status());
+    }
+    statuses.sort_by_key(StatusCode::as_u16);
+    statuses
+}
+
 /// The waiter caps still hold for claims that only look like re-entries:
 /// an owner whose lease this sidecar still counts, but which another
 /// sidecar force-released and granted to someone else, sends five waiting
@@ -1256,18 +1268,15 @@ async fn claims_that_only_look_like_reentries_stay_under_the_waiter_caps() {
         .lock(&name)
         .acquire(&[("owner", "b"), ("ttl", "60s")])
         .await;
-    let claims: Vec<_> = (0..5)
-        .map(|_| lock.spawn_acquire_raw(&[("owner", "a"), ("wait", "3s")]))
-        .collect();
-    let mut statuses = Vec::new();
-    for claim in claims {
-        statuses.push(claim.await.expect("claim").status());
-    }
-    let refused = statuses
-        .iter()
-        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
-        .count();
-    assert!(refused >= 4, "{statuses:?}");
+    let statuses = sent_together(&lock, 5, &[("owner", "a"), ("wait", "3s")]).await;
+    assert_eq!(
+        statuses,
+        [StatusCode::CONFLICT]
+            .into_iter()
+            .chain([StatusCode::TOO_MANY_REQUESTS; 4])
+            .collect::<Vec<_>>(),
+        "one waits its 3 s, the others are refused"
+    );
     other.api().lock(&name).release(&taken.token).await;
 }
 
@@ -1283,34 +1292,22 @@ async fn claims_arriving_together_stay_under_the_per_lock_waiter_cap() {
     let sidecar = backend.sidecar().flag("max-waiters", "1").start().await;
     let lock = sidecar.api().lock(&unique_name("together"));
     let holder = lock.acquire(&[("owner", "h"), ("ttl", "60s")]).await;
-    let claims: Vec<_> = (0..10)
-        .map(|_| lock.spawn_acquire_raw(&[("wait", "2s")]))
-        .collect();
-    let mut statuses = Vec::new();
-    for claim in claims {
-        statuses.push(claim.await.expect("claim").status());
-    }
-    let refused = statuses
-        .iter()
-        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
-        .count();
-    assert!(refused >= 9, "{statuses:?}");
+    let statuses = sent_together(&lock, 10, &[("wait", "2s")]).await;
+    assert_eq!(
+        statuses,
+        [StatusCode::CONFLICT]
+            .into_iter()
+            .chain([StatusCode::TOO_MANY_REQUESTS; 9])
+            .collect::<Vec<_>>(),
+        "one waits its 2 s, the others are refused"
+    );
     lock.release(&holder.token).await;
 
     // Claims that are granted at once never wait: twenty shared claims
     // sent together at a free lock are all granted, whatever the cap.
     let shared = sidecar.api().lock(&unique_name("together-shared"));
-    let claims: Vec<_> = (0..20)
-        .map(|_| shared.spawn_acquire_raw(&[("wait", "2s"), ("mode", "shared")]))
-        .collect();
-    let mut statuses = Vec::new();
-    for claim in claims {
-        statuses.push(claim.await.expect("claim").status());
-    }
-    assert!(
-        statuses.iter().all(|s| *s == StatusCode::OK),
-        "{statuses:?}"
-    );
+    let statuses = sent_together(&shared, 20, &[("wait", "2s"), ("mode", "shared")]).await;
+    assert_eq!(statuses, [StatusCode::OK; 20]);
 }
 
 /// Finding 12, waiters: with `--max-total-waiters 3`, three waiters on
