@@ -3,6 +3,7 @@
 //! and recording a grant.
 
 use std::collections::HashMap;
+use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,7 +24,7 @@ use crate::wakeups::{News, Place};
 use super::Core;
 use super::event::{Event, EventType};
 use super::hold::{HoldEvent, HoldEvents};
-use super::lease::{Filing, Granted, Local, Outcome};
+use super::lease::{Filing, Granted, Local, Outcome, State};
 
 /// One place under a per-sidecar cap, given back when dropped unless kept.
 pub(super) struct Slot<'a> {
@@ -794,8 +795,10 @@ impl Core {
                         fence: g.fence,
                         ttl: claim.ttl,
                         since_ms: g.since_ms,
-                        cap_ms: claim.max_hold.map(|m| g.since_ms.saturating_add(ms(m))),
-                        state: Mutex::new((
+                        cap_ms: claim
+                            .max_hold
+                            .and_then(|m| NonZeroU64::new(g.since_ms.saturating_add(ms(m)))),
+                        state: Mutex::new(State::new(
                             g.expires_at_ms,
                             g.count.max(1),
                             owed.saturating_add(1),
@@ -821,7 +824,7 @@ impl Core {
                 }
             }
         };
-        let count = lease.lock_state().1;
+        let count = lease.lock_state().count;
         self.metrics.acquired(&claim.key, "granted");
         self.metrics.observe(&self.metrics.wait, &claim.key, waited);
         let mut event = lease.event(EventType::Acquired, &self.sidecar);

@@ -199,11 +199,11 @@ impl Core {
         // over while this sidecar was busy or stopped reaches the hold with
         // its ttl running since the handoff, and may have less than a third
         // left.
-        let mut next = after(every).min(instant_at(
-            lease
-                .expires_at_ms()
-                .saturating_sub(ms(every).saturating_mul(2)),
-        ));
+        let due = |expires_at_ms: u64| instant_at(expires_at_ms.saturating_sub(ms(every) * 2));
+        // The expiry `next` was planned by: one earlier (a keepalive
+        // shortened the lease) brings the renewal forward.
+        let mut planned = lease.expires_at_ms();
+        let mut next = after(every).min(due(planned));
         loop {
             if let Some(&end) = lease.end.get() {
                 let reason = match end {
@@ -214,7 +214,7 @@ impl Core {
                 return;
             }
             let capped = lease.cap_ms.is_some_and(|cap| {
-                lease.expires_at_ms().saturating_add(drift_ms(lease.ttl)) >= cap
+                lease.expires_at_ms().saturating_add(drift_ms(lease.ttl)) >= cap.get()
             });
             let (seen, checkpoint) = expiry_checkpoint(lease);
             let checkpoint = instant_at(checkpoint);
@@ -227,10 +227,16 @@ impl Core {
                     if !supervise {
                         return std::future::pending().await;
                     }
-                    sleep_until(checkpoint).await;
+                    tokio::select! {
+                        () = sleep_until(checkpoint) => {}
+                        shortened = lease.expiry_before(planned) => return Tick::Shortened(shortened),
+                    }
                     return Tick::Checkpoint(lease.renewing.load(Ordering::Relaxed));
                 }
-                sleep_until(next).await;
+                tokio::select! {
+                    () = sleep_until(next) => {}
+                    shortened = lease.expiry_before(planned) => return Tick::Shortened(shortened),
+                }
                 // Boxed: the hold sleeps far more than it renews.
                 let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl)));
                 if !supervise {
@@ -250,6 +256,7 @@ impl Core {
                 tick = tick => match tick {
                     Tick::Renewed(Some(expires_at_ms)) => {
                         next = after(every);
+                        planned = expires_at_ms;
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
                         events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
@@ -258,6 +265,10 @@ impl Core {
                     Tick::Renewed(None) => next = after(retry),
                     Tick::Checkpoint(renewing) => {
                         supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
+                    }
+                    Tick::Shortened(expires_at_ms) => {
+                        planned = expires_at_ms;
+                        next = next.min(due(expires_at_ms));
                     }
                 },
                 // The top of the loop reports the end.
@@ -444,6 +455,8 @@ pub(super) enum Tick {
     Renewed(Option<u64>),
     /// The expiry checkpoint came; whether a renewal was under way then.
     Checkpoint(bool),
+    /// The lease's expiry moved earlier than the renewal was planned by.
+    Shortened(u64),
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had
@@ -451,7 +464,7 @@ pub(super) enum Tick {
 /// vanished while still valid: key deleted, token overwritten, data lost).
 pub(super) fn lapse_reason(lease: &Local) -> LostReason {
     let now = now_ms();
-    match lease.cap_ms {
+    match lease.cap_ms.map(std::num::NonZeroU64::get) {
         Some(cap) if now.saturating_add(drift_ms(lease.ttl)) >= cap => LostReason::MaxHold,
         _ if now < lease.expires_at_ms() => LostReason::Backend,
         _ => LostReason::Expired,

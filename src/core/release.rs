@@ -150,7 +150,7 @@ impl Core {
     /// The `max_hold` of a lease this sidecar granted, if it has one.
     pub fn lease_max_hold(&self, key: &LockKey, token: &Token) -> Option<Duration> {
         self.local_on(key, token)
-            .and_then(|l| l.cap_ms.map(|cap| cap.saturating_sub(l.since_ms)))
+            .and_then(|l| l.cap_ms.map(|cap| cap.get().saturating_sub(l.since_ms)))
             .map(Duration::from_millis)
     }
 

@@ -99,7 +99,7 @@ pub struct ForceReleased {
 fn granted_ttl_ms(g: &Granted) -> u64 {
     let now = now_ms();
     let ttl_ms = ms(g.ttl).max(g.expires_at_ms.saturating_sub(now));
-    match g.lease.cap_ms {
+    match g.lease.cap_ms.map(std::num::NonZeroU64::get) {
         // Never more than `max_hold` either: the backend's clock and ours
         // may round a millisecond apart.
         Some(cap) => ttl_ms

@@ -445,6 +445,42 @@ mod leases {
         );
     }
 
+    /// A keepalive that shortens a hold stream's lease (6 s to 1 s) wakes
+    /// the hold's watchdog, which renews the lease before that end: nobody
+    /// else is granted while the stream is open, and the stream tells of
+    /// no loss. The old watchdog slept until its next renewal, a third of
+    /// the hold's ttl away, and the lease lapsed a second after the
+    /// keepalive while its stream still said it held.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_hold_keeps_a_lease_a_keepalive_shortened(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("shortened-hold"));
+        let mut hold = lock.hold(&[("owner", "holder"), ("ttl", "6s")]).await;
+        let grant = hold.expect_acquired().await;
+        let shortened = lock.keepalive(&grant.token, &[("ttl", "1s")]).await;
+        assert!(shortened.ttl_ms <= 1000, "{shortened:?}");
+
+        let other = lock
+            .acquire_raw(&[("owner", "other"), ("wait", "2500ms")])
+            .await;
+        assert_eq!(
+            other.status(),
+            StatusCode::CONFLICT,
+            "another client was granted the lease of an open hold stream after a keepalive \
+             shortened it: {}",
+            other.text().await.unwrap_or_default()
+        );
+        while let Ok(Some(event)) = hold.next_within(ms(100)).await {
+            assert!(
+                matches!(event, HoldEvent::Renewed(_)),
+                "the hold should only have renewed its lease, got {event:?}"
+            );
+        }
+        assert_eq!(lock.inspect().await.holder_owners(), ["holder"]);
+        drop(hold);
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn keepalive_and_release_after_expiry_are_lease_lost(backend: TestBackend) {
