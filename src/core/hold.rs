@@ -238,12 +238,13 @@ impl Core {
                     shortened = lease.expiry_before(planned) => return Tick::Shortened(shortened),
                 }
                 // Boxed: the hold sleeps far more than it renews.
-                let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(lease.ttl)));
+                let to = renew_to(lease);
+                let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(to)));
                 if !supervise {
-                    return Tick::Renewed(renewal.await.ok());
+                    return Tick::Renewed(renewal.await.ok().map(|e| (e, to)));
                 }
                 tokio::select! {
-                    renewed = renewal => Tick::Renewed(renewed.ok()),
+                    renewed = renewal => Tick::Renewed(renewed.ok().map(|e| (e, to))),
                     renewing = async {
                         sleep_until(checkpoint).await;
                         lease.renewing.load(Ordering::Relaxed)
@@ -254,10 +255,10 @@ impl Core {
             // renewal hangs on an unreachable backend is reported at once.
             tokio::select! {
                 tick = tick => match tick {
-                    Tick::Renewed(Some(expires_at_ms)) => {
+                    Tick::Renewed(Some((expires_at_ms, to))) => {
                         next = after(every);
                         planned = expires_at_ms;
-                        let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(lease.ttl));
+                        let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(to));
                         events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
                     // On an error, `ended` fires next if the lease is lost; in an
@@ -451,12 +452,22 @@ impl Core {
 
 /// What woke a hold's watchdog.
 pub(super) enum Tick {
-    /// A renewal ended, with the new expiry if it worked.
-    Renewed(Option<u64>),
+    /// A renewal ended, with the new expiry and the ttl it renewed to if
+    /// it worked.
+    Renewed(Option<(u64, Duration)>),
     /// The expiry checkpoint came; whether a renewal was under way then.
     Checkpoint(bool),
     /// The lease's expiry moved earlier than the renewal was planned by.
     Shortened(u64),
+}
+
+/// The ttl a hold's watchdog renews its lease to: the hold's, or what the
+/// lease has left if that is more. A re-entry or keepalive may have
+/// lengthened it (`ttl=60s` over a hold's 3 s), and its client was told
+/// the lease runs that long: a renewal never takes that back.
+fn renew_to(lease: &Local) -> Duration {
+    let left = lease.expires_at_ms().saturating_sub(now_ms());
+    lease.ttl.max(Duration::from_millis(left))
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had

@@ -481,6 +481,36 @@ mod leases {
         drop(hold);
     }
 
+    /// A hold's watchdog renews a lease a re-entry lengthened (60 s over the
+    /// hold's 1.5 s) to no less than the re-entry gave it: the re-entry's
+    /// client, which was told its lease runs 60 s, still holds it after the
+    /// stream closes and the hold's own ttl has passed. The old watchdog
+    /// renewed to the hold's ttl, cutting the lease to 1.5 s, and another
+    /// client was granted it while the re-entry's client still held it.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_hold_never_shortens_a_lease_a_reentry_lengthened(backend: TestBackend) {
+        let (_backend, sidecar) = setup(backend).await;
+        let lock = sidecar.api().lock(&unique_name("lengthened-hold"));
+        let mut hold = lock.hold(&[("owner", "w"), ("ttl", "1500ms")]).await;
+        let grant = hold.expect_acquired().await;
+        let again = lock.acquire(&[("owner", "w"), ("ttl", "60s")]).await;
+        assert_eq!((again.count, &again.token), (2, &grant.token));
+        match hold.next_within(ms(2000)).await {
+            Ok(Some(HoldEvent::Renewed(r))) => assert!(
+                r.expires_at_ms + 2000 >= again.expires_at_ms,
+                "the watchdog cut the lease to {r:?} after a re-entry gave it until {}",
+                again.expires_at_ms
+            ),
+            other => panic!("expected the watchdog's renewal, got {other:?}"),
+        }
+        drop(hold);
+        tokio::time::sleep(ms(2500)).await;
+        lock.acquire_busy(&[("owner", "other")]).await;
+        lock.keepalive(&again.token, &[]).await;
+        lock.release(&again.token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn keepalive_and_release_after_expiry_are_lease_lost(backend: TestBackend) {
