@@ -418,19 +418,28 @@ impl Backend for Redlock {
             .iter()
             .find(|(_, n)| **n >= self.quorum)
             .map(|(t, _)| (*t).to_owned());
-        let elapsed = ms(started.elapsed());
-        let validity = ms(claim.ttl).saturating_sub(elapsed + drift(claim.ttl));
-        if let Some(winner) = winner.filter(|_| validity > 0) {
+        // The nodes' lease runs `max_hold` when that is shorter than the ttl.
+        let span = claim.max_hold.map_or(claim.ttl, |m| m.min(claim.ttl));
+        let validity = || ms(span).saturating_sub(ms(started.elapsed()) + drift(span));
+        if let Some(winner) = winner.filter(|_| validity() > 0) {
             let won: Vec<&(usize, Grant)> = grants
                 .iter()
                 .filter(|(_, g)| g.token.expose() == winner)
                 .collect();
             let fence = won.iter().map(|(_, g)| g.fence).max().unwrap_or(0);
             let count = majority_count(won.iter().map(|(_, g)| g.count), self.quorum);
+            // Within the lease's validity: a raise that lands later still
+            // only raises a counter.
+            let left = Duration::from_millis(validity());
             let behind = won.iter().filter(|(_, g)| g.fence < fence).map(|(i, g)| {
-                self.members[*i]
+                let raise = self.members[*i]
                     .node
-                    .raise_fence(&claim.key, fence, &g.token)
+                    .raise_fence(&claim.key, fence, &g.token);
+                async move {
+                    tokio::time::timeout(left, raise)
+                        .await
+                        .unwrap_or_else(|_| Err(timed_out("raise_fence")))
+                }
             });
             let raises = join_all(behind).await;
             let raised = raises.iter().filter(|r| r.is_ok()).count();
@@ -451,14 +460,35 @@ impl Backend for Redlock {
                 ));
             }
             // Nodes that did not grant still show our waiter: take it away.
+            // A hanging node may not hold the answer back for longer than
+            // an attempt's time limit for a node: its call goes on after.
             if let Turn::Queued(t) = turn {
                 self.lock_tickets().remove(&(t.key.clone(), t.seq));
             }
-            let stale = seqs.iter().enumerate().filter_map(|(i, s)| {
-                s.filter(|_| !won.iter().any(|(w, _)| *w == i))
-                    .map(|s| self.members[i].dequeue(&claim.key, s))
-            });
-            join_all(stale).await;
+            let stale: Vec<(Arc<Member>, u64)> = seqs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| {
+                    s.filter(|_| !won.iter().any(|(w, _)| *w == i))
+                        .map(|s| (self.members[i].clone(), s))
+                })
+                .collect();
+            if !stale.is_empty() {
+                let (key, stop) = (claim.key.clone(), self.stop.clone());
+                let leaving = tokio::spawn(async move {
+                    let leave = join_all(stale.iter().map(|(m, s)| m.dequeue(&key, *s)));
+                    tokio::select! {
+                        _ = leave => {}
+                        () = stop.cancelled() => {}
+                    }
+                });
+                let _ = tokio::time::timeout(limit, leaving).await;
+            }
+            // Answered within its validity, or not at all.
+            if validity() == 0 {
+                self.undo(&claim.key, &grants).await;
+                return Err(timed_out("try_acquire"));
+            }
             let since_ms = won
                 .iter()
                 .map(|(_, g)| g.since_ms)
@@ -472,8 +502,8 @@ impl Backend for Redlock {
                 since_ms,
                 expires_at_ms: node_expiry.min(
                     start_ms
-                        .saturating_add(ms(claim.ttl))
-                        .saturating_sub(drift(claim.ttl)),
+                        .saturating_add(ms(span))
+                        .saturating_sub(drift(span)),
                 ),
             }));
         }

@@ -980,3 +980,94 @@ async fn a_waiter_without_a_limit_is_granted_when_one_node_never_queued_it() {
         answer.text().await.unwrap_or_default()
     );
 }
+
+/// The lease's end a grant's answer carries, and when the answer came,
+/// both in ms since the epoch.
+async fn received_grant(answer: reqwest::Response) -> (u64, u64) {
+    let received = common::now_ms();
+    let status = answer.status();
+    let body = answer.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let grant: serde_json::Value = serde_json::from_str(&body).expect("a grant's JSON");
+    (
+        grant["expires_at_ms"].as_u64().expect("expires_at_ms"),
+        received,
+    )
+}
+
+/// A waiter granted by two nodes while the third, where it was queued too,
+/// hangs (SIGSTOP): taking its place out of that node's queue waited for
+/// the node's call to time out (2 s), and the grant of a 1 s lease was
+/// answered a second after the lease had ended on the nodes that granted
+/// it — free for anyone else to take. A grant is answered within its
+/// validity or not at all.
+#[tokio::test]
+async fn a_grant_is_never_answered_after_its_lease_ran_out() {
+    let nodes = RedisNodes::start(3).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("validity");
+    let (_, queue) = keys_of(&name);
+    let holder = a
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "30s")])
+        .await;
+    let waiter =
+        b.api()
+            .lock(&name)
+            .spawn_acquire_raw(&[("owner", "w"), ("ttl", "1s"), ("wait", "20s")]);
+    common::eventually(
+        "the waiter queued on every node",
+        Duration::from_secs(5),
+        async || {
+            for n in &nodes.nodes {
+                if n.cmd::<i64>(&["LLEN", &queue]).await != 1 {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    nodes.nodes[2].signal(Signal::SIGSTOP);
+    a.api().lock(&name).release(&holder.token).await;
+    let answer = waiter.await.expect("the waiter's task");
+    nodes.nodes[2].signal(Signal::SIGCONT);
+    let (expires_at_ms, received) = received_grant(answer).await;
+    assert!(
+        expires_at_ms > received,
+        "a grant answered {} ms after its lease ended",
+        received - expires_at_ms
+    );
+}
+
+/// A claim whose `max_hold` (50 ms) is shorter than its ttl (10 s) gets a
+/// lease of 50 ms on each node, but its validity was reckoned from the
+/// ttl: with a node slow to answer (150 ms), the grant was answered after
+/// the lease had ended on the other two.
+#[tokio::test]
+async fn a_grant_capped_by_max_hold_is_never_answered_after_its_end() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("capped-validity"));
+    // Connections made before the pause.
+    let warm = lock.acquire(&[("owner", "warm")]).await;
+    lock.release(&warm.token).await;
+    nodes.nodes[2].pause_clients(150).await;
+    let answer = lock
+        .acquire_raw(&[("owner", "w"), ("ttl", "10s"), ("max_hold", "50ms")])
+        .await;
+    match answer.status() {
+        // Refused for want of time is right too.
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {}
+        _ => {
+            let (expires_at_ms, received) = received_grant(answer).await;
+            assert!(
+                expires_at_ms > received,
+                "a grant answered {} ms after its lease ended",
+                received - expires_at_ms
+            );
+        }
+    }
+}
