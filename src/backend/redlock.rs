@@ -57,7 +57,8 @@ use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
 use super::redact;
-use super::redis::{Member, Node, Numbering, Step, Watchers, watch};
+use super::redis::{CALL_TIMEOUT, Member, Node, Numbering, Step, Watchers, watch};
+use super::unanswered::release_unanswered;
 use super::url::Parts;
 use super::{
     Attempt, Backend, Busy, Cause, Description, Error, Grant, Holder, Loss, Options, Outage,
@@ -111,6 +112,35 @@ fn unsupported_semaphore(nodes: usize, limit: Option<u32>) -> Error {
          needs only a majority, so more than `limit` clients can hold permits at once); use a \
          redis://, zk:// or postgres:// backend for semaphores, or limit=1 (an exclusive lock)"
     ))
+}
+
+/// The nodes whose answers an attempt gave up (timed out, connection
+/// lost): they may run its script after all and grant its token, a lease
+/// nobody would hold until its ttl — a majority of them a whole lock. When
+/// dropped, it releases the token on each of them in the background (see
+/// [`release_unanswered`]), unless the attempt won with that token: then
+/// such a grant is part of the winner's lease.
+struct LateGrants {
+    members: Vec<Arc<Member>>,
+    key: LockKey,
+    token: Token,
+    /// How long a late grant could last.
+    span: Duration,
+    stop: CancellationToken,
+}
+
+impl Drop for LateGrants {
+    fn drop(&mut self) {
+        let now = tokio::time::Instant::now();
+        for member in self.members.drain(..) {
+            let (key, token, stop) = (self.key.clone(), self.token.clone(), self.stop.clone());
+            let until = now + self.span;
+            tokio::spawn(async move {
+                let release = || member.release_lost(&key, &token);
+                release_unanswered(key.clone(), release, CALL_TIMEOUT, now, until, stop).await;
+            });
+        }
+    }
 }
 
 /// A local ticket (key, number) → that ticket's number on each node, if it has one.
@@ -366,6 +396,14 @@ impl Backend for Redlock {
         // semaphore idle once its holder left, while the others queue it).
         let mut unlimited = 0;
         let mut failed = Vec::new();
+        let span = claim.max_hold.map_or(claim.ttl, |m| m.min(claim.ttl));
+        let mut late = LateGrants {
+            members: Vec::new(),
+            key: claim.key.clone(),
+            token: token.clone(),
+            span,
+            stop: self.stop.clone(),
+        };
         for (i, a) in answers.into_iter().enumerate() {
             match a {
                 Ok(Attempt::Granted(g)) => {
@@ -383,7 +421,12 @@ impl Backend for Redlock {
                 Err(e @ (Error::LimitMismatch { .. } | Error::KeyConflict { .. })) => {
                     refused.get_or_insert(e);
                 }
-                Err(e) => failed.push(e),
+                Err(e) => {
+                    if matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost)) {
+                        late.members.push(self.members[i].clone());
+                    }
+                    failed.push(e);
+                }
             }
         }
         // The claim's place on each node: where it queued before, and where
@@ -419,7 +462,6 @@ impl Backend for Redlock {
             .find(|(_, n)| **n >= self.quorum)
             .map(|(t, _)| (*t).to_owned());
         // The nodes' lease runs `max_hold` when that is shorter than the ttl.
-        let span = claim.max_hold.map_or(claim.ttl, |m| m.min(claim.ttl));
         let validity = || ms(span).saturating_sub(ms(started.elapsed()) + drift(span));
         if let Some(winner) = winner.filter(|_| validity() > 0) {
             let won: Vec<&(usize, Grant)> = grants
@@ -488,6 +530,9 @@ impl Backend for Redlock {
             if validity() == 0 {
                 self.undo(&claim.key, &grants).await;
                 return Err(timed_out("try_acquire"));
+            }
+            if winner == token.expose() {
+                late.members.clear();
             }
             let since_ms = won
                 .iter()

@@ -1071,3 +1071,32 @@ async fn a_grant_capped_by_max_hold_is_never_answered_after_its_end() {
         }
     }
 }
+
+/// Two nodes of three stall past an attempt's time limit for a node (a
+/// 2 s ttl gives each node 200 ms): only the third answers, and the claim
+/// is refused with 503. The stalled nodes ran the attempt's script when
+/// they woke and granted its token — a majority lease nobody had been
+/// given, kept until its ttl: the free lock answered 409 to everyone, and
+/// the refused owner's next claim re-entered it (`count` 2). A grant a
+/// node may have made after its answer was given up is released there.
+#[tokio::test]
+async fn a_grant_made_after_a_nodes_time_limit_is_given_back() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("late-grant"));
+    // Connections made before the pauses.
+    let warm = lock.acquire(&[("owner", "warm")]).await;
+    lock.release(&warm.token).await;
+    nodes.nodes[0].pause_clients(400).await;
+    nodes.nodes[1].pause_clients(400).await;
+    let refused = lock.acquire_raw(&[("owner", "o"), ("ttl", "2s")]).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let state = lock.inspect().await;
+    assert!(
+        state.holders.is_empty(),
+        "a lease nobody was given: {state:?}"
+    );
+    let again = lock.acquire(&[("owner", "o"), ("ttl", "2s")]).await;
+    assert_eq!(again.count, 1, "{again:?}");
+}

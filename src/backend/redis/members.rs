@@ -10,6 +10,7 @@ use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::unanswered::Failed;
 use crate::backend::{Attempt, Busy, Cause, Error, Watch};
 use crate::lock::{Claim, Kind, LockKey, Token};
 use crate::wakeups::Wakeups;
@@ -155,6 +156,23 @@ impl Member {
             lock(&self.suspect).insert(key.clone());
         }
         Ok(holds)
+    }
+
+    /// Releases `token`'s lease of an attempt whose answer was given up,
+    /// for [`release_unanswered`](crate::backend::unanswered::release_unanswered):
+    /// not run when no connection can be had; after connecting, a failure
+    /// may come after the release ran.
+    pub(crate) async fn release_lost(
+        &self,
+        key: &LockKey,
+        token: &Token,
+    ) -> Result<Option<u32>, Failed> {
+        if self.node.connection("release").await.is_err() {
+            return Err(Failed::NotRun);
+        }
+        self.release(key, token)
+            .await
+            .map_err(|_| Failed::Unanswered)
     }
 
     /// An acquire attempt that keeps the ticket bookkeeping. A queued

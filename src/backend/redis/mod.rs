@@ -90,7 +90,7 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 /// A waiter whose sidecar has not refreshed it for this long is dropped.
 const HEARTBEAT_TTL: Duration = Duration::from_secs(15);
 /// Connect and response timeout of every Redis call.
-const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a queued attempt whose connection broke waits before it runs
 /// again: time for the connection to be made anew.
 const RERUN_AFTER: Duration = Duration::from_millis(50);
