@@ -99,6 +99,12 @@ const ATTEMPTS_IN_FLIGHT: usize = 128;
 /// one holder, not more (see the module doc).
 const MAX_PERMITS: u32 = 1;
 
+/// The shortest lease a Redlock attempt can grant: one no longer than its
+/// clock-drift allowance (1% + 2 ms) and the nodes' answer never has
+/// validity left, and its claim would be granted and undone until its
+/// wait ran out.
+const MIN_SPAN: Duration = Duration::from_millis(10);
+
 /// The refusal of a semaphore with more than [`MAX_PERMITS`] permits:
 /// why, and what to use instead.
 fn unsupported_semaphore(nodes: usize, limit: Option<u32>) -> Error {
@@ -341,6 +347,17 @@ impl Backend for Redlock {
         if claim.key.kind == Kind::Semaphore && claim.limit.is_some_and(|l| l > MAX_PERMITS) {
             return Err(unsupported_semaphore(self.members.len(), claim.limit));
         }
+        // The nodes' lease runs `max_hold` when that is shorter than the ttl.
+        let span = claim.max_hold.map_or(claim.ttl, |m| m.min(claim.ttl));
+        if span < MIN_SPAN {
+            return Err(Error::Unsupported(format!(
+                "a lease of {} ms is too short for the redlock backend: its ttl (and max_hold) \
+                 must be at least {} ms, as every grant subtracts a clock-drift allowance of 1% \
+                 + 2 ms and the time the nodes take to answer",
+                ms(span),
+                ms(MIN_SPAN)
+            )));
+        }
         // A queued semaphore claim without a limit joined a semaphore in
         // use, whose limit is 1 (the only one allowed here): it claims
         // that. A node whose grant to it was undone after a split vote, or
@@ -396,7 +413,6 @@ impl Backend for Redlock {
         // semaphore idle once its holder left, while the others queue it).
         let mut unlimited = 0;
         let mut failed = Vec::new();
-        let span = claim.max_hold.map_or(claim.ttl, |m| m.min(claim.ttl));
         let mut late = LateGrants {
             members: Vec::new(),
             key: claim.key.clone(),
@@ -461,7 +477,6 @@ impl Backend for Redlock {
             .iter()
             .find(|(_, n)| **n >= self.quorum)
             .map(|(t, _)| (*t).to_owned());
-        // The nodes' lease runs `max_hold` when that is shorter than the ttl.
         let validity = || ms(span).saturating_sub(ms(started.elapsed()) + drift(span));
         if let Some(winner) = winner.filter(|_| validity() > 0) {
             let won: Vec<&(usize, Grant)> = grants

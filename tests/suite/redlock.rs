@@ -1100,3 +1100,30 @@ async fn a_grant_made_after_a_nodes_time_limit_is_given_back() {
     let again = lock.acquire(&[("owner", "o"), ("ttl", "2s")]).await;
     assert_eq!(again.count, 1, "{again:?}");
 }
+
+/// A lease no longer than Redlock's clock-drift allowance (1% + 2 ms) can
+/// never be granted: every attempt was granted by the nodes and undone for
+/// want of validity, taken for a split vote, and tried again 5–50 ms later
+/// until the claim's wait ran out — a free lock answered 409, after a
+/// wait's worth of grants and undos on every node. Such a ttl, or
+/// `max_hold`, is refused up front, saying what Redlock needs.
+#[tokio::test]
+async fn a_lease_too_short_for_redlocks_drift_allowance_is_refused() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("too-short"));
+    for params in [
+        [("ttl", "2ms"), ("wait", "1s")],
+        [("ttl", "10s"), ("max_hold", "2ms")],
+    ] {
+        let problem = assert_problem(
+            lock.acquire_raw(&params).await,
+            StatusCode::BAD_REQUEST,
+            "unsupported",
+        )
+        .await;
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("at least"), "{problem}");
+    }
+    lock.acquire(&[("ttl", "100ms")]).await;
+}
