@@ -782,6 +782,7 @@ impl Core {
                 // A count of 0 (a handoff) leaves the lease's own.
                 Some(local) => {
                     local.set(Some(g.expires_at_ms), (g.count > 0).then_some(g.count));
+                    local.promise(g.expires_at_ms, true);
                     local.count_here(true);
                     local.renewing.store(false, Ordering::Relaxed);
                     local.clone()

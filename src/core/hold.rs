@@ -199,11 +199,14 @@ impl Core {
         // over while this sidecar was busy or stopped reaches the hold with
         // its ttl running since the handoff, and may have less than a third
         // left.
-        let due = |expires_at_ms: u64| instant_at(expires_at_ms.saturating_sub(ms(every) * 2));
-        // The expiry `next` was planned by: one earlier (a keepalive
-        // shortened the lease) brings the renewal forward.
-        let mut planned = lease.expires_at_ms();
-        let mut next = after(every).min(due(planned));
+        let mut next = after(every).min(instant_at(
+            lease
+                .expires_at_ms()
+                .saturating_sub(ms(every).saturating_mul(2)),
+        ));
+        // Counted while this renews it: a keepalive then keeps the lease
+        // for at least the ttl this renews by.
+        let _streaming = lease.stream();
         loop {
             if let Some(&end) = lease.end.get() {
                 let reason = match end {
@@ -227,16 +230,10 @@ impl Core {
                     if !supervise {
                         return std::future::pending().await;
                     }
-                    tokio::select! {
-                        () = sleep_until(checkpoint) => {}
-                        shortened = lease.expiry_before(planned) => return Tick::Shortened(shortened),
-                    }
+                    sleep_until(checkpoint).await;
                     return Tick::Checkpoint(lease.renewing.load(Ordering::Relaxed));
                 }
-                tokio::select! {
-                    () = sleep_until(next) => {}
-                    shortened = lease.expiry_before(planned) => return Tick::Shortened(shortened),
-                }
+                sleep_until(next).await;
                 // Boxed: the hold sleeps far more than it renews.
                 let to = renew_to(lease);
                 let renewal = Box::pin(self.keepalive(&lease.key, &lease.token, Some(to)));
@@ -257,7 +254,6 @@ impl Core {
                 tick = tick => match tick {
                     Tick::Renewed(Some((expires_at_ms, to))) => {
                         next = after(every);
-                        planned = expires_at_ms;
                         let ttl_ms = expires_at_ms.saturating_sub(now_ms()).min(ms(to));
                         events.send(HoldEvent::Renewed { expires_at_ms, ttl_ms });
                     }
@@ -266,10 +262,6 @@ impl Core {
                     Tick::Renewed(None) => next = after(retry),
                     Tick::Checkpoint(renewing) => {
                         supervise = Box::pin(self.check_expiry(lease, seen, renewing)).await;
-                    }
-                    Tick::Shortened(expires_at_ms) => {
-                        planned = expires_at_ms;
-                        next = next.min(due(expires_at_ms));
                     }
                 },
                 // The top of the loop reports the end.
@@ -457,17 +449,18 @@ pub(super) enum Tick {
     Renewed(Option<(u64, Duration)>),
     /// The expiry checkpoint came; whether a renewal was under way then.
     Checkpoint(bool),
-    /// The lease's expiry moved earlier than the renewal was planned by.
-    Shortened(u64),
 }
 
-/// The ttl a hold's watchdog renews its lease to: the hold's, or what the
-/// lease has left if that is more. A re-entry or keepalive may have
-/// lengthened it (`ttl=60s` over a hold's 3 s), and its client was told
-/// the lease runs that long: a renewal never takes that back.
+/// The ttl a hold's watchdog renews its lease to: the hold's, or up to
+/// the end its clients were told of if that is later. A re-entry or
+/// keepalive may have lengthened it (`ttl=60s` over a hold's 3 s), and its
+/// client was told the lease runs that long: a renewal never takes that
+/// back. (The end promised, not the lease's expiry as last seen: Redlock's
+/// view of an expiry is its nodes' less a drift allowance, and renewing to
+/// that would take the allowance off again at every renewal.)
 fn renew_to(lease: &Local) -> Duration {
-    let left = lease.expires_at_ms().saturating_sub(now_ms());
-    lease.ttl.max(Duration::from_millis(left))
+    let promised = lease.promised_ms().saturating_sub(now_ms());
+    lease.ttl.max(Duration::from_millis(promised))
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had

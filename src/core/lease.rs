@@ -10,7 +10,6 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -67,10 +66,14 @@ pub(super) struct State {
     /// (what it gives back at shutdown: its owner may hold the others
     /// through other sidecars).
     here: u32,
-    /// A hold's watchdog waiting for its next renewal: woken when the
-    /// expiry moves earlier (a keepalive shortened the lease), so that it
-    /// renews before that end rather than at the time it planned.
-    renewer: Option<Waker>,
+    /// The end its clients were last told of (a grant's, a re-entry's, a
+    /// keepalive's answer; not a watchdog's renewal): a hold's watchdog
+    /// renews to no less, whatever the backend's clock conversions take
+    /// off its own view of the expiry.
+    promised_ms: u64,
+    /// Hold streams running a watchdog on it: a keepalive does not shorten
+    /// it below their ttl, which their watchdogs renew by.
+    streams: u16,
 }
 
 impl State {
@@ -79,8 +82,20 @@ impl State {
             expires_at_ms,
             count,
             here,
-            renewer: None,
+            promised_ms: expires_at_ms,
+            streams: 0,
         }
+    }
+}
+
+/// A hold stream's watchdog counted on its lease (see [`State::streams`])
+/// until dropped.
+pub(super) struct Streaming<'a>(&'a Local);
+
+impl Drop for Streaming<'_> {
+    fn drop(&mut self) {
+        let mut s = self.0.lock_state();
+        s.streams = s.streams.saturating_sub(1);
     }
 }
 
@@ -90,22 +105,32 @@ impl Local {
         self.lock_state().expires_at_ms
     }
 
-    /// Resolves with the lease's expiry once it is earlier than `seen`
-    /// (the one its watchdog planned its next renewal by).
-    ///
-    /// # Cancellation safety
-    /// Safe: it only reads, and leaves its waker to be replaced.
-    pub(super) fn expiry_before(&self, seen: u64) -> impl Future<Output = u64> + '_ {
-        std::future::poll_fn(move |cx| {
-            let mut s = self.lock_state();
-            if s.expires_at_ms < seen {
-                return Poll::Ready(s.expires_at_ms);
-            }
-            if !s.renewer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                s.renewer = Some(cx.waker().clone());
-            }
-            Poll::Pending
-        })
+    /// Counts a hold stream's watchdog on the lease while the guard lives.
+    pub(super) fn stream(&self) -> Streaming<'_> {
+        let mut s = self.lock_state();
+        s.streams = s.streams.saturating_add(1);
+        Streaming(self)
+    }
+
+    /// Whether a hold stream's watchdog renews the lease.
+    pub(super) fn streamed(&self) -> bool {
+        self.lock_state().streams > 0
+    }
+
+    /// The end a client was told of: a re-entry's (`lengthen`) never takes
+    /// back an earlier one, a keepalive's replaces it.
+    pub(super) fn promise(&self, expires_at_ms: u64, lengthen: bool) {
+        let mut s = self.lock_state();
+        s.promised_ms = if lengthen {
+            s.promised_ms.max(expires_at_ms)
+        } else {
+            expires_at_ms
+        };
+    }
+
+    /// The end its clients were last told of.
+    pub(super) fn promised_ms(&self) -> u64 {
+        self.lock_state().promised_ms
     }
 
     /// One hold more taken (`true`) or released (`false`) through this sidecar.
@@ -139,12 +164,7 @@ impl Local {
             s.count = c;
         }
         if let Some(e) = expires_at_ms {
-            let earlier = e < s.expires_at_ms;
             s.expires_at_ms = e;
-            if earlier && let Some(w) = s.renewer.take() {
-                drop(s);
-                w.wake();
-            }
         }
     }
 
@@ -296,8 +316,8 @@ mod tests {
 
     /// A lease with its `Arc` counts stays within a 224-byte chunk of
     /// glibc's malloc (216 bytes and its size word), as it was before the
-    /// watchdog's waker joined it: 10,000 hold streams sit at the 100 MiB
-    /// line on ZooKeeper.
+    /// promised end and the stream count joined it: 10,000 hold streams
+    /// sit at the 100 MiB line on ZooKeeper.
     #[test]
     fn a_lease_stays_in_its_size_class() {
         assert!(

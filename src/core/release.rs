@@ -154,11 +154,37 @@ impl Core {
             .map(Duration::from_millis)
     }
 
+    /// A client's keepalive: extends a lease to `ttl` (default: its own)
+    /// from now, but not below the ttl an open hold stream of the lease
+    /// renews it by (that stream's client was told it holds the lease while
+    /// the stream is open, and its watchdog renews by that ttl). What it
+    /// answers is the end the lease's clients were told of from then on.
+    /// Returns the expiry and the ttl it asked for (`None`: the lease's own).
+    ///
+    /// # Errors
+    /// As [`keepalive`](Self::keepalive).
+    pub async fn keepalive_asked(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<(u64, Option<Duration>), Error> {
+        let ttl = match self.local_on(key, token) {
+            Some(local) if local.streamed() => Some(ttl.map_or(local.ttl, |t| t.max(local.ttl))),
+            _ => ttl,
+        };
+        let expires_at_ms = self.keepalive(key, token, ttl).await?;
+        if let Some(local) = self.local_on(key, token) {
+            local.promise(expires_at_ms, false);
+        }
+        Ok((expires_at_ms, ttl))
+    }
+
     /// Extends a lease to `ttl` (default: its own) from now.
     ///
     /// # Errors
     /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
-    pub async fn keepalive(
+    pub(super) async fn keepalive(
         &self,
         key: &LockKey,
         token: &Token,

@@ -1127,3 +1127,26 @@ async fn a_lease_too_short_for_redlocks_drift_allowance_is_refused() {
     }
     lock.acquire(&[("ttl", "100ms")]).await;
 }
+
+/// A hold's watchdog renews a lease a re-entry lengthened (10 s over the
+/// hold's 300 ms) to the end the re-entry was told of. It renewed to the
+/// lease's expiry as Redlock reports it — the nodes' less a drift
+/// allowance — which took the allowance off again at every renewal: the
+/// lease fell back to the hold's ttl seconds early, and once the stream
+/// closed another client was granted what the re-entry's client still
+/// held.
+#[tokio::test]
+async fn a_lengthened_lease_keeps_its_end_through_a_holds_renewals() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("drifting"));
+    let mut hold = lock.hold(&[("owner", "w"), ("ttl", "300ms")]).await;
+    hold.expect_acquired().await;
+    let again = lock.acquire(&[("owner", "w"), ("ttl", "10s")]).await;
+    assert_eq!(again.count, 2);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    drop(hold);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    lock.acquire_busy(&[("owner", "other")]).await;
+    lock.release(&again.token).await;
+}

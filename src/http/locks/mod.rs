@@ -118,9 +118,10 @@ async fn release(
 async fn keepalive(app: &App, key: LockKey, p: KeepaliveParams) -> Result<Json<Renewed>, Error> {
     let token = require_token(p.token)?;
     let ttl = check_ttl(p.ttl.as_ref(), &app.core.limits)?;
-    let asked = ttl.or_else(|| app.core.lease_ttl(&key, &token));
+    let own = app.core.lease_ttl(&key, &token);
     let max_hold = app.core.lease_max_hold(&key, &token);
-    let expires_at_ms = app.core.keepalive(&key, &token, ttl).await?;
+    let (expires_at_ms, renewed_to) = app.core.keepalive_asked(&key, &token, ttl).await?;
+    let asked = renewed_to.or(own);
     let mut ttl_ms = expires_at_ms.saturating_sub(crate::clock::now_ms());
     if let Some(ttl) = asked {
         // A backend's clock conversion may round up; never report more than the ttl.

@@ -445,12 +445,15 @@ mod leases {
         );
     }
 
-    /// A keepalive that shortens a hold stream's lease (6 s to 1 s) wakes
-    /// the hold's watchdog, which renews the lease before that end: nobody
-    /// else is granted while the stream is open, and the stream tells of
-    /// no loss. The old watchdog slept until its next renewal, a third of
-    /// the hold's ttl away, and the lease lapsed a second after the
-    /// keepalive while its stream still said it held.
+    /// A keepalive asking for less than an open hold stream's ttl (1 s
+    /// against 6 s) does not shorten its lease below the hold's ttl: that
+    /// stream's client was told it holds the lease while the stream is
+    /// open, and its watchdog renews by its own ttl. Nobody else is granted
+    /// the lock, and the stream tells of no loss. Before, the lease lapsed a
+    /// second after the keepalive, its watchdog asleep until its next
+    /// renewal a third of the hold's ttl away — also when another hold
+    /// stream of the same lease had come and gone, whose watchdog was the
+    /// one a first fix woke.
     #[apply(backends)]
     #[tokio::test]
     async fn a_hold_keeps_a_lease_a_keepalive_shortened(backend: TestBackend) {
@@ -458,8 +461,23 @@ mod leases {
         let lock = sidecar.api().lock(&unique_name("shortened-hold"));
         let mut hold = lock.hold(&[("owner", "holder"), ("ttl", "6s")]).await;
         let grant = hold.expect_acquired().await;
-        let shortened = lock.keepalive(&grant.token, &[("ttl", "1s")]).await;
-        assert!(shortened.ttl_ms <= 1000, "{shortened:?}");
+        let mut second = lock.hold(&[("owner", "holder"), ("ttl", "6s")]).await;
+        assert_eq!(second.expect_acquired().await.count, 2);
+        tokio::time::sleep(ms(50)).await;
+        drop(second);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lock.inspect().await.holders.first().map(|h| h.count) != Some(1) {
+            assert!(
+                Instant::now() < deadline,
+                "the second hold was not released"
+            );
+            tokio::time::sleep(ms(20)).await;
+        }
+        let kept = lock.keepalive(&grant.token, &[("ttl", "1s")]).await;
+        assert!(
+            kept.ttl_ms > 4000,
+            "an open hold's lease was shortened: {kept:?}"
+        );
 
         let other = lock
             .acquire_raw(&[("owner", "other"), ("wait", "2500ms")])
@@ -468,7 +486,7 @@ mod leases {
             other.status(),
             StatusCode::CONFLICT,
             "another client was granted the lease of an open hold stream after a keepalive \
-             shortened it: {}",
+             asked for less: {}",
             other.text().await.unwrap_or_default()
         );
         while let Ok(Some(event)) = hold.next_within(ms(100)).await {
