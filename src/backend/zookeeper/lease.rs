@@ -328,8 +328,8 @@ impl Inner {
 
     /// [`Backend::release`](crate::backend::Backend::release): lowers the
     /// hold count of `token`'s node, deleting it at zero — in the same
-    /// request as it records the lease's fence in the lock node; `None`
-    /// when it holds nothing.
+    /// request as it records the lease's fence in the lock node, unless the
+    /// record is there already; `None` when it holds nothing.
     pub(super) async fn release(
         self: &Arc<Self>,
         key: &LockKey,
@@ -345,7 +345,7 @@ impl Inner {
         let (zk, parent) = (&zk, &parent);
         // Concurrent releases of a semaphore's permits or of shared holds
         // all write the lock node's record: as many rounds as for the
-        // lock's other records.
+        // lock's other records, and more while others go through (below).
         let released = retry_on_conflict(PARENT_ROUNDS, || async move {
             let Some(mut record) = self.lease_of(zk, op, parent, token).await? else {
                 return Ok(Round::Done(None));
@@ -376,42 +376,55 @@ impl Inner {
             if record.parent.version.is_none() {
                 record.parent = self.parent_data(zk, op, parent).await?;
             }
-            let listing = Listing {
+            let mut listing = Listing {
                 parent: record.parent.clone(),
                 ..Listing::default()
             };
             // No wake-up here: the next waiter's watch on this node fires.
-            match self.end_lease(zk, op, parent, lease, 0, &listing).await? {
-                Ok(()) => {
+            loop {
+                let Err(failed) = self.end_lease(zk, op, parent, lease, 0, &listing).await? else {
                     lock(&self.leases).remove(token);
-                    Ok(Round::Done(Some(0)))
-                }
-                Err(Failed {
-                    index: 0,
-                    error: zk::Error::NoNode,
-                }) => {
-                    lock(&self.leases).remove(token);
-                    Ok(Round::Done(None))
-                }
-                Err(Failed {
-                    index: 0,
-                    error: zk::Error::BadVersion,
-                }) => {
-                    self.refresh(zk, op, token, &record).await?;
-                    Ok(Round::Conflict)
-                }
-                // The lock node's record changed since it was read.
-                Err(Failed {
-                    error: zk::Error::BadVersion,
-                    ..
-                }) => {
-                    let fresh = self.parent_data(zk, op, parent).await?;
-                    if let Some(r) = lock(&self.leases).get_mut(token) {
-                        r.parent = fresh;
+                    return Ok(Round::Done(Some(0)));
+                };
+                match failed {
+                    Failed {
+                        index: 0,
+                        error: zk::Error::NoNode,
+                    } => {
+                        lock(&self.leases).remove(token);
+                        return Ok(Round::Done(None));
                     }
-                    Ok(Round::Conflict)
+                    Failed {
+                        index: 0,
+                        error: zk::Error::BadVersion,
+                    } => {
+                        self.refresh(zk, op, token, &record).await?;
+                        return Ok(Round::Conflict);
+                    }
+                    // The lock node's record changed since it was read.
+                    Failed {
+                        error: zk::Error::BadVersion,
+                        ..
+                    } => {
+                        let fresh = self.parent_data(zk, op, parent).await?;
+                        if let Some(r) = lock(&self.leases).get_mut(token) {
+                            r.parent = fresh.clone();
+                        }
+                        // Raised by the end of another lease, which went
+                        // through: tried again at once, uncounted. Only
+                        // ends of leases granted before this one raise it
+                        // below this lease's fence (any later one's covers
+                        // it, and this end then writes no record), so
+                        // these tries end; a change that raised nothing
+                        // counts as a round.
+                        let raised = fresh.data.fence > listing.parent.data.fence;
+                        listing.parent = fresh;
+                        if !raised {
+                            return Ok(Round::Conflict);
+                        }
+                    }
+                    Failed { error, .. } => return Err(unavailable(op, error)),
                 }
-                Err(Failed { error, .. }) => Err(unavailable(op, error)),
             }
         })
         .await?;

@@ -82,7 +82,8 @@
 //! a later write stores it in the data; strictly increasing across the
 //! ensemble's life, also after the parent is removed and created again. The
 //! parent's data records the highest fence of the leases that ended on the
-//! lock, written by the request that deletes a lease's node (release,
+//! lock, written by the request that deletes a lease's node when it
+//! raises it (release,
 //! expiry, force-release, which deletes every holder's node in one
 //! request; the fences of leases lost with the session are recorded
 //! through the next session): `inspect` shows it for a lock nobody holds,
@@ -122,9 +123,14 @@
 //!   the holders' data and the watch on the blocker.
 //! * release: one multi-request that deletes the node at the version this
 //!   sidecar last wrote and records its fence in the parent at the version
-//!   the grant's listing saw = 1. Renewal: one `setData` = 1. A write
+//!   the grant's listing saw (unless the parent's record is at that fence
+//!   or above: it only rises) = 1. Renewal: one `setData` = 1. A write
 //!   through another sidecar (a re-entry, another release) moves a version:
-//!   the write fails and the node or the parent is read again.
+//!   the write fails and the node or the parent is read again. A release
+//!   that lost its parent write to another lease's end, which raised the
+//!   record, tries again at once without counting the round: only ends of
+//!   leases granted before it can raise the record below its fence, so
+//!   releases at once all go through.
 //! * handoff to a waiter: the release (1); the waiter's watch fires, and its
 //!   attempt sends the `setData` that grants it together with its listing
 //!   (2, one round trip). The write is the grant when the listing shows the

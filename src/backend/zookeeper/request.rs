@@ -95,12 +95,14 @@ pub(super) async fn must<T>(
 
 /// Rounds a compare-and-set on a lock's own records gets: the lock node's
 /// fence record and its delay node. Every lease that ends on the lock
-/// writes the record (in the request that deletes its node), and every
-/// expiry or force-release with a lock-delay the delay node, so all
-/// sidecars ending leases on the lock compete for the same version. A lost
-/// round means another writer's write went through, so 20 rounds carry a
-/// writer through a burst of up to 20 concurrent writers (a semaphore's
-/// permits released at once) and still end a request that keeps losing.
+/// writes the record when its fence raises it (in the request that deletes
+/// its node), and every expiry or force-release with a lock-delay the
+/// delay node, so all sidecars ending leases on the lock compete for the
+/// same version. A lost round means another writer's write went through,
+/// so 20 rounds carry a writer through a burst of up to 20 concurrent
+/// writers and still end a request that keeps losing. (A release does not
+/// count the rounds it lost to a write that raised the record: a
+/// semaphore's permits released at once are more writers than that.)
 pub(super) const PARENT_ROUNDS: u32 = 20;
 
 /// Rounds a compare-and-set on one claim node gets (renew), an attempt

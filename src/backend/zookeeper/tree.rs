@@ -848,10 +848,10 @@ pub(super) fn mark_path(path: &str, lock_delay_ms: u64) -> Option<String> {
 
 /// Adds to `writer` the record of leases that end under `parent`, as
 /// `listing` last showed the lock node: their highest `fence` in the lock
-/// node (at the version listed, when there is one) and, when `delay_until`
-/// is ahead of `now` (both on the servers' clock), the lock-delay in the
-/// delay node (created, or extended). `false` when there is nothing to
-/// write.
+/// node (at the version listed, when there is one, and unless its record
+/// is at `fence` or above already) and, when `delay_until` is ahead of
+/// `now` (both on the servers' clock), the lock-delay in the delay node
+/// (created, or extended). `false` when there is nothing to write.
 pub(super) fn add_end_record(
     writer: &mut zk::MultiWriter<'_>,
     op: &'static str,
@@ -862,7 +862,14 @@ pub(super) fn add_end_record(
     now: u64,
 ) -> Result<bool, Error> {
     let mut any = false;
-    if let Some(version) = listing.parent.version {
+    // Every write of the record is at the version its writer read, and
+    // only raises it: a record at `fence` or above stays so. Leaving it
+    // alone then spares the write, and the end does not race the lock's
+    // other ends for its version (a semaphore's permits released at once
+    // all did, each after the one whose write went through).
+    if let Some(version) = listing.parent.version
+        && listing.parent.data.fence < fence
+    {
         let record = serde_json::to_vec(&listing.parent.data.ended(fence)).unwrap_or_default();
         writer
             .add_set_data(parent, &record, Some(version))
