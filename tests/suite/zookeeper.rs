@@ -794,6 +794,108 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
     assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
 }
 
+/// The session that owns the ephemeral node whose path contains `name`,
+/// from the `dump` of the server on loopback `port`.
+async fn session_of_node(port: u16, name: &str) -> Option<u64> {
+    // Off this runtime, which may also run a proxy.
+    let dump = tokio::task::spawn_blocking(move || common::zookeeper::four_letter(port, "dump"))
+        .await
+        .expect("dump")?;
+    // "Sessions with Ephemerals": a line `0x<session>:`, then its nodes.
+    let mut session = None;
+    for line in dump.lines().map(str::trim) {
+        if let Some(hex) = line.strip_prefix("0x").and_then(|l| l.strip_suffix(':')) {
+            session = u64::from_str_radix(hex, 16).ok();
+        } else if line.contains(name) {
+            return session;
+        }
+    }
+    None
+}
+
+// A sidecar that gets no answer for 2/3 of its session timeout gives the
+// session up: it reports the session's leases lost and revokes their
+// tokens (410 from then on), but the session's nodes stay on the server
+// until the session reconnects (the sidecar then deletes them) or the
+// server expires it. Here its connection dies without a word and every
+// attempt to resume it is refused, while new sessions connect: the owner
+// asking again through that sidecar in between re-entered the old node,
+// and was answered 200 with the revoked token (count 2), whose keepalive
+// then answered 410. A revoked lease is now another holder's: busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_reported_lost_is_never_re_entered_through_its_sidecar() {
+    const SESSION_TIMEOUT: Duration = Duration::from_secs(9);
+    let server = ZkServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let url = format!(
+        "zk://127.0.0.1:{}/given-up?session_timeout={}s",
+        proxy.port(),
+        SESSION_TIMEOUT.as_secs()
+    );
+    let a = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("given-up");
+    let lock = a.api().lock(&name);
+    let mut held = lock.hold(&[("owner", "o"), ("ttl", "60s")]).await;
+    let first = held.expect_acquired().await;
+    // Written held for good (no longer tentative): a re-entry takes it
+    // without waiting for its confirmation.
+    lock.keepalive(&first.token, &[]).await;
+    let port = server.client_port(0);
+    let session = session_of_node(port, &name)
+        .await
+        .expect("the session of the lease's node");
+
+    // A resumption sends the session's id; a new session sends 0.
+    proxy.refuse(&session.to_be_bytes(), 1_000_000);
+    assert_eq!(
+        proxy.silence(name.as_bytes()),
+        1,
+        "the session's connection"
+    );
+    let silenced = Instant::now();
+    assert_eq!(
+        held.expect_lost_within(Duration::from_secs(20)).await,
+        "backend"
+    );
+    let again = lock.acquire_raw(&[("owner", "o"), ("ttl", "60s")]).await;
+    let status = again.status();
+    let body: Value = again.json().await.unwrap_or_default();
+    // The old session's node was still there: the server expires the
+    // session a session timeout after it last heard from it.
+    assert_eq!(
+        session_of_node(port, &name).await,
+        Some(session),
+        "the given-up session's node went before the acquire was answered"
+    );
+    assert!(silenced.elapsed() < SESSION_TIMEOUT);
+    assert_ne!(
+        body["token"].as_str(),
+        Some(first.token.as_str()),
+        "re-entered a lease reported lost: {status} {body}"
+    );
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["holders"][0]["owner"], "o", "{body}");
+    lock.keepalive_lost(&first.token).await;
+
+    // The server expires the session, and the owner is granted anew.
+    let granted = common::eventually(
+        "a new lease once the old session expired",
+        Duration::from_secs(30),
+        async || {
+            let r = lock.acquire_raw(&[("owner", "o"), ("ttl", "60s")]).await;
+            if r.status() == StatusCode::OK {
+                r.json::<common::Grant>().await.ok()
+            } else {
+                None
+            }
+        },
+    )
+    .await;
+    assert_ne!(granted.token, first.token);
+    assert_eq!(granted.count, 1);
+    assert!(granted.fence > first.fence);
+}
+
 /// DESIGN.md: after a lease ends by loss rather than by release, the lock
 /// is not granted again for its `lock_delay`. A ZooKeeper session that ends
 /// deletes its nodes without a word: a sidecar killed with its leases loses

@@ -816,12 +816,17 @@ impl ZooKeeper {
             // same.
             // (A lease over for its holder — told it ended, though the
             // servers' clock may not be there yet — is never re-entered:
-            // its owner was told it is lost.)
+            // its owner was told it is lost. Nor is a lease of a session
+            // this sidecar gave up, whose token it revoked and reported
+            // lost: its node stays until the session, resumed, is buried
+            // or the server expires it, and is a holder like any other
+            // until then.)
             let same_owner = ahead.iter().find(|n| {
                 n.data.as_ref().is_some_and(|d| {
                     d.owner == claim.owner
                         && (d.held || me.grants_by_listing(key.kind, n.child.mode))
                         && !(d.held && me.clock.earliest(d.expires_at_ms) <= now_ms())
+                        && !me.is_revoked(&Token::from_client(d.token.clone()))
                 }) && n.child.mode == claim.mode
             });
             // (This sidecar reads its own lease granted by its listing as
