@@ -75,14 +75,31 @@ impl Listing {
 struct ListerUse<'a> {
     listers: &'a Mutex<HashMap<(i64, String), Arc<Lister>>>,
     id: (i64, String),
-    lister: Arc<Lister>,
+    /// This caller's handle of the parent's lister, taken in the map's
+    /// entry under the map's lock and given back under it when it leaves.
+    lister: Option<Arc<Lister>>,
+}
+
+impl ListerUse<'_> {
+    fn lister(&self) -> &Lister {
+        self.lister
+            .as_deref()
+            .expect("a caller keeps its lister until it leaves")
+    }
 }
 
 impl Drop for ListerUse<'_> {
     fn drop(&mut self) {
         let mut listers = lock(self.listers);
-        // Only the map and this caller hold it: nobody waits for a listing.
-        if Arc::strong_count(&self.lister) == 2 {
+        // Its handle goes under the lock, as every handle is taken:
+        // dropped after it, two callers leaving at once could each still
+        // count the other's, and neither remove the lister.
+        drop(self.lister.take());
+        // Only the map holds it: nobody waits for a listing.
+        if listers
+            .get(&self.id)
+            .is_some_and(|l| Arc::strong_count(l) == 1)
+        {
             listers.remove(&self.id);
         }
     }
@@ -177,9 +194,9 @@ impl Inner {
         let user = ListerUse {
             listers: &self.listers,
             id,
-            lister,
+            lister: Some(lister),
         };
-        let lister = &user.lister;
+        let lister = user.lister();
         let seen = lister.issued.load(SeqCst);
         let mut last = lister.last.lock().await;
         if let Some((n, listing)) = &*last
@@ -924,5 +941,66 @@ pub(super) fn conflict<T>(op: &'static str, failed: Failed) -> Result<Round<T>, 
     match failed.error {
         zk::Error::BadVersion | zk::Error::NodeExists | zk::Error::NoNode => Ok(Round::Conflict),
         error => Err(unavailable(op, error)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller of the listing of `id` in `listers`, as [`Inner::children`]
+    /// makes one.
+    fn caller<'a>(
+        listers: &'a Mutex<HashMap<(i64, String), Arc<Lister>>>,
+        id: &(i64, String),
+    ) -> ListerUse<'a> {
+        let lister = lock(listers).entry(id.clone()).or_default().clone();
+        ListerUse {
+            listers,
+            id: id.clone(),
+            lister: Some(lister),
+        }
+    }
+
+    // Two callers of one lock's listing leave at once, on two threads, while
+    // a third holds the map of listers (taking its own entry): each checked
+    // whether it was the last one with its own handle of the lister still
+    // held, so both could find the other there, and the lister stayed in the
+    // map for good, with its last listing.
+    #[test]
+    fn the_last_of_two_callers_leaving_at_once_removes_their_lister() {
+        const ROUNDS: usize = 200;
+        let listers = Mutex::new(HashMap::new());
+        let id = (1, "/sidelock/locks/l".to_owned());
+        let slots: [Mutex<Option<ListerUse<'_>>>; 2] = [Mutex::new(None), Mutex::new(None)];
+        let (leave, left) = (std::sync::Barrier::new(3), std::sync::Barrier::new(3));
+        let mut kept = 0;
+        std::thread::scope(|s| {
+            for slot in &slots {
+                let (leave, left) = (&leave, &left);
+                s.spawn(move || {
+                    for _ in 0..ROUNDS {
+                        leave.wait();
+                        drop(lock(slot).take());
+                        left.wait();
+                    }
+                });
+            }
+            for _ in 0..ROUNDS {
+                for slot in &slots {
+                    *lock(slot) = Some(caller(&listers, &id));
+                }
+                let busy = lock(&listers);
+                leave.wait();
+                // Both wait for the map now.
+                std::thread::sleep(Duration::from_millis(1));
+                drop(busy);
+                left.wait();
+                if lock(&listers).remove(&id).is_some() {
+                    kept += 1;
+                }
+            }
+        });
+        assert_eq!(kept, 0, "{kept} of {ROUNDS} rounds left the lister behind");
     }
 }
