@@ -380,7 +380,9 @@ impl Backend for Redlock {
         let token = Token::generate();
         let started = Instant::now();
         let start_ms = now_ms();
-        let limit = (claim.ttl / 10).clamp(Duration::from_millis(20), Duration::from_millis(500));
+        // From the nodes' lease, which `max_hold` may make shorter than
+        // the ttl: a hanging node's wait must leave it validity.
+        let limit = (span / 10).clamp(Duration::from_millis(20), Duration::from_millis(500));
         let queued = match turn {
             Turn::Queued(t) => Some(self.node_tickets(t)),
             _ => None,
@@ -478,7 +480,13 @@ impl Backend for Redlock {
             .find(|(_, n)| **n >= self.quorum)
             .map(|(t, _)| (*t).to_owned());
         let validity = || ms(span).saturating_sub(ms(started.elapsed()) + drift(span));
-        if let Some(winner) = winner.filter(|_| validity() > 0) {
+        // Left for a grant with no validity left after its fence raises
+        // (or a re-entered lease ending before that, at its first grant's
+        // `max_hold`): undone, as a split vote is.
+        'won: {
+            let Some(winner) = winner.filter(|_| validity() > 0) else {
+                break 'won;
+            };
             let won: Vec<&(usize, Grant)> = grants
                 .iter()
                 .filter(|(_, g)| g.token.expose() == winner)
@@ -516,9 +524,23 @@ impl Backend for Redlock {
                     raise_failed.chain(&failed),
                 ));
             }
+            // The lease as the nodes keep it: a re-entered one ends at its
+            // first grant's `max_hold`, maybe before this claim's span.
+            let node_expiry = won.iter().map(|(_, g)| g.expires_at_ms).min().unwrap_or(0);
+            let left = || {
+                validity().min(
+                    node_expiry
+                        .saturating_sub(now_ms())
+                        .saturating_sub(drift(span)),
+                )
+            };
+            if left() == 0 {
+                break 'won;
+            }
             // Nodes that did not grant still show our waiter: take it away.
             // A hanging node may not hold the answer back for longer than
-            // an attempt's time limit for a node: its call goes on after.
+            // an attempt's time limit for a node, nor for more than half the
+            // grant's validity: its call goes on after.
             if let Turn::Queued(t) = turn {
                 self.lock_tickets().remove(&(t.key.clone(), t.seq));
             }
@@ -539,12 +561,8 @@ impl Backend for Redlock {
                         () = stop.cancelled() => {}
                     }
                 });
-                let _ = tokio::time::timeout(limit, leaving).await;
-            }
-            // Answered within its validity, or not at all.
-            if validity() == 0 {
-                self.undo(&claim.key, &grants).await;
-                return Err(timed_out("try_acquire"));
+                let wait = limit.min(Duration::from_millis(left() / 2));
+                let _ = tokio::time::timeout(wait, leaving).await;
             }
             if winner == token.expose() {
                 late.members.clear();
@@ -554,7 +572,6 @@ impl Backend for Redlock {
                 .map(|(_, g)| g.since_ms)
                 .min()
                 .unwrap_or(start_ms);
-            let node_expiry = won.iter().map(|(_, g)| g.expires_at_ms).min().unwrap_or(0);
             return Ok(Attempt::Granted(Grant {
                 token: Token::from_client(winner),
                 fence,

@@ -1150,3 +1150,51 @@ async fn a_lengthened_lease_keeps_its_end_through_a_holds_renewals() {
     lock.acquire_busy(&[("owner", "other")]).await;
     lock.release(&again.token).await;
 }
+
+/// A claim whose `max_hold` (400 ms) is far shorter than its ttl (30 s),
+/// with one node of three stopped: the attempt waited the ttl's time limit
+/// for the stopped node (500 ms), longer than the nodes' lease, so no
+/// grant ever had validity left and a free lock answered 409 at the end of
+/// the wait. The time limit comes from the lease the nodes keep.
+#[tokio::test]
+async fn a_claim_capped_by_max_hold_is_granted_with_a_node_stopped() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("capped-stopped"));
+    let warm = lock.acquire(&[("owner", "warm")]).await;
+    lock.release(&warm.token).await;
+    nodes.nodes[2].signal(Signal::SIGSTOP);
+    let answer = lock
+        .acquire_raw(&[("ttl", "30s"), ("max_hold", "400ms"), ("wait", "2s")])
+        .await;
+    nodes.nodes[2].signal(Signal::SIGCONT);
+    let (expires_at_ms, received) = received_grant(answer).await;
+    assert!(expires_at_ms > received);
+}
+
+/// A re-entry of a lease capped by its first grant's `max_hold` (2 s),
+/// sent just before that cap with one node slow: the nodes keep the lease
+/// only to the cap, but the re-entry's validity was reckoned from its own
+/// ttl, and it was answered after the lease had ended.
+#[tokio::test]
+async fn a_reentry_is_never_answered_after_its_leases_cap() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("capped-reentry"));
+    let first = lock
+        .acquire(&[("owner", "o"), ("ttl", "10s"), ("max_hold", "2s")])
+        .await;
+    let cap = first.expires_at_ms;
+    let until_cap = cap.saturating_sub(common::now_ms()).saturating_sub(100);
+    tokio::time::sleep(Duration::from_millis(until_cap)).await;
+    nodes.nodes[2].pause_clients(600).await;
+    let answer = lock.acquire_raw(&[("owner", "o"), ("ttl", "10s")]).await;
+    if answer.status() == StatusCode::OK {
+        let (expires_at_ms, received) = received_grant(answer).await;
+        assert!(
+            expires_at_ms > received,
+            "a re-entry answered {} ms after its lease's cap",
+            received - expires_at_ms
+        );
+    }
+}
