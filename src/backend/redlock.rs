@@ -527,13 +527,12 @@ impl Backend for Redlock {
             // The lease as the nodes keep it: a re-entered one ends at its
             // first grant's `max_hold`, maybe before this claim's span.
             let node_expiry = won.iter().map(|(_, g)| g.expires_at_ms).min().unwrap_or(0);
-            let left = || {
-                validity().min(
-                    node_expiry
-                        .saturating_sub(now_ms())
-                        .saturating_sub(drift(span)),
-                )
-            };
+            // That end less the drift allowance over the lease's run from
+            // this attempt, as a renewal reckons it.
+            let node_end = node_expiry.saturating_sub(drift(Duration::from_millis(
+                node_expiry.saturating_sub(start_ms),
+            )));
+            let left = || validity().min(node_end.saturating_sub(now_ms()));
             if left() == 0 {
                 break 'won;
             }
@@ -577,7 +576,7 @@ impl Backend for Redlock {
                 fence,
                 count,
                 since_ms,
-                expires_at_ms: node_expiry.min(
+                expires_at_ms: node_end.min(
                     start_ms
                         .saturating_add(ms(span))
                         .saturating_sub(drift(span)),

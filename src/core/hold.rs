@@ -457,10 +457,14 @@ pub(super) enum Tick {
 /// client was told the lease runs that long: a renewal never takes that
 /// back. (The end promised, not the lease's expiry as last seen: Redlock's
 /// view of an expiry is its nodes' less a drift allowance, and renewing to
-/// that would take the allowance off again at every renewal.)
+/// that would take the allowance off again at every renewal. The promised
+/// end is such a view too: renewed past it by the allowance, the nodes keep
+/// their margin beyond the end a client was told of.)
 fn renew_to(lease: &Local) -> Duration {
-    let promised = lease.promised_ms().saturating_sub(now_ms());
-    lease.ttl.max(Duration::from_millis(promised))
+    let promised = Duration::from_millis(lease.promised_ms().saturating_sub(now_ms()));
+    lease
+        .ttl
+        .max(promised + Duration::from_millis(drift_ms(promised)))
 }
 
 /// Why a lease the backend no longer has ended: `max_hold` if renewals had

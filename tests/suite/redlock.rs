@@ -1198,3 +1198,58 @@ async fn a_reentry_is_never_answered_after_its_leases_cap() {
         );
     }
 }
+
+/// The end a re-entry answers on Redlock is its nodes' end less a drift
+/// allowance, Redlock's margin for clocks that run fast. A hold's watchdog
+/// renewing up to that end set the nodes' lease to it exactly: the margin
+/// was gone, and a node whose clock ran fast could free the lock before
+/// the end its client was told of. The nodes keep the margin.
+#[tokio::test]
+async fn a_holds_renewals_keep_redlocks_margin_past_the_end_it_answered() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("margin");
+    let (main, _) = keys_of(&name);
+    let lock = sidecar.api().lock(&name);
+    let mut hold = lock.hold(&[("owner", "w"), ("ttl", "300ms")]).await;
+    hold.expect_acquired().await;
+    let again = lock.acquire(&[("owner", "w"), ("ttl", "10s")]).await;
+    assert_eq!(again.count, 2);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // drift(10 s) = 102 ms; what the renewals' own timing may take off.
+    let margin = 102 - 30;
+    for node in &nodes.nodes {
+        let pttl: i64 = node.cmd(&["PTTL", &main]).await;
+        let node_end = common::now_ms() + u64::try_from(pttl).expect("the lease on every node");
+        assert!(
+            node_end >= again.expires_at_ms + margin,
+            "a node keeps the lease to {node_end}, {} ms short of the end answered plus the \
+             margin",
+            (again.expires_at_ms + margin).saturating_sub(node_end)
+        );
+    }
+    drop(hold);
+}
+
+/// A re-entry capped by its lease's `max_hold` answers the nodes' end less
+/// the drift allowance over what is left of it, as every other Redlock
+/// answer does: it answered the nodes' own end. The first grant's end is
+/// the nodes' less 22 ms (1% of 2 s and 2 ms), the re-entry's a second
+/// later less 12 ms; it answered 18–22 ms past the first.
+#[tokio::test]
+async fn a_capped_reentry_answers_no_later_than_its_first_grant() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let lock = sidecar.api().lock(&unique_name("capped-answer"));
+    let first = lock
+        .acquire(&[("owner", "o"), ("ttl", "10s"), ("max_hold", "2s")])
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let again = lock.acquire(&[("owner", "o"), ("ttl", "10s")]).await;
+    assert_eq!(again.count, 2);
+    assert!(
+        again.expires_at_ms <= first.expires_at_ms + 15,
+        "the re-entry answered {} ms past its first grant's end",
+        again.expires_at_ms - first.expires_at_ms
+    );
+}
