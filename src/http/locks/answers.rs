@@ -93,12 +93,24 @@ pub struct ForceReleased {
     pub released: usize,
 }
 
+/// How far a backend's clock conversion may move a lease's end (Redis
+/// settles a server clock's offset to within 5 ms).
+const ROUNDING_MS: u64 = 5;
+
 /// The time a grant gave: its claim's ttl, or more where a re-entry found
 /// the lease running longer (re-entries never shorten it), and no more than
 /// is left before `max_hold` ends the lease.
 fn granted_ttl_ms(g: &Granted) -> u64 {
     let now = now_ms();
-    let ttl_ms = ms(g.ttl).max(g.expires_at_ms.saturating_sub(now));
+    let left = g.expires_at_ms.saturating_sub(now);
+    // Longer only where the lease really runs longer: a backend's clock
+    // conversion may put a fresh lease's end a millisecond or two past
+    // now + ttl (2001 for a 2 s claim on Redis Cluster).
+    let ttl_ms = if left > ms(g.ttl) + ROUNDING_MS {
+        left
+    } else {
+        ms(g.ttl)
+    };
     match g.lease.cap_ms.map(std::num::NonZeroU64::get) {
         // Never more than `max_hold` either: the backend's clock and ours
         // may round a millisecond apart.
