@@ -981,18 +981,20 @@ async fn a_waiter_without_a_limit_is_granted_when_one_node_never_queued_it() {
     );
 }
 
-/// The lease's end a grant's answer carries, and when the answer came,
-/// both in ms since the epoch.
-async fn received_grant(answer: reqwest::Response) -> (u64, u64) {
+/// Asserts that `answer` is a grant whose lease had not ended when the
+/// answer came.
+async fn assert_granted_in_time(answer: reqwest::Response) {
     let received = common::now_ms();
     let status = answer.status();
     let body = answer.text().await.unwrap_or_default();
     assert_eq!(status, StatusCode::OK, "{body}");
     let grant: serde_json::Value = serde_json::from_str(&body).expect("a grant's JSON");
-    (
-        grant["expires_at_ms"].as_u64().expect("expires_at_ms"),
-        received,
-    )
+    let expires_at_ms = grant["expires_at_ms"].as_u64().expect("expires_at_ms");
+    assert!(
+        expires_at_ms > received,
+        "a grant answered {} ms after its lease ended",
+        received - expires_at_ms
+    );
 }
 
 /// A waiter granted by two nodes while the third, where it was queued too,
@@ -1034,12 +1036,7 @@ async fn a_grant_is_never_answered_after_its_lease_ran_out() {
     a.api().lock(&name).release(&holder.token).await;
     let answer = waiter.await.expect("the waiter's task");
     nodes.nodes[2].signal(Signal::SIGCONT);
-    let (expires_at_ms, received) = received_grant(answer).await;
-    assert!(
-        expires_at_ms > received,
-        "a grant answered {} ms after its lease ended",
-        received - expires_at_ms
-    );
+    assert_granted_in_time(answer).await;
 }
 
 /// A claim whose `max_hold` (50 ms) is shorter than its ttl (10 s) gets a
@@ -1062,12 +1059,7 @@ async fn a_grant_capped_by_max_hold_is_never_answered_after_its_end() {
         // Refused for want of time is right too.
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {}
         _ => {
-            let (expires_at_ms, received) = received_grant(answer).await;
-            assert!(
-                expires_at_ms > received,
-                "a grant answered {} ms after its lease ended",
-                received - expires_at_ms
-            );
+            assert_granted_in_time(answer).await;
         }
     }
 }
@@ -1168,8 +1160,7 @@ async fn a_claim_capped_by_max_hold_is_granted_with_a_node_stopped() {
         .acquire_raw(&[("ttl", "30s"), ("max_hold", "400ms"), ("wait", "2s")])
         .await;
     nodes.nodes[2].signal(Signal::SIGCONT);
-    let (expires_at_ms, received) = received_grant(answer).await;
-    assert!(expires_at_ms > received);
+    assert_granted_in_time(answer).await;
 }
 
 /// A re-entry of a lease capped by its first grant's `max_hold` (2 s),
@@ -1190,12 +1181,7 @@ async fn a_reentry_is_never_answered_after_its_leases_cap() {
     nodes.nodes[2].pause_clients(600).await;
     let answer = lock.acquire_raw(&[("owner", "o"), ("ttl", "10s")]).await;
     if answer.status() == StatusCode::OK {
-        let (expires_at_ms, received) = received_grant(answer).await;
-        assert!(
-            expires_at_ms > received,
-            "a re-entry answered {} ms after its lease's cap",
-            received - expires_at_ms
-        );
+        assert_granted_in_time(answer).await;
     }
 }
 
