@@ -794,6 +794,93 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
     assert_eq!(b.api().lock(&name).inspect().await.holder_owners(), ["b"]);
 }
 
+// A sidecar whose only ZooKeeper server is a follower cut off from its
+// leader: the follower goes on answering it (reads, session pings) until its
+// own read timeout (`syncLimit × tickTime`, 5 s here), but it no longer
+// passes the session's pings on, so the leader expires the session after
+// `session_timeout` (2 s) and grants the lock to a sidecar on the rest of the
+// ensemble. The cut-off sidecar must stop vouching for its lease before that:
+// an answer from a follower proves nothing about the leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_on_a_follower_cut_off_from_its_leader_reports_lost_before_another_is_granted() {
+    let server = ZkServer::ensemble_with_cuttable_links().await;
+    let leader = common::eventually(
+        "the ensemble elects a leader",
+        Duration::from_secs(30),
+        async || server.leader(),
+    )
+    .await;
+    let follower = (0..3).find(|&i| i != leader).expect("a follower");
+    let others: Vec<usize> = (0..3).filter(|&i| i != follower).collect();
+    // B does the backend-wide work, whose writes A would otherwise send
+    // through the follower now and then: ZooKeeper answers none of a
+    // session's requests behind a write of its own waiting for the leader.
+    let b = sidecar(&server.url_of(&others, "/follower")).await;
+    common::eventually(
+        "B becomes the monitor",
+        Duration::from_secs(15),
+        async || {
+            let text = b.api().get(&["metrics"], &[]).await.text().await.ok()?;
+            text.lines()
+                .any(|l| l == "sidelock_monitor 1")
+                .then_some(())
+        },
+    )
+    .await;
+    let a = sidecar(&format!(
+        "{}?session_timeout=2s",
+        server.url_of(&[follower], "/follower")
+    ))
+    .await;
+    let name = unique_name("follower");
+    let mut held = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "a"), ("ttl", "60s")])
+        .await;
+    let first = held.expect_acquired().await;
+    let mut waiting = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "b"), ("ttl", "60s"), ("wait", "2m")])
+        .await;
+    waiting.expect_queued().await;
+    // After A's sidecar confirmed its grant with a write (150 ms after it).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    assert!(
+        server.cut_link(follower, leader) > 0,
+        "the follower talks to its leader through the link"
+    );
+    let cut_at = Instant::now();
+    let lost = tokio::spawn(async move {
+        let reason = held.expect_lost_within(Duration::from_secs(30)).await;
+        (reason, Instant::now(), held)
+    });
+    let granted = tokio::spawn(async move {
+        let grant = waiting
+            .expect_acquired_within(Duration::from_secs(60))
+            .await;
+        (grant, Instant::now(), waiting)
+    });
+    let (reason, lost_at, _held) = lost.await.expect("A's hold stream");
+    let (second, granted_at, _waiting) = granted.await.expect("B's hold stream");
+    eprintln!(
+        "after the cut: A's holder told lost at {:?}, B granted at {:?}",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(reason, "backend");
+    assert!(
+        lost_at < granted_at,
+        "A's holder learned of the loss {:?} after the cut, B was granted {:?} after it",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert_eq!(second.owner, "b");
+    assert!(second.fence > first.fence);
+}
+
 /// The session that owns the ephemeral node whose path contains `name`,
 /// from the `dump` of the server on loopback `port`.
 async fn session_of_node(port: u16, name: &str) -> Option<u64> {

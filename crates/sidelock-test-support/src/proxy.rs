@@ -157,6 +157,19 @@ impl CuttingProxy {
         silenced
     }
 
+    /// Every open connection dies without a word, as with
+    /// [`silence`](Self::silence). Returns how many it silenced.
+    pub fn silence_all(&self) -> usize {
+        let open = self.open.lock().expect("open");
+        let live = open.iter().filter_map(std::sync::Weak::upgrade);
+        live.map(|relayed| {
+            relayed
+                .silent
+                .store(true, std::sync::atomic::Ordering::SeqCst)
+        })
+        .count()
+    }
+
     /// Whether the request armed with [`delay_request`](Self::delay_request)
     /// is still to come.
     pub fn delaying(&self) -> bool {

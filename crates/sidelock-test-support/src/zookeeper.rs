@@ -1,7 +1,9 @@
 //! Real ZooKeeper servers for tests (Debian's `zookeeper` package, Java): a
 //! standalone server or an ensemble of three, each member on free loopback
 //! ports in its own temp dir, killed and reaped on drop, its log printed when
-//! the test fails. Members can be killed and restarted for fault tests.
+//! the test fails. Members can be killed and restarted for fault tests, and
+//! an ensemble's links between members can go through proxies, so that one
+//! member can be cut off from another while both keep running.
 //!
 //! When Java or the jars are missing the tests fail, naming `scripts/setup.sh`.
 
@@ -15,6 +17,7 @@ use tempfile::TempDir;
 
 use crate::free_port;
 use crate::process::ChildGuard;
+use crate::proxy::CuttingProxy;
 
 /// How long a server may take to answer `ruok` (a cold JVM on a busy machine).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -83,40 +86,51 @@ pub struct ZkServer {
     ip: String,
     /// How often empty container nodes (an unused lock's node) are reaped.
     reap_every: Duration,
+    /// `(from, to, proxy)`: member `from` reaches member `to`'s quorum port
+    /// (where a follower talks to its leader) through `proxy`. Empty unless
+    /// started by [`ZkServer::ensemble_with_cuttable_links`].
+    links: Vec<(usize, usize, CuttingProxy)>,
 }
 
 impl ZkServer {
     /// A standalone server; empty container nodes are reaped every second
     /// (ZooKeeper's default: every minute).
     pub async fn start() -> Self {
-        Self::start_members(1, "127.0.0.1", QUICK_REAPING).await
+        Self::start_members(1, "127.0.0.1", QUICK_REAPING, false).await
     }
 
     /// A standalone server that reaps empty container nodes every minute,
     /// as ZooKeeper does by default: for a test that needs a lock's node to
     /// outlive its last holder for a while.
     pub async fn start_reaping_slowly() -> Self {
-        Self::start_members(1, "127.0.0.1", Duration::from_secs(60)).await
+        Self::start_members(1, "127.0.0.1", Duration::from_secs(60), false).await
     }
 
     /// A standalone server serving clients on `ip` (e.g. the host end of a
     /// [`Link`](crate::netns::Link), so a namespace can reach it).
     pub async fn start_on(ip: &str) -> Self {
-        Self::start_members(1, ip, QUICK_REAPING).await
+        Self::start_members(1, ip, QUICK_REAPING, false).await
     }
 
     /// An ensemble of three.
     pub async fn ensemble() -> Self {
-        Self::start_members(3, "127.0.0.1", QUICK_REAPING).await
+        Self::start_members(3, "127.0.0.1", QUICK_REAPING, false).await
+    }
+
+    /// An ensemble of three whose members reach each other's quorum ports
+    /// (follower to leader) through proxies, so that [`cut_link`](Self::cut_link)
+    /// can cut a follower off from its leader. Elections go direct.
+    pub async fn ensemble_with_cuttable_links() -> Self {
+        Self::start_members(3, "127.0.0.1", QUICK_REAPING, true).await
     }
 
     /// Starts `n` members on free ports; again on new ports, up to
     /// [`START_ATTEMPTS`] times, when a member finds its port taken (another
     /// process may bind a port between its choice and the server's bind).
-    async fn start_members(n: usize, ip: &str, reap_every: Duration) -> Self {
+    async fn start_members(n: usize, ip: &str, reap_every: Duration, proxied: bool) -> Self {
         require();
         for attempt in 1..=START_ATTEMPTS {
-            match Self::try_start_members(n, ip, reap_every).await {
+            match Self::try_start_members(n, ip, reap_every, proxied).await {
                 Ok(server) => return server,
                 Err(e) if attempt < START_ATTEMPTS && e.contains(PORT_TAKEN) => {
                     eprintln!("{e}\nstarting again on new ports");
@@ -127,11 +141,26 @@ impl ZkServer {
         unreachable!("the last attempt returns or panics")
     }
 
-    async fn try_start_members(n: usize, ip: &str, reap_every: Duration) -> Result<Self, String> {
+    async fn try_start_members(
+        n: usize,
+        ip: &str,
+        reap_every: Duration,
+        proxied: bool,
+    ) -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("temp dir for ZooKeeper");
         let ports: Vec<(u16, u16, u16)> = (0..n)
             .map(|_| (free_port(), free_port(), free_port()))
             .collect();
+        let mut links = Vec::new();
+        if proxied {
+            for from in 0..n {
+                for (to, (_, peer, _)) in ports.iter().enumerate() {
+                    if from != to {
+                        links.push((from, to, CuttingProxy::start(*peer).await));
+                    }
+                }
+            }
+        }
         std::fs::write(
             dir.path().join("log4j.properties"),
             "log4j.rootLogger=INFO, CONSOLE\n\
@@ -155,6 +184,10 @@ impl ZkServer {
             );
             if n > 1 {
                 for (j, (_, p, e)) in ports.iter().enumerate() {
+                    let p = links
+                        .iter()
+                        .find(|(from, to, _)| (*from, *to) == (i, j))
+                        .map_or(*p, |(_, _, proxy)| proxy.port());
                     cfg.push_str(&format!("server.{}=127.0.0.1:{p}:{e}\n", j + 1));
                 }
             }
@@ -171,6 +204,7 @@ impl ZkServer {
             dir,
             ip: ip.to_owned(),
             reap_every,
+            links,
         };
         for i in 0..n {
             server.launch(i);
@@ -264,6 +298,15 @@ impl ZkServer {
         format!("zk://{}{chroot}", self.hosts())
     }
 
+    /// `zk://…/chroot` naming only `members` (their indices).
+    pub fn url_of(&self, members: &[usize], chroot: &str) -> String {
+        let hosts: Vec<String> = members
+            .iter()
+            .map(|&i| format!("{}:{}", self.ip, self.members[i].client_port))
+            .collect();
+        format!("zk://{}{chroot}", hosts.join(","))
+    }
+
     pub fn client_port(&self, i: usize) -> u16 {
         self.members[i].client_port
     }
@@ -280,6 +323,24 @@ impl ZkServer {
                 && four_letter_at(&self.ip, self.members[i].client_port, "srvr")
                     .is_some_and(|s| s.contains("Mode: leader") || s.contains("Mode: standalone"))
         })
+    }
+
+    /// Cuts member `from` off from member `to`'s quorum port without a word
+    /// (a follower from its leader): what either sends over the link is
+    /// lost from now on and neither is told, so the follower serves its
+    /// clients until its own read timeout (`syncLimit × tickTime`, 5 s)
+    /// while the leader hears nothing of their sessions. Returns how many
+    /// connections it cut.
+    ///
+    /// # Panics
+    /// If the ensemble was not started by [`Self::ensemble_with_cuttable_links`].
+    pub fn cut_link(&self, from: usize, to: usize) -> usize {
+        let (_, _, proxy) = self
+            .links
+            .iter()
+            .find(|(f, t, _)| (*f, *t) == (from, to))
+            .expect("an ensemble started with cuttable links");
+        proxy.silence_all()
     }
 
     /// Kills member `i` (SIGKILL) and reaps it.

@@ -171,19 +171,28 @@
 //! this sidecar is gone. The server expires it `T` (the negotiated session
 //! timeout) after it last heard from this sidecar, and another sidecar can be
 //! granted right after. So this sidecar stops vouching for its leases before
-//! that: a lifeline sends a request every `T/6`; the server heard from the
-//! session no earlier than the send time `s` of the last answered one, so it
-//! cannot expire the session before `s + T`. At `s + 2T/3` without a newer
-//! answer (cut off, ensemble without quorum, a process pause), the backend
-//! gives the session up: it announces every lease of the session lost on
+//! that: a lifeline sends a `sync` every `T/6`. A `sync` goes through the
+//! leader, which is the server that expires sessions; a read does not: a
+//! follower cut off from its leader answers reads by itself until its own
+//! timeout (`syncLimit × tickTime`), while the leader, hearing nothing more
+//! of the session, expires it. A follower tells its leader of the sessions
+//! it heard from in its answer to the leader's next ping (every
+//! `tickTime/2`), on the same link, ahead of the `sync`s it forwards after
+//! it. So once the round after round `k` is answered, the leader heard from
+//! the session no earlier than round `k`'s send time `s`, and cannot expire
+//! it before `s + T`, as long as half a tick and the link's delay stay
+//! under `T/6` (a session timeout of more than three ticks: ZooKeeper's
+//! defaults are 10 s and 2 s; a server the session talks to directly needs
+//! no such bound). At `s + 2T/3` without a newer answer (cut off, ensemble
+//! without quorum, a process pause), the backend gives the session up: it announces every lease of the session lost on
 //! [`Backend::losses`] (the core ends them and tells hold streams), revokes
 //! their tokens (renew and release answer lost from then on, even while
 //! ZooKeeper is unreachable), drops the session's tickets and opens a new
 //! session for later requests. The old session's nodes are deleted as soon
 //! as it reconnects, or the server deletes them when it expires it. The
 //! margin of `T/3` covers delivering the loss and scheduling delays; the
-//! price is that a pause longer than `2T/3` ends the leases even if the
-//! session would have survived. An expiry the client is told of is handled
+//! price is that a pause longer than about `T/2` (`2T/3` less a round)
+//! ends the leases even if the session would have survived. An expiry the client is told of is handled
 //! the same way.
 
 mod acquire;

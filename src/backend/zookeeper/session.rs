@@ -207,6 +207,9 @@ impl Inner {
         let sid = zk.session_id();
         // The server last heard from the session no earlier than this.
         let mut heard = established;
+        // When the last answered round was sent: the round after it proves
+        // the leader heard of it (module doc, # Sessions).
+        let mut last_sent = established;
         loop {
             if zk.state().is_terminated() {
                 return;
@@ -218,9 +221,12 @@ impl Inner {
             drop(inner);
             let deadline = tokio::time::Instant::from_std(heard + budget);
             let sent = Instant::now();
-            match tokio::time::timeout_at(deadline, zk.check_stat(&root)).await {
-                Ok(Ok(_) | Err(zk::Error::NoNode)) => {
-                    heard = sent;
+            // A `sync`, not a read: a follower answers reads by itself, even
+            // cut off from its leader, which then expires the session.
+            match tokio::time::timeout_at(deadline, zk.sync(&root)).await {
+                Ok(Ok(()) | Err(zk::Error::NoNode)) => {
+                    heard = last_sent;
+                    last_sent = sent;
                     if let Some(inner) = me.upgrade() {
                         inner.wakeups.heard();
                     }
