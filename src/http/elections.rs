@@ -21,7 +21,9 @@ use crate::core::election::{
 use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::App;
-use crate::http::locks::hold::{Finishing, SSE_KEEPALIVE, first_failure, hold_event, sse_json};
+use crate::http::locks::hold::{
+    Finishing, SSE_KEEPALIVE, first_failure, hold_event, sse_json, stall_limit,
+};
 use crate::http::locks::{Ask, DurationValue};
 use crate::http::params::{Given, LockName, NoParams, Params, duration};
 use crate::http::problem::Problem;
@@ -127,6 +129,7 @@ pub async fn campaign(
         ask.into_claim(election_key(&name), &app.core.limits, &app.core.sidecar)?;
     // A campaign stands until it leads or leaves: --max-wait does not apply.
     let wait = MAX_DURATION;
+    let stall = stall_limit(claim.ttl);
     let candidate = Candidate::new(std::mem::take(&mut claim.owner), value);
     claim.owner = candidate.encode();
     if app.core.shutdown.is_cancelled() {
@@ -152,9 +155,11 @@ pub async fn campaign(
         shown: None,
         leading: None,
     };
-    Ok(Sse::new(stream)
+    let mut response = Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
-        .into_response())
+        .into_response();
+    response.extensions_mut().insert(stall);
+    Ok(response)
 }
 
 /// A campaign's event stream, which also runs its hold (as a hold stream does).

@@ -17,7 +17,10 @@
 //! whose bytes make no progress for the write timeout (a client that does
 //! not read, pipelining or not) closes its connection with a reset, so its
 //! kernel send queue is freed at once; for a hold stream that is a
-//! disconnect, which releases the lease.
+//! disconnect, which releases the lease. A response may ask for a shorter
+//! write timeout ([`StallLimit`]): a hold's watchdog runs only while its
+//! stream is written, so a hold whose client stops reading must lose its
+//! connection, and release its lease, before the lease can lapse unrenewed.
 //!
 //! Head size: a request head (request line and headers) of more than
 //! [`MAX_HEAD`] bytes is answered 431 by hyper and the connection closed.
@@ -271,6 +274,12 @@ impl Drop for Member {
     }
 }
 
+/// A response extension: the response's connection is reset when its
+/// writes make no progress for this long, if that is shorter than the write
+/// timeout. For as long as the response is in flight.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::http) struct StallLimit(pub Duration);
+
 /// What the accept loop, the reader and the requests of one connection share.
 #[derive(Default)]
 struct ConnState {
@@ -285,6 +294,9 @@ struct ConnState {
     /// next read fails. (A flag and the reader's waker, not a cancellation
     /// token: that is an allocation and a future more in every connection.)
     shed: AtomicBool,
+    /// The [`StallLimit`] of the response in flight, in milliseconds; 0
+    /// for none (the write timeout).
+    stall_limit_ms: AtomicU64,
 }
 
 impl ConnState {
@@ -324,6 +336,8 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // HTTP/1.1: the next response is written only after this one.
+        self.0.stall_limit_ms.store(0, Ordering::Release);
         self.0.finished.fetch_add(1, Ordering::AcqRel);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.0.wake_reader();
@@ -369,6 +383,10 @@ fn connection(
         // hyper keeps for the connection's life.
         router.clone().oneshot(req).map(move |response| {
             let Ok(response) = response;
+            if let Some(StallLimit(limit)) = response.extensions().get() {
+                let limit = crate::clock::ms(*limit).max(1);
+                in_flight.0.stall_limit_ms.store(limit, Ordering::Release);
+            }
             Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
                 inner,
                 _in_flight: in_flight,
@@ -542,8 +560,11 @@ impl Watched {
                 return ready;
             }
         }
-        let deadline =
-            *self.write_stalled_since.get_or_insert_with(Instant::now) + self.limits.write;
+        let limit = match self.state.stall_limit_ms.load(Ordering::Acquire) {
+            0 => self.limits.write,
+            ms => self.limits.write.min(Duration::from_millis(ms)),
+        };
+        let deadline = *self.write_stalled_since.get_or_insert_with(Instant::now) + limit;
         let sleep = self
             .write_sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));

@@ -134,6 +134,12 @@ impl Netns {
         link
     }
 
+    /// Sets a sysctl of the namespace's own network stack (`net.ipv4.tcp_wmem`,
+    /// say); the host's is unchanged.
+    pub fn sysctl(&self, key: &str, value: &str) {
+        self.exec(&["sysctl", "-q", "-w", &format!("{key}={value}")]);
+    }
+
     /// Cuts `link`: its namespace end goes down, so nothing crosses it in
     /// either direction (no reset is sent: peers only notice by timeouts).
     pub fn cut(&self, link: &Link) {

@@ -18,6 +18,7 @@ use crate::clock::ms;
 use crate::core::{HoldEvent, HoldEvents};
 use crate::error::Error;
 use crate::http::App;
+use crate::http::server::StallLimit;
 use crate::lock::LockKey;
 
 use super::answers::{Renewed, acquired};
@@ -194,6 +195,7 @@ pub(super) async fn hold(
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
     let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
+    let stall = stall_limit(claim.ttl);
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
@@ -219,7 +221,16 @@ pub(super) async fn hold(
     let mut headers = HeaderMap::with_capacity(2);
     headers.extend(response.headers_mut().drain());
     *response.headers_mut() = headers;
+    response.extensions_mut().insert(stall);
     Ok(response)
+}
+
+/// How long a hold's stream may go unread, its socket full, before its
+/// connection is reset and the hold released: the watchdog runs only while
+/// the stream is written, and renews a third of the ttl before the lease
+/// ends, so the release comes before the lease could lapse unrenewed.
+pub(in crate::http) fn stall_limit(ttl: Duration) -> StallLimit {
+    StallLimit(ttl / 3)
 }
 
 /// A hold's event stream, which also runs the hold: each poll advances it

@@ -970,6 +970,95 @@ async fn a_client_that_never_reads_is_closed_by_the_write_timeout() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+/// Review finding: a hold's watchdog runs only while its stream is written.
+/// A client that stopped reading its hold stream filled the socket's
+/// buffers, the watchdog stopped, and its lease lapsed and went to a waiter
+/// while the stalled connection stayed open until the write timeout: its
+/// client, told nothing, still held the lock as far as it knew. A hold's
+/// connection is now reset when its writes stall for a third of its ttl,
+/// and the hold released, before the lease can lapse. (The sidecar runs in
+/// a namespace whose send buffers are 4 KB, so that a few events fill them.)
+#[tokio::test]
+async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_another() {
+    let ns = netns::Netns::create();
+    ns.sysctl("net.ipv4.tcp_wmem", "4096 4096 4096");
+    let http = ns.link();
+    let sidecar = SidecarBuilder::new("memory://")
+        .netns(&ns, &http.peer_ip)
+        .env("SIDELOCK_WRITE_TIMEOUT", "30s")
+        .start()
+        .await;
+    let name = unique_name("stalled");
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(1).unwrap();
+    let ip: std::net::IpAddr = http.peer_ip.parse().unwrap();
+    let mut stalled = within(
+        "connect to the sidecar",
+        Duration::from_secs(10),
+        socket.connect((ip, sidecar.port()).into()),
+    )
+    .await
+    .expect("connect to the sidecar");
+    stalled
+        .write_all(
+            format!(
+                "GET /v1/locks/{name}/hold?ttl=300ms&owner=stalled HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    within("the hold is acquired", Duration::from_secs(10), async {
+        let mut buf = [0u8; 512];
+        while !String::from_utf8_lossy(&seen).contains("event: acquired") {
+            let n = stalled.read(&mut buf).await.expect("read the hold stream");
+            assert!(
+                n > 0,
+                "the hold stream ended: {}",
+                String::from_utf8_lossy(&seen)
+            );
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    // The client reads no more; a waiter comes.
+    let stopped = Instant::now();
+    let granted = within(
+        "the waiter is granted",
+        Duration::from_secs(60),
+        sidecar
+            .api()
+            .lock(&name)
+            .acquire_raw(&[("owner", "waiter"), ("wait", "60s")]),
+    )
+    .await;
+    assert_eq!(granted.status(), StatusCode::OK);
+    eprintln!(
+        "the waiter was granted {:?} after the client stopped reading",
+        stopped.elapsed()
+    );
+    // By then the stalled client's connection is gone: reading it drains
+    // what was queued and ends, not with `lost` on an open connection.
+    let mut after = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stalled.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => after.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let after = String::from_utf8_lossy(&after);
+    assert!(
+        ended.is_ok(),
+        "the stalled hold's connection is still open after its lock went to a waiter; it then read:\n{after}"
+    );
+    assert!(!after.contains("event: lost"), "{after}");
+}
+
 /// A connection shed to make room while its response is stalled (the client
 /// pipelined requests and reads nothing) closes when it is shed, not at its
 /// write timeout: past the cap, every new client sheds one, and the open
