@@ -22,11 +22,13 @@ use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::App;
 use crate::http::locks::hold::{
-    Finishing, SSE_KEEPALIVE, first_failure, hold_event, sse_json, stall_limit,
+    Finishing, SSE_KEEPALIVE, first_failure, hold_event, limit_stall, limit_stall_to_grant,
+    sse_json,
 };
 use crate::http::locks::{Ask, DurationValue};
 use crate::http::params::{Given, LockName, NoParams, Params, duration};
 use crate::http::problem::Problem;
+use crate::http::server::Stall;
 use crate::lock::{Name, check_plain_text};
 
 /// Open `…/observe` streams per sidecar at most: each observed election
@@ -118,10 +120,12 @@ pub async fn campaign(
     uri: axum::http::Uri,
     State(app): State<Arc<App>>,
     LockName(name): LockName,
+    stall: Option<axum::Extension<Stall>>,
     Params(p): Params<CampaignParams>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
     super::refuse_head(&method, &uri)?;
+    let stall = stall.map(|axum::Extension(s)| s);
     check_not_reserved(&name)?;
     let value = check_value(p.value)?;
     let ask = Ask::campaign(p.ttl, p.lock_delay, p.owner);
@@ -129,7 +133,7 @@ pub async fn campaign(
         ask.into_claim(election_key(&name), &app.core.limits, &app.core.sidecar)?;
     // A campaign stands until it leads or leaves: --max-wait does not apply.
     let wait = MAX_DURATION;
-    let stall = stall_limit(claim.ttl);
+    limit_stall(stall.as_ref(), claim.ttl);
     let candidate = Candidate::new(std::mem::take(&mut claim.owner), value);
     claim.owner = candidate.encode();
     if app.core.shutdown.is_cancelled() {
@@ -154,12 +158,11 @@ pub async fn campaign(
         following: None,
         shown: None,
         leading: None,
+        stall,
     };
-    let mut response = Sse::new(stream)
+    Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(SSE_KEEPALIVE))
-        .into_response();
-    response.extensions_mut().insert(stall);
-    Ok(response)
+        .into_response())
 }
 
 /// A campaign's event stream, which also runs its hold (as a hold stream does).
@@ -175,6 +178,8 @@ struct CampaignStream {
     shown: Option<Option<Leader>>,
     /// Set while this campaign leads.
     leading: Option<Leading>,
+    /// The connection's write timeout, shortened for the lease.
+    stall: Option<Stall>,
 }
 
 /// Whether `leader` is the leadership `shown` last (`None`: nothing shown
@@ -250,6 +255,7 @@ impl Stream for CampaignStream {
             let _ = std::pin::Pin::new(&mut this.hold).poll(cx);
         }
         while let Some(event) = this.events.next() {
+            limit_stall_to_grant(this.stall.as_ref(), &event);
             if let Some(sse) = this.campaign_event(event) {
                 return Poll::Ready(Some(Ok(sse)));
             }

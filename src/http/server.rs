@@ -17,10 +17,11 @@
 //! whose bytes make no progress for the write timeout (a client that does
 //! not read, pipelining or not) closes its connection with a reset, so its
 //! kernel send queue is freed at once; for a hold stream that is a
-//! disconnect, which releases the lease. A response may ask for a shorter
-//! write timeout ([`StallLimit`]): a hold's watchdog runs only while its
-//! stream is written, so a hold whose client stops reading must lose its
-//! connection, and release its lease, before the lease can lapse unrenewed.
+//! disconnect, which releases the lease. A request may shorten its
+//! response's write timeout ([`Stall`]): a hold's watchdog runs only while
+//! its stream is written, so a hold whose client stops reading must lose
+//! its connection, and release its lease, before the lease can lapse
+//! unrenewed.
 //!
 //! Head size: a request head (request line and headers) of more than
 //! [`MAX_HEAD`] bytes is answered 431 by hyper and the connection closed.
@@ -274,11 +275,24 @@ impl Drop for Member {
     }
 }
 
-/// A response extension: the response's connection is reset when its
-/// writes make no progress for this long, if that is shorter than the write
-/// timeout. For as long as the response is in flight.
-#[derive(Clone, Copy, Debug)]
-pub(in crate::http) struct StallLimit(pub Duration);
+/// A request extension: shortens the write timeout of the request's
+/// connection while its response is in flight.
+#[derive(Clone)]
+pub struct Stall(Arc<ConnState>);
+
+impl Stall {
+    /// Resets the connection when its writes make no progress for `limit`,
+    /// or for a shorter limit set before, until this response ends.
+    pub(in crate::http) fn limit(&self, limit: Duration) {
+        let limit = crate::clock::ms(limit).max(1);
+        let _ = self
+            .0
+            .stall_limit_ms
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |old| {
+                Some(if old == 0 { limit } else { old.min(limit) })
+            });
+    }
+}
 
 /// What the accept loop, the reader and the requests of one connection share.
 #[derive(Default)]
@@ -294,7 +308,7 @@ struct ConnState {
     /// next read fails. (A flag and the reader's waker, not a cancellation
     /// token: that is an allocation and a future more in every connection.)
     shed: AtomicBool,
-    /// The [`StallLimit`] of the response in flight, in milliseconds; 0
+    /// The [`Stall`] limit of the response in flight, in milliseconds; 0
     /// for none (the write timeout).
     stall_limit_ms: AtomicU64,
 }
@@ -375,6 +389,7 @@ fn connection(
             })
         });
         req.extensions_mut().insert(ConnectInfo(peer));
+        req.extensions_mut().insert(Stall(state.clone()));
         if unix {
             req.extensions_mut().insert(OverUnixSocket);
         }
@@ -383,10 +398,6 @@ fn connection(
         // hyper keeps for the connection's life.
         router.clone().oneshot(req).map(move |response| {
             let Ok(response) = response;
-            if let Some(StallLimit(limit)) = response.extensions().get() {
-                let limit = crate::clock::ms(*limit).max(1);
-                in_flight.0.stall_limit_ms.store(limit, Ordering::Release);
-            }
             Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
                 inner,
                 _in_flight: in_flight,

@@ -18,7 +18,7 @@ use crate::clock::ms;
 use crate::core::{HoldEvent, HoldEvents};
 use crate::error::Error;
 use crate::http::App;
-use crate::http::server::StallLimit;
+use crate::http::server::Stall;
 use crate::lock::LockKey;
 
 use super::answers::{Renewed, acquired};
@@ -192,10 +192,11 @@ pub(super) async fn hold(
     app: Arc<App>,
     key: LockKey,
     ask: Ask,
+    stall: Option<Stall>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
     let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
-    let stall = stall_limit(claim.ttl);
+    limit_stall(stall.as_ref(), claim.ttl);
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);
     }
@@ -208,6 +209,7 @@ pub(super) async fn hold(
     let mut stream = HoldStream {
         hold: Finishing::new(hold, events.left().clone(), &app.finishers)?,
         events,
+        stall,
     };
     if let Some(e) = first_failure(&mut stream.hold, &stream.events).await {
         return Err(e);
@@ -221,16 +223,26 @@ pub(super) async fn hold(
     let mut headers = HeaderMap::with_capacity(2);
     headers.extend(response.headers_mut().drain());
     *response.headers_mut() = headers;
-    response.extensions_mut().insert(stall);
     Ok(response)
 }
 
-/// How long a hold's stream may go unread, its socket full, before its
-/// connection is reset and the hold released: the watchdog runs only while
-/// the stream is written, and renews a third of the ttl before the lease
-/// ends, so the release comes before the lease could lapse unrenewed.
-pub(in crate::http) fn stall_limit(ttl: Duration) -> StallLimit {
-    StallLimit(ttl / 3)
+/// Limits how long a hold's stream may go unread, its socket full, before
+/// its connection is reset and the hold released, to a third of `ttl`: the
+/// watchdog runs only while the stream is written, and renews every third
+/// of the lease's ttl, so the release comes before the lease could lapse
+/// unrenewed. Called with the claim's ttl, then with the lease's once
+/// granted (a re-entered lease renews at its own ttl, which may be shorter).
+pub(in crate::http) fn limit_stall(stall: Option<&Stall>, ttl: Duration) {
+    if let Some(stall) = stall {
+        stall.limit(ttl / 3);
+    }
+}
+
+/// [`limit_stall`] for the lease `event` grants, if it does.
+pub(in crate::http) fn limit_stall_to_grant(stall: Option<&Stall>, event: &HoldEvent) {
+    if let HoldEvent::Acquired(granted) = event {
+        limit_stall(stall, granted.lease.ttl);
+    }
 }
 
 /// A hold's event stream, which also runs the hold: each poll advances it
@@ -241,6 +253,8 @@ pub(in crate::http) fn stall_limit(ttl: Duration) -> StallLimit {
 pub(super) struct HoldStream {
     hold: Finishing<()>,
     events: Arc<HoldEvents>,
+    /// The connection's write timeout, shortened for the lease.
+    stall: Option<Stall>,
 }
 
 /// Runs `hold` until it reports its first event in `events` or ends, and
@@ -279,7 +293,10 @@ impl Stream for HoldStream {
             let _ = std::pin::Pin::new(&mut self.hold).poll(cx);
         }
         match self.events.next() {
-            Some(event) => Poll::Ready(Some(Ok(hold_event(event)))),
+            Some(event) => {
+                limit_stall_to_grant(self.stall.as_ref(), &event);
+                Poll::Ready(Some(Ok(hold_event(event))))
+            }
             None if self.hold.is_done() => Poll::Ready(None),
             None => Poll::Pending,
         }

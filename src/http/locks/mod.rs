@@ -31,6 +31,7 @@ use crate::error::Error;
 use crate::http::App;
 use crate::http::params::{LockName, NoParams, Params};
 use crate::http::problem::Problem;
+use crate::http::server::Stall;
 use crate::lock::{Kind, LockKey, Name};
 
 use answers::acquired;
@@ -238,10 +239,12 @@ macro_rules! kind_routes {
             uri: axum::http::Uri,
             State(app): State<Arc<App>>,
             LockName(name): LockName,
+            stall: Option<axum::Extension<Stall>>,
             Params(p): Params<$params>,
         ) -> Result<axum::response::Response, Error> {
             super::refuse_head(&method, &uri)?;
-            hold(app, key($kind, name), p.into()).await
+            let stall = stall.map(|axum::Extension(s)| s);
+            hold(app, key($kind, name), p.into(), stall).await
         }
 
         #[utoipa::path(get, path = concat!($path, "/{name}"), tag = $tag,

@@ -970,49 +970,42 @@ async fn a_client_that_never_reads_is_closed_by_the_write_timeout() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
-/// Review finding: a hold's watchdog runs only while its stream is written.
-/// A client that stopped reading its hold stream filled the socket's
-/// buffers, the watchdog stopped, and its lease lapsed and went to a waiter
-/// while the stalled connection stayed open until the write timeout: its
-/// client, told nothing, still held the lock as far as it knew. A hold's
-/// connection is now reset when its writes stall for a third of its ttl,
-/// and the hold released, before the lease can lapse. (The sidecar runs in
-/// a namespace whose send buffers are 4 KB, so that a few events fill them.)
-#[tokio::test]
-async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_another() {
+/// A sidecar on the memory backend in a namespace whose TCP send buffers
+/// are 1 KB, so that a few unread events fill a connection's buffers, and
+/// its address.
+async fn sidecar_with_small_send_buffers() -> (SidecarGuard, netns::Netns, std::net::SocketAddr) {
     let ns = netns::Netns::create();
-    ns.sysctl("net.ipv4.tcp_wmem", "4096 4096 4096");
+    ns.sysctl("net.ipv4.tcp_wmem", "1024 1024 1024");
     let http = ns.link();
     let sidecar = SidecarBuilder::new("memory://")
         .netns(&ns, &http.peer_ip)
         .env("SIDELOCK_WRITE_TIMEOUT", "30s")
         .start()
         .await;
-    let name = unique_name("stalled");
+    let ip: std::net::IpAddr = http.peer_ip.parse().unwrap();
+    let addr = (ip, sidecar.port()).into();
+    (sidecar, ns, addr)
+}
+
+/// Opens `GET /v1/locks/{name}/hold?{query}` on a connection with the
+/// smallest receive window, and reads it until `acquired`.
+async fn hold_on_a_small_window(addr: std::net::SocketAddr, name: &str, query: &str) -> TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(1).unwrap();
-    let ip: std::net::IpAddr = http.peer_ip.parse().unwrap();
-    let mut stalled = within(
+    let mut stream = within(
         "connect to the sidecar",
         Duration::from_secs(10),
-        socket.connect((ip, sidecar.port()).into()),
+        socket.connect(addr),
     )
     .await
     .expect("connect to the sidecar");
-    stalled
-        .write_all(
-            format!(
-                "GET /v1/locks/{name}/hold?ttl=300ms&owner=stalled HTTP/1.1\r\nHost: localhost\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
+    let request = format!("GET /v1/locks/{name}/hold?{query} HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
     let mut seen = Vec::new();
     within("the hold is acquired", Duration::from_secs(10), async {
         let mut buf = [0u8; 512];
         while !String::from_utf8_lossy(&seen).contains("event: acquired") {
-            let n = stalled.read(&mut buf).await.expect("read the hold stream");
+            let n = stream.read(&mut buf).await.expect("read the hold stream");
             assert!(
                 n > 0,
                 "the hold stream ended: {}",
@@ -1022,14 +1015,25 @@ async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_anoth
         }
     })
     .await;
-    // The client reads no more; a waiter comes.
+    stream
+}
+
+/// Stops reading `stalled`, a hold stream on `name`, has a waiter claim
+/// the lock through `sidecar`, and checks that by the time the waiter is
+/// granted the stalled client's connection is gone (reading it drains what
+/// was queued and ends), rather than still open and telling it `lost`.
+async fn assert_cut_before_the_waiter_is_granted(
+    sidecar: &SidecarGuard,
+    name: &str,
+    mut stalled: TcpStream,
+) {
     let stopped = Instant::now();
     let granted = within(
         "the waiter is granted",
         Duration::from_secs(60),
         sidecar
             .api()
-            .lock(&name)
+            .lock(name)
             .acquire_raw(&[("owner", "waiter"), ("wait", "60s")]),
     )
     .await;
@@ -1038,8 +1042,6 @@ async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_anoth
         "the waiter was granted {:?} after the client stopped reading",
         stopped.elapsed()
     );
-    // By then the stalled client's connection is gone: reading it drains
-    // what was queued and ends, not with `lost` on an open connection.
     let mut after = Vec::new();
     let ended = tokio::time::timeout(Duration::from_secs(2), async {
         let mut buf = [0u8; 4096];
@@ -1056,7 +1058,53 @@ async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_anoth
         ended.is_ok(),
         "the stalled hold's connection is still open after its lock went to a waiter; it then read:\n{after}"
     );
-    assert!(!after.contains("event: lost"), "{after}");
+    assert!(
+        !after.contains("event: lost"),
+        "the stalled hold's lease lapsed before its connection was cut:\n{after}"
+    );
+}
+
+/// Review finding: a hold's watchdog runs only while its stream is written.
+/// A client that stopped reading its hold stream filled the socket's
+/// buffers, the watchdog stopped, and its lease lapsed and went to a waiter
+/// while the stalled connection stayed open until the write timeout: its
+/// client, told nothing, still held the lock as far as it knew. A hold's
+/// connection is now reset when its writes stall for a third of its ttl,
+/// and the hold released, before the lease can lapse.
+#[tokio::test]
+async fn a_hold_whose_client_stops_reading_is_cut_before_its_lease_goes_to_another() {
+    let (sidecar, _ns, addr) = sidecar_with_small_send_buffers().await;
+    let name = unique_name("stalled");
+    let stalled = hold_on_a_small_window(addr, &name, "ttl=1s&owner=stalled").await;
+    assert_cut_before_the_waiter_is_granted(&sidecar, &name, stalled).await;
+}
+
+/// Review finding on the fix above: a hold that re-enters a lease renews
+/// it every third of the lease's own ttl, which may be far shorter than the
+/// hold's. The stall limit came from the hold's ttl (4 s here, against a
+/// 600 ms lease): the watchdog stopped, and the lease lapsed, before it.
+#[tokio::test]
+async fn a_hold_reentering_a_shorter_lease_is_cut_at_the_leases_pace() {
+    let (sidecar, _ns, addr) = sidecar_with_small_send_buffers().await;
+    let name = unique_name("stalled-reentry");
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", "x"), ("ttl", "600ms")]).await;
+    let mut stalled = hold_on_a_small_window(addr, &name, "ttl=12s&owner=x").await;
+    // Read on until the re-entry's end has passed: from then on the
+    // watchdog renews the lease by its own 600 ms.
+    let reading = Instant::now();
+    let mut buf = [0u8; 4096];
+    while reading.elapsed() < Duration::from_secs(13) {
+        let read = tokio::time::timeout(Duration::from_secs(1), stalled.read(&mut buf)).await;
+        if let Ok(r) = read {
+            let n = r.expect("read the hold stream");
+            assert!(n > 0, "the hold stream ended");
+            let text = String::from_utf8_lossy(&buf[..n]);
+            assert!(!text.contains("event: lost"), "{text}");
+        }
+    }
+    assert_eq!(lock.inspect().await.holder_owners(), ["x"], "{first:?}");
+    assert_cut_before_the_waiter_is_granted(&sidecar, &name, stalled).await;
 }
 
 /// A connection shed to make room while its response is stalled (the client
