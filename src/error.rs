@@ -8,6 +8,37 @@
 
 use crate::backend::{self, Busy};
 
+/// What was wrong with a request head the HTTP layer refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadFault {
+    /// Not an HTTP/1.x request line and headers.
+    Malformed,
+    /// A request target longer than the HTTP layer takes.
+    UriTooLong,
+    /// Request line and headers over the head limit.
+    TooLarge { limit: usize },
+}
+
+impl HeadFault {
+    fn detail(self) -> String {
+        match self {
+            HeadFault::Malformed => "the request is not HTTP/1.1: send a request line \
+                 `METHOD /path HTTP/1.1` of a method token, a path and the version, \
+                 then `Name: value` header lines of visible ASCII (no control \
+                 characters), each ended by CRLF, and an empty line"
+                .to_owned(),
+            HeadFault::UriTooLong => "the request target is over 64 KiB: lock names are at \
+                 most 200 characters, and parameters fit in a short query or a JSON body"
+                .to_owned(),
+            HeadFault::TooLarge { limit } => format!(
+                "the request head (request line and headers) is over {} KiB; send fewer \
+                 or shorter headers",
+                limit / 1024
+            ),
+        }
+    }
+}
+
 /// Everything a request can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -67,6 +98,9 @@ pub enum Error {
         "the request body did not arrive within the body-read timeout of {timeout_ms} ms; send the whole body at once"
     )]
     BodyTimedOut { timeout_ms: u64 },
+    /// The HTTP layer could not take the request head; no route saw it.
+    #[error("{}", .0.detail())]
+    MalformedHead(HeadFault),
     /// The peer's failed token checks used up its burst; its token was not compared.
     #[error(
         "more than {burst} wrong tokens came from this address recently: its tokens are checked again at one per second (see Retry-After)"

@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
-use crate::error::Error;
+use crate::error::{Error, HeadFault};
 
 /// Seconds a client should wait before retrying after a 429 or 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
@@ -54,6 +54,13 @@ impl Error {
             }
             Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
+            Error::MalformedHead(fault) => match fault {
+                HeadFault::Malformed => (S::BAD_REQUEST, "malformed-request"),
+                HeadFault::UriTooLong => (S::URI_TOO_LONG, "uri-too-long"),
+                HeadFault::TooLarge { .. } => {
+                    (S::REQUEST_HEADER_FIELDS_TOO_LARGE, "head-too-large")
+                }
+            },
             Error::TooManyFailedTokens { .. } => (S::TOO_MANY_REQUESTS, "too-many-failed-tokens"),
             Error::SidecarFull { .. } => (S::TOO_MANY_REQUESTS, "sidecar-full"),
             Error::Unavailable { .. } => (S::SERVICE_UNAVAILABLE, "backend-unavailable"),

@@ -25,6 +25,9 @@
 //!
 //! Head size: a request head (request line and headers) of more than
 //! [`MAX_HEAD`] bytes is answered 431 by hyper and the connection closed.
+//! hyper's own answers to heads it refuses (400, 414, 431: a status line
+//! and no body) are written as problem documents instead
+//! ([`problem_for_hyper_answer`]).
 //! hyper reads the next pipelined request only after the response before it
 //! is written, so a pipelining client holds at most one response and
 //! [`MAX_HEAD`] bytes of requests in the sidecar, plus the socket's buffers
@@ -415,6 +418,7 @@ fn connection(
         sleep_until: None,
         write_stalled_since: None,
         write_sleep: None,
+        own_answer: None,
     };
     // Boxed here, not pinned in the task: the block would hold it twice
     // (captured, and moved into its pinned place).
@@ -554,6 +558,9 @@ struct Watched {
     /// The write deadline's timer, created at the first stalled write so a
     /// connection whose client reads costs no timer.
     write_sleep: Option<Pin<Box<Sleep>>>,
+    /// The problem document written in place of hyper's own answer to a
+    /// head it refused, and how much of it is written.
+    own_answer: Option<Box<(Vec<u8>, usize)>>,
 }
 
 impl Watched {
@@ -677,12 +684,88 @@ impl AsyncRead for Watched {
     }
 }
 
+impl Watched {
+    /// Writes the problem document for hyper's own answer starting `buf`,
+    /// if it is one, in its place: `Some` with hyper's bytes counted as
+    /// written once the document is, `None` for any other write.
+    fn poll_own_answer(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<io::Result<usize>>> {
+        let mut own = match self.own_answer.take() {
+            Some(own) => own,
+            None => Box::new((problem_for_hyper_answer(buf)?, 0)),
+        };
+        let replaced = buf.len().min(hyper_answer_len(buf));
+        while own.1 < own.0.len() {
+            let rest = &own.0[own.1..];
+            match self.timed_write(cx, |inner, cx| inner.poll_write(cx, rest)) {
+                Poll::Ready(Ok(0)) => return Some(Poll::Ready(Ok(0))),
+                Poll::Ready(Ok(n)) => own.1 += n,
+                Poll::Ready(Err(e)) => return Some(Poll::Ready(Err(e))),
+                Poll::Pending => {
+                    self.own_answer = Some(own);
+                    return Some(Poll::Pending);
+                }
+            }
+        }
+        Some(Poll::Ready(Ok(replaced)))
+    }
+}
+
+/// The length of hyper's own answer at the start of `buf`: its head (it
+/// has no body), or all of `buf` if the head goes on past it.
+fn hyper_answer_len(buf: &[u8]) -> usize {
+    buf.windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(buf.len(), |end| end + 4)
+}
+
+/// The problem document to write instead of hyper's own answer to a
+/// request head it refused, if `buf` starts with one: a 400, 414 or 431
+/// status line (hyper's `on_error`) in a head without `content-type`, which
+/// every response of the sidecar's own has. Any other write is `None`.
+fn problem_for_hyper_answer(buf: &[u8]) -> Option<Vec<u8>> {
+    let fault = match buf.get(..13)? {
+        b"HTTP/1.1 400 " => crate::error::HeadFault::Malformed,
+        b"HTTP/1.1 414 " => crate::error::HeadFault::UriTooLong,
+        b"HTTP/1.1 431 " => crate::error::HeadFault::TooLarge {
+            limit: MAX_HEAD + MAX_HEAD / 2,
+        },
+        _ => return None,
+    };
+    let head = &buf[..hyper_answer_len(buf)];
+    let typed = head
+        .split(|&b| b == b'\n')
+        .any(|line| line.len() >= 13 && line[..13].eq_ignore_ascii_case(b"content-type:"));
+    if typed || !head.ends_with(b"\r\n\r\n") {
+        return None;
+    }
+    let error = Error::MalformedHead(fault);
+    let (status, _) = error.status_slug();
+    let body = serde_json::to_vec(&error.problem()).unwrap_or_default();
+    let mut answer = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/problem+json\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or_default(),
+        body.len()
+    )
+    .into_bytes();
+    answer.extend_from_slice(&body);
+    Some(answer)
+}
+
 impl AsyncWrite for Watched {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if let Some(answered) = self.poll_own_answer(cx, buf) {
+            return answered;
+        }
         self.timed_write(cx, |inner, cx| inner.poll_write(cx, buf))
     }
 
@@ -691,6 +774,13 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &**b);
+        if let Some(answered) = self.poll_own_answer(cx, first) {
+            return answered;
+        }
         self.timed_write(cx, |inner, cx| inner.poll_write_vectored(cx, bufs))
     }
 
