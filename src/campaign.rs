@@ -133,5 +133,5 @@ async fn lead_once(args: &CampaignArgs) -> i32 {
             return EXIT_CANNOT_EXEC;
         }
     };
-    supervise(&mut child, &mut events, "campaign").await
+    supervise(&mut child, &mut events, "campaign", &leadership).await
 }

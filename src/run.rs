@@ -256,12 +256,34 @@ pub async fn run(args: RunArgs) -> i32 {
             return EXIT_CANNOT_EXEC;
         }
     };
-    supervise(&mut child, &mut events, "run").await
+    supervise(&mut child, &mut events, "run", &acquired).await
 }
 
-/// Waits for the command while watching the hold stream and forwarding
-/// SIGTERM/SIGINT to the command.
-pub(crate) async fn supervise<S, E>(child: &mut Child, events: &mut S, who: &str) -> i32
+/// When to stop the command unless a newer renewal comes, for the lease
+/// that `data` (an `acquired`, `leader` or `renewed` event) tells of: a sixth
+/// of its ttl before its end, by the earlier of `ttl_ms` from now and
+/// `expires_at_ms` on this machine's clock. A sidecar that stops renewing
+/// without a word (frozen, starved) must not leave the command running
+/// while another client is granted the lock. `None` without those fields.
+fn give_up_at(data: &str) -> Option<tokio::time::Instant> {
+    let ttl = field(data, "ttl_ms")?.as_u64()?;
+    let now = tokio::time::Instant::now();
+    let mut left = ttl;
+    if let Some(end) = field(data, "expires_at_ms").and_then(|v| v.as_u64()) {
+        left = left.min(end.saturating_sub(crate::clock::now_ms()));
+    }
+    Some(now + Duration::from_millis(left.saturating_sub(ttl / 6)))
+}
+
+/// Waits for the command while watching the hold stream (`granted`: the
+/// data of the event that granted the lease) and forwarding SIGTERM/SIGINT
+/// to the command.
+pub(crate) async fn supervise<S, E>(
+    child: &mut Child,
+    events: &mut S,
+    who: &str,
+    granted: &str,
+) -> i32
 where
     S: Stream<Item = Result<Event, E>> + Unpin,
 {
@@ -280,26 +302,44 @@ where
             let _ = kill(pid, sig);
         }
     };
-    loop {
+    let mut deadline = give_up_at(granted);
+    let why = loop {
+        let expired = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             status = child.wait() => return exit_code(status),
             _ = term.recv() => send(Signal::SIGTERM),
             _ = int.recv() => send(Signal::SIGINT),
+            () = expired => {
+                break "no renewal from the sidecar as the lease's end drew near".to_owned();
+            }
             msg = next_event(events) => match msg {
-                Some(m) if m.event == "renewed" => {}
+                Some(m) if m.event == "renewed" => {
+                    deadline = give_up_at(&m.data).or(deadline);
+                }
                 other => {
-                    let why = other.map_or_else(|| "the hold stream ended".to_owned(), |m| format!("{}: {}", m.event, m.data));
-                    eprintln!("sidelock {who}: lease lost ({why}); stopping the command");
-                    send(Signal::SIGTERM);
-                    if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_err() {
-                        send(Signal::SIGKILL);
-                        let _ = child.wait().await;
-                    }
-                    return EXIT_LEASE_LOST;
+                    break other.map_or_else(
+                        || "the hold stream ended".to_owned(),
+                        |m| format!("{}: {}", m.event, m.data),
+                    );
                 }
             }
         }
+    };
+    eprintln!("sidelock {who}: lease lost ({why}); stopping the command");
+    send(Signal::SIGTERM);
+    if tokio::time::timeout(KILL_GRACE, child.wait())
+        .await
+        .is_err()
+    {
+        send(Signal::SIGKILL);
+        let _ = child.wait().await;
     }
+    EXIT_LEASE_LOST
 }
 
 /// Why a request did not get an answer, in words: the socket error's kind

@@ -81,6 +81,11 @@ pub struct Leadership {
     pub fence: u64,
     pub since_ms: u64,
     pub value: Option<String>,
+    /// When the lease ends unless renewed (`renewed` events move it on): a
+    /// leader that reaches it without a renewal must stop leading.
+    pub expires_at_ms: u64,
+    /// The time left until `expires_at_ms`.
+    pub ttl_ms: u64,
 }
 
 /// `…/ready` while a campaign through this sidecar leads.
@@ -213,10 +218,11 @@ impl CampaignStream {
                         fence: lease.fence,
                         since_ms: lease.since_ms,
                         value: self.candidate.value.clone(),
+                        expires_at_ms: granted.expires_at_ms,
+                        ttl_ms: granted.expires_at_ms.saturating_sub(crate::clock::now_ms()),
                     },
                 ))
             }
-            HoldEvent::Renewed { .. } => None,
             HoldEvent::Lost(_) => {
                 self.leading = None;
                 Some(hold_event(event))

@@ -291,3 +291,75 @@ async fn run_help_lists_exit_codes_and_environment() {
         assert!(help.contains(var), "{var} missing:\n{help}");
     }
 }
+
+/// Two sidecars on one Redis: the CLI's (`a`) and another client's (`b`).
+async fn two_sidecars_on_redis() -> (common::redis::RedisServer, SidecarGuard, SidecarGuard) {
+    let redis = common::redis::RedisServer::start().await;
+    let a = SidecarBuilder::new(&redis.url()).start().await;
+    let b = SidecarBuilder::new(&redis.url()).start().await;
+    (redis, a, b)
+}
+
+/// CMD that records when it got SIGTERM, then waits for `go`.
+fn recording_term() -> String {
+    format!("trap 'touch terminated; exit 143' TERM; {WAIT_FOR_GO}")
+}
+
+/// Review finding: a sidecar frozen (SIGSTOP, a starved node) renews
+/// nothing and tells its CLI nothing, and the CLI's stream stays open: the
+/// lease ran out in Redis and another sidecar's client was granted the lock
+/// while CMD ran on. The CLI now stops CMD when the lease's end draws near
+/// without a renewal, before anyone else can be granted it.
+#[tokio::test]
+async fn a_frozen_sidecar_stops_the_command_before_another_is_granted() {
+    let (_redis, a, b) = two_sidecars_on_redis().await;
+    let name = unique_name("run-frozen");
+    let mut run = RunBuilder::new(a.base_url(), &name)
+        .flag("ttl", "2s")
+        .sh(&recording_term())
+        .spawn();
+    run.wait_for_file("started").await;
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let granted = b
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "b"), ("wait", "30s")])
+        .await;
+    let stopped_first = run.file("terminated").exists();
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        stopped_first,
+        "CMD still ran when another client was granted the lock (fence {})",
+        granted.fence
+    );
+    assert_eq!(run.exit_code(RUN_TIMEOUT).await, 76);
+}
+
+/// The same for `sidelock campaign`: its command stops before a campaign
+/// through another sidecar leads.
+#[tokio::test]
+async fn a_frozen_sidecar_stops_the_leaders_command_before_another_leads() {
+    let (_redis, a, b) = two_sidecars_on_redis().await;
+    let name = unique_name("campaign-frozen");
+    let mut run = RunBuilder::campaign(a.base_url(), &name)
+        .flag("ttl", "2s")
+        .sh(&recording_term())
+        .spawn();
+    run.wait_for_file("started").await;
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let mut heir = b
+        .api()
+        .open_stream(&["v1", "elections", &name, "campaign"], &[])
+        .await;
+    heir.wait_for("a leader event", Duration::from_secs(30), |e| {
+        e.event == "leader"
+    })
+    .await;
+    let stopped_first = run.file("terminated").exists();
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        stopped_first,
+        "the old leader's command still ran when another campaign led"
+    );
+    assert_eq!(run.exit_code(RUN_TIMEOUT).await, 76);
+}
