@@ -182,8 +182,10 @@
 //! the session no earlier than round `k`'s send time `s`, and cannot expire
 //! it before `s + T`, as long as half a tick and the link's delay stay
 //! under `T/6` (a session timeout of more than three ticks: ZooKeeper's
-//! defaults are 10 s and 2 s; a server the session talks to directly needs
-//! no such bound). At `s + 2T/3` without a newer answer (cut off, ensemble
+//! defaults are 10 s and 2 s). Not covered: an observer that reaches the
+//! leader through a follower (`observerMasterPort`), a second hop for the
+//! session's touches, and a leader's link to the follower stalling longer
+//! than `T/6` without breaking. At `s + 2T/3` without a newer answer (cut off, ensemble
 //! without quorum, a process pause), the backend gives the session up: it announces every lease of the session lost on
 //! [`Backend::losses`] (the core ends them and tells hold streams), revokes
 //! their tokens (renew and release answer lost from then on, even while
