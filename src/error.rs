@@ -22,17 +22,17 @@ pub enum HeadFault {
 impl HeadFault {
     fn detail(self) -> String {
         match self {
-            HeadFault::Malformed => "the request is not HTTP/1.1: send a request line \
-                 `METHOD /path HTTP/1.1` of a method token, a path and the version, \
-                 then `Name: value` header lines of visible ASCII (no control \
-                 characters), each ended by CRLF, and an empty line"
+            HeadFault::Malformed => "the request is not valid HTTP/1.1: send a request line \
+                 `METHOD /path HTTP/1.1`, then `Name: value` header lines of visible ASCII \
+                 (no control characters), each ended by CRLF, and an empty line; at most one \
+                 Content-Length, a number, and no Transfer-Encoding other than chunked"
                 .to_owned(),
             HeadFault::UriTooLong => "the request target is over 64 KiB: lock names are at \
                  most 200 characters, and parameters fit in a short query or a JSON body"
                 .to_owned(),
             HeadFault::TooLarge { limit } => format!(
-                "the request head (request line and headers) is over {} KiB; send fewer \
-                 or shorter headers",
+                "the request head is too large: send at most 100 headers, and at most {} KiB \
+                 of request line and headers",
                 limit / 1024
             ),
         }

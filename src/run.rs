@@ -26,7 +26,8 @@ Exit codes:
   2             a flag or duration is wrong (nothing was sent)
   69            the sidecar cannot be reached or refused the request
   75            the lock was not acquired within --wait
-  76            the lease was lost while CMD ran (CMD got SIGTERM)
+  76            the lease was lost while CMD ran, or its end drew near
+                without a renewal from the sidecar (CMD got SIGTERM)
   127           CMD could not be started
 
 Environment read: SIDELOCK_URL (--url), SIDELOCK_API_TOKEN (--api-token).
@@ -261,18 +262,16 @@ pub async fn run(args: RunArgs) -> i32 {
 
 /// When to stop the command unless a newer renewal comes, for the lease
 /// that `data` (an `acquired`, `leader` or `renewed` event) tells of: a sixth
-/// of its ttl before its end, by the earlier of `ttl_ms` from now and
-/// `expires_at_ms` on this machine's clock. A sidecar that stops renewing
-/// without a word (frozen, starved) must not leave the command running
-/// while another client is granted the lock. `None` without those fields.
+/// of its ttl before its end, counted from now by `ttl_ms` (not by
+/// `expires_at_ms`: the sidecar's clock may be another machine's, or stand
+/// behind this one's after a suspend). A sidecar that stops renewing without
+/// a word (frozen, starved) must not leave the command running while
+/// another client is granted the lock; the sixth covers the event's way here
+/// and the command's stop. `None` without the field.
 fn give_up_at(data: &str) -> Option<tokio::time::Instant> {
     let ttl = field(data, "ttl_ms")?.as_u64()?;
-    let now = tokio::time::Instant::now();
-    let mut left = ttl;
-    if let Some(end) = field(data, "expires_at_ms").and_then(|v| v.as_u64()) {
-        left = left.min(end.saturating_sub(crate::clock::now_ms()));
-    }
-    Some(now + Duration::from_millis(left.saturating_sub(ttl / 6)))
+    let margin = ttl / 6;
+    Some(tokio::time::Instant::now() + Duration::from_millis(ttl - margin))
 }
 
 /// Waits for the command while watching the hold stream (`granted`: the
@@ -375,5 +374,26 @@ pub(crate) fn exit_code(status: std::io::Result<ExitStatus>) -> i32 {
             .or_else(|| s.signal().map(|sig| 128 + sig))
             .unwrap_or(1),
         Err(_) => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review finding: the deadline took the earlier of `ttl_ms` from now
+    /// and `expires_at_ms` on this machine's clock. A sidecar whose clock
+    /// stands behind (another machine's; or this one's, anchored before a
+    /// suspend) made every command stop at once, exit 76.
+    #[tokio::test]
+    async fn a_sidecar_clock_behind_this_one_leaves_the_deadline_to_the_ttl() {
+        let behind = crate::clock::now_ms() - 60_000;
+        let data = format!(r#"{{"ttl_ms":30000,"expires_at_ms":{behind}}}"#);
+        let at = give_up_at(&data).expect("a deadline");
+        let left = at.saturating_duration_since(tokio::time::Instant::now());
+        assert!(
+            left > Duration::from_secs(24),
+            "the command would be stopped {left:?} from now"
+        );
     }
 }

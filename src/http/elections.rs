@@ -111,7 +111,7 @@ fn check_value(value: Option<String>) -> Result<Option<String>, Error> {
 #[utoipa::path(get, path = "/v1/elections/{name}/campaign", tag = "elections",
     params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,200}$"), CampaignParams),
     responses(
-        (status = 200, content_type = "text/event-stream", description = "SSE: follower {leader} while waiting and whenever the leader changes; leader {fence, since_ms, value} when this campaign wins; lost {reason}. Closing the stream resigns."),
+        (status = 200, content_type = "text/event-stream", description = "SSE: follower {leader} while waiting and whenever the leader changes; leader {fence, since_ms, value, expires_at_ms, ttl_ms} when this campaign wins; renewed {expires_at_ms, ttl_ms} at each of the watchdog's renewals while it leads; lost {reason}. Closing the stream resigns."),
         (status = 400, body = Problem, content_type = "application/problem+json", description = "Bad name or parameter"),
         (status = 401, body = Problem, content_type = "application/problem+json", description = "Missing or wrong API token"),
         (status = 413, body = Problem, content_type = "application/problem+json", description = "Body too large"),

@@ -730,9 +730,8 @@ fn problem_for_hyper_answer(buf: &[u8]) -> Option<Vec<u8>> {
     let fault = match buf.get(..13)? {
         b"HTTP/1.1 400 " => crate::error::HeadFault::Malformed,
         b"HTTP/1.1 414 " => crate::error::HeadFault::UriTooLong,
-        b"HTTP/1.1 431 " => crate::error::HeadFault::TooLarge {
-            limit: MAX_HEAD + MAX_HEAD / 2,
-        },
+        // Heads up to MAX_HEAD are always read; more may be, as reads fall.
+        b"HTTP/1.1 431 " => crate::error::HeadFault::TooLarge { limit: MAX_HEAD },
         _ => return None,
     };
     let head = &buf[..hyper_answer_len(buf)];

@@ -233,8 +233,8 @@ async fn a_leader_cut_off_from_its_backend_hears_lost_before_another_leads(#[cas
         e.event == "follower"
     })
     .await;
-    // A renewal at least once, so the lease runs from a renewal (campaigns
-    // report none: wait a third of the ttl).
+    // A renewal at least once, so the lease runs from a renewal (a third
+    // of the ttl).
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
     let cut_at = Instant::now();

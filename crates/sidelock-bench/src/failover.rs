@@ -66,11 +66,16 @@ impl Campaign {
     }
 
     async fn next(&mut self, within: Duration) -> Result<String, String> {
-        match tokio::time::timeout(within, self.events.next()).await {
-            Err(_) => Err(format!("no campaign event within {within:?}")),
-            Ok(Some(Ok(e))) => Ok(e.event),
-            Ok(Some(Err(e))) => Err(format!("campaign stream failed: {e}")),
-            Ok(None) => Err("campaign stream ended".into()),
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.events.next()).await {
+                Err(_) => return Err(format!("no campaign event within {within:?}")),
+                // The leader's watchdog renewals: news of nothing changing.
+                Ok(Some(Ok(e))) if e.event == "renewed" => {}
+                Ok(Some(Ok(e))) => return Ok(e.event),
+                Ok(Some(Err(e))) => return Err(format!("campaign stream failed: {e}")),
+                Ok(None) => return Err("campaign stream ended".into()),
+            }
         }
     }
 
