@@ -747,33 +747,7 @@ async fn a_sidecar_cut_off_from_zookeeper_reports_lost_before_another_is_granted
     waiting.expect_queued().await;
 
     ns.cut(&data);
-    let cut_at = Instant::now();
-    let lost = tokio::spawn(async move {
-        let reason = held.expect_lost_within(Duration::from_secs(30)).await;
-        (reason, Instant::now(), held)
-    });
-    let granted = tokio::spawn(async move {
-        let grant = waiting
-            .expect_acquired_within(Duration::from_secs(60))
-            .await;
-        (grant, Instant::now(), waiting)
-    });
-    let (reason, lost_at, _held) = lost.await.expect("A's hold stream");
-    let (second, granted_at, _waiting) = granted.await.expect("B's hold stream");
-    eprintln!(
-        "after the cut: A's holder told lost at {:?}, B granted at {:?}",
-        lost_at - cut_at,
-        granted_at - cut_at
-    );
-    assert_eq!(reason, "backend");
-    assert!(
-        lost_at < granted_at,
-        "A's holder learned of the loss {:?} after the cut, B was granted {:?} after it",
-        lost_at - cut_at,
-        granted_at - cut_at
-    );
-    assert_eq!(second.owner, "b");
-    assert!(second.fence > first.fence);
+    let _streams = lost_before_the_other_is_granted(held, waiting, &first).await;
     // The token reported lost holds nothing, even asked through A while cut off.
     let lock_a = a.api().lock(&name);
     lock_a.keepalive_lost(&first.token).await;
@@ -852,6 +826,17 @@ async fn a_sidecar_on_a_follower_cut_off_from_its_leader_reports_lost_before_ano
         server.cut_link(follower, leader) > 0,
         "the follower talks to its leader through the link"
     );
+    let _streams = lost_before_the_other_is_granted(held, waiting, &first).await;
+}
+
+/// Awaits, from a cut just made, A's holder told `lost` (reason `backend`)
+/// and B granted, and checks that A's holder heard first and that B's
+/// fence is above A's `first` one. Returns both streams, still open.
+async fn lost_before_the_other_is_granted(
+    mut held: common::sse::HoldStream,
+    mut waiting: common::sse::HoldStream,
+    first: &common::api::Grant,
+) -> (common::sse::HoldStream, common::sse::HoldStream) {
     let cut_at = Instant::now();
     let lost = tokio::spawn(async move {
         let reason = held.expect_lost_within(Duration::from_secs(30)).await;
@@ -863,8 +848,8 @@ async fn a_sidecar_on_a_follower_cut_off_from_its_leader_reports_lost_before_ano
             .await;
         (grant, Instant::now(), waiting)
     });
-    let (reason, lost_at, _held) = lost.await.expect("A's hold stream");
-    let (second, granted_at, _waiting) = granted.await.expect("B's hold stream");
+    let (reason, lost_at, held) = lost.await.expect("A's hold stream");
+    let (second, granted_at, waiting) = granted.await.expect("B's hold stream");
     eprintln!(
         "after the cut: A's holder told lost at {:?}, B granted at {:?}",
         lost_at - cut_at,
@@ -879,6 +864,7 @@ async fn a_sidecar_on_a_follower_cut_off_from_its_leader_reports_lost_before_ano
     );
     assert_eq!(second.owner, "b");
     assert!(second.fence > first.fence);
+    (held, waiting)
 }
 
 /// The session that owns the ephemeral node whose path contains `name`,
