@@ -195,16 +195,7 @@ const REFUSE_WITHIN: Duration = Duration::from_secs(1);
 /// discarded first, so the close is not a reset that would lose the answer.
 /// `refusal` is held until the connection is closed.
 fn refuse(mut stream: Conn, cap: usize, refusal: OwnedSemaphorePermit) {
-    let problem = Error::TooManyConnections { limit: cap }.problem();
-    let body = serde_json::to_vec(&problem).unwrap_or_default();
-    let head = format!(
-        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/problem+json\r\n\
-         retry-after: {}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        super::problem::RETRY_AFTER_SECS,
-        body.len()
-    );
-    let mut answer = head.into_bytes();
-    answer.extend_from_slice(&body);
+    let answer = closing_problem(&Error::TooManyConnections { limit: cap });
     tracing::debug!(
         cap,
         "connection refused: every open connection has a request in flight"
@@ -741,11 +732,21 @@ fn problem_for_hyper_answer(buf: &[u8]) -> Option<Vec<u8>> {
     if typed || !head.ends_with(b"\r\n\r\n") {
         return None;
     }
-    let error = Error::MalformedHead(fault);
+    Some(closing_problem(&Error::MalformedHead(fault)))
+}
+
+/// A whole HTTP/1.1 response carrying `error`'s problem document, written
+/// to the socket by hand where no handler answers (a refused connection,
+/// a head hyper refused); the connection closes after it. 429 and 503 say
+/// when to retry, as [`Error`]'s own responses do.
+fn closing_problem(error: &Error) -> Vec<u8> {
     let (status, _) = error.status_slug();
     let body = serde_json::to_vec(&error.problem()).unwrap_or_default();
+    let retry = matches!(status.as_u16(), 429 | 503)
+        .then(|| format!("retry-after: {}\r\n", super::problem::RETRY_AFTER_SECS))
+        .unwrap_or_default();
     let mut answer = format!(
-        "HTTP/1.1 {} {}\r\ncontent-type: application/problem+json\r\n\
+        "HTTP/1.1 {} {}\r\ncontent-type: application/problem+json\r\n{retry}\
          connection: close\r\ncontent-length: {}\r\n\r\n",
         status.as_u16(),
         status.canonical_reason().unwrap_or_default(),
@@ -753,7 +754,7 @@ fn problem_for_hyper_answer(buf: &[u8]) -> Option<Vec<u8>> {
     )
     .into_bytes();
     answer.extend_from_slice(&body);
-    Some(answer)
+    answer
 }
 
 impl AsyncWrite for Watched {
