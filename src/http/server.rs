@@ -718,11 +718,16 @@ fn hyper_answer_len(buf: &[u8]) -> usize {
 /// status line (hyper's `on_error`) in a head without `content-type`, which
 /// every response of the sidecar's own has. Any other write is `None`.
 fn problem_for_hyper_answer(buf: &[u8]) -> Option<Vec<u8>> {
-    let fault = match buf.get(..13)? {
-        b"HTTP/1.1 400 " => crate::error::HeadFault::Malformed,
-        b"HTTP/1.1 414 " => crate::error::HeadFault::UriTooLong,
+    // After an HTTP/1.0 request on a kept-alive connection hyper answers
+    // in HTTP/1.0; the document goes out as HTTP/1.1, which such a client
+    // reads as well (RFC 9110 §6.2), and the connection closes after it.
+    let fault = match (buf.get(..9)?, buf.get(9..13)?) {
+        (b"HTTP/1.1 " | b"HTTP/1.0 ", b"400 ") => crate::error::HeadFault::Malformed,
+        (b"HTTP/1.1 " | b"HTTP/1.0 ", b"414 ") => crate::error::HeadFault::UriTooLong,
         // Heads up to MAX_HEAD are always read; more may be, as reads fall.
-        b"HTTP/1.1 431 " => crate::error::HeadFault::TooLarge { limit: MAX_HEAD },
+        (b"HTTP/1.1 " | b"HTTP/1.0 ", b"431 ") => {
+            crate::error::HeadFault::TooLarge { limit: MAX_HEAD }
+        }
         _ => return None,
     };
     let head = &buf[..hyper_answer_len(buf)];

@@ -1283,6 +1283,44 @@ async fn request_heads_the_http_layer_cannot_parse_get_a_problem_document() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+/// After an HTTP/1.0 request on a kept-alive connection the HTTP layer
+/// answers a head it cannot parse with its own bare `HTTP/1.0 400`, which
+/// slipped past the problem document the HTTP/1.1 case gets.
+#[tokio::test]
+async fn a_bad_head_after_an_http_1_0_request_gets_a_problem_document_too() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let answer = raw_exchange(
+        sidecar.port(),
+        b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n\
+          GET /healthz HTTP/1.0\r\nno colon here\r\n\r\n",
+    )
+    .await;
+    let (first, rest) = answer
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no first answer in {answer:?}"));
+    assert!(
+        first.contains(" 200 "),
+        "the first request is served: {first}"
+    );
+    let second = rest
+        .find("HTTP/1.")
+        .map(|at| &rest[at..])
+        .unwrap_or_else(|| panic!("no second answer in {answer:?}"));
+    let (head, body) = second
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no second answer head in {second:?}"));
+    assert!(head.contains(" 400 "), "{head}");
+    assert!(
+        head.lines()
+            .any(|l| l.eq_ignore_ascii_case("content-type: application/problem+json")),
+        "{head}"
+    );
+    let problem: serde_json::Value = serde_json::from_str(body)
+        .unwrap_or_else(|e| panic!("the body is not JSON ({e}): {body:?}"));
+    assert_eq!(problem["type"], "urn:sidelock:problem:malformed-request");
+    assert_eq!(problem["status"], 400);
+}
+
 /// Security review F2: request heads of up to ~400 KB were buffered per
 /// connection before any check (300 unfinished 390 KB heads took 115 MB).
 /// A head over the limit is answered 431 (or the connection is closed),
