@@ -53,8 +53,12 @@ const STALE_CACHE: Duration = Duration::from_secs(5);
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
     connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
 
+/// The stale keys shown (at most [`crate::core::shown_stale`]'s limit) and
+/// whether there were more, or why the scan failed.
+pub(crate) type StaleShown = Result<(Vec<StaleKey>, bool), String>;
+
 /// A stale-key scan and when it ran.
-type StaleScan = (Instant, Result<Vec<StaleKey>, String>);
+type StaleScan = (Instant, StaleShown);
 
 /// The dashboard's state in the app.
 pub struct Dashboard {
@@ -79,7 +83,7 @@ impl Dashboard {
     }
 
     /// Stale keys, rescanned at most every [`STALE_CACHE`].
-    pub(crate) async fn stale(&self, core: &Core) -> Result<Vec<StaleKey>, String> {
+    pub(crate) async fn stale(&self, core: &Core) -> StaleShown {
         {
             let cached = self.stale.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((at, result)) = cached.as_ref()
@@ -91,7 +95,7 @@ impl Dashboard {
         let result = core
             .stale()
             .await
-            .map(|found| crate::core::shown_stale(found).0)
+            .map(crate::core::shown_stale)
             .map_err(|e| format!("the stale-key scan failed: {e}"));
         *self.stale.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Instant::now(), result.clone()));
@@ -467,7 +471,7 @@ mod tests {
             Filter::parse(&query),
             healthy(),
             listing,
-            Ok(stale),
+            Ok((stale, false)),
             &stats(buckets),
             &Recent::default(),
             &Recent::default(),

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use crate::backend::{Safety, StaleKey};
+use crate::backend::Safety;
 use crate::core::election::ElectionView;
 use crate::error::Error;
 use crate::http::App;
@@ -240,7 +240,8 @@ pub struct Tiles {
     pub locks: Option<usize>,
     pub holders: Option<usize>,
     pub waiters: Option<usize>,
-    pub stale: Option<usize>,
+    /// The count, with a `+` when the list was cut.
+    pub stale: Option<String>,
     pub rate: String,
     pub refused: u64,
     pub wait_p99: String,
@@ -271,6 +272,8 @@ pub struct View {
     pub next_href: Option<String>,
     pub first_href: Option<String>,
     pub stale: Vec<StaleRow>,
+    /// The scan found more stale keys than [`View::stale`] holds.
+    pub stale_truncated: bool,
     pub stale_error: Option<String>,
     pub tiles: Tiles,
     pub charts: Charts,
@@ -492,7 +495,7 @@ pub fn build(
     filter: Filter,
     health: Health,
     listing: Listing,
-    stale: Result<Vec<StaleKey>, String>,
+    stale: super::StaleShown,
     stats: &StatsView,
     minute: &Recent,
     five: &Recent,
@@ -585,8 +588,8 @@ pub fn build(
             }
         })
         .collect();
-    let (stale, stale_error) = match stale {
-        Ok(list) => (
+    let (stale, stale_truncated, stale_error) = match stale {
+        Ok((list, truncated)) => (
             list.into_iter()
                 .map(|s| StaleRow {
                     since_ms: now.saturating_sub(s.age_ms),
@@ -596,16 +599,19 @@ pub fn build(
                     detail: s.detail,
                 })
                 .collect(),
+            truncated,
             None,
         ),
-        Err(e) => (Vec::new(), Some(e)),
+        Err(e) => (Vec::new(), false, Some(e)),
     };
     let listed = listing.error.is_none();
     let tiles = Tiles {
         locks: listed.then_some(locks.len()),
         holders: listed.then(|| locks.iter().map(|l| l.holders.len()).sum()),
         waiters: listed.then(|| locks.iter().map(|l| l.waiters.len()).sum()),
-        stale: stale_error.is_none().then_some(stale.len()),
+        stale: stale_error
+            .is_none()
+            .then(|| format!("{}{}", stale.len(), if stale_truncated { "+" } else { "" })),
         rate: fmt_rate(minute.granted_per_second),
         refused: minute.refused,
         wait_p99: five
@@ -653,6 +659,7 @@ pub fn build(
         next_href,
         first_href,
         stale,
+        stale_truncated,
         stale_error,
         tiles,
         charts: charts(stats, five),

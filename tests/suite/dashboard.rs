@@ -268,6 +268,43 @@ async fn dashboard_in_a_real_browser() {
     browser.close().await;
 }
 
+/// `/v1/stale` stops at 1,000 entries and says `"truncated":true`; the
+/// page showed the 1,000 as "every entry" and the tile counted 1,000, so an
+/// operator could not tell that more keys were stale than shown.
+#[tokio::test]
+async fn a_stale_list_cut_at_its_limit_says_so_on_the_page() {
+    let sidecar = SidecarBuilder::new("memory://")
+        .stale_after("1s")
+        .start()
+        .await;
+    let api = sidecar.api();
+    for i in 0..1_001 {
+        api.lock(&format!("cut:{i:04}"))
+            .acquire(&[("ttl", "1m")])
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let base = sidecar.base_url();
+    let (_, _, stale) = get_text(&format!("{base}/v1/stale"), &[]).await;
+    assert!(stale.contains("\"truncated\":true"), "the API says more");
+    let (status, _, page) = get_text(&format!("{base}/"), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let shown = section(&page, "stale");
+    assert!(
+        shown.contains("first 1000") && !shown.contains("every entry"),
+        "the stale panel says the list is cut: {shown:.600}"
+    );
+    let tile = page
+        .split("Stale keys</span>")
+        .nth(1)
+        .and_then(|rest| rest.split("</div>").next())
+        .unwrap_or_default();
+    assert!(
+        tile.contains("1000+"),
+        "the tile says more than 1000: {tile}"
+    );
+}
+
 /// Without JavaScript the page is a complete snapshot: holders, waiters and
 /// stale keys, with this sidecar's identity and the backend's health.
 #[tokio::test]
