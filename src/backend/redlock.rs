@@ -551,12 +551,22 @@ impl Backend for Redlock {
                         .map(|s| (self.members[i].clone(), s))
                 })
                 .collect();
-            if !stale.is_empty() {
+            // Nodes that granted another token — this attempt's, where the
+            // winner is a re-entered lease the others kept — give it back,
+            // as after a split vote: nobody holds it, and the owner's next
+            // re-entries would keep it there.
+            let other: Vec<(Arc<Member>, Token)> = grants
+                .iter()
+                .filter(|(_, g)| g.token.expose() != winner)
+                .map(|(i, g)| (self.members[*i].clone(), g.token.clone()))
+                .collect();
+            if !stale.is_empty() || !other.is_empty() {
                 let (key, stop) = (claim.key.clone(), self.stop.clone());
                 let leaving = tokio::spawn(async move {
                     let leave = join_all(stale.iter().map(|(m, s)| m.dequeue(&key, *s)));
+                    let give_back = join_all(other.iter().map(|(m, t)| m.node.release(&key, t)));
                     tokio::select! {
-                        _ = leave => {}
+                        _ = futures::future::join(leave, give_back) => {}
                         () = stop.cancelled() => {}
                     }
                 });

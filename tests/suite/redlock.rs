@@ -658,6 +658,50 @@ async fn a_claim_granted_by_a_majority_leaves_no_place_in_a_minority_queue() {
     );
 }
 
+/// A lease granted by two nodes of three (a foreign client held the key on
+/// the third) is re-entered once the third is free: the two re-enter it,
+/// the third grants the attempt's new token. The lease won, and the new
+/// token's grant on the third node was never given back: it outlived both
+/// releases, every later re-entry of the owner renewed it there, and with
+/// one other node down nobody was granted the free lock.
+#[tokio::test]
+async fn a_reentry_gives_back_the_new_tokens_grant_on_the_nodes_that_did_not_reenter() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("reentry-leak");
+    let (main, _) = keys_of(&name);
+    let _: () = nodes.nodes[2]
+        .cmd(&["SET", &main, "foreign", "PX", "1000"])
+        .await;
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    common::eventually(
+        "the foreign key to expire",
+        Duration::from_secs(10),
+        async || (nodes.nodes[2].cmd::<i64>(&["EXISTS", &main]).await == 0).then_some(()),
+    )
+    .await;
+    let again = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    assert_eq!(again.token, first.token, "a re-entry");
+    lock.release(&first.token).await;
+    lock.release(&first.token).await;
+    common::eventually(
+        "the third node to hold nothing",
+        Duration::from_secs(5),
+        async || (nodes.nodes[2].cmd::<i64>(&["EXISTS", &main]).await == 0).then_some(()),
+    )
+    .await;
+    nodes.nodes[0].signal(Signal::SIGSTOP);
+    let next = lock.acquire_raw(&[("owner", "next")]).await;
+    nodes.nodes[0].signal(Signal::SIGCONT);
+    assert_eq!(
+        next.status(),
+        StatusCode::OK,
+        "a free lock, two nodes of three: {}",
+        next.text().await.unwrap_or_default()
+    );
+}
+
 /// One node refuses a claim (a side key written by hand: 409
 /// `key-conflict`, "nothing was granted") while the nodes after it in the
 /// list grant it or queue it. The answers were read in node order and the
