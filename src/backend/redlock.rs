@@ -52,7 +52,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures::StreamExt;
 use futures::future::join_all;
+use futures::stream::FuturesUnordered;
 use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
@@ -228,6 +230,50 @@ impl Redlock {
             }
         }))
         .await
+    }
+
+    /// As [`all`](Self::all), but answers as soon as `decided` holds of
+    /// the answers in so far: a node that hangs then costs nothing while a
+    /// majority answers (a renewal waiting for it could run past a short
+    /// lease's margin). The calls still running go on behind, each within
+    /// `limit`, so that a renewal or release still lands there; here they
+    /// read as timed out.
+    async fn all_until<T, F, Fut>(
+        &self,
+        op: &'static str,
+        limit: Duration,
+        f: F,
+        decided: impl Fn(&[Option<Answer<T>>]) -> bool,
+    ) -> Vec<Answer<T>>
+    where
+        F: Fn(Arc<Member>) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let mut calls: FuturesUnordered<_> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let call = tokio::spawn(tokio::time::timeout(limit, f(m.clone())));
+                async move { (i, call.await) }
+            })
+            .collect();
+        let mut answers: Vec<Option<Answer<T>>> = self.members.iter().map(|_| None).collect();
+        while let Some((i, answer)) = calls.next().await {
+            answers[i] = Some(match answer {
+                Ok(Ok(answer)) => answer,
+                // Out of time, or the call panicked.
+                _ => Err(timed_out(op)),
+            });
+            if decided(&answers) {
+                break;
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(timed_out(op))))
+            .collect()
     }
 
     fn node_tickets(&self, ticket: &Ticket) -> Vec<Option<u64>> {
@@ -658,10 +704,28 @@ impl Backend for Redlock {
         ttl: Option<Duration>,
     ) -> Result<Option<u64>, Error> {
         let started = now_ms();
+        let (n, quorum) = (self.members.len(), self.quorum);
         let answers = self
-            .all("renew", Duration::from_millis(500), |m, _| {
-                m.node.renew(key, token, ttl)
-            })
+            .all_until(
+                "renew",
+                Duration::from_millis(500),
+                |m| {
+                    let (key, token) = (key.clone(), token.clone());
+                    async move { m.node.renew(&key, &token, ttl).await }
+                },
+                // A majority holds it, or no majority can.
+                |answers| {
+                    let held = answers
+                        .iter()
+                        .filter(|a| matches!(a, Some(Ok(Some(_)))))
+                        .count();
+                    let gone = answers
+                        .iter()
+                        .filter(|a| matches!(a, Some(Ok(None))))
+                        .count();
+                    held >= quorum || gone > n - quorum
+                },
+            )
             .await;
         let mut held: Vec<u64> = answers
             .iter()
@@ -684,10 +748,17 @@ impl Backend for Redlock {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
+        let quorum = self.quorum;
         let answers = self
-            .all("release", Duration::from_millis(500), |m, _| {
-                m.node.release(key, token)
-            })
+            .all_until(
+                "release",
+                Duration::from_millis(500),
+                |m| {
+                    let (key, token) = (key.clone(), token.clone());
+                    async move { m.node.release(&key, &token).await }
+                },
+                |answers| release_decided(answers, quorum),
+            )
             .await;
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
             return Err(self.outage("release", answers.iter().filter_map(|a| a.as_ref().err())));
@@ -696,10 +767,34 @@ impl Backend for Redlock {
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
+        let (n, quorum) = (self.members.len(), self.quorum);
         let answers = self
-            .all("status", Duration::from_millis(500), |m, _| {
-                m.node.status(key, token)
-            })
+            .all_until(
+                "status",
+                Duration::from_millis(500),
+                |m| {
+                    let (key, token) = (key.clone(), token.clone());
+                    async move { m.node.status(&key, &token).await }
+                },
+                // A majority holds it, or a majority says it is gone and
+                // the nodes left cannot change whether a majority says it
+                // was force-released.
+                |answers| {
+                    let (mut held, mut gone, mut forced) = (0, 0, 0);
+                    for a in answers.iter().flatten() {
+                        match a {
+                            Ok(Status::Held { .. }) => held += 1,
+                            Ok(Status::Gone(loss)) => {
+                                gone += 1;
+                                forced += usize::from(*loss == Loss::ForceReleased);
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    held >= quorum
+                        || (gone >= quorum && (forced >= quorum || gone - forced > n - quorum))
+                },
+            )
             .await;
         let mut held: Vec<u64> = answers
             .iter()
@@ -914,9 +1009,48 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32>
     (kept(u32::MAX) == least).then_some(least)
 }
 
+/// Whether the release answers in so far decide [`majority_holds`]
+/// whatever the nodes still silent say.
+fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bool {
+    let answered = answers.iter().filter(|a| matches!(a, Some(Ok(_)))).count();
+    if answered < quorum {
+        return false;
+    }
+    if answers
+        .iter()
+        .filter(|a| matches!(a, Some(Ok(None))))
+        .count()
+        >= quorum
+    {
+        return true;
+    }
+    let kept = |silent: u32| {
+        let holds = answers.iter().map(|a| match a {
+            Some(Ok(held)) => held.unwrap_or(0),
+            _ => silent,
+        });
+        kept_by_a_majority(holds, quorum)
+    };
+    kept(0) == kept(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{majority_count, majority_holds, timed_out};
+    use super::{majority_count, majority_holds, release_decided, timed_out};
+
+    #[test]
+    fn a_release_answers_before_a_silent_node_only_when_it_cannot_change_the_count() {
+        let held = |n| Some(Ok(Some(n)));
+        assert!(release_decided(&[held(1), held(1), None], 2));
+        assert!(release_decided(&[Some(Ok(None)), None, Some(Ok(None))], 2));
+        // One node a hold ahead: the silent one decides between 1 and 2.
+        assert!(!release_decided(&[held(2), held(1), None], 2));
+        assert!(!release_decided(&[held(1), None, None], 2));
+        assert!(!release_decided(
+            &[held(1), Some(Err(timed_out("release"))), None],
+            2
+        ));
+    }
 
     #[test]
     fn a_re_entry_reports_the_holds_a_majority_keeps() {
