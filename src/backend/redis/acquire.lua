@@ -100,7 +100,8 @@ if IS_LOCK then
     local h, keys = holders()
     for _, held in ipairs(keys) do
       local m = h[held]
-      if m.m == "s" and mine(cjson.encode({m.o, m.s})) then
+      -- The decoded owners: cjson would encode `/` as `\/` again.
+      if m.m == "s" and m.o == cjson.decode(string.sub(owner_prefix, 2, -2)) then
         if again then return {6, NOW} end
         m.c = m.c + 1
         m.e = cap(math.max(m.e, NOW + tonumber(string.match(spec, "^%d+"))), m)
