@@ -3964,6 +3964,71 @@ async fn a_stale_report_is_bounded() {
     assert_eq!(report["truncated"], true);
 }
 
+/// Keys are bytes: a legacy client (or anyone) may write one that is not
+/// UTF-8. One such key under `--legacy-pattern` or the sidecar's prefix made
+/// every stale scan or listing fail to read the scan's reply, which was
+/// reported as the backend being unreachable (503, `sidelock_backend_up`
+/// 0, the dashboard's listing gone). Such a key is listed as stale with
+/// its bytes escaped, and as is its name with a bidi override, so that it
+/// cannot pass for another; it is not a lock, so listings skip it.
+#[tokio::test]
+async fn keys_that_are_not_utf8_or_hide_their_name_are_shown_escaped_not_an_outage() {
+    let server = RedisServer::start().await;
+    let sidecar = SidecarBuilder::new(&server.url())
+        .flag("legacy-pattern", "lock:*")
+        .start()
+        .await;
+    let api = sidecar.api();
+    let grant = api.lock(&unique_name("listed")).acquire(&[]).await;
+    let mut c = server.connection().await.expect("connect to test redis");
+    for key in [
+        &b"lock:\xff\xfe"[..],
+        "lock:\u{202e}gnp.exe".as_bytes(),
+        b"sidelock:\xffx",
+        b"lock:good",
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg("1")
+            .query_async(&mut c)
+            .await
+            .expect("SET");
+    }
+    let stale = api.get(&["v1", "stale"], &[]).await;
+    assert_eq!(stale.status(), StatusCode::OK);
+    let stale: Value = stale.json().await.expect("the stale report");
+    let keys: Vec<&str> = stale["stale"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|s| s["key"].as_str())
+        .collect();
+    for shown in [
+        "lock:good",
+        "lock:\\xff\\xfe",
+        "lock:\\u{202e}gnp.exe",
+        "sidelock:\\xffx",
+    ] {
+        assert!(keys.contains(&shown), "{shown} in {keys:?}");
+    }
+    let listed = api.get(&["v1", "locks"], &[]).await;
+    assert_eq!(listed.status(), StatusCode::OK);
+    let listed: Value = listed.json().await.expect("the listing");
+    assert!(listed.to_string().contains(&grant.name), "{listed}");
+    let metrics = api
+        .get(&["metrics"], &[])
+        .await
+        .text()
+        .await
+        .expect("metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("sidelock_backend_up{") && l.ends_with(" 1")),
+        "the backend stays up: {metrics}"
+    );
+}
+
 /// A semaphore's limit as some Redis 7.2 releases wrote it (a Lua number
 /// of eight or more trailing zeros as `1e+8`) is read as the number it is,
 /// not refused as a key of the wrong type.

@@ -70,16 +70,17 @@ pub(super) fn config() -> AsyncConnectionConfig {
 }
 
 /// String keys matching `pattern` that have no expiry, on one server; the
-/// scan stops once it has found `most`.
+/// scan stops once it has found `most`. Keys are bytes, and anyone may
+/// write one that is not UTF-8.
 pub(super) async fn scan(
     c: &mut Conn,
     pattern: &str,
     most: usize,
-) -> Result<Vec<String>, RedisError> {
+) -> Result<Vec<Vec<u8>>, RedisError> {
     let mut found = Vec::new();
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
             .arg(pattern)

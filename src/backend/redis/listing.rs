@@ -64,7 +64,9 @@ impl Node {
             for pattern in [format!("{prefix}*"), format!("{{{prefix}*}}:*")] {
                 let mut cursor: u64 = 0;
                 loop {
-                    let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+                    // Bytes: a key that is not UTF-8 is nobody's lock,
+                    // and must not fail the listing.
+                    let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
                         .arg(cursor)
                         .arg("MATCH")
                         .arg(&pattern)
@@ -73,7 +75,12 @@ impl Node {
                         .query_async(&mut c)
                         .await
                         .map_err(|e| unavailable("list", e))?;
-                    keys.extend(found.iter().filter_map(|k| self.lock_of(k)));
+                    keys.extend(
+                        found
+                            .iter()
+                            .filter_map(|k| std::str::from_utf8(k).ok())
+                            .filter_map(|k| self.lock_of(k)),
+                    );
                     if next == 0 {
                         break;
                     }
@@ -199,13 +206,14 @@ impl Node {
                 if left == 0 {
                     break;
                 }
-                for k in self.scan_without_expiry(&pattern, left).await? {
-                    let legacy_key = !k.starts_with(&self.prefix);
+                for raw in self.scan_without_expiry(&pattern, left).await? {
+                    let legacy_key = !raw.starts_with(self.prefix.as_bytes());
+                    let k = shown_key(&raw);
                     out.push(StaleKey {
                         detail: if legacy_key {
-                            format!("key {k:?} matches --legacy-pattern and has no expiry: a lock left by hand-written SETNX code blocks forever")
+                            format!("key \"{k}\" matches --legacy-pattern and has no expiry: a lock left by hand-written SETNX code blocks forever")
                         } else {
-                            format!("lock key {k:?} has no expiry: whoever set it never set PX, so it will never be freed")
+                            format!("lock key \"{k}\" has no expiry: whoever set it never set PX, so it will never be freed")
                         },
                         key: k,
                         reason: crate::backend::StaleReason::NoExpiry,
@@ -263,7 +271,7 @@ impl Node {
         &self,
         pattern: &str,
         most: usize,
-    ) -> Result<Vec<String>, Error> {
+    ) -> Result<Vec<Vec<u8>>, Error> {
         let mut found = Vec::new();
         for mut c in self.scan_connections("stale").await? {
             if found.len() >= most {
@@ -276,5 +284,45 @@ impl Node {
             );
         }
         Ok(found)
+    }
+}
+
+/// A key as an operator may read it: bytes that are not UTF-8 as `\xNN`,
+/// and characters that print as nothing or reorder the text (controls,
+/// bidi overrides, zero-width ones) and backslashes escaped, so that no
+/// key passes for another.
+fn shown_key(raw: &[u8]) -> String {
+    let mut shown = String::with_capacity(raw.len());
+    for chunk in raw.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            // `escape_debug` escapes what does not print; quotes it
+            // escapes too are left as they are.
+            if c == '"' || c == '\'' {
+                shown.push(c);
+            } else {
+                shown.extend(c.escape_debug());
+            }
+        }
+        for b in chunk.invalid() {
+            shown.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    shown
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown_key;
+
+    #[test]
+    fn keys_are_shown_escaped_where_they_would_not_read_as_themselves() {
+        assert_eq!(shown_key(b"lock:plain-1.2"), "lock:plain-1.2");
+        assert_eq!(shown_key(b"lock:\xff\xfe"), "lock:\\xff\\xfe");
+        assert_eq!(
+            shown_key("lock:\u{202e}gnp.exe".as_bytes()),
+            "lock:\\u{202e}gnp.exe"
+        );
+        assert_eq!(shown_key(b"a\\b \"c\" \n"), "a\\\\b \"c\" \\n");
+        assert_eq!(shown_key("équipe".as_bytes()), "équipe");
     }
 }
