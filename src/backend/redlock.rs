@@ -884,9 +884,14 @@ impl Backend for Redlock {
             })
             .await;
         self.need_quorum("list", &answers)?;
-        let mut merged: std::collections::BTreeMap<LockKey, Summary> = Default::default();
+        // In the nodes' order, that of the keys' names, which the cursor
+        // (the last name shown) follows: by kind, a page would skip back
+        // and forth between elections and locks.
+        let mut merged: std::collections::BTreeMap<String, Summary> = Default::default();
         for row in answers.into_iter().filter_map(Result::ok).flatten() {
-            let entry = merged.entry(row.key.clone()).or_insert_with(|| row.clone());
+            let entry = merged
+                .entry(row.key.to_string())
+                .or_insert_with(|| row.clone());
             entry.holders = entry.holders.max(row.holders);
             entry.waiters = entry.waiters.max(row.waiters);
             entry.fence = entry.fence.max(row.fence);

@@ -1321,3 +1321,54 @@ async fn a_hung_node_does_not_hold_back_a_short_leases_renewals() {
         "a release took {released_in:?} with two nodes answering"
     );
 }
+
+/// Each node lists keys in the order of their names (`elections/…` before
+/// `locks/…`), and a cursor is the last name shown; the merged page was
+/// ordered by kind (locks first), so its cursor skipped back and forth: a
+/// page of two after an election repeated a lock on the next page, and an
+/// election missing on one node was never shown. Pages follow the nodes'
+/// order: every entry once.
+#[tokio::test]
+async fn redlock_pages_list_every_lock_semaphore_and_election_once() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let api = sidecar.api();
+    let prefix = unique_name("pages");
+    let mut expected = Vec::new();
+    for suffix in ["a", "b"] {
+        let name = format!("{prefix}-{suffix}");
+        api.lock(&name).acquire(&[]).await;
+        expected.push(format!("lock {name}"));
+    }
+    let name = format!("{prefix}-s");
+    api.semaphore(&name).acquire(&[("limit", "1")]).await;
+    expected.push(format!("semaphore {name}"));
+    let name = format!("{prefix}-e");
+    let mut leader = api
+        .open_stream(&["v1", "elections", &name, "campaign"], &[("owner", "c")])
+        .await;
+    leader
+        .wait_for("leader", Duration::from_secs(10), |e| e.event == "leader")
+        .await;
+    expected.push(format!("election {name}"));
+    expected.sort();
+    for limit in ["1", "2", "3"] {
+        let mut listed = Vec::new();
+        let mut cursor: Option<String> = None;
+        for page_number in 0.. {
+            assert!(page_number < 10, "limit {limit}: no end: {listed:?}");
+            let mut query = vec![("prefix", prefix.as_str()), ("limit", limit)];
+            if let Some(cursor) = &cursor {
+                query.push(("cursor", cursor));
+            }
+            let page = api.list(&query).await;
+            listed.extend(page.locks.iter().map(|l| format!("{} {}", l.kind, l.name)));
+            cursor = page.next_cursor;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        listed.sort();
+        assert_eq!(listed, expected, "limit {limit}");
+    }
+}
