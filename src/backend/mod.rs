@@ -186,6 +186,16 @@ impl Cause {
                     Some(Cause::AuthenticationFailed)
                 }
                 _ if pg.is_closed() => Some(Cause::ConnectionLost),
+                // The server ending the session itself says so on the
+                // statement (admin or crash shutdown, a connection
+                // exception): the connection is lost all the same.
+                Some(c)
+                    if *c == SqlState::ADMIN_SHUTDOWN
+                        || *c == SqlState::CRASH_SHUTDOWN
+                        || c.code().starts_with("08") =>
+                {
+                    Some(Cause::ConnectionLost)
+                }
                 _ => None,
             };
         }

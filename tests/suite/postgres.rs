@@ -2906,3 +2906,71 @@ async fn a_cut_stale_report_says_so_and_keeps_the_oldest() {
         "the newest lease is the one left out"
     );
 }
+
+/// A waiter's look whose connection the server ends mid-statement (an
+/// administrator's `pg_terminate_backend`, a fast shutdown, a pooler or HA
+/// proxy): the server says so with SQLSTATE 57P01 on the statement, which
+/// was read as a failed statement, not a lost connection. The waiter got
+/// 503 and left the queue; it looks again and keeps waiting, as it does
+/// when the connection breaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_look_ended_by_the_server_looks_again() {
+    let backend = postgres().await;
+    let id = unique_name("looker");
+    let waiting = backend.sidecar().sidecar_id(&id).start().await;
+    let holding = backend.start_sidecar().await;
+    let name = unique_name("terminated");
+    holding
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "2s")])
+        .await;
+    let mut waiter = waiting
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "waiter"), ("wait", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    // The key's row held, so the look at the lease's end waits for it.
+    let mut blocker = schema(&backend).client().await;
+    let tx = blocker.transaction().await.expect("begin");
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM {} WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+            schema(&backend).table("keys")
+        ),
+        &[&name],
+    )
+    .await
+    .expect("lock the key's row");
+    let client = schema(&backend).client().await;
+    let app = format!("sidelock {id}");
+    eventually(
+        "the waiter's look to wait for the row",
+        Duration::from_secs(10),
+        async || {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                    &[&app],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    let _ = client
+        .execute(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity \
+             WHERE application_name = $1 AND wait_event_type = 'Lock'",
+            &[&app],
+        )
+        .await
+        .expect("terminate the look");
+    tx.rollback().await.expect("let the row go");
+    let grant = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(grant.owner, "waiter");
+}
