@@ -60,7 +60,13 @@ impl Event {
             event,
             name: key.name.to_string(),
             kind: key.kind,
-            owner: owner.to_owned(),
+            // A campaign's lease stores its candidate (owner, value and
+            // the campaign's id, never shown): the event names the owner.
+            owner: if key.kind == Kind::Election {
+                super::election::Candidate::decode(owner).owner
+            } else {
+                owner.to_owned()
+            },
             sidecar: sidecar.to_owned(),
             mode: Held::of(key.kind, mode),
             fence,

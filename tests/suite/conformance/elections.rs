@@ -520,3 +520,35 @@ mod campaign_command {
         drop(run);
     }
 }
+
+/// The sidecar's event stream (`/v1/events`, the dashboard's) named a
+/// campaign's owner as the lease stores it: a JSON document with the
+/// published value and the campaign's own id, which is never shown to
+/// clients. Events carry the campaign's `owner`, as every other answer does.
+#[apply(backends)]
+#[tokio::test]
+async fn election_events_name_the_campaigns_owner_not_its_stored_form(backend: TestBackend) {
+    let backend = backend.start().await;
+    let sidecar = backend.start_sidecar().await;
+    let api = sidecar.api();
+    let mut events = api.events().await;
+    let name = unique_name("evented");
+    let mut leader = campaign(
+        &api,
+        &name,
+        &[("owner", "pod-a"), ("value", "10.0.0.1:8080")],
+    )
+    .await;
+    expect_event(&mut leader, "leader").await;
+    let acquired = events
+        .wait_for(
+            "the election's acquired event",
+            Duration::from_secs(10),
+            |e| e.event == "acquired" && e.json()["name"] == name.as_str(),
+        )
+        .await;
+    let data = acquired.json();
+    assert_eq!(data["owner"], "pod-a", "{data}");
+    assert_eq!(data["kind"], "election", "{data}");
+    assert!(!acquired.data.contains("campaign"), "{}", acquired.data);
+}
