@@ -2974,3 +2974,37 @@ async fn a_waiters_look_ended_by_the_server_looks_again() {
     let grant = waiter.expect_acquired_within(Duration::from_secs(10)).await;
     assert_eq!(grant.owner, "waiter");
 }
+
+/// A role without `CREATE` on the database, whose schema an administrator
+/// made for it (least privilege): PostgreSQL checks that privilege before
+/// it looks at `IF NOT EXISTS`, so the unconditional `CREATE SCHEMA` at
+/// start-up refused every start, even on a schema migrated to the latest
+/// version. The schema that exists is used as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_without_create_on_the_database_runs_on_a_schema_made_for_it() {
+    let database = TestDatabase::new().await;
+    let client = database.client().await;
+    let role = format!("{}_app", database.name);
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; CREATE SCHEMA sidelock AUTHORIZATION {role};"
+        ))
+        .await
+        .expect("a role and its schema");
+    let url = database.url().replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(url, database.url(), "the URL names the role");
+    for start in ["an empty schema", "a migrated schema"] {
+        let sidecar = SidecarBuilder::new(&url).start().await;
+        assert_eq!(readyz_status(&sidecar).await, StatusCode::OK, "{start}");
+        let lock = sidecar.api().lock(&unique_name("least-privilege"));
+        let grant = lock.acquire(&[]).await;
+        lock.release(&grant.token).await;
+    }
+    assert_eq!(
+        migration_versions(&client).await,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    );
+    drop(client);
+    drop(database);
+    common::postgres::psql_machine("postgres", &format!("DROP ROLE IF EXISTS {role}"));
+}

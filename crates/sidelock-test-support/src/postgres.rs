@@ -158,7 +158,7 @@ impl Drop for TestDatabase {
 
 /// Runs one statement on the machine's server with psql (for `Drop`, which
 /// cannot await), reporting failures on stderr.
-fn psql_machine(database: &str, sql: &str) {
+pub fn psql_machine(database: &str, sql: &str) {
     let out = Command::new("psql")
         .args(["-h", HOST, "-p", &PORT.to_string(), "-U", "postgres", "-d"])
         .arg(database)

@@ -121,15 +121,29 @@ impl Inner {
             &[&self.schema],
         )
         .await?;
-        tx.batch_execute(&format!(
-            "SET LOCAL client_min_messages = warning;
-             CREATE SCHEMA IF NOT EXISTS {s};
-             CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
-                 version     integer PRIMARY KEY,
-                 description text NOT NULL,
-                 applied_at  timestamptz NOT NULL DEFAULT now())"
-        ))
-        .await?;
+        // Only what is missing: PostgreSQL checks `CREATE` on the database
+        // before it reads `IF NOT EXISTS`, and a role without it may run on
+        // a schema an administrator made for it.
+        let found = tx
+            .query_one(
+                "SELECT to_regnamespace($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
+                &[&s, &format!("{s}.schema_migrations")],
+            )
+            .await?;
+        let (has_schema, has_table): (bool, bool) = (found.get(0), found.get(1));
+        let mut create = String::from("SET LOCAL client_min_messages = warning;");
+        if !has_schema {
+            create.push_str(&format!("CREATE SCHEMA IF NOT EXISTS {s};"));
+        }
+        if !has_table {
+            create.push_str(&format!(
+                "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
+                     version     integer PRIMARY KEY,
+                     description text NOT NULL,
+                     applied_at  timestamptz NOT NULL DEFAULT now());"
+            ));
+        }
+        tx.batch_execute(&create).await?;
         let current: i32 = tx
             .query_one(
                 &format!("SELECT coalesce(max(version), 0) FROM {s}.schema_migrations"),
