@@ -387,16 +387,29 @@ impl RedisCluster {
         Self::start_replicated(0).await
     }
 
+    /// Three masters, no replicas, each requiring `password`; the
+    /// [`url`](Self::url) carries it.
+    pub async fn start_with_password(password: &str) -> Self {
+        Self::start_configured(0, Some(password)).await
+    }
+
     /// Three masters (`nodes[0..3]`), each with `replicas` replicas after
     /// them in `nodes`; the cluster `ok` on every node and every replica
     /// in sync with its master.
     pub async fn start_replicated(replicas: usize) -> Self {
+        Self::start_configured(replicas, None).await
+    }
+
+    async fn start_configured(replicas: usize, password: Option<&str>) -> Self {
         require("redis-cli");
         let mut nodes = Vec::new();
         for _ in 0..3 * (1 + replicas) {
-            nodes.push(Self::start_node().await);
+            nodes.push(Self::start_node_with(password).await);
         }
         let mut create = Command::new("redis-cli");
+        if let Some(password) = password {
+            create.args(["-a", password, "--no-auth-warning"]);
+        }
         create.arg("--cluster").arg("create");
         for n in &nodes {
             create.arg(format!("127.0.0.1:{}", n.port()));
@@ -434,23 +447,37 @@ impl RedisCluster {
         Self { nodes }
     }
 
-    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`, with
+    /// `:<password>@` before the hosts when the nodes require one.
     pub fn url(&self) -> String {
-        format!("redis+cluster://{}", host_list(&self.nodes))
+        let auth = self.nodes[0]
+            .password
+            .as_ref()
+            .map(|p| format!(":{p}@"))
+            .unwrap_or_default();
+        format!("redis+cluster://{auth}{}", host_list(&self.nodes))
     }
 
     /// A server with cluster mode on, in no cluster yet.
     async fn start_node() -> RedisServer {
+        Self::start_node_with(None).await
+    }
+
+    /// As [`start_node`](Self::start_node), requiring `password` if given.
+    async fn start_node_with(password: Option<&str>) -> RedisServer {
         // The bus port defaults to port + 10000, which does not exist for
         // ephemeral ports above 55535: Redis then refuses to start.
-        RedisServer::start_with(&[
-            "--cluster-enabled",
-            "yes",
-            "--cluster-node-timeout",
-            "2000",
-            "--cluster-port",
-            FREE_PORT,
-        ])
+        RedisServer::start_configured(
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-port",
+                FREE_PORT,
+            ],
+            password,
+        )
         .await
     }
 

@@ -236,12 +236,11 @@ impl Node {
                 redis::cmd("CLUSTER").arg("NODES").query_async(c).await
             })
             .await?;
-        let tls = seeds.first().is_some_and(|s| {
-            matches!(
-                s.get_connection_info().addr(),
-                redis::ConnectionAddr::TcpTls { .. }
-            )
-        });
+        // Each master as the seed is reached: its credentials, database
+        // and TLS settings, at the master's address.
+        let Some(seed) = seeds.first().map(redis::Client::get_connection_info) else {
+            return Ok(Vec::new());
+        };
         let mut conns = Vec::new();
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -252,9 +251,28 @@ impl Node {
                 continue;
             }
             let host_port = addr.split('@').next().unwrap_or(addr);
-            let url = format!("{}://{host_port}", if tls { "rediss" } else { "redis" });
+            let Some((host, port)) = host_port
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+            else {
+                continue;
+            };
+            let at = match seed.addr() {
+                redis::ConnectionAddr::TcpTls {
+                    insecure,
+                    tls_params,
+                    ..
+                } => redis::ConnectionAddr::TcpTls {
+                    host,
+                    port,
+                    insecure: *insecure,
+                    tls_params: tls_params.clone(),
+                },
+                _ => redis::ConnectionAddr::Tcp(host, port),
+            };
+            let info = seed.clone().set_addr(at);
             let conn = async {
-                redis::Client::open(url.as_str())?
+                redis::Client::open(info)?
                     .get_multiplexed_async_connection_with_config(&config())
                     .await
             }
