@@ -1021,13 +1021,17 @@ fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bo
     if answered < quorum {
         return false;
     }
-    if answers
+    let gone = answers
         .iter()
         .filter(|a| matches!(a, Some(Ok(None))))
-        .count()
-        >= quorum
-    {
+        .count();
+    if gone >= quorum {
         return true;
+    }
+    // The nodes still silent could make a majority that holds nothing of
+    // the token: the lease was gone before the release (410).
+    if gone + answers.iter().filter(|a| a.is_none()).count() >= quorum {
+        return false;
     }
     let kept = |silent: u32| {
         let holds = answers.iter().map(|a| match a {
@@ -1051,6 +1055,13 @@ mod tests {
         // One node a hold ahead: the silent one decides between 1 and 2.
         assert!(!release_decided(&[held(2), held(1), None], 2));
         assert!(!release_decided(&[held(1), None, None], 2));
+        // Gone on one node, the lease left on another: the silent third may
+        // say gone too, and the release is then of a lease already lost.
+        assert!(!release_decided(&[held(0), Some(Ok(None)), None], 2));
+        assert!(!release_decided(
+            &[Some(Ok(None)), held(0), held(0), None, None],
+            3
+        ));
         assert!(!release_decided(
             &[held(1), Some(Err(timed_out("release"))), None],
             2
