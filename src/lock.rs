@@ -65,7 +65,7 @@ impl fmt::Display for Name {
 /// # Errors
 /// A sentence naming `what`, the first offending character and what is allowed.
 pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), String> {
-    use unicode_properties::{GeneralCategory as G, UnicodeGeneralCategory};
+    use unicode_properties::UnicodeGeneralCategory;
     let allowed = format!(
         "allowed: 1 to {max_chars} characters of any script, digits, punctuation, symbols and \
          inner spaces (U+0020); not control, format (bidi, zero-width), line or paragraph \
@@ -78,20 +78,7 @@ pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), Str
     if s.starts_with(' ') || s.ends_with(' ') {
         return Err(format!("{what} starts or ends with a space; {allowed}"));
     }
-    let bad = s.chars().find(|&c| {
-        matches!(
-            c.general_category(),
-            G::Control
-                | G::Format
-                | G::LineSeparator
-                | G::ParagraphSeparator
-                | G::PrivateUse
-                | G::Surrogate
-                | G::Unassigned
-        ) || (c.general_category() == G::SpaceSeparator && c != ' ')
-            || invisible(c)
-    });
-    match bad {
+    match s.chars().find(|&c| misleads(c)) {
         Some(c) => Err(format!(
             "{what} contains U+{:04X} ({:?}); {allowed}",
             u32::from(c),
@@ -99,6 +86,25 @@ pub fn check_plain_text(what: &str, s: &str, max_chars: usize) -> Result<(), Str
         )),
         None => Ok(()),
     }
+}
+
+/// Whether `c` can make text look like other text or like several lines
+/// (the characters [`check_plain_text`] refuses): control, format, line and
+/// paragraph separator, private-use, unassigned, spaces other than U+0020
+/// and characters that render as nothing.
+pub fn misleads(c: char) -> bool {
+    use unicode_properties::{GeneralCategory as G, UnicodeGeneralCategory};
+    matches!(
+        c.general_category(),
+        G::Control
+            | G::Format
+            | G::LineSeparator
+            | G::ParagraphSeparator
+            | G::PrivateUse
+            | G::Surrogate
+            | G::Unassigned
+    ) || (c.general_category() == G::SpaceSeparator && c != ' ')
+        || invisible(c)
 }
 
 /// Letters and marks that render as nothing, outside the categories

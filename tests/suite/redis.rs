@@ -4042,7 +4042,7 @@ async fn keys_that_are_not_utf8_or_hide_their_name_are_shown_escaped_not_an_outa
     for shown in [
         "lock:good",
         "lock:\\xff\\xfe",
-        "lock:\\u{202e}gnp.exe",
+        "lock:\\xe2\\x80\\xaegnp.exe",
         "sidelock:\\xffx",
     ] {
         assert!(keys.contains(&shown), "{shown} in {keys:?}");

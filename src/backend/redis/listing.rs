@@ -305,25 +305,30 @@ impl Node {
     }
 }
 
-/// A key as an operator may read it: bytes that are not UTF-8 as `\xNN`,
-/// and characters that print as nothing or reorder the text (controls,
-/// bidi overrides, zero-width ones) and backslashes escaped, so that no
-/// key passes for another.
+/// A key as an operator may read it, and paste between double quotes
+/// into `redis-cli`: bytes that are not UTF-8 and the bytes of characters
+/// that can make it look like another key ([`crate::lock::misleads`]:
+/// controls, bidi overrides, invisible letters) as `\xNN`, backslashes and
+/// double quotes escaped.
 fn shown_key(raw: &[u8]) -> String {
     let mut shown = String::with_capacity(raw.len());
-    for chunk in raw.utf8_chunks() {
-        for c in chunk.valid().chars() {
-            // `escape_debug` escapes what does not print; quotes it
-            // escapes too are left as they are.
-            if c == '"' || c == '\'' {
-                shown.push(c);
-            } else {
-                shown.extend(c.escape_debug());
-            }
-        }
-        for b in chunk.invalid() {
+    let hex = |bytes: &[u8], shown: &mut String| {
+        for b in bytes {
             shown.push_str(&format!("\\x{b:02x}"));
         }
+    };
+    for chunk in raw.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => shown.push_str("\\\\"),
+                '"' => shown.push_str("\\\""),
+                c if crate::lock::misleads(c) => {
+                    hex(c.encode_utf8(&mut [0; 4]).as_bytes(), &mut shown)
+                }
+                c => shown.push(c),
+            }
+        }
+        hex(chunk.invalid(), &mut shown);
     }
     shown
 }
@@ -338,9 +343,13 @@ mod tests {
         assert_eq!(shown_key(b"lock:\xff\xfe"), "lock:\\xff\\xfe");
         assert_eq!(
             shown_key("lock:\u{202e}gnp.exe".as_bytes()),
-            "lock:\\u{202e}gnp.exe"
+            "lock:\\xe2\\x80\\xaegnp.exe"
         );
-        assert_eq!(shown_key(b"a\\b \"c\" \n"), "a\\\\b \"c\" \\n");
+        assert_eq!(
+            shown_key("lock:a\u{3164}".as_bytes()),
+            "lock:a\\xe3\\x85\\xa4"
+        );
+        assert_eq!(shown_key(b"a\\b \"c\" \n"), "a\\\\b \\\"c\\\" \\x0a");
         assert_eq!(shown_key("équipe".as_bytes()), "équipe");
     }
 }
