@@ -240,11 +240,12 @@ async fn an_uncontended_acquire_and_release_run_at_most_eight_statements() {
     );
     // The two calls, the row lock, fence and lease of the grant (with the
     // foreign key's check), the row lock and delete of the release; a
-    // heartbeat may fall into the window.
+    // heartbeat may fall into the window (7 statements with its clean-up
+    // of dead sidecars and lapsed leases).
     assert!(
-        statements <= PAIRS * 8 + 5,
+        statements <= PAIRS * 8 + 7,
         "{statements} statements for {PAIRS} acquires and releases (at most {} allowed):\n{}",
-        PAIRS * 8 + 5,
+        PAIRS * 8 + 7,
         detail.join("\n")
     );
     assert_strictly_increasing(&fences);
