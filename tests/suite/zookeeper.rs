@@ -2220,3 +2220,52 @@ async fn a_claim_without_a_limit_follows_a_limit_changed_before_its_node_was_mad
     assert_eq!(state.limit, Some(5));
     assert_eq!(state.holders.len(), 2);
 }
+
+/// A Curator client that started first made the node of locks under the
+/// lock root a container (`creatingParentContainersIfNeeded`, the path
+/// README's migration shares), and sidelock's own `mkdir` at session start
+/// left it so. Once every lock went idle the server reaped the lock nodes,
+/// then the node of locks; an acquire made only the lock's own node, found
+/// its parent gone, and every lock through every sidecar answered 503 until
+/// its session ended. The node of locks is made again.
+#[tokio::test]
+async fn a_lock_root_a_curator_client_made_a_container_is_made_again_once_reaped() {
+    use zookeeper_client as zk;
+    let server = ZkServer::start().await;
+    let client = zk::Client::connector()
+        .connect(&format!("127.0.0.1:{}", server.client_port(0)))
+        .await
+        .expect("connect to the test server");
+    let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+    let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+    client
+        .create("/curated", &[], &persistent)
+        .await
+        .expect("the chroot");
+    for path in ["/curated/sidelock", "/curated/sidelock/locks"] {
+        client
+            .create(path, &[], &container)
+            .await
+            .expect("the lock root's nodes, as Curator makes them");
+    }
+    let sidecar = sidecar(&server.url("/curated")).await;
+    let lock = sidecar.api().lock(&unique_name("before"));
+    let grant = lock.acquire(&[]).await;
+    lock.release(&grant.token).await;
+    common::eventually(
+        "the server to reap the empty node of locks",
+        Duration::from_secs(20),
+        async || {
+            matches!(client.check_stat("/curated/sidelock/locks").await, Ok(None)).then_some(())
+        },
+    )
+    .await;
+    let lock = sidecar.api().lock(&unique_name("after"));
+    let answer = lock.acquire_raw(&[]).await;
+    assert_eq!(
+        answer.status(),
+        StatusCode::OK,
+        "{}",
+        answer.text().await.unwrap_or_default()
+    );
+}

@@ -159,7 +159,8 @@ fn delay_of(bytes: &[u8], stat: &zk::Stat) -> (u64, i32) {
 }
 
 impl Inner {
-    /// Creates the parent of `key` (a container node where the server has them).
+    /// Creates the parent of `key` (a container node where the server has
+    /// them), and the node of its kind if that has gone.
     pub(super) async fn ensure_parent(&self, zk: &zk::Client, path: &str) -> Result<(), Error> {
         let data = serde_json::to_vec(&ParentData::default()).unwrap_or_default();
         let containers = self.containers.load(std::sync::atomic::Ordering::Relaxed);
@@ -169,14 +170,30 @@ impl Inner {
             zk::CreateMode::Persistent
         };
         let opts = mode.with_acls(zk::Acls::anyone_all());
-        match call("try_acquire", zk.create(path, &data, &opts)).await? {
-            Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
-            Err(zk::Error::Unimplemented) if containers => {
-                self.containers
-                    .store(false, std::sync::atomic::Ordering::Relaxed);
-                Box::pin(self.ensure_parent(zk, path)).await
+        let mut made_kind = false;
+        loop {
+            match call("try_acquire", zk.create(path, &data, &opts)).await? {
+                Ok(_) | Err(zk::Error::NodeExists) => return Ok(()),
+                Err(zk::Error::Unimplemented) if containers => {
+                    self.containers
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                    return Box::pin(self.ensure_parent(zk, path)).await;
+                }
+                // The node of its kind is gone: a Curator client that came
+                // first made it a container (its parents' kind), and the
+                // server reaped it once every lock was idle. Made again as
+                // at the session's start, once.
+                Err(zk::Error::NoNode) if !made_kind => {
+                    made_kind = true;
+                    let kind = path.rsplit_once('/').map_or(path, |(kind, _)| kind);
+                    let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                    match call("try_acquire", zk.mkdir(kind, &persistent)).await? {
+                        Ok(()) | Err(zk::Error::NodeExists) => {}
+                        Err(e) => return Err(unavailable("try_acquire", e)),
+                    }
+                }
+                Err(e) => return Err(unavailable("try_acquire", e)),
             }
-            Err(e) => Err(unavailable("try_acquire", e)),
         }
     }
 
