@@ -232,6 +232,54 @@ async fn a_waiter_kept_out_by_a_lock_delay_sends_nothing_until_it_ends() {
     );
 }
 
+/// Two claims of one owner wait out a lock-delay, through two sidecars. The
+/// second took the first, waiting at the head of the queue, for a grant its
+/// sidecar might have made by its listing and not yet written, waited a
+/// second for it to change, then looked again every second or two for the
+/// whole delay. No grant is made during a lock-delay: it waits like any
+/// other claim, sending nothing until the delay ends.
+#[tokio::test]
+async fn a_second_claim_of_the_owner_waits_out_a_lock_delay_without_polling() {
+    let server = ZkServer::start().await;
+    let a = sidecar(&server.url("/delaytwice")).await;
+    let b = sidecar(&server.url("/delaytwice")).await;
+    let name = unique_name("delaytwice");
+    let lock = a.api().lock(&name);
+    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "14s")])
+        .await;
+    common::eventually(
+        "the expired lease is deleted",
+        Duration::from_secs(10),
+        async || lock.inspect().await.holders.is_empty().then_some(()),
+    )
+    .await;
+    let mut first = lock.hold(&[("owner", "o"), ("wait", "30s")]).await;
+    first.expect_queued().await;
+    // What the first waiter and the sessions cost in a window.
+    const WINDOW: Duration = Duration::from_secs(4);
+    let before = server.packets_received();
+    tokio::time::sleep(WINDOW).await;
+    let alone = server.packets_received() - before - 1;
+    let second = b.api().lock(&name);
+    let waiting = tokio::spawn(async move {
+        second
+            .acquire_raw(&[("owner", "o"), ("wait", "30s")])
+            .await
+            .status()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = server.packets_received();
+    tokio::time::sleep(WINDOW).await;
+    let both = server.packets_received() - before - 1;
+    eprintln!("{alone} requests with one claim waiting, {both} with both");
+    assert!(
+        both <= alone + 4,
+        "{both} ZooKeeper requests in {WINDOW:?} with the second claim waiting, {alone} without"
+    );
+    first.expect_acquired_within(Duration::from_secs(20)).await;
+    assert_eq!(waiting.await.expect("the second claim"), StatusCode::OK);
+}
+
 /// A waiter that left (its wait ran out) stops following what blocked it.
 /// Its follower kept waiting for the holder's node to change: a client
 /// polling `wait=100ms` against a lock held for days left a task, a watch

@@ -821,10 +821,15 @@ impl ZooKeeper {
             // lost: its node stays until the session, resumed, is buried
             // or the server expires it, and is a holder like any other
             // until then.)
+            // No grant by listing is made while a lock-delay runs: a
+            // waiting node is then only a waiter.
+            let may_be_granted = |mode| {
+                me.grants_by_listing(key.kind, mode) && listing.delay_until_ms() <= me.clock.now()
+            };
             let same_owner = ahead.iter().find(|n| {
                 n.data.as_ref().is_some_and(|d| {
                     d.owner == claim.owner
-                        && (d.held || me.grants_by_listing(key.kind, n.child.mode))
+                        && (d.held || may_be_granted(n.child.mode))
                         && !(d.held && me.clock.earliest(d.expires_at_ms) <= now_ms())
                         && !me.is_revoked(&Token::from_client(d.token.clone()))
                 }) && n.child.mode == claim.mode
