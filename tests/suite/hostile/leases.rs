@@ -1555,7 +1555,11 @@ async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] back
     let sidecar = backend.start_sidecar().await;
     let api = sidecar.api();
     let held = api.lock(&unique_name("kept"));
-    let mut stream = held.hold(&[("ttl", "1500ms"), ("owner", "holder")]).await;
+    // A ttl long enough that a renewal slowed by a loaded machine (a
+    // PostgreSQL write waits for its WAL flush) stays inside its margin:
+    // at 1.5 s the margin was 167 ms, and a CI run lost the hold to a slow
+    // renewal, not to the refused requests.
+    let mut stream = held.hold(&[("ttl", "3s"), ("owner", "holder")]).await;
     let grant = stream.expect_acquired().await;
     let elsewhere = api.lock(&unique_name("elsewhere"));
     let bad = [
@@ -1567,7 +1571,7 @@ async fn a_token_that_cannot_be_one_is_refused_and_touches_no_lease(#[case] back
         "\u{7f}",
         "caf\u{e9}",
     ];
-    // Three seconds: six renewals of the hold, among the refused requests.
+    // Three seconds: three renewals of the hold, among the refused requests.
     let until = std::time::Instant::now() + Duration::from_secs(3);
     while std::time::Instant::now() < until {
         for token in bad {
