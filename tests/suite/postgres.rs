@@ -1130,6 +1130,11 @@ struct Queued {
 }
 
 async fn queue_behind_a_holder(backend: &BackendGuard) -> Queued {
+    queue_behind_a_lease_of(backend, "60s").await
+}
+
+/// As [`queue_behind_a_holder`], the holder's lease running `ttl`.
+async fn queue_behind_a_lease_of(backend: &BackendGuard, ttl: &str) -> Queued {
     let id = unique_name("listener");
     let waiting = backend.sidecar().sidecar_id(&id).start().await;
     let releasing = backend.start_sidecar().await;
@@ -1137,7 +1142,7 @@ async fn queue_behind_a_holder(backend: &BackendGuard) -> Queued {
     let holder = releasing
         .api()
         .lock(&name)
-        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .acquire(&[("owner", "holder"), ("ttl", ttl)])
         .await;
     let mut waiter = waiting
         .api()
@@ -2917,21 +2922,16 @@ async fn a_cut_stale_report_says_so_and_keeps_the_oldest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiters_look_ended_by_the_server_looks_again() {
     let backend = postgres().await;
-    let id = unique_name("looker");
-    let waiting = backend.sidecar().sidecar_id(&id).start().await;
-    let holding = backend.start_sidecar().await;
-    let name = unique_name("terminated");
-    holding
-        .api()
-        .lock(&name)
-        .acquire(&[("owner", "holder"), ("ttl", "2s")])
-        .await;
-    let mut waiter = waiting
-        .api()
-        .lock(&name)
-        .hold(&[("owner", "waiter"), ("wait", "60s")])
-        .await;
-    waiter.expect_queued().await;
+    // Both sidecars kept to the end: the holder's lease lapses, the
+    // waiter's look follows it.
+    let Queued {
+        id,
+        waiting: _waiting,
+        releasing: _holding,
+        name,
+        holder: _,
+        mut waiter,
+    } = queue_behind_a_lease_of(&backend, "2s").await;
     // The key's row held, so the look at the lease's end waits for it.
     let mut blocker = schema(&backend).client().await;
     let tx = blocker.transaction().await.expect("begin");

@@ -204,6 +204,19 @@ async fn a_lease_granted_by_its_listing_is_used_through_another_sidecar_at_once(
     }
 }
 
+/// A 300 ms lease of `lock` with a lock-delay of `delay`, left to expire:
+/// returns once its node is deleted, the delay running.
+async fn expire_into_a_lock_delay(lock: &common::api::Resource, delay: &str) {
+    lock.acquire(&[("ttl", "300ms"), ("lock_delay", delay)])
+        .await;
+    common::eventually(
+        "the expired lease is deleted",
+        Duration::from_secs(10),
+        async || lock.inspect().await.holders.is_empty().then_some(()),
+    )
+    .await;
+}
+
 // A waiter that only the lock-delay keeps out has nothing to watch: its
 // timer wakes it when the delay ends, and it sends nothing meanwhile (it
 // used to list the lock again and again, thousands of requests a second).
@@ -212,14 +225,7 @@ async fn a_waiter_kept_out_by_a_lock_delay_sends_nothing_until_it_ends() {
     let server = ZkServer::start().await;
     let a = sidecar(&server.url("/delaywait")).await;
     let lock = a.api().lock(&unique_name("delaywait"));
-    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "3s")])
-        .await;
-    common::eventually(
-        "the expired lease is deleted",
-        Duration::from_secs(10),
-        async || lock.inspect().await.holders.is_empty().then_some(()),
-    )
-    .await;
+    expire_into_a_lock_delay(&lock, "3s").await;
 
     let before = server.packets_received();
     lock.acquire(&[("wait", "20s")]).await;
@@ -245,14 +251,7 @@ async fn a_second_claim_of_the_owner_waits_out_a_lock_delay_without_polling() {
     let b = sidecar(&server.url("/delaytwice")).await;
     let name = unique_name("delaytwice");
     let lock = a.api().lock(&name);
-    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "14s")])
-        .await;
-    common::eventually(
-        "the expired lease is deleted",
-        Duration::from_secs(10),
-        async || lock.inspect().await.holders.is_empty().then_some(()),
-    )
-    .await;
+    expire_into_a_lock_delay(&lock, "14s").await;
     let mut first = lock.hold(&[("owner", "o"), ("wait", "30s")]).await;
     first.expect_queued().await;
     // What the first waiter and the sessions cost in a window.
