@@ -732,11 +732,13 @@ mod hold {
                 "{renewals:?}"
             );
         }
-        // `ttl_ms` is what is left of the lease when reported (may round down).
+        // `ttl_ms` is what is left of the lease when reported (may round
+        // down): never more than the ttl, and at least a third of it left
+        // (a loaded CI run reported one 114 ms after its renewal: 186).
         assert!(
             renewals
                 .iter()
-                .all(|r| r.ttl_ms.is_some_and(|ttl| (200..=300).contains(&ttl))),
+                .all(|r| r.ttl_ms.is_some_and(|ttl| (100..=300).contains(&ttl))),
             "{renewals:?}"
         );
         assert!(renewals[renewals.len() - 1].expires_at_ms > grant.expires_at_ms);
