@@ -19,7 +19,7 @@ use crate::lock::{Claim, LostReason};
 
 use super::Core;
 use super::expiry::{Look, expiry_checkpoint};
-use super::lease::{End, Granted, Local, Outcome};
+use super::lease::{End, Granted, Local, Outcome, Streaming};
 
 /// What a hold stream reports, in order.
 pub enum HoldEvent {
@@ -206,7 +206,7 @@ impl Core {
         ));
         // Counted while this renews it: a keepalive then keeps the lease
         // for at least the ttl this renews by.
-        let _streaming = lease.stream();
+        let streaming = lease.stream();
         loop {
             if let Some(&end) = lease.end.get() {
                 let reason = match end {
@@ -276,10 +276,28 @@ impl Core {
                 }
                 () = self.shutdown.cancelled() => {
                     events.send(HoldEvent::Lost(LostReason::Shutdown));
-                    Box::pin(self.release_fully(lease)).await;
+                    Box::pin(self.let_go(lease, events, streaming)).await;
                     return;
                 }
             }
+        }
+    }
+
+    /// The end of a hold at shutdown, once it was sent `lost`. Its client
+    /// may act as the holder until it reads that, so the lease is released
+    /// only once the client lets go (leaves the stream), or else left to
+    /// lapse unrenewed at its expiry; with the last of its streams here, its
+    /// other holds here go too ([`Core::release_fully`]).
+    async fn let_go(&self, lease: &Local, events: &HoldEvents, streaming: Streaming<'_>) {
+        let lapse = instant_at(lease.expires_at_ms());
+        tokio::select! {
+            () = events.left.cancelled() => {}
+            () = sleep_until(lapse) => {}
+            () = lease.ended.cancelled() => return,
+        }
+        drop(streaming);
+        if !lease.streamed() {
+            self.release_fully(lease).await;
         }
     }
 
@@ -299,9 +317,17 @@ impl Core {
         self.end(lease, End::Lost(LostReason::Shutdown));
     }
 
-    /// Releases everything this sidecar holds (shutdown). Returns how many.
+    /// Releases everything this sidecar holds (shutdown), except the leases
+    /// of hold streams whose clients have not let go since they were told
+    /// `lost` ([`Core::let_go`]): those are left to lapse. Returns how many
+    /// it released.
     pub async fn release_everything(&self) -> usize {
-        let all: Vec<Arc<Local>> = self.lock_leases().values().cloned().collect();
+        let all: Vec<Arc<Local>> = self
+            .lock_leases()
+            .values()
+            .filter(|lease| !lease.streamed())
+            .cloned()
+            .collect();
         for lease in &all {
             self.release_fully(lease).await;
         }

@@ -244,7 +244,7 @@ async fn a_long_leadership_is_not_stale(backend: TestBackend) {
 }
 
 /// A leader whose sidecar stops gracefully hears `lost` `shutdown`, and
-/// the election is free at once.
+/// the election is free as soon as it lets go (closes its campaign).
 #[apply(backends)]
 #[tokio::test]
 async fn a_leader_hears_shutdown_and_the_election_is_free(backend: TestBackend) {
@@ -256,6 +256,7 @@ async fn a_leader_hears_shutdown_and_the_election_is_free(backend: TestBackend) 
     sidecars[0].terminate();
     let lost = expect_event(&mut leader, "lost").await;
     assert_eq!(lost["reason"], "shutdown");
+    drop(leader);
     if sidecars.len() > 1 {
         let next = sidecars[1].api();
         let mut successor = campaign(&next, &name, &[("owner", "next")]).await;

@@ -2382,7 +2382,8 @@ mod lifecycle {
         let terminated = Instant::now();
         sidecar.terminate();
         assert_eq!(holder.expect_lost().await, "shutdown");
-        holder.expect_end().await;
+        // The holder lets go: its lease is released then.
+        drop(holder);
         let rest = waiter.until_end().await;
         assert!(
             rest.iter().all(|event| match event {
@@ -2405,6 +2406,109 @@ mod lifecycle {
                 "{state:?}"
             );
         }
+    }
+
+    /// Queues owner `next` on `lock` (wait 30 s) in a task, which answers
+    /// when (Unix ms) and how it was answered.
+    async fn queue_a_waiter(lock: Resource) -> tokio::task::JoinHandle<(u64, reqwest::Response)> {
+        let observer = lock.clone();
+        let waiter = tokio::spawn(async move {
+            let answer = lock
+                .acquire_raw(&[("owner", "next"), ("wait", "30s")])
+                .await;
+            (now_ms(), answer)
+        });
+        eventually("the waiter queued", Duration::from_secs(10), async || {
+            (observer.inspect().await.waiters.len() == 1).then_some(())
+        })
+        .await;
+        waiter
+    }
+
+    /// The safety checker's failure: a holder told `lost` on SIGTERM may act
+    /// as the holder until it reads it, so the lease goes to another only
+    /// once its client lets go (closes the stream), however long it takes to
+    /// read — never while the event sits unread. A client that reads it
+    /// frees the lock at once.
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn sigterm_gives_a_hold_away_only_once_its_client_lets_go(backend: TestBackend) {
+        let backend = backend.start().await;
+        let mut a = backend.sidecar().shutdown_grace("20s").start().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("sigterm-busy-holder");
+        let mut holder = a
+            .api()
+            .lock(&name)
+            .hold(&[("owner", "busy"), ("ttl", "30s")])
+            .await;
+        holder.expect_acquired().await;
+        let waiter = queue_a_waiter(b.api().lock(&name)).await;
+
+        a.terminate();
+        // The holder's client is busy (a GC pause, a long step) and reads
+        // nothing for a while: the lease is still its own.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(
+            !waiter.is_finished(),
+            "granted to another before the holder read `lost`: {:?}",
+            waiter.await
+        );
+        assert_eq!(holder.expect_lost().await, "shutdown");
+        let let_go = now_ms();
+        drop(holder);
+        let (granted_at, answer) = within("the waiter's grant", EVENT_TIMEOUT, waiter)
+            .await
+            .expect("the waiter's task");
+        assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
+        assert!(granted_at >= let_go);
+        let status = a.wait_exit(EVENT_TIMEOUT).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+    }
+
+    /// A holder that never lets go after `lost` does not keep the sidecar
+    /// past its grace, and its lease is not released under it: it lapses
+    /// at its expiry (on ZooKeeper it ends with the stopped sidecar's
+    /// session, at the end of the grace).
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn sigterm_leaves_a_hold_whose_client_never_lets_go_to_lapse(backend: TestBackend) {
+        const GRACE: Duration = Duration::from_secs(2);
+        let zookeeper = backend == TestBackend::ZooKeeper;
+        let backend = backend.start().await;
+        let mut a = backend.sidecar().shutdown_grace("2s").start().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("sigterm-deaf-holder");
+        let mut holder = a
+            .api()
+            .lock(&name)
+            .hold(&[("owner", "deaf"), ("ttl", "6s")])
+            .await;
+        let grant = holder.expect_acquired().await;
+        let waiter = queue_a_waiter(b.api().lock(&name)).await;
+
+        let (terminated, terminated_ms) = (Instant::now(), now_ms());
+        a.terminate();
+        let status = a.wait_exit(GRACE + TIMING_SLACK).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+        let took = terminated.elapsed();
+        assert!(took <= GRACE + TIMING_SLACK, "shutdown took {took:?}");
+        let (granted_ms, answer) = within("the waiter's grant", Duration::from_secs(20), waiter)
+            .await
+            .expect("the waiter's task");
+        assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
+        let not_before = if zookeeper {
+            (terminated_ms + GRACE.as_millis() as u64).min(grant.expires_at_ms)
+        } else {
+            grant.expires_at_ms
+        };
+        assert!(
+            granted_ms + 5 >= not_before,
+            "granted to another at {granted_ms}, before {not_before} (the lease's expiry {}, \
+             SIGTERM at {terminated_ms})",
+            grant.expires_at_ms
+        );
+        drop(holder);
     }
 
     #[apply(backends)]
