@@ -107,7 +107,10 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let served = tokio::select! {
         r = drained => r,
         () = async { token.cancelled().await; tokio::time::sleep(grace).await } => {
-            tracing::warn!("connections still open after the grace period; closing them");
+            tracing::warn!(
+                "connections still open after the grace period; they close at exit, and the \
+                 leases of holds whose clients have not let go are left to lapse"
+            );
             Ok(())
         }
     };

@@ -166,7 +166,13 @@ impl Core {
         let supervise = granted.supervise_here;
         if self.shutdown.is_cancelled() {
             // Granted by an attempt already in flight when shutdown began.
-            self.release_fully(&lease).await;
+            // A re-entry of a lease another hold stream holds gives back only
+            // its own hold: the rest go once that stream's client lets go.
+            if lease.streamed() {
+                let _ = self.release(&lease.key, &lease.token).await;
+            } else {
+                self.release_fully(&lease).await;
+            }
             events.send(HoldEvent::Lost(LostReason::Shutdown));
             return None;
         }
@@ -268,6 +274,16 @@ impl Core {
                 () = lease.ended.cancelled() => {}
                 () = events.left.cancelled() => {
                     let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+                    if self.shutdown.is_cancelled() {
+                        // Shutdown came with the client's leaving: the
+                        // lease's other holds here go too, with its last
+                        // stream, as in `let_go`.
+                        drop(streaming);
+                        if !lease.streamed() {
+                            Box::pin(self.release_fully(lease)).await;
+                        }
+                        return;
+                    }
                     if supervise {
                         // Still held (re-entered, or the release failed).
                         self.supervise_elsewhere(lease);
@@ -290,13 +306,20 @@ impl Core {
     /// other holds here go too ([`Core::release_fully`]).
     async fn let_go(&self, lease: &Local, events: &HoldEvents, streaming: Streaming<'_>) {
         let lapse = instant_at(lease.expires_at_ms());
-        tokio::select! {
-            () = events.left.cancelled() => {}
-            () = sleep_until(lapse) => {}
+        let lapsed = tokio::select! {
+            () = events.left.cancelled() => false,
+            () = sleep_until(lapse) => true,
             () = lease.ended.cancelled() => return,
-        }
+        };
         drop(streaming);
-        if !lease.streamed() {
+        if lease.streamed() {
+            return;
+        }
+        if lapsed && lease.delayed {
+            // Its lock-delay runs from its expiry, which a release would
+            // skip: the client never let go, and may still act.
+            self.end(lease, End::Lost(LostReason::Shutdown));
+        } else {
             self.release_fully(lease).await;
         }
     }

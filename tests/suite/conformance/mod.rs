@@ -2511,6 +2511,83 @@ mod lifecycle {
         drop(holder);
     }
 
+    /// A hold left to lapse at shutdown (its client never let go) ends as a
+    /// loss, not a release: its lock-delay runs from its expiry, as for any
+    /// holder that may still act.
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn sigterm_keeps_the_lock_delay_of_a_hold_left_to_lapse(backend: TestBackend) {
+        let backend = backend.start().await;
+        let mut a = backend.sidecar().shutdown_grace("5s").start().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("sigterm-delayed-holder");
+        let mut holder = a
+            .api()
+            .lock(&name)
+            .hold(&[("owner", "deaf"), ("ttl", "2s"), ("lock_delay", "3s")])
+            .await;
+        let grant = holder.expect_acquired().await;
+        let waiter = queue_a_waiter(b.api().lock(&name)).await;
+        a.terminate();
+        let (granted_ms, answer) = within("the waiter's grant", Duration::from_secs(25), waiter)
+            .await
+            .expect("the waiter's task");
+        assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
+        let not_before = grant.expires_at_ms + 3000;
+        assert!(
+            granted_ms + 5 >= not_before,
+            "granted to another at {granted_ms}, before the lease's expiry {} plus its \
+             lock-delay",
+            grant.expires_at_ms
+        );
+        let status = a.wait_exit(EVENT_TIMEOUT).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+        drop(holder);
+    }
+
+    /// Clients that close their hold streams as SIGTERM arrives (their pods
+    /// stop too) leave nothing held: each lease's other holds through the
+    /// sidecar (a plain re-entry of the same owner) go with its stream, as
+    /// SIGTERM releases everything.
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn holds_closed_as_sigterm_arrives_leave_nothing_held(backend: TestBackend) {
+        use nix::sys::signal::Signal;
+        const LOCKS: usize = 8;
+        let backend = backend.start().await;
+        let mut a = backend.sidecar().shutdown_grace("5s").start().await;
+        let b = backend.start_sidecar().await;
+        let names: Vec<String> = (0..LOCKS)
+            .map(|i| format!("{}-{i}", unique_name("closed-at-sigterm")))
+            .collect();
+        let mut streams = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            let owner = format!("owner-{i}");
+            let lock = a.api().lock(name);
+            let mut hold = lock.hold(&[("owner", &owner), ("ttl", "60s")]).await;
+            let held = hold.expect_acquired().await;
+            let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+            assert_eq!(
+                (again.token.as_str(), again.count),
+                (held.token.as_str(), 2)
+            );
+            streams.push(hold);
+        }
+        // Stopped, the sidecar finds the closed streams and the signal
+        // together when it resumes.
+        a.signal(Signal::SIGSTOP);
+        drop(streams);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        a.terminate();
+        a.signal(Signal::SIGCONT);
+        let status = a.wait_exit(Duration::from_secs(5) + TIMING_SLACK).await;
+        assert_eq!(status.code(), Some(0), "exit status {status}");
+        for name in &names {
+            let state = b.api().lock(name).inspect().await;
+            assert!(state.holders.is_empty(), "{name} still held: {state:?}");
+        }
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn flags_override_env_which_overrides_the_config_file(backend: TestBackend) {
