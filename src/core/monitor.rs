@@ -19,6 +19,7 @@
 //! [`Backend::tidy`]: crate::backend::Backend::tidy
 //! [`Backend::reports_lease_ends`]: crate::backend::Backend::reports_lease_ends
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -138,6 +139,10 @@ impl Core {
         scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The lease holds until this, as far as this sidecar can vouch.
         let mut holds_until = Instant::now() + TTL;
+        // The scan under way: it reads every key in use, which takes long
+        // on a large keyspace, so it runs beside the beat, which renews the
+        // lease, rather than in its way.
+        let mut scanning: Option<Pin<Box<dyn Future<Output = _> + Send + '_>>> = None;
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => {
@@ -145,8 +150,14 @@ impl Core {
                     let _ = self.op("announce", self.backend.announce(key)).await;
                     break;
                 }
-                _ = scan.tick() => {
-                    if let Ok(stale) = self.scan_stale().await {
+                _ = scan.tick(), if scanning.is_none() => {
+                    scanning = Some(Box::pin(self.scan_stale()));
+                }
+                found = async { scanning.as_mut().expect("a scan under way").await },
+                    if scanning.is_some() =>
+                {
+                    scanning = None;
+                    if let Ok(stale) = found {
                         let (shown, _) = super::shown_stale(stale);
                         self.metrics.stale.set(shown.len() as f64);
                     }

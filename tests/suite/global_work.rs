@@ -411,6 +411,71 @@ async fn a_monitor_whose_lease_the_backend_lost_is_elected_again() {
     .await;
 }
 
+/// The monitor's stale scan reads every key in use, one call each: with
+/// many locks in use it runs for many seconds (38 s for 1.3 million). It ran
+/// inside the monitor's round, which renews the monitor's lease, so the
+/// lease went unrenewed for as long, and a scan longer than the lease (30 s)
+/// handed the role to another sidecar mid-scan. The scan now runs beside
+/// the renewals.
+#[tokio::test]
+async fn a_long_stale_scan_does_not_hold_back_the_monitors_renewals() {
+    const LOCKS: u32 = 600_000;
+    /// The monitor renews every 10 s.
+    const BEAT: Duration = Duration::from_secs(10);
+    let server = RedisServer::start().await;
+    let mut first = SidecarBuilder::new(&server.url()).start().await;
+    let model = "sidelock:model";
+    first.api().lock("model").acquire(&[("ttl", "1h")]).await;
+    // Many leases in use, each a copy of a real one under another name, in
+    // batches that each answer well within the client's time limit.
+    const BATCH: u32 = 10_000;
+    for start in (0..LOCKS).step_by(BATCH as usize) {
+        let copied: i64 = server
+            .cmd(&[
+                "EVAL",
+                "local v = redis.call('GET', KEYS[1]) \
+                 for i = tonumber(ARGV[1]), tonumber(ARGV[1]) + tonumber(ARGV[2]) - 1 do \
+                   redis.call('SET', 'sidelock:busy-' .. i, v, 'PX', 3600000) \
+                 end \
+                 return tonumber(ARGV[2])",
+                "1",
+                model,
+                &start.to_string(),
+                &BATCH.to_string(),
+            ])
+            .await;
+        assert_eq!(copied, i64::from(BATCH));
+    }
+    // A monitor elected now scans at once.
+    first.terminate();
+    first.wait_exit(Duration::from_secs(10)).await;
+    let monitor = SidecarBuilder::new(&server.url()).start().await;
+    let started = std::time::Instant::now();
+    loop {
+        let (renewed, scanned) = (
+            backend_ops(&monitor, "renew").await,
+            backend_ops(&monitor, "stale").await,
+        );
+        if renewed > 0 && scanned == 0 {
+            break;
+        }
+        if scanned > 0 {
+            let took = started.elapsed();
+            assert!(
+                took > BEAT + Duration::from_secs(1),
+                "the scan of {LOCKS} locks took {took:?}, under the monitor's beat: \
+                 too short to judge by; use more locks"
+            );
+            panic!("the monitor did not renew its lease during its {took:?} stale scan");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no renewal nor scan in 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 // `GET /v1/stale` scans the whole keyspace (every key in use, a `SCAN` of
 // the legacy pattern): each request ran its own scan, so a burst of them
 // cost the shared backend one full scan each. Requests that arrive while a
