@@ -169,7 +169,15 @@ impl Core {
             // A re-entry of a lease another hold stream holds gives back only
             // its own hold: the rest go once that stream's client lets go.
             if lease.streamed() {
-                let _ = self.release(&lease.key, &lease.token).await;
+                // Taken first, as `release_fully` takes each: a stream letting
+                // go meanwhile must not give this hold back a second time.
+                if lease.take_here()
+                    && let Ok(Some(0)) = self
+                        .op("release", self.backend.release(&lease.key, &lease.token))
+                        .await
+                {
+                    self.end(&lease, End::Released);
+                }
             } else {
                 self.release_fully(&lease).await;
             }
@@ -301,25 +309,25 @@ impl Core {
 
     /// The end of a hold at shutdown, once it was sent `lost`. Its client
     /// may act as the holder until it reads that, so the lease is released
-    /// only once the client lets go (leaves the stream), or else left to
-    /// lapse unrenewed at its expiry; with the last of its streams here, its
-    /// other holds here go too ([`Core::release_fully`]).
+    /// only once the client lets go (leaves the stream); with the last of
+    /// its streams here, its other holds here go too
+    /// ([`Core::release_fully`]). Otherwise it is left to lapse unrenewed:
+    /// at the expiry known here the stream ends, the lease ends as lost
+    /// here, and nothing is released — a keepalive through another sidecar
+    /// may have extended it, and a lapse starts its lock-delay, which a
+    /// release would skip.
     async fn let_go(&self, lease: &Local, events: &HoldEvents, streaming: Streaming<'_>) {
         let lapse = instant_at(lease.expires_at_ms());
-        let lapsed = tokio::select! {
-            () = events.left.cancelled() => false,
-            () = sleep_until(lapse) => true,
+        tokio::select! {
+            () = events.left.cancelled() => {}
+            () = sleep_until(lapse) => {
+                self.end(lease, End::Lost(LostReason::Shutdown));
+                return;
+            }
             () = lease.ended.cancelled() => return,
-        };
-        drop(streaming);
-        if lease.streamed() {
-            return;
         }
-        if lapsed && lease.delayed {
-            // Its lock-delay runs from its expiry, which a release would
-            // skip: the client never let go, and may still act.
-            self.end(lease, End::Lost(LostReason::Shutdown));
-        } else {
+        drop(streaming);
+        if !lease.streamed() {
             self.release_fully(lease).await;
         }
     }

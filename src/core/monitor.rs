@@ -19,12 +19,12 @@
 //! [`Backend::tidy`]: crate::backend::Backend::tidy
 //! [`Backend::reports_lease_ends`]: crate::backend::Backend::reports_lease_ends
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rand::RngExt;
 use tokio::time::{Instant, sleep_until};
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::backend::{Attempt, Turn};
 use crate::clock::after;
@@ -129,7 +129,7 @@ impl Core {
     /// ([`Backend::tidy`](crate::backend::Backend::tidy)) every [`BEAT`],
     /// scan for stale keys every [`STALE_EVERY`]. Releases the
     /// lease at shutdown.
-    async fn serve_as_monitor(&self, key: &LockKey, token: &Token) {
+    async fn serve_as_monitor(self: &Arc<Self>, key: &LockKey, token: &Token) {
         tracing::info!(sidecar = %self.sidecar, "this sidecar is now the monitor");
         self.metrics.monitor.set(1);
         let _ = self.op("announce", self.backend.announce(key)).await;
@@ -141,8 +141,11 @@ impl Core {
         let mut holds_until = Instant::now() + TTL;
         // The scan under way: it reads every key in use, which takes long
         // on a large keyspace, so it runs beside the beat, which renews the
-        // lease, rather than in its way.
-        let mut scanning: Option<Pin<Box<dyn Future<Output = _> + Send + '_>>> = None;
+        // lease, rather than in its way; in a task of its own, because a
+        // future the beat's branch left unpolled could hold what the
+        // renewal waits for (a connection being made). Aborted when the
+        // role ends.
+        let mut scanning: Option<AbortOnDropHandle<_>> = None;
         loop {
             tokio::select! {
                 () = self.shutdown.cancelled() => {
@@ -151,13 +154,15 @@ impl Core {
                     break;
                 }
                 _ = scan.tick(), if scanning.is_none() => {
-                    scanning = Some(Box::pin(self.scan_stale()));
+                    let core = self.clone();
+                    let task = tokio::spawn(async move { core.scan_stale().await });
+                    scanning = Some(AbortOnDropHandle::new(task));
                 }
                 found = async { scanning.as_mut().expect("a scan under way").await },
                     if scanning.is_some() =>
                 {
                     scanning = None;
-                    if let Ok(stale) = found {
+                    if let Ok(Ok(stale)) = found {
                         let (shown, _) = super::shown_stale(stale);
                         self.metrics.stale.set(shown.len() as f64);
                     }
