@@ -167,7 +167,8 @@ async fn a_waiter_does_not_poll_when_a_minority_would_grant_it() {
 /// so no node hands over): with the head's grant, the handoff costs each
 /// node at most 12 commands — the release's 5 (its script, the lease, the
 /// head, the wake, the delete) and the head's queued acquire's 7. It took
-/// the head and pushed it back: 13.
+/// the head and pushed it back: 13. (A node the waiter was not granted on,
+/// having won the other two first, is checked only for the push-back.)
 #[tokio::test]
 async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node_12_commands() {
     let nodes = RedisNodes::start(3).await;
@@ -202,18 +203,29 @@ async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node
         .expect("the waiter granted after the release")
         .expect("waiter task");
     assert!(next.fence > held.fence);
+    let mut handed = 0;
     for (node, before) in nodes.nodes.iter().zip(&before) {
         let after = node.command_counts().await;
         let diff = common::redis::command_diff(before, &after);
         let n =
             |c: &std::collections::BTreeMap<String, u64>, k: &str| c.get(k).copied().unwrap_or(0);
         assert_eq!(
-            (
-                n(&after, "lpop") - n(before, "lpop"),
-                n(&after, "lpush") - n(before, "lpush")
-            ),
-            (0, 0),
+            n(&after, "lpush") - n(before, "lpush"),
+            0,
             "the release took the head out of a node's queue and put it back: {diff}"
+        );
+        if n(&after, "incr") == n(before, "incr") {
+            // Not granted here: on a loaded machine the waiter may win the
+            // other two nodes first and then leave this one's queue
+            // (`dequeue.lua`, whose hand-over finds the queue empty), a
+            // path of its own.
+            continue;
+        }
+        handed += 1;
+        assert_eq!(
+            n(&after, "lpop") - n(before, "lpop"),
+            0,
+            "the release took the head out of a node's queue: {diff}"
         );
         // A heartbeat (every 5 s; its LLEN tells) may fall in the window.
         let beat = if n(&after, "llen") > n(before, "llen") {
@@ -229,6 +241,7 @@ async fn a_redlock_release_wakes_the_head_in_place_and_a_handoff_costs_each_node
             "{ran} commands on a node for one handoff: {diff}"
         );
     }
+    assert!(handed >= 2, "the waiter was granted on {handed} of 3 nodes");
 }
 
 /// A claim that finds a node's lock free with claims queued (every node's
