@@ -25,11 +25,14 @@
 //! grant, a re-entry, a keepalive or a `renewed` event; the sidecars share
 //! the test's clock, read a few ms early for rounding). So each interval lies
 //! inside the lease's real life, and two intervals that overlap where the
-//! contract forbids it are two leases the backend held at once. A client
-//! that was told its lease may have ended (`lost`, 410, a re-entry answered
-//! with another token or 409, a hold stream that broke) was not promised
+//! contract forbids it are two leases the backend held at once. A plain
+//! client told after the fact that its lease may have ended (410, a re-entry
+//! answered with another token or 409: SIGTERM releases the plain leases
+//! taken through a sidecar, as the contract says) was not promised
 //! exclusivity: its interval takes no part in the overlap and over-grant
-//! checks. A reentrant owner's interval runs from its first grant to the
+//! checks. A hold's client acts as the holder until it reads `lost` or the
+//! stream's break, however busy it is: its interval ends there, and is
+//! checked. A reentrant owner's interval runs from its first grant to the
 //! release that brings its count to 0 (or that answers `released`); an
 //! intermediate release retried on another sidecar may have counted twice,
 //! so the client trusts the count the answer gives.
@@ -287,9 +290,13 @@ struct Interval {
     /// When the client stopped acting as the holder, or the lease's expiry as
     /// the client knew it, whichever came first.
     end: Instant,
-    /// The client was told its lease may have ended (`lost`, 410, or its
-    /// hold stream broke) — its critical section may not have been exclusive.
+    /// The client was told its lease may have ended after the fact (410, a
+    /// re-entry answered 409 or with another token) — its critical section
+    /// may not have been exclusive, and takes no part in the checks.
     signaled: bool,
+    /// A hold's client read `lost` (or its stream broke) at its end: it
+    /// acted as the holder until then, and the interval is checked.
+    told: bool,
     /// Started after the faults began.
     faulted: bool,
 }
@@ -508,6 +515,7 @@ async fn plain(shared: &Shared, target: usize, kind: Grant, crash: bool) {
         start,
         end: start,
         signaled: false,
+        told: false,
         faulted: false,
     };
     shared.access(target, kind, fence, expires).await;
@@ -618,6 +626,7 @@ async fn reentered_elsewhere(shared: &Shared, target: usize, requested: Instant,
         start,
         end: start,
         signaled: false,
+        told: false,
         faulted: false,
     };
     interval.signaled = matches!(shared.release(target, token).await.0, Release::Gone);
@@ -625,16 +634,21 @@ async fn reentered_elsewhere(shared: &Shared, target: usize, requested: Instant,
 }
 
 /// A hold stream: access the resource on `acquired`, work while watching for
-/// `lost`, then close (or cut) the connection.
+/// `lost`, then close (or cut) the connection. A busy client (a third) works
+/// in one step without reading, and reads what came meanwhile only after
+/// it. Either way the client acts as the holder until it reads `lost` (or
+/// the stream's break): its interval ends there, and is checked like any
+/// other — a `lost` that came after another was granted is no excuse.
 async fn hold(shared: &Shared, target: usize, kind: Grant) {
-    let (wait, ttl, work) = {
+    let (wait, ttl, busy) = {
         let mut r = rand::rng();
         (
             r.random_range(0..800),
             r.random_range(300..1500),
-            r.random_range(0..40),
+            r.random_bool(0.3),
         )
     };
+    let work = rand::rng().random_range(0..if busy { 200 } else { 40 });
     let base = shared.url().await;
     let url = shared.claim_url(&base, target, "/hold", kind, (wait, ttl), None);
     let requested = Instant::now();
@@ -658,10 +672,24 @@ async fn hold(shared: &Shared, target: usize, kind: Grant) {
     let fence = grant["fence"].as_u64().expect("fence");
     let token = grant["token"].as_str().expect("token").to_owned();
     shared.access(target, kind, fence, expires).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(work);
-    let mut signaled = false;
+    let mut deadline = tokio::time::Instant::now() + Duration::from_millis(work);
+    if busy {
+        tokio::time::sleep_until(deadline).await;
+        shared.access(target, kind, fence, expires).await;
+        deadline = tokio::time::Instant::now();
+    }
+    let mut told = false;
     loop {
-        match tokio::time::timeout_at(deadline, events.next()).await {
+        let next = if busy {
+            // What arrived during the step, without waiting for more.
+            match futures::FutureExt::now_or_never(events.next()) {
+                Some(e) => Ok(e),
+                None => break,
+            }
+        } else {
+            tokio::time::timeout_at(deadline, events.next()).await
+        };
+        match next {
             Err(_) => break,
             Ok(Some(Ok(e))) if e.event == "renewed" => {
                 let renewed: Value = serde_json::from_str(&e.data).unwrap_or_default();
@@ -669,7 +697,7 @@ async fn hold(shared: &Shared, target: usize, kind: Grant) {
             }
             // `lost`, or the stream broke (sidecar killed): no longer exclusive.
             Ok(_) => {
-                signaled = true;
+                told = true;
                 break;
             }
         }
@@ -684,7 +712,8 @@ async fn hold(shared: &Shared, target: usize, kind: Grant) {
         requested,
         start,
         end,
-        signaled,
+        signaled: false,
+        told,
         faulted: false,
     };
     shared.record(interval, expires).await;
@@ -924,7 +953,7 @@ async fn check(kind: &str) {
             let mut report = json!({
                 "grants": of_kind().count(),
                 "grants_without_faults": of_kind().filter(|i| !i.faulted).count(),
-                "signaled_losses": of_kind().filter(|i| i.signaled).count(),
+                "signaled_losses": of_kind().filter(|i| i.signaled || i.told).count(),
                 "fence_regressions": verdict.fence_regressions[k.index()],
                 "fence_duplicates": verdict.fence_duplicates[k.index()],
                 "stale_fence_accesses_rejected": resources.rejected[k.index()],
@@ -965,7 +994,7 @@ async fn check(kind: &str) {
         "fault_free_seconds": (nominal / 4).as_secs_f64(),
         "grants": intervals.len(),
         "grants_per_second": intervals.len() as f64 / seconds,
-        "signaled_losses": intervals.iter().filter(|i| i.signaled).count(),
+        "signaled_losses": intervals.iter().filter(|i| i.signaled || i.told).count(),
         "overlapping_exclusive_intervals": overlaps,
         "semaphore_over_grants": verdict.over_grants,
         "fence_regressions": regressions,
@@ -1113,6 +1142,7 @@ async fn semaphore_admits_at_most_its_limit(backend: TestBackend) {
                         start,
                         end,
                         signaled: released.status() != StatusCode::OK,
+                        told: false,
                         faulted: false,
                     });
                 }
