@@ -25,7 +25,7 @@ use crate::http::locks::hold::{
     Finishing, SSE_KEEPALIVE, first_failure, hold_event, limit_stall, limit_stall_to_grant,
     sse_json,
 };
-use crate::http::locks::{Ask, DurationValue};
+use crate::http::locks::{Ask, DurationValue, check_renewed_ttl};
 use crate::http::params::{Given, LockName, NoParams, Params, duration};
 use crate::http::problem::Problem;
 use crate::http::server::Stall;
@@ -136,6 +136,7 @@ pub async fn campaign(
     let ask = Ask::campaign(p.ttl, p.lock_delay, p.owner);
     let (mut claim, _) =
         ask.into_claim(election_key(&name), &app.core.limits, &app.core.sidecar)?;
+    check_renewed_ttl(claim.ttl, &app.core.limits)?;
     // A campaign stands until it leads or leaves: --max-wait does not apply.
     let wait = MAX_DURATION;
     limit_stall(stall.as_ref(), claim.ttl);

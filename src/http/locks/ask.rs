@@ -331,6 +331,29 @@ pub(crate) fn check_ttl(
     Ok(ttl.map(|t| t.value))
 }
 
+/// The shortest ttl of a lease a watchdog renews (a hold stream's, a
+/// campaign's): it renews every third of the ttl, so a shorter one would ask
+/// the backend for a renewal more often than every 33 ms, for as long as
+/// the stream stays open.
+pub(crate) const MIN_RENEWED_TTL: Duration = Duration::from_millis(100);
+
+/// Refuses a hold's or campaign's `ttl` below [`MIN_RENEWED_TTL`].
+pub(crate) fn check_renewed_ttl(ttl: Duration, limits: &Limits) -> Result<(), Error> {
+    if ttl >= MIN_RENEWED_TTL {
+        return Ok(());
+    }
+    Err(Error::OutOfRange {
+        parameter: "ttl",
+        detail: format!(
+            "ttl {} ms is below the minimum of {} ms for a hold stream or campaign, whose \
+             watchdog renews the lease every third of its ttl",
+            ms(ttl),
+            ms(MIN_RENEWED_TTL)
+        ),
+        max_ms: Some(ms(limits.max_ttl)),
+    })
+}
+
 pub(super) fn check_owner(owner: String) -> Result<String, Error> {
     check_plain_text("owner", &owner, MAX_OWNER_LEN).map_err(Error::InvalidParameter)?;
     // The owner made up for a claim without one is shown (busy answers,

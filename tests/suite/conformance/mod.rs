@@ -2023,6 +2023,24 @@ mod validation {
                 "ttl",
                 Some(10_000),
             ),
+            // A watchdog renews every third of the ttl: 1 ms asked the
+            // backend for a renewal every millisecond, for as long as the
+            // stream stayed open.
+            out_of_range(
+                Case::new("hold with ttl below 100 ms", Method::GET, &hold).query("ttl", "1ms"),
+                "ttl",
+                Some(10_000),
+            ),
+            out_of_range(
+                Case::new(
+                    "campaign with ttl below 100 ms",
+                    Method::GET,
+                    &["v1", "elections", name.as_str(), "campaign"],
+                )
+                .query("ttl", "99ms"),
+                "ttl",
+                Some(10_000),
+            ),
             Case::new(
                 "unparsable semaphore limit",
                 Method::POST,
