@@ -51,7 +51,7 @@ pub struct CampaignParams {
     #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     /// The leadership's lease, renewed every ttl/3 while the stream is open
-    /// (default `--default-ttl`, at most `--max-ttl`): how long a leader
+    /// (default `--default-ttl`, at least 100 ms, at most `--max-ttl`): how long a leader
     /// whose sidecar dies keeps the election.
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "15s")]

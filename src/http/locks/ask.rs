@@ -38,7 +38,8 @@ pub(crate) enum DurationValue {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct LockParams {
-    /// Lease duration, e.g. `30s` (default `--default-ttl`, at most `--max-ttl`).
+    /// Lease duration, e.g. `30s` (default `--default-ttl`, at most
+    /// `--max-ttl`; a hold stream's at least 100 ms).
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "30s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
