@@ -10,6 +10,12 @@ use utoipa::ToSchema;
 /// Longest accepted lock name, in characters.
 pub const MAX_NAME_LEN: usize = 200;
 
+/// The shortest ttl a watchdog renews a lease by (a hold stream's, a
+/// campaign's): it renews every third of it, so a shorter one would ask
+/// the backend for a renewal more often than every 33 ms, for as long as
+/// the stream stays open.
+pub const MIN_RENEWED_TTL: Duration = Duration::from_millis(100);
+
 /// A validated lock or semaphore name: 1–200 characters of `A-Z a-z 0-9 . _ : -`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct Name(String);

@@ -12,7 +12,9 @@ use crate::core::Limits;
 use crate::duration::MAX_DURATION;
 use crate::error::Error;
 use crate::http::params::{Given, count, duration, mode};
-use crate::lock::{ANONYMOUS, ANONYMOUS_DIGITS, Claim, LockKey, Mode, Token, check_plain_text};
+use crate::lock::{
+    ANONYMOUS, ANONYMOUS_DIGITS, Claim, LockKey, MIN_RENEWED_TTL, Mode, Token, check_plain_text,
+};
 
 /// Longest accepted owner identity, in characters.
 pub(super) const MAX_OWNER_LEN: usize = 200;
@@ -331,12 +333,6 @@ pub(crate) fn check_ttl(
     }
     Ok(ttl.map(|t| t.value))
 }
-
-/// The shortest ttl of a lease a watchdog renews (a hold stream's, a
-/// campaign's): it renews every third of the ttl, so a shorter one would ask
-/// the backend for a renewal more often than every 33 ms, for as long as
-/// the stream stays open.
-pub(crate) const MIN_RENEWED_TTL: Duration = Duration::from_millis(100);
 
 /// Refuses a hold's or campaign's `ttl` below [`MIN_RENEWED_TTL`].
 pub(crate) fn check_renewed_ttl(ttl: Duration, limits: &Limits) -> Result<(), Error> {

@@ -239,10 +239,12 @@ pub(in crate::http) fn limit_stall(stall: Option<&Stall>, ttl: Duration) {
     }
 }
 
-/// [`limit_stall`] for the lease `event` grants, if it does.
+/// [`limit_stall`] for the lease `event` grants, if it does, at the pace
+/// the watchdog renews it (a re-entered lease's ttl may be shorter than a
+/// hold may ask for; it is renewed as if it were the shortest).
 pub(in crate::http) fn limit_stall_to_grant(stall: Option<&Stall>, event: &HoldEvent) {
     if let HoldEvent::Acquired(granted) = event {
-        limit_stall(stall, granted.lease.ttl);
+        limit_stall(stall, granted.lease.ttl.max(crate::lock::MIN_RENEWED_TTL));
     }
 }
 

@@ -750,6 +750,42 @@ mod hold {
         lock.acquire_busy(&[]).await;
     }
 
+    /// A hold that re-enters a plain lease renews it at its ttl's pace, and
+    /// the plain lease's ttl may be far below the 100 ms a hold may ask for:
+    /// a 60 ms lease was renewed every 20 ms for as long as the stream
+    /// stayed open (a 1 ms one, every millisecond). It is renewed at a
+    /// 100 ms lease's pace (every 33 ms) at most.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_hold_reentering_a_short_plain_lease_renews_no_faster_than_a_100ms_hold(
+        backend: TestBackend,
+    ) {
+        const WINDOW: Duration = Duration::from_secs(2);
+        let (_backend, sidecar) = setup(backend).await;
+        let api = sidecar.api();
+        let lock = api.lock(&unique_name("short-reentered"));
+        let mut tries = 0;
+        // The hold must re-enter within the plain lease's 60 ms.
+        let hold = loop {
+            tries += 1;
+            let grant = lock.acquire(&[("owner", "o"), ("ttl", "60ms")]).await;
+            let mut hold = lock.hold(&[("owner", "o"), ("ttl", "10s")]).await;
+            if hold.expect_acquired().await.token == grant.token {
+                break hold;
+            }
+            assert!(tries < 5, "the hold never came within the lease's 60 ms");
+        };
+        let before = api.metric_sum("sidelock_renewals_total", "").await;
+        tokio::time::sleep(WINDOW).await;
+        let renewed = api.metric_sum("sidelock_renewals_total", "").await - before;
+        // 60 at a 100 ms lease's pace; 100 at the 60 ms lease's own.
+        assert!(
+            renewed <= 80.0,
+            "{renewed} renewals in {WINDOW:?} of one hold"
+        );
+        drop(hold);
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn a_hold_times_out_when_its_wait_runs_out(backend: TestBackend) {
