@@ -3876,13 +3876,13 @@ async fn fences_past_the_last_exact_integer_are_refused_not_repeated() {
 /// A hold whose lease reaches it late is renewed in time: the lock is
 /// handed to a queued hold while its sidecar is stopped, and the lease's
 /// ttl runs from the handoff, so when the sidecar resumes 1.7 s later only
-/// 0.7 s of the 2.4 s ttl is left. The old watchdog waited a third of the
-/// ttl (0.8 s) from its own start and reported `lost` at the expiry,
-/// although a renewal would have kept it; now it renews at once. (The stop
-/// is shorter than the sidecar's backend call timeout, so no call it had
-/// in flight times out on resuming. With 1.5 s and 1.1 s, the resumed
-/// sidecar had 233 ms to renew inside its margin, and a loaded CI run
-/// missed it.)
+/// 1.1 s of the 2.8 s ttl is left, 0.79 s before its safety margin. The old
+/// watchdog waited a third of the ttl (0.93 s) from its own start, past the
+/// margin, and reported `lost`, although a renewal would have kept the
+/// lease; now it renews at once. (The stop is shorter than the sidecar's
+/// backend call timeout, so no call it had in flight times out on resuming.
+/// With a 1.5 s ttl and a 1.1 s stop the resumed sidecar had 233 ms to renew
+/// inside its margin, and with 2.4 s 434 ms: loaded CI runs missed both.)
 #[tokio::test]
 async fn a_hold_handed_a_lease_while_its_sidecar_was_stopped_renews_it_in_time() {
     let server = RedisServer::start().await;
@@ -3893,7 +3893,7 @@ async fn a_hold_handed_a_lease_while_its_sidecar_was_stopped_renews_it_in_time()
     let mut hold = waiting
         .api()
         .lock(&name)
-        .hold(&[("ttl", "2400ms"), ("wait", "30s")])
+        .hold(&[("ttl", "2800ms"), ("wait", "30s")])
         .await;
     hold.expect_queued().await;
     waiting.signal(Signal::SIGSTOP);
