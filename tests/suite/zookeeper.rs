@@ -1110,14 +1110,7 @@ async fn a_lock_delay_outlives_the_reaping_of_the_empty_lock_node() {
     let name = unique_name("delay");
     let lock = a.api().lock(&name);
     let started = Instant::now();
-    lock.acquire(&[("ttl", "300ms"), ("lock_delay", "6s")])
-        .await;
-    common::eventually(
-        "the expired lease is deleted",
-        Duration::from_secs(10),
-        async || lock.inspect().await.holders.is_empty().then_some(()),
-    )
-    .await;
+    expire_into_a_lock_delay(&lock, "6s").await;
     // Several container sweeps with no claim under the lock node.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
