@@ -19,7 +19,7 @@ use rstest::rstest;
 use rstest_reuse::apply;
 use serde_json::{Value, json};
 
-use common::api::{Body, expect_json};
+use common::api::{Body, Params, expect_json};
 use common::sse::Renewed;
 use common::*;
 
@@ -2462,62 +2462,112 @@ mod lifecycle {
         }
     }
 
-    /// Queues owner `next` on `lock` (wait 30 s) in a task, which answers
-    /// when (Unix ms) and how it was answered.
-    async fn queue_a_waiter(lock: Resource) -> tokio::task::JoinHandle<(u64, reqwest::Response)> {
-        let observer = lock.clone();
+    /// Hold streams through sidecar `a` (stopping with `grace`), each
+    /// acquired, and owner `next` queued behind them through sidecar `b`.
+    struct HeldWhileStopping {
+        a: SidecarGuard,
+        _b: SidecarGuard,
+        holders: Vec<HoldStream>,
+        grants: Vec<Grant>,
+        /// When (Unix ms) and how `next` was answered.
+        waiter: tokio::task::JoinHandle<(u64, reqwest::Response)>,
+    }
+
+    /// [`HeldWhileStopping`] on a fresh lock (a semaphore of `limit`
+    /// permits, with one), one hold per entry of `holds`.
+    async fn held_while_stopping(
+        backend: &BackendGuard,
+        grace: &str,
+        limit: Option<u32>,
+        holds: &[Params<'_>],
+    ) -> HeldWhileStopping {
+        let a = backend.sidecar().shutdown_grace(grace).start().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("held-while-stopping");
+        let limit = limit.map(|l| l.to_string());
+        let on = |api: Api| match limit {
+            Some(_) => api.semaphore(&name),
+            None => api.lock(&name),
+        };
+        let (mut holders, mut grants) = (Vec::new(), Vec::new());
+        for (i, params) in holds.iter().enumerate() {
+            let owner = format!("holder-{i}");
+            let mut asked = vec![("owner", owner.as_str())];
+            asked.extend_from_slice(params);
+            asked.extend(limit.as_deref().map(|l| ("limit", l)));
+            let mut holder = on(a.api()).hold(&asked).await;
+            grants.push(holder.expect_acquired().await);
+            holders.push(holder);
+        }
+        let (lock, observer) = (on(b.api()), on(b.api()));
         let waiter = tokio::spawn(async move {
-            let answer = lock
-                .acquire_raw(&[("owner", "next"), ("wait", "30s")])
-                .await;
+            let mut asked = vec![("owner", "next"), ("wait", "30s")];
+            asked.extend(limit.as_deref().map(|l| ("limit", l)));
+            let answer = lock.acquire_raw(&asked).await;
             (now_ms(), answer)
         });
         eventually("the waiter queued", Duration::from_secs(10), async || {
             (observer.inspect().await.waiters.len() == 1).then_some(())
         })
         .await;
-        waiter
+        HeldWhileStopping {
+            a,
+            _b: b,
+            holders,
+            grants,
+            waiter,
+        }
     }
 
     /// The safety checker's failure: a holder told `lost` on SIGTERM may act
     /// as the holder until it reads it, so the lease goes to another only
     /// once its client lets go (closes the stream), however long it takes to
     /// read — never while the event sits unread. A client that reads it
-    /// frees the lock at once.
+    /// frees the lock at once. For every kind: an exclusive hold, shared
+    /// holds an exclusive claim waits behind, and every permit of a
+    /// semaphore of 2 (Redlock: of 1, the most it bounds).
     #[apply(shared_backends)]
     #[tokio::test]
     async fn sigterm_gives_a_hold_away_only_once_its_client_lets_go(backend: TestBackend) {
+        const HOLD: Params = &[("ttl", "30s")];
+        const SHARED: Params = &[("ttl", "30s"), ("mode", "shared")];
+        let permits = max_permits(backend, 2);
         let backend = backend.start().await;
-        let mut a = backend.sidecar().shutdown_grace("20s").start().await;
-        let b = backend.start_sidecar().await;
-        let name = unique_name("sigterm-busy-holder");
-        let mut holder = a
-            .api()
-            .lock(&name)
-            .hold(&[("owner", "busy"), ("ttl", "30s")])
-            .await;
-        holder.expect_acquired().await;
-        let waiter = queue_a_waiter(b.api().lock(&name)).await;
-
-        a.terminate();
-        // The holder's client is busy (a GC pause, a long step) and reads
-        // nothing for a while: the lease is still its own.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        assert!(
-            !waiter.is_finished(),
-            "granted to another before the holder read `lost`: {:?}",
-            waiter.await
-        );
-        assert_eq!(holder.expect_lost().await, "shutdown");
-        let let_go = now_ms();
-        drop(holder);
-        let (granted_at, answer) = within("the waiter's grant", EVENT_TIMEOUT, waiter)
-            .await
-            .expect("the waiter's task");
-        assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
-        assert!(granted_at >= let_go);
-        let status = a.wait_exit(EVENT_TIMEOUT).await;
-        assert_eq!(status.code(), Some(0), "exit status {status}");
+        let every_permit = vec![HOLD; permits as usize];
+        let shapes: [(&str, Option<u32>, &[Params]); 3] = [
+            ("an exclusive hold", None, &[HOLD]),
+            ("two shared holds", None, &[SHARED, SHARED]),
+            ("every permit of a semaphore", Some(permits), &every_permit),
+        ];
+        for (what, limit, holds) in shapes {
+            let mut held = held_while_stopping(&backend, "20s", limit, holds).await;
+            held.a.terminate();
+            // The holders' clients are busy (a GC pause, a long step) and
+            // read nothing for a while: the leases are still theirs.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(
+                !held.waiter.is_finished(),
+                "{what}: granted to another before the holders read `lost`: {:?}",
+                held.waiter.await
+            );
+            for holder in &mut held.holders {
+                assert_eq!(holder.expect_lost().await, "shutdown", "{what}");
+            }
+            let let_go = now_ms();
+            held.holders.clear();
+            let (granted_at, answer) = within("the waiter's grant", EVENT_TIMEOUT, held.waiter)
+                .await
+                .expect("the waiter's task");
+            assert_eq!(
+                answer.status(),
+                StatusCode::OK,
+                "{what}: {:?}",
+                answer.text().await
+            );
+            assert!(granted_at >= let_go, "{what}");
+            let status = held.a.wait_exit(EVENT_TIMEOUT).await;
+            assert_eq!(status.code(), Some(0), "{what}: exit status {status}");
+        }
     }
 
     /// A holder that never lets go after `lost` does not keep the sidecar
@@ -2530,26 +2580,19 @@ mod lifecycle {
         const GRACE: Duration = Duration::from_secs(2);
         let zookeeper = backend == TestBackend::ZooKeeper;
         let backend = backend.start().await;
-        let mut a = backend.sidecar().shutdown_grace("2s").start().await;
-        let b = backend.start_sidecar().await;
-        let name = unique_name("sigterm-deaf-holder");
-        let mut holder = a
-            .api()
-            .lock(&name)
-            .hold(&[("owner", "deaf"), ("ttl", "6s")])
-            .await;
-        let grant = holder.expect_acquired().await;
-        let waiter = queue_a_waiter(b.api().lock(&name)).await;
+        let mut held = held_while_stopping(&backend, "2s", None, &[&[("ttl", "6s")]]).await;
+        let grant = &held.grants[0];
 
         let (terminated, terminated_ms) = (Instant::now(), now_ms());
-        a.terminate();
-        let status = a.wait_exit(GRACE + TIMING_SLACK).await;
+        held.a.terminate();
+        let status = held.a.wait_exit(GRACE + TIMING_SLACK).await;
         assert_eq!(status.code(), Some(0), "exit status {status}");
         let took = terminated.elapsed();
         assert!(took <= GRACE + TIMING_SLACK, "shutdown took {took:?}");
-        let (granted_ms, answer) = within("the waiter's grant", Duration::from_secs(20), waiter)
-            .await
-            .expect("the waiter's task");
+        let (granted_ms, answer) =
+            within("the waiter's grant", Duration::from_secs(20), held.waiter)
+                .await
+                .expect("the waiter's task");
         assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
         let not_before = if zookeeper {
             (terminated_ms + GRACE.as_millis() as u64).min(grant.expires_at_ms)
@@ -2562,7 +2605,6 @@ mod lifecycle {
              SIGTERM at {terminated_ms})",
             grant.expires_at_ms
         );
-        drop(holder);
     }
 
     /// A hold left to lapse at shutdown (its client never let go) ends as a
@@ -2572,31 +2614,23 @@ mod lifecycle {
     #[tokio::test]
     async fn sigterm_keeps_the_lock_delay_of_a_hold_left_to_lapse(backend: TestBackend) {
         let backend = backend.start().await;
-        let mut a = backend.sidecar().shutdown_grace("5s").start().await;
-        let b = backend.start_sidecar().await;
-        let name = unique_name("sigterm-delayed-holder");
-        let mut holder = a
-            .api()
-            .lock(&name)
-            .hold(&[("owner", "deaf"), ("ttl", "2s"), ("lock_delay", "3s")])
-            .await;
-        let grant = holder.expect_acquired().await;
-        let waiter = queue_a_waiter(b.api().lock(&name)).await;
-        a.terminate();
-        let (granted_ms, answer) = within("the waiter's grant", Duration::from_secs(25), waiter)
-            .await
-            .expect("the waiter's task");
+        let delayed: Params = &[("ttl", "2s"), ("lock_delay", "3s")];
+        let mut held = held_while_stopping(&backend, "5s", None, &[delayed]).await;
+        let expires_at_ms = held.grants[0].expires_at_ms;
+        held.a.terminate();
+        let (granted_ms, answer) =
+            within("the waiter's grant", Duration::from_secs(25), held.waiter)
+                .await
+                .expect("the waiter's task");
         assert_eq!(answer.status(), StatusCode::OK, "{:?}", answer.text().await);
-        let not_before = grant.expires_at_ms + 3000;
+        let not_before = expires_at_ms + 3000;
         assert!(
             granted_ms + 5 >= not_before,
-            "granted to another at {granted_ms}, before the lease's expiry {} plus its \
-             lock-delay",
-            grant.expires_at_ms
+            "granted to another at {granted_ms}, before the lease's expiry {expires_at_ms} \
+             plus its lock-delay"
         );
-        let status = a.wait_exit(EVENT_TIMEOUT).await;
+        let status = held.a.wait_exit(EVENT_TIMEOUT).await;
         assert_eq!(status.code(), Some(0), "exit status {status}");
-        drop(holder);
     }
 
     /// Clients that close their hold streams as SIGTERM arrives (their pods
