@@ -391,8 +391,14 @@ impl Settings {
                 ));
             }
         }
-        if limits.max_ttl.is_zero() {
-            return Err("--max-ttl must be above 0".into());
+        if limits.max_ttl < crate::lock::MIN_RENEWED_TTL {
+            // Below it no hold stream or campaign could be opened at all.
+            return Err(format!(
+                "--max-ttl ({}) must be at least {} ms, the shortest ttl a hold stream or \
+                 campaign may have",
+                humantime::format_duration(limits.max_ttl),
+                crate::lock::MIN_RENEWED_TTL.as_millis()
+            ));
         }
         if limits.default_ttl.is_zero() || limits.default_ttl > limits.max_ttl {
             return Err(format!(
@@ -686,6 +692,28 @@ mod tests {
             ..ServeArgs::default()
         };
         assert!(Settings::resolve(at_max).is_ok());
+    }
+
+    #[test]
+    fn a_max_ttl_no_hold_could_have_is_refused() {
+        for max_ttl in [Duration::ZERO, Duration::from_millis(99)] {
+            let args = ServeArgs {
+                max_ttl: Some(max_ttl),
+                default_ttl: Some(Duration::from_millis(1).min(max_ttl)),
+                ..ServeArgs::default()
+            };
+            let err = Settings::resolve(args).unwrap_err();
+            assert!(
+                err.contains("--max-ttl") && err.contains("at least 100 ms"),
+                "{err}"
+            );
+        }
+        let at_min = ServeArgs {
+            max_ttl: Some(crate::lock::MIN_RENEWED_TTL),
+            default_ttl: Some(Duration::from_millis(1)),
+            ..ServeArgs::default()
+        };
+        assert!(Settings::resolve(at_min).is_ok());
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub enum Error {
     OutOfRange {
         parameter: &'static str,
         detail: String,
+        /// The least the parameter may be, where that is what was broken.
+        min_ms: Option<u64>,
         max_ms: Option<u64>,
     },
     #[error("this semaphore is in use with limit {active}; give limit={active} or leave it out")]

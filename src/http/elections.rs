@@ -51,7 +51,7 @@ pub struct CampaignParams {
     #[schema(min_length = 1, max_length = 200)]
     pub owner: Option<String>,
     /// The leadership's lease, renewed every ttl/3 while the stream is open
-    /// (default `--default-ttl`, at least 100 ms, at most `--max-ttl`): how long a leader
+    /// (default `--default-ttl` or 100 ms if longer; at least 100 ms, at most `--max-ttl`): how long a leader
     /// whose sidecar dies keeps the election.
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "15s")]
@@ -134,9 +134,10 @@ pub async fn campaign(
     check_not_reserved(&name)?;
     let value = check_value(p.value)?;
     let ask = Ask::campaign(p.ttl, p.lock_delay, p.owner);
+    let given = ask.gives_ttl();
     let (mut claim, _) =
         ask.into_claim(election_key(&name), &app.core.limits, &app.core.sidecar)?;
-    check_renewed_ttl(claim.ttl, &app.core.limits)?;
+    check_renewed_ttl(&mut claim, given, &app.core.limits)?;
     // A campaign stands until it leads or leaves: --max-wait does not apply.
     let wait = MAX_DURATION;
     limit_stall(stall.as_ref(), claim.ttl);

@@ -21,7 +21,7 @@ pub struct Problem {
     pub title: String,
     pub status: u16,
     pub detail: String,
-    /// Extension members: `holders`, `holders_total`, `queue_length`, `parameter`, `max_ms`, `limit`, `cap`.
+    /// Extension members: `holders`, `holders_total`, `queue_length`, `parameter`, `min_ms`, `max_ms`, `limit`, `cap`.
     #[serde(flatten)]
     #[schema(value_type = Object)]
     pub extensions: Map<String, Value>,
@@ -75,9 +75,15 @@ impl Error {
         let mut extensions = Map::new();
         match self {
             Error::OutOfRange {
-                parameter, max_ms, ..
+                parameter,
+                min_ms,
+                max_ms,
+                ..
             } => {
                 extensions.insert("parameter".into(), json!(parameter));
+                if let Some(min) = min_ms {
+                    extensions.insert("min_ms".into(), json!(min));
+                }
                 if let Some(max) = max_ms {
                     extensions.insert("max_ms".into(), json!(max));
                 }

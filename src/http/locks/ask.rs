@@ -41,7 +41,7 @@ pub(crate) enum DurationValue {
 #[into_params(parameter_in = Query)]
 pub struct LockParams {
     /// Lease duration, e.g. `30s` (default `--default-ttl`, at most
-    /// `--max-ttl`; a hold stream's at least 100 ms).
+    /// `--max-ttl`; a hold stream's at least 100 ms, and its default too).
     #[serde(default, deserialize_with = "duration")]
     #[param(value_type = Option<DurationValue>, inline, example = "30s")]
     #[schema(value_type = Option<DurationValue>, inline, example = "30s")]
@@ -166,6 +166,11 @@ pub(crate) struct Ask {
 }
 
 impl Ask {
+    /// Whether the client gave a `ttl` (rather than taking `--default-ttl`).
+    pub(crate) fn gives_ttl(&self) -> bool {
+        self.ttl.is_some()
+    }
+
     /// An election campaign's acquire: exclusive, waiting as long as a wait may.
     pub(crate) fn campaign(
         ttl: Option<Given<Duration>>,
@@ -226,6 +231,7 @@ pub(super) fn out_of_range(
             ms(max),
             crate::duration::format_duration(max)
         ),
+        min_ms: None,
         max_ms: Some(ms(max)),
     }
 }
@@ -270,6 +276,7 @@ impl Ask {
                 return Err(Error::OutOfRange {
                     parameter: "max_hold",
                     detail: "max_hold must be above 0 (leave it out for no cap)".into(),
+                    min_ms: None,
                     max_ms: None,
                 });
             }
@@ -280,6 +287,7 @@ impl Ask {
                 return Err(Error::OutOfRange {
                     parameter: "limit",
                     detail: "limit must be at least 1".into(),
+                    min_ms: None,
                     max_ms: None,
                 });
             }
@@ -289,6 +297,7 @@ impl Ask {
                     "limit {:?} is too large: a semaphore has at most {MAX_PERMITS} permits",
                     l.sent
                 ),
+                min_ms: None,
                 max_ms: None,
             })?),
             None => None,
@@ -324,6 +333,7 @@ pub(crate) fn check_ttl(
             return Err(Error::OutOfRange {
                 parameter: "ttl",
                 detail: "ttl must be above 0".into(),
+                min_ms: None,
                 max_ms: Some(ms(limits.max_ttl)),
             });
         }
@@ -334,9 +344,20 @@ pub(crate) fn check_ttl(
     Ok(ttl.map(|t| t.value))
 }
 
-/// Refuses a hold's or campaign's `ttl` below [`MIN_RENEWED_TTL`].
-pub(crate) fn check_renewed_ttl(ttl: Duration, limits: &Limits) -> Result<(), Error> {
-    if ttl >= MIN_RENEWED_TTL {
+/// Checks a hold's or campaign's ttl against [`MIN_RENEWED_TTL`]: one the
+/// client asked for (`given`) below it is refused; `--default-ttl` below it
+/// is raised to it, since the client asked for nothing it could correct.
+pub(crate) fn check_renewed_ttl(
+    claim: &mut Claim,
+    given: bool,
+    limits: &Limits,
+) -> Result<(), Error> {
+    if claim.ttl >= MIN_RENEWED_TTL {
+        return Ok(());
+    }
+    if !given {
+        // Start-up holds --max-ttl at MIN_RENEWED_TTL or above.
+        claim.ttl = MIN_RENEWED_TTL.min(limits.max_ttl);
         return Ok(());
     }
     Err(Error::OutOfRange {
@@ -344,9 +365,10 @@ pub(crate) fn check_renewed_ttl(ttl: Duration, limits: &Limits) -> Result<(), Er
         detail: format!(
             "ttl {} ms is below the minimum of {} ms for a hold stream or campaign, whose \
              watchdog renews the lease every third of its ttl",
-            ms(ttl),
+            ms(claim.ttl),
             ms(MIN_RENEWED_TTL)
         ),
+        min_ms: Some(ms(MIN_RENEWED_TTL)),
         max_ms: Some(ms(limits.max_ttl)),
     })
 }

@@ -195,8 +195,9 @@ pub(super) async fn hold(
     stall: Option<Stall>,
 ) -> Result<axum::response::Response, Error> {
     use axum::response::IntoResponse as _;
-    let (claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
-    super::ask::check_renewed_ttl(claim.ttl, &app.core.limits)?;
+    let given = ask.gives_ttl();
+    let (mut claim, wait) = ask.into_claim(key, &app.core.limits, &app.core.sidecar)?;
+    super::ask::check_renewed_ttl(&mut claim, given, &app.core.limits)?;
     limit_stall(stall.as_ref(), claim.ttl);
     if app.core.shutdown.is_cancelled() {
         return Err(Error::ShuttingDown);

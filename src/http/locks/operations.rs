@@ -49,6 +49,7 @@ pub async fn list_locks(
             return Err(Error::OutOfRange {
                 parameter: "limit",
                 detail: format!("limit {:?} is outside 1 to 1000", l.sent),
+                min_ms: None,
                 max_ms: None,
             });
         }

@@ -786,6 +786,43 @@ mod hold {
         drop(hold);
     }
 
+    /// `--default-ttl` may be below the 100 ms a hold or campaign may ask
+    /// for (a plain lease may be that short). A hold or campaign that asks
+    /// for no ttl was refused for the ttl it never sent; it gets 100 ms.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_hold_or_campaign_without_a_ttl_gets_100ms_under_a_shorter_default(
+        backend: TestBackend,
+    ) {
+        let backend = backend.start().await;
+        let sidecar = backend.sidecar().default_ttl("20ms").start().await;
+        let api = sidecar.api();
+        let lock = api.lock(&unique_name("short-default"));
+        let mut hold = lock.hold(&[("owner", "defaulted")]).await;
+        let grant = hold.expect_acquired().await;
+        assert_eq!(grant.ttl_ms, 100);
+        // Five ttls later the watchdog still holds the same lease.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let state = lock.inspect().await;
+        assert_eq!(state.holder_owners(), ["defaulted"]);
+        assert_eq!(state.holders[0].fence, grant.fence);
+
+        let election = unique_name("short-default");
+        let mut campaign = api
+            .open_stream(
+                &["v1", "elections", &election, "campaign"],
+                &[("owner", "c")],
+            )
+            .await;
+        let leader = campaign
+            .wait_for("a leader event", EVENT_TIMEOUT, |e| e.event == "leader")
+            .await
+            .json();
+        let ttl = leader["ttl_ms"].as_u64().unwrap_or(0);
+        assert!((21..=100).contains(&ttl), "{leader}");
+        drop((hold, campaign));
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn a_hold_times_out_when_its_wait_runs_out(backend: TestBackend) {
@@ -2066,7 +2103,8 @@ mod validation {
                 Case::new("hold with ttl below 100 ms", Method::GET, &hold).query("ttl", "1ms"),
                 "ttl",
                 Some(10_000),
-            ),
+            )
+            .member("min_ms", json!(100)),
             out_of_range(
                 Case::new(
                     "campaign with ttl below 100 ms",
@@ -2076,7 +2114,8 @@ mod validation {
                 .query("ttl", "99ms"),
                 "ttl",
                 Some(10_000),
-            ),
+            )
+            .member("min_ms", json!(100)),
             Case::new(
                 "unparsable semaphore limit",
                 Method::POST,
