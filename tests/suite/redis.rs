@@ -2112,6 +2112,96 @@ async fn a_pubsub_connection_dead_without_a_word_is_noticed_while_claims_wait() 
     }
 }
 
+/// A waiter that leaves while its sidecar puts its passed-by entries back
+/// (`rejoin.lua`, after its pub/sub connection came back) must not be put
+/// back: its dequeue ran between the sidecar reading its entries and the
+/// script, which queued it again — an entry nobody waits for, a release
+/// then handed it the lock, and nobody took it or gave it back until its
+/// ttl. Here 300 waiters, one per lock, leave together just as the pub/sub
+/// connection, killed, has subscribed its channels again (the puts-back
+/// follow); afterwards no queue holds an entry, and every lock is free the
+/// moment its holder releases it.
+#[tokio::test]
+async fn a_waiter_leaving_as_its_entries_are_put_back_leaves_no_entry() {
+    const LOCKS: usize = 300;
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let api = sidecar.api();
+    let name = unique_name("rejoin-ghost");
+    let names: Vec<String> = (0..LOCKS).map(|i| format!("{name}-{i}")).collect();
+    let mut holders = Vec::new();
+    for lock in &names {
+        let lock = api.lock(lock);
+        holders.push(lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await);
+    }
+    let subscriptions = async || -> usize {
+        let list: String = server.cmd(&["CLIENT", "LIST", "TYPE", "pubsub"]).await;
+        list.split([' ', '\n'])
+            .filter_map(|field| field.strip_prefix("sub=")?.parse::<usize>().ok())
+            .sum()
+    };
+    for round in 0..3 {
+        let mut waiters = Vec::new();
+        for lock in &names {
+            let mut waiter = api
+                .lock(lock)
+                .hold(&[("owner", "waiter"), ("wait", "60s"), ("ttl", "60s")])
+                .await;
+            waiter.expect_queued().await;
+            waiters.push(waiter);
+        }
+        // The own channel and one per lock.
+        eventually(
+            "every channel subscribed",
+            Duration::from_secs(10),
+            async || (subscriptions().await > LOCKS).then_some(()),
+        )
+        .await;
+        let killed: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]).await;
+        assert_eq!(killed, 1, "round {round}");
+        // The channels are subscribed again one by one; the puts-back follow.
+        within(
+            "channels subscribed again",
+            Duration::from_secs(10),
+            async {
+                while subscriptions().await + 8 <= LOCKS {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            },
+        )
+        .await;
+        drop(waiters);
+        // The puts-back and their clean-up.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    let mut ghosts = Vec::new();
+    for lock in &names {
+        let state = api.lock(lock).inspect().await;
+        if !state.waiters.is_empty() {
+            ghosts.push(lock.clone());
+        }
+    }
+    let mut kept = Vec::new();
+    for (lock, holder) in names.iter().zip(&holders) {
+        let lock = api.lock(lock);
+        lock.release(&holder.token).await;
+        let taken = lock.acquire_raw(&[("owner", "next")]).await;
+        if taken.status() != StatusCode::OK {
+            kept.push(format!("{}: {}", lock.name(), taken.status()));
+        }
+    }
+    assert!(
+        ghosts.is_empty() && kept.is_empty(),
+        "{} queues keep an entry nobody waits for (the first: {:?}); {} locks were not free \
+         after their release (the first: {:?})",
+        ghosts.len(),
+        ghosts.first(),
+        kept.len(),
+        kept.first()
+    );
+}
+
 /// Awaits `waiter`'s grant after a release at `released`, within 20 s
 /// (two 5-s checks of a pub/sub connection and a reconnect, with room;
 /// a missed handoff's retry timer would be the holder's 60-s expiry).

@@ -201,9 +201,21 @@ impl Node {
     /// lease when the lock was handed to it meanwhile. 1 when the entry was
     /// queued, 2 when the lease was released, 0 when neither.
     pub async fn dequeue(&self, key: &LockKey, entry: &str, token: &Token) -> Result<i64, Error> {
+        self.leave(key, entry, token.expose()).await
+    }
+
+    /// Removes `entry` from `key`'s queue and nothing else (no lease
+    /// matches the empty token): an entry [`Node::rejoin`] put back for a
+    /// waiter that had left meanwhile.
+    pub(super) async fn drop_entry(&self, key: &LockKey, entry: &str) -> Result<i64, Error> {
+        self.leave(key, entry, "").await
+    }
+
+    /// Runs `dequeue.lua` for `entry` and `token`.
+    async fn leave(&self, key: &LockKey, entry: &str, token: &str) -> Result<i64, Error> {
         let mut inv = self.invocation(&self.scripts.dequeue, key);
         inv.arg(entry)
-            .arg(token.expose())
+            .arg(token)
             .arg(self.handoff_arg())
             .arg(&self.instance)
             .arg(&self.stem);
@@ -329,8 +341,12 @@ impl Node {
     }
 
     /// Puts this process's `entries` on `key` back in the queue, each at
-    /// its place, where a release passed them by; how many went back.
-    pub(super) async fn rejoin(&self, key: &LockKey, entries: &[String]) -> Result<i64, Error> {
+    /// its place, where a release passed them by; the entries that went back.
+    pub(super) async fn rejoin(
+        &self,
+        key: &LockKey,
+        entries: &[String],
+    ) -> Result<Vec<String>, Error> {
         let mut inv = self.invocation(&self.scripts.rejoin, key);
         inv.arg(&self.instance).arg(ms(HEARTBEAT_TTL));
         for entry in entries {

@@ -507,19 +507,44 @@ fn hand(
 
 /// Puts this process's entries on `key` that a release passed by back in
 /// the queue, then lets its local head look.
-fn rejoin(node: &Arc<Node>, tickets: &std::sync::Mutex<Tickets>, wakeups: &Wakeups, key: &LockKey) {
+fn rejoin(
+    node: &Arc<Node>,
+    tickets: &Arc<std::sync::Mutex<Tickets>>,
+    wakeups: &Wakeups,
+    key: &LockKey,
+) {
     let entries = lock(tickets).entries(key);
     if entries.is_empty() {
         return;
     }
-    let (node, wakeups, key) = (node.clone(), wakeups.clone(), key.clone());
+    let (node, tickets, wakeups, key) =
+        (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
     tokio::spawn(async move {
-        match node.rejoin(&key, &entries).await {
-            Ok(n) if n > 0 => wakeups.wake(&key),
-            Ok(_) => {}
+        let raw: Vec<String> = entries.iter().map(|(_, e)| e.clone()).collect();
+        let back = match node.rejoin(&key, &raw).await {
+            Ok(back) => back,
             Err(e) => {
-                tracing::debug!(lock = %key, error = %e, "could not queue passed-by waiters again")
+                tracing::debug!(lock = %key, error = %e, "could not queue passed-by waiters again");
+                return;
             }
+        };
+        // A waiter that left after `entries` was read had its entry removed
+        // before the script put it back: a release would hand the lock to
+        // that entry, and nobody here would take or give back the lease
+        // (its ticket finished) until its ttl.
+        let back: std::collections::HashSet<String> = back.into_iter().collect();
+        let put_back: Vec<(u64, String)> = entries
+            .into_iter()
+            .filter(|(_, e)| back.contains(e))
+            .collect();
+        let left = lock(&tickets).take_left(&key, put_back);
+        for entry in &left {
+            if let Err(e) = node.drop_entry(&key, entry).await {
+                tracing::debug!(lock = %key, error = %e, "could not remove the entry of a waiter that left");
+            }
+        }
+        if back.len() > left.len() {
+            wakeups.wake(&key);
         }
     });
 }

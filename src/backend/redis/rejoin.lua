@@ -5,7 +5,7 @@
 -- by while the process's pub/sub connection was down or its heartbeat late.
 -- An entry the lock was handed to meanwhile, or that was granted a read
 -- lease or a permit (its answer still on its way), is not one of them.
--- Returns how many went back.
+-- Returns the entries that went back.
 clock()
 local x = IS_LOCK and xlease()
 local present = {}
@@ -15,7 +15,7 @@ for _, s in ipairs(redis.call("LRANGE", QUEUE, 0, -1)) do
   local e = entry_of(s)
   if e then queued[#queued + 1] = e end
 end
-local back = 0
+local back = {}
 for i = 4, #ARGV do
   local e = entry_of(ARGV[i])
   if e and not present[ARGV[i]] and not (x and x.token == e.token) and not meta_of(e.token) then
@@ -28,10 +28,10 @@ for i = 4, #ARGV do
     else
       redis.call("RPUSH", QUEUE, e.raw)
     end
-    back = back + 1
+    back[#back + 1] = e.raw
   end
 end
-if back > 0 then
+if #back > 0 then
   put_beat(ARGV[2], NOW + tonumber(ARGV[3]))
   set_expiries()
 end

@@ -83,6 +83,12 @@ impl Finished {
         self.at.contains_key(&(key.clone(), seq))
     }
 
+    /// Forgets ticket `seq` on `key` at once (its place in the order is
+    /// skipped when its turn comes).
+    fn forget(&mut self, key: &LockKey, seq: u64) {
+        self.at.remove(&(key.clone(), seq));
+    }
+
     /// How many tickets are remembered.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
@@ -112,12 +118,28 @@ impl Tickets {
         self.queued.get(key).is_some_and(|s| s.contains_key(&seq)) || self.finished.has(key, seq)
     }
 
-    /// This process's queued entries on `key`, in ticket order.
-    pub(super) fn entries(&self, key: &LockKey) -> Vec<String> {
+    /// This process's queued tickets on `key` and their entries, in ticket order.
+    pub(super) fn entries(&self, key: &LockKey) -> Vec<(u64, String)> {
         self.queued
             .get(key)
-            .map(|s| s.values().map(|q| q.entry.clone()).collect())
+            .map(|s| s.iter().map(|(seq, q)| (*seq, q.entry.clone())).collect())
             .unwrap_or_default()
+    }
+
+    /// Of `entries` (a ticket and its entry each), those that are no longer
+    /// queued here: their waiters left. Each is forgotten as finished, so a
+    /// lock handed to it is given back as one handed to a ticket nobody knows.
+    pub(super) fn take_left(&mut self, key: &LockKey, entries: Vec<(u64, String)>) -> Vec<String> {
+        let queued = self.queued.get(key);
+        let (left, _): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .partition(|(seq, _)| !queued.is_some_and(|s| s.contains_key(seq)));
+        left.into_iter()
+            .map(|(seq, entry)| {
+                self.finished.forget(key, seq);
+                entry
+            })
+            .collect()
     }
 }
 
