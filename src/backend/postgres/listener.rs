@@ -413,7 +413,8 @@ impl Inner {
                     &[&self.instance],
                 )
                 .await?;
-            client.batch_execute("RESET lock_timeout").await?;
+            // Not RESET: that is the database's default, which may be short.
+            client.batch_execute("SET lock_timeout = 0").await?;
         }
         Ok((client, rx))
     }

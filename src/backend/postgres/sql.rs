@@ -158,11 +158,15 @@ LIMIT $3";
 ///   a concurrent grant fails it with a serialization error;
 /// - a commit waits for its WAL flush (`synchronous_commit` back `on` where
 ///   it is `off`; stronger settings stay): a grant answered is a grant a
-///   crash keeps. The releases that may skip it say so themselves.
+///   crash keeps. The releases that may skip it say so themselves;
+/// - no `lock_timeout`: a claim waits for a busy key's row lock as long as
+///   it takes (a default a DBA set failed it as an outage, 503); the
+///   upkeep connections set their own short one after this.
 pub(super) const SESSION_SETUP: &str = "SELECT set_config('default_transaction_isolation', \
      'read committed', false), set_config('synchronous_commit', \
      CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' \
-     ELSE current_setting('synchronous_commit') END, false)";
+     ELSE current_setting('synchronous_commit') END, false), \
+     set_config('lock_timeout', '0', false)";
 
 /// The database clock in ms (works before the schema exists).
 pub(super) const NOW_SQL: &str =
