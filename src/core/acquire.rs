@@ -681,11 +681,18 @@ impl Core {
     }
 
     /// Tells the backend of `leaving` in the background, with pauses
-    /// doubling to 5 s, until it answers (or the longest ttl has passed, or
-    /// shutdown).
+    /// doubling to 5 s, until it answers (or shutdown). A release stops
+    /// once the longest ttl has passed, when the lease it gives back has
+    /// lapsed anyway; a dequeue does not: the backend keeps the ticket of a
+    /// waiter whose leaving it has not heard (to give back a lease handed
+    /// to it), and would keep it for good.
     fn tell_later(&self, key: &LockKey, leaving: Leaving) {
         let (backend, key) = (self.backend.clone(), key.clone());
-        let (shutdown, give_up) = (self.shutdown.clone(), after(self.limits.max_ttl));
+        let give_up = match leaving {
+            Leaving::Release(_) => after(self.limits.max_ttl),
+            Leaving::Dequeue(_) => after(crate::duration::MAX_DURATION),
+        };
+        let shutdown = self.shutdown.clone();
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(250);
             loop {

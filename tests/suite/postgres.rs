@@ -3024,3 +3024,72 @@ async fn a_role_without_create_on_the_database_runs_on_a_schema_made_for_it() {
     drop(database);
     common::postgres::psql_machine("postgres", &format!("DROP ROLE IF EXISTS {role}"));
 }
+
+/// A waiter that leaves while the database is down is told to the database
+/// in the background until it hears, however long the outage: the core
+/// gave up after `--max-ttl` (2 s here), and the ticket stayed in the
+/// backend's tickets for good — kept alive by a heartbeat every 2 s for
+/// the rest of the sidecar's life, one more leak per such outage. Here the
+/// outage lasts 5 s; a while after it, the idle sidecar sends no more
+/// heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_leaving_during_an_outage_longer_than_max_ttl_is_forgotten() {
+    let cluster = Arc::new(PgCluster::start());
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute("CREATE DATABASE sidelock")
+        .await
+        .expect("create the database");
+    drop(admin);
+    let sidecar = SidecarBuilder::new(&cluster.url("sidelock"))
+        .default_ttl("2s")
+        .max_ttl("2s")
+        .start()
+        .await;
+    let lock = sidecar.api().lock(&unique_name("left-in-outage"));
+    let _holder = lock.acquire(&[("owner", "holder")]).await;
+    let mut waiter = lock.hold(&[("owner", "waiter"), ("wait", "60s")]).await;
+    waiter.expect_queued().await;
+
+    let stopper = cluster.clone();
+    tokio::task::spawn_blocking(move || stopper.stop_server())
+        .await
+        .expect("stop the server");
+    drop(waiter);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let starter = cluster.clone();
+    tokio::task::spawn_blocking(move || starter.start_server())
+        .await
+        .expect("start the server");
+    eventually(
+        "the sidecar ready again",
+        Duration::from_secs(20),
+        async || (readyz_status(&sidecar).await == StatusCode::OK).then_some(()),
+    )
+    .await;
+    // The retry's next turn (every 5 s at most) and the heartbeat after it.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+
+    let db = cluster.client("sidelock").await;
+    let mut beats = std::collections::BTreeSet::new();
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(7) {
+        let at: i64 = db
+            .query_one(
+                "SELECT (extract(epoch FROM max(heartbeat_at)) * 1000)::bigint \
+                 FROM sidelock.sidecars",
+                &[],
+            )
+            .await
+            .expect("read the heartbeat")
+            .get(0);
+        beats.insert(at);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // One heartbeat may be housekeeping's; a ticket kept alive beats every 2 s.
+    assert!(
+        beats.len() <= 2,
+        "{} heartbeats in 7 s from a sidecar nobody waits through",
+        beats.len()
+    );
+}
