@@ -638,6 +638,12 @@ TEMPLATE_ERRORS = {
     "default ttl above max ttl in ms": (
         {"config": {"defaultTtl": 90000, "maxTtl": "1m"}},
         "config.defaultTtl (90000ms) must not be longer than config.maxTtl (1m)"),
+    "max ttl below a hold's minimum": (
+        {"config": {"defaultTtl": "50ms", "maxTtl": "50ms"}},
+        "config.maxTtl (50ms) must be at least 100ms"),
+    "max ttl below a hold's minimum in ms": (
+        {"config": {"defaultTtl": 20, "maxTtl": 99}},
+        "config.maxTtl (99ms) must be at least 100ms"),
     "election example without the leader probe": (
         {"example": {"enabled": True, "election": True}},
         "example.election=true needs election.readinessProbe.enabled=true"),

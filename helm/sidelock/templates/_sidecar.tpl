@@ -96,6 +96,9 @@ Checks that JSON schema cannot express. Renders nothing; fails with a message.
 {{- if gt (include "sidelock.durationMs" $v.config.defaultTtl | int64) (include "sidelock.durationMs" $v.config.maxTtl | int64) -}}
 {{- fail (printf "sidelock: config.defaultTtl (%s) must not be longer than config.maxTtl (%s); sidelock would refuse to start." (include "sidelock.duration" $v.config.defaultTtl) (include "sidelock.duration" $v.config.maxTtl)) -}}
 {{- end -}}
+{{- if lt (include "sidelock.durationMs" $v.config.maxTtl | int64) 100 -}}
+{{- fail (printf "sidelock: config.maxTtl (%s) must be at least 100ms, the shortest ttl of a hold stream or campaign; sidelock would refuse to start." (include "sidelock.duration" $v.config.maxTtl)) -}}
+{{- end -}}
 {{- if and (not $v.backend.urlFromSecret.name) (regexMatch "(?i)^[a-z][a-z0-9+.-]*://[^@]*:[^@]*@|[?&][^=&]*(pass|pwd|secret|token|auth|credential|key)[^=&]*=" $v.backend.url) -}}
 {{- fail "sidelock: backend.url contains a password, and it would be stored in a ConfigMap. Put the complete URL in a Secret and name it in backend.urlFromSecret.name (key backend.urlFromSecret.key); keep backend.url without credentials." -}}
 {{- end -}}

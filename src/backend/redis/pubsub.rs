@@ -521,29 +521,31 @@ fn rejoin(
         (node.clone(), tickets.clone(), wakeups.clone(), key.clone());
     tokio::spawn(async move {
         let raw: Vec<String> = entries.iter().map(|(_, e)| e.clone()).collect();
-        let back = match node.rejoin(&key, &raw).await {
-            Ok(back) => back,
+        // Unanswered, the script may have run: any entry may be back.
+        let back: Option<std::collections::HashSet<String>> = match node.rejoin(&key, &raw).await {
+            Ok(back) => Some(back.into_iter().collect()),
             Err(e) => {
                 tracing::debug!(lock = %key, error = %e, "could not queue passed-by waiters again");
-                return;
+                None
             }
         };
         // A waiter that left after `entries` was read had its entry removed
         // before the script put it back: a release would hand the lock to
         // that entry, and nobody here would take or give back the lease
         // (its ticket finished) until its ttl.
-        let back: std::collections::HashSet<String> = back.into_iter().collect();
         let put_back: Vec<(u64, String)> = entries
             .into_iter()
-            .filter(|(_, e)| back.contains(e))
+            .filter(|(_, e)| back.as_ref().is_none_or(|back| back.contains(e)))
             .collect();
         let left = lock(&tickets).take_left(&key, put_back);
-        for entry in &left {
+        // Last first: a first one removed while the lock is free hands the
+        // lock on, to the next of them were it still there.
+        for entry in left.iter().rev() {
             if let Err(e) = node.drop_entry(&key, entry).await {
                 tracing::debug!(lock = %key, error = %e, "could not remove the entry of a waiter that left");
             }
         }
-        if back.len() > left.len() {
+        if back.is_some_and(|back| back.len() > left.len()) {
             wakeups.wake(&key);
         }
     });

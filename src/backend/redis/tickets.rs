@@ -127,13 +127,15 @@ impl Tickets {
     }
 
     /// Of `entries` (a ticket and its entry each), those that are no longer
-    /// queued here: their waiters left. Each is forgotten as finished, so a
-    /// lock handed to it is given back as one handed to a ticket nobody knows.
+    /// queued here as that entry: their waiters left (or, on a Redlock
+    /// node, queued again with another entry). Each ticket is forgotten as
+    /// finished, so a lock handed to it is given back as one handed to a
+    /// ticket nobody knows.
     pub(super) fn take_left(&mut self, key: &LockKey, entries: Vec<(u64, String)>) -> Vec<String> {
         let queued = self.queued.get(key);
-        let (left, _): (Vec<_>, Vec<_>) = entries
-            .into_iter()
-            .partition(|(seq, _)| !queued.is_some_and(|s| s.contains_key(seq)));
+        let (left, _): (Vec<_>, Vec<_>) = entries.into_iter().partition(|(seq, entry)| {
+            queued.is_none_or(|s| s.get(seq).is_none_or(|q| q.entry != *entry))
+        });
         left.into_iter()
             .map(|(seq, entry)| {
                 self.finished.forget(key, seq);
@@ -183,8 +185,10 @@ pub(super) fn track(tickets: &Mutex<Tickets>, key: &LockKey, seq: u64, queued: O
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{FINISHED_FOR, Finished};
-    use crate::lock::LockKey;
+    use std::sync::Mutex;
+
+    use super::{FINISHED_FOR, Finished, Queued, Tickets, track};
+    use crate::lock::{LockKey, Token};
 
     fn key(name: &str) -> LockKey {
         LockKey::lock(name)
@@ -225,5 +229,36 @@ mod tests {
         assert_eq!(finished.add(&a, 2, t0 + FINISHED_FOR * 2), 2);
         assert!(!finished.has(&b, 7));
         assert!(!finished.has(&a, 1));
+    }
+
+    /// The entries put back for waiters that left are those no longer
+    /// queued as that entry: a ticket queued again with another entry (a
+    /// Redlock node whose grant was undone) left its first one; the tickets
+    /// taken are no longer known as finished.
+    #[test]
+    fn entries_put_back_for_tickets_that_left_are_taken() {
+        let tickets = Mutex::new(Tickets::default());
+        let a = key("a");
+        let queued = |entry: &str| Queued {
+            token: Token::generate(),
+            entry: entry.to_owned(),
+        };
+        track(&tickets, &a, 1, Some(queued("1 x first")));
+        track(&tickets, &a, 2, Some(queued("2 x stays")));
+        track(&tickets, &a, 3, Some(queued("3 x leaves")));
+        // Ticket 1 is granted and undone, and queued again; 3 leaves.
+        track(&tickets, &a, 1, None);
+        track(&tickets, &a, 1, Some(queued("1 x again")));
+        track(&tickets, &a, 3, None);
+        let snapshot = vec![
+            (1, "1 x first".to_owned()),
+            (2, "2 x stays".to_owned()),
+            (3, "3 x leaves".to_owned()),
+        ];
+        let mut t = tickets.lock().unwrap();
+        assert!(t.knows(&a, 3));
+        assert_eq!(t.take_left(&a, snapshot), ["1 x first", "3 x leaves"]);
+        assert!(!t.knows(&a, 3));
+        assert!(t.knows(&a, 1) && t.knows(&a, 2));
     }
 }
