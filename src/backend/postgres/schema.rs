@@ -131,7 +131,13 @@ impl Inner {
             )
             .await?;
         let (has_schema, has_table): (bool, bool) = (found.get(0), found.get(1));
-        let mut create = String::from("SET LOCAL client_min_messages = warning;");
+        // The DDL waits for table locks as the database or role says, not
+        // as long as a claim waits for a row lock (SESSION_SETUP): an
+        // `ALTER TABLE` queued behind a long transaction would hold up
+        // every claim queued behind it.
+        let mut create = String::from(
+            "SET LOCAL client_min_messages = warning; SET LOCAL lock_timeout TO DEFAULT;",
+        );
         if !has_schema {
             create.push_str(&format!("CREATE SCHEMA IF NOT EXISTS {s};"));
         }
