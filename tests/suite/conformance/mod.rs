@@ -235,6 +235,77 @@ mod mutual_exclusion {
 mod waiting {
     use super::*;
 
+    /// A lock handed to a waiter whose sidecar is stopped (a paused
+    /// process, a frozen VM: its connections stay up, so it still counts
+    /// as alive) lapses unheard, and another claim is granted after it.
+    /// When the sidecar runs again the waiter must not be answered with
+    /// that lapsed lease — a 200 for a lock somebody else holds, with a
+    /// lower fence — but wait on, and be granted after the other holder.
+    /// (The backends that hand locks over: Redis and PostgreSQL. Redlock
+    /// and ZooKeeper wake the waiter, which asks for itself, and keep the
+    /// lock for it meanwhile: its claim stays first in line.)
+    #[rstest]
+    #[case::redis(TestBackend::Redis)]
+    #[case::postgres(TestBackend::Postgres)]
+    #[tokio::test]
+    async fn a_lock_handed_to_a_stopped_sidecar_that_lapsed_is_not_answered(
+        #[case] backend: TestBackend,
+    ) {
+        use nix::sys::signal::Signal;
+        let backend = backend.start().await;
+        let a = backend.start_sidecar().await;
+        let b = backend.start_sidecar().await;
+        let name = unique_name("handed-while-stopped");
+        let holder = b
+            .api()
+            .lock(&name)
+            .acquire(&[("owner", "holder"), ("ttl", "60s")])
+            .await;
+        let lock = a.api().lock(&name);
+        let waiter = tokio::spawn(async move {
+            let answer = lock
+                .acquire_raw(&[("owner", "waiter"), ("ttl", "1s"), ("wait", "30s")])
+                .await;
+            (now_ms(), answer)
+        });
+        eventually("the waiter queued", Duration::from_secs(5), async || {
+            (!b.api().lock(&name).inspect().await.waiters.is_empty()).then_some(())
+        })
+        .await;
+        a.signal(Signal::SIGSTOP);
+        b.api().lock(&name).release(&holder.token).await;
+        // The handed lease's 1 s and the backends' drift allowance.
+        let other = eventually(
+            "another claim granted",
+            Duration::from_secs(10),
+            async || {
+                let answer = b
+                    .api()
+                    .lock(&name)
+                    .acquire_raw(&[("owner", "other"), ("ttl", "2s")])
+                    .await;
+                if answer.status() == StatusCode::OK {
+                    return Some(answer.json::<Grant>().await.expect("grant"));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                None
+            },
+        )
+        .await;
+        a.signal(Signal::SIGCONT);
+        let (answered_at, answer) = waiter.await.expect("waiter");
+        assert_eq!(answer.status(), StatusCode::OK);
+        let grant: Grant = answer.json().await.expect("grant");
+        assert!(
+            grant.fence > other.fence && grant.expires_at_ms > answered_at,
+            "the waiter was answered a lease with fence {} ending at {} ms, at {answered_at} ms; \
+             another claim had been granted fence {} meanwhile",
+            grant.fence,
+            grant.expires_at_ms,
+            other.fence
+        );
+    }
+
     /// A waiter queued behind another of its sidecar, which is granted and
     /// then lets its lease lapse (never released), is granted when that
     /// lease ends: it follows the new holder's expiry once it heads the
