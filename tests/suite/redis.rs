@@ -2202,6 +2202,83 @@ async fn a_waiter_leaving_as_its_entries_are_put_back_leaves_no_entry() {
     );
 }
 
+/// Two waiters of a stopped sidecar (still counted alive) are each handed
+/// the lock in turn — the first by the release, the second by the other
+/// sidecar's heartbeat finding the lock free once the first's lease
+/// lapsed — and both leases lapse unheard; a claim of the other sidecar
+/// then holds the lock. When the stopped sidecar runs again, both its
+/// waiters queue again at their places, ahead of a claim that queues
+/// after that, and are granted in turn once that holder releases — the
+/// second too, which was not the local head when its lapsed handoff came.
+#[tokio::test]
+async fn waiters_handed_lapsed_leases_while_stopped_keep_their_places() {
+    let server = RedisServer::start().await;
+    let (a, b) = (sidecar(&server).await, sidecar(&server).await);
+    let name = unique_name("lapsed-handoffs");
+    let holder = b
+        .api()
+        .lock(&name)
+        .acquire(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    let mut waiters = Vec::new();
+    for (sidecar, owner, ttl) in [
+        (&a, "first", "1s"),
+        (&a, "second", "1s"),
+        (&b, "third", "60s"),
+    ] {
+        let lock = sidecar.api().lock(&name);
+        waiters.push(tokio::spawn(async move {
+            lock.acquire(&[("owner", owner), ("ttl", ttl), ("wait", "30s")])
+                .await
+        }));
+        let count = waiters.len();
+        eventually("the waiter queued", Duration::from_secs(5), async || {
+            (b.api().lock(&name).inspect().await.waiters.len() == count).then_some(())
+        })
+        .await;
+    }
+    let third = waiters.pop().expect("third");
+    a.signal(Signal::SIGSTOP);
+    b.api().lock(&name).release(&holder.token).await;
+    // The first's lease lapses; the other sidecar's heartbeat (every 5 s)
+    // hands the lock to the second, whose lease lapses too, and the third
+    // takes it — all within the stopped sidecar's 15-s heartbeat life.
+    let third = within("the third granted", Duration::from_secs(12), third)
+        .await
+        .expect("third");
+    assert_eq!(third.owner, "third");
+    a.signal(Signal::SIGCONT);
+    // The resumed sidecar hears of its lapsed handoffs; then a claim
+    // queues behind its waiters.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lock = b.api().lock(&name);
+    waiters.push(tokio::spawn(async move {
+        lock.acquire(&[("owner", "fourth"), ("ttl", "1s"), ("wait", "30s")])
+            .await
+    }));
+    eventually("the fourth queued", Duration::from_secs(5), async || {
+        let state = b.api().lock(&name).inspect().await;
+        state
+            .waiters
+            .iter()
+            .any(|w| w.owner == "fourth")
+            .then_some(())
+    })
+    .await;
+    b.api().lock(&name).release(&third.token).await;
+    let mut grants = Vec::new();
+    for waiter in waiters {
+        grants.push(waiter.await.expect("waiter"));
+    }
+    let order: Vec<(&str, u64)> = grants.iter().map(|g| (g.owner.as_str(), g.fence)).collect();
+    assert!(
+        third.fence < grants[0].fence
+            && grants.windows(2).all(|pair| pair[0].fence < pair[1].fence),
+        "granted out of queue order after the third (fence {}): {order:?}",
+        third.fence
+    );
+}
+
 /// Awaits `waiter`'s grant after a release at `released`, within 20 s
 /// (two 5-s checks of a pub/sub connection and a reconnect, with room;
 /// a missed handoff's retry timer would be the holder's 60-s expiry).
