@@ -144,8 +144,12 @@ impl Wakeups {
 
     /// The backend handed `key` to the waiter holding ticket `seq`: deliver
     /// the lease to it and wake it. False when no local waiter holds that
-    /// ticket (it left, or has not taken its place yet); the lease is then
-    /// still the backend's to give back.
+    /// ticket (it left, or has not taken its place yet; the lease is then
+    /// still the backend's to give back), or when the lease ended before
+    /// this process heard of it (it was stopped, while it still counted as
+    /// alive): the lock may be another's by now, with a higher fence, so
+    /// the waiter is only woken, to ask again with its ticket (which queues
+    /// it again at its place, or finds the lease were it still there).
     pub fn granted(&self, key: &LockKey, seq: u64, lease: Handoff) -> bool {
         self.changed(key);
         let mut queues = self.lock();
@@ -156,6 +160,10 @@ impl Wakeups {
         let Some(slot) = q.slots.iter().find(|s| s.seq == seq) else {
             return false;
         };
+        if lease.expires_at_ms <= crate::clock::now_ms() {
+            slot.signal.tell(News::WOKEN);
+            return false;
+        }
         *lock(&slot.signal.handed) = Some(lease);
         slot.signal.tell(News::WOKEN);
         true

@@ -688,18 +688,17 @@ impl Core {
     /// to it), and would keep it for good.
     fn tell_later(&self, key: &LockKey, leaving: Leaving) {
         let (backend, key) = (self.backend.clone(), key.clone());
-        let give_up = match leaving {
-            Leaving::Release(_) => after(self.limits.max_ttl),
-            Leaving::Dequeue(_) => after(crate::duration::MAX_DURATION),
-        };
+        let give_up = matches!(leaving, Leaving::Release(_)).then(|| after(self.limits.max_ttl));
         let shutdown = self.shutdown.clone();
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(250);
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
-                    () = sleep_until(give_up) => return,
                     () = tokio::time::sleep(pause) => {}
+                }
+                if give_up.is_some_and(|at| tokio::time::Instant::now() >= at) {
+                    return;
                 }
                 let told = match &leaving {
                     Leaving::Release(t) => backend.release(&key, t).await.map(drop),

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{Busy, Loss, Status};
 use crate::clock::{after, drift_ms, instant_at, ms, now_ms};
 use crate::error::Error;
-use crate::lock::{Claim, LostReason, MIN_RENEWED_TTL};
+use crate::lock::{Claim, LostReason};
 
 use super::Core;
 use super::expiry::{Look, expiry_checkpoint};
@@ -206,9 +206,7 @@ impl Core {
         events: &HoldEvents,
         mut supervise: bool,
     ) {
-        // A plain lease a hold re-entered keeps its own ttl, which may be
-        // shorter than a hold may ask for: renewed at the shortest's pace.
-        let every = lease.ttl.max(MIN_RENEWED_TTL) / 3;
+        let every = lease.watched_ttl() / 3;
         // After a failed renewal, try again sooner: the lease is running out.
         let retry = (every / 3).max(Duration::from_millis(1));
         // A third of the ttl into the lease, not from here: a lease handed
@@ -522,8 +520,7 @@ pub(super) enum Tick {
 fn renew_to(lease: &Local) -> Duration {
     let promised = Duration::from_millis(lease.promised_ms().saturating_sub(now_ms()));
     lease
-        .ttl
-        .max(MIN_RENEWED_TTL)
+        .watched_ttl()
         .max(promised + Duration::from_millis(drift_ms(promised)))
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Busy;
-use crate::lock::{Kind, LockKey, LostReason, Mode, Token};
+use crate::lock::{Kind, LockKey, LostReason, MIN_RENEWED_TTL, Mode, Token};
 
 use super::event::{Event, EventType};
 
@@ -100,6 +100,13 @@ impl Drop for Streaming<'_> {
 }
 
 impl Local {
+    /// The ttl a hold's watchdog paces its renewals by: the lease's own, or
+    /// [`MIN_RENEWED_TTL`] when shorter (a plain lease a hold re-entered
+    /// keeps its ttl, which may be shorter than a hold may ask for).
+    pub fn watched_ttl(&self) -> Duration {
+        self.ttl.max(MIN_RENEWED_TTL)
+    }
+
     /// When the lease expires unless renewed.
     pub fn expires_at_ms(&self) -> u64 {
         self.lock_state().expires_at_ms

@@ -544,14 +544,6 @@ impl Inner {
             since_ms: self.local(h.since_ms),
             expires_at_ms: self.local(h.expires_ms),
         };
-        if lease.expires_at_ms <= crate::clock::now_ms() {
-            // Lapsed before this process heard (it was stopped): the lock
-            // may be another's now. The waiter asks for itself, with its
-            // ticket, and takes its place back (or gets the lease, were it
-            // still there).
-            self.wakeups.wake_ticket(&h.key, h.seq);
-            return;
-        }
         if self.wakeups.granted(&h.key, h.seq, lease) {
             self.tickets().live.remove(&h.seq);
         }

@@ -500,13 +500,6 @@ fn hand(
         since_ms: clock.local(h.since),
         expires_at_ms: clock.end(h.expires),
     };
-    if lease.expires_at_ms <= crate::clock::now_ms() {
-        // Lapsed before this process heard (it was stopped): the lock may
-        // be another's now. The waiter asks for itself, and queues again
-        // at its place (or gets the lease, were it still there).
-        wakeups.wake_ticket(key, h.seq);
-        return;
-    }
     if wakeups.granted(key, h.seq, lease) {
         track(tickets, key, h.seq, None);
     }

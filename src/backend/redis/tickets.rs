@@ -133,10 +133,11 @@ impl Tickets {
     /// ticket nobody knows.
     pub(super) fn take_left(&mut self, key: &LockKey, entries: Vec<(u64, String)>) -> Vec<String> {
         let queued = self.queued.get(key);
-        let (left, _): (Vec<_>, Vec<_>) = entries.into_iter().partition(|(seq, entry)| {
-            queued.is_none_or(|s| s.get(seq).is_none_or(|q| q.entry != *entry))
-        });
-        left.into_iter()
+        entries
+            .into_iter()
+            .filter(|(seq, entry)| {
+                queued.is_none_or(|s| s.get(seq).is_none_or(|q| q.entry != *entry))
+            })
             .map(|(seq, entry)| {
                 self.finished.forget(key, seq);
                 entry

@@ -241,11 +241,10 @@ pub(in crate::http) fn limit_stall(stall: Option<&Stall>, ttl: Duration) {
 }
 
 /// [`limit_stall`] for the lease `event` grants, if it does, at the pace
-/// the watchdog renews it (a re-entered lease's ttl may be shorter than a
-/// hold may ask for; it is renewed as if it were the shortest).
+/// the watchdog renews it.
 pub(in crate::http) fn limit_stall_to_grant(stall: Option<&Stall>, event: &HoldEvent) {
     if let HoldEvent::Acquired(granted) = event {
-        limit_stall(stall, granted.lease.ttl.max(crate::lock::MIN_RENEWED_TTL));
+        limit_stall(stall, granted.lease.watched_ttl());
     }
 }
 
