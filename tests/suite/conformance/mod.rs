@@ -865,18 +865,36 @@ mod hold {
     async fn a_hold_or_campaign_without_a_ttl_gets_100ms_under_a_shorter_default(
         backend: TestBackend,
     ) {
+        let limit = max_permits(backend, 2).to_string();
         let backend = backend.start().await;
         let sidecar = backend.sidecar().default_ttl("20ms").start().await;
         let api = sidecar.api();
-        let lock = api.lock(&unique_name("short-default"));
-        let mut hold = lock.hold(&[("owner", "defaulted")]).await;
-        let grant = hold.expect_acquired().await;
-        assert_eq!(grant.ttl_ms, 100);
-        // Five ttls later the watchdog still holds the same lease.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let state = lock.inspect().await;
-        assert_eq!(state.holder_owners(), ["defaulted"]);
-        assert_eq!(state.holders[0].fence, grant.fence);
+        // Every kind of hold: exclusive, shared, a semaphore's permit.
+        let held: [(common::api::Resource, Params<'_>); 3] = [
+            (
+                api.lock(&unique_name("short-default")),
+                &[("owner", "exclusive")],
+            ),
+            (
+                api.lock(&unique_name("short-default")),
+                &[("owner", "shared"), ("mode", "shared")],
+            ),
+            (
+                api.semaphore(&unique_name("short-default")),
+                &[("owner", "permit"), ("limit", &limit)],
+            ),
+        ];
+        for (resource, params) in &held {
+            let mut hold = resource.hold(params).await;
+            let grant = hold.expect_acquired().await;
+            assert_eq!(grant.ttl_ms, 100, "{params:?}");
+            // Five ttls later the watchdog still holds the same lease.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let state = resource.inspect().await;
+            assert_eq!(state.holder_owners(), [params[0].1], "{params:?}");
+            assert_eq!(state.holders[0].fence, grant.fence, "{params:?}");
+            drop(hold);
+        }
 
         let election = unique_name("short-default");
         let mut campaign = api
@@ -891,7 +909,7 @@ mod hold {
             .json();
         let ttl = leader["ttl_ms"].as_u64().unwrap_or(0);
         assert!((21..=100).contains(&ttl), "{leader}");
-        drop((hold, campaign));
+        drop(campaign);
     }
 
     #[apply(backends)]
