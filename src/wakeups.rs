@@ -505,10 +505,26 @@ mod tests {
         assert!(news.has(News::PROMOTED) && !news.has(News::WOKEN));
         assert_eq!(next.holder_until(), 5_000);
         let last = wakeups.join(&key, 3, false);
-        assert!(wakeups.granted(&key, 3, handoff(9_000)));
+        let until = crate::clock::now_ms() + 9_000;
+        assert!(wakeups.granted(&key, 3, handoff(until)));
         assert_eq!(next.news().now_or_never(), Some(News(News::UNTIL)));
         assert_eq!(last.news().now_or_never(), Some(News(News::WOKEN)));
-        assert_eq!(next.holder_until(), 9_000);
+        assert_eq!(next.holder_until(), until);
+        assert!(last.take_handoff().is_some());
+    }
+
+    /// A handoff whose lease ended before it came (its process was
+    /// stopped) is not delivered: its waiter is woken to ask again.
+    #[test]
+    fn a_handoff_that_lapsed_before_it_came_only_wakes_its_waiter() {
+        use super::News;
+        let wakeups = Wakeups::default();
+        let key = key();
+        let waiter = wakeups.join(&key, 1, false);
+        assert!(!wakeups.granted(&key, 1, handoff(crate::clock::now_ms() - 1)));
+        let news = waiter.news().now_or_never().expect("woken");
+        assert!(news.has(News::WOKEN));
+        assert!(waiter.take_handoff().is_none());
     }
 
     fn key() -> LockKey {
