@@ -845,18 +845,25 @@ impl Backend for Redlock {
         self.need_quorum("inspect", &answers)?;
         let states: Vec<State> = answers.into_iter().filter_map(Result::ok).collect();
         // A holder is real when a majority of nodes has it.
-        let mut seen: HashMap<(String, String, String), (usize, Holder)> = HashMap::new();
+        // Its hold count is the one a majority has (a release that reached
+        // a quorum and not the rest leaves a minority a hold ahead).
+        let mut seen: HashMap<(String, String, String), (Vec<u32>, Holder)> = HashMap::new();
         for h in states.iter().flat_map(|s| &s.holders) {
             let id = (h.owner.clone(), h.sidecar.clone(), format!("{:?}", h.mode));
-            let entry = seen.entry(id).or_insert_with(|| (0, h.clone()));
-            entry.0 += 1;
+            let entry = seen.entry(id).or_insert_with(|| (Vec::new(), h.clone()));
+            entry.0.push(h.count);
             entry.1.fence = entry.1.fence.max(h.fence);
             entry.1.since_ms = entry.1.since_ms.min(h.since_ms);
         }
+        let quorum = self.quorum;
         let mut holders: Vec<Holder> = seen
             .into_values()
-            .filter(|(n, _)| *n >= self.quorum)
-            .map(|(_, h)| h)
+            .filter(|(counts, _)| counts.len() >= quorum)
+            .map(|(mut counts, mut h)| {
+                counts.sort_unstable_by(|a, b| b.cmp(a));
+                h.count = counts[quorum - 1];
+                h
+            })
             .collect();
         holders.sort_by_key(|h| h.since_ms);
         let waiters = states
