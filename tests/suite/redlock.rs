@@ -548,6 +548,36 @@ async fn a_release_reports_the_holds_a_majority_keeps_not_the_most_any_node_keep
     );
 }
 
+/// A release that returned at a quorum leaves the node it did not reach
+/// a hold ahead (its call died with the sidecar on SIGTERM, or was lost):
+/// the listing shows the holds a majority keeps, not the first node's.
+/// Node 0, the one the listing read first, is set a hold ahead by hand.
+#[tokio::test]
+async fn the_listing_shows_the_holds_a_majority_keeps_not_the_first_nodes() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("listed-count");
+    let (main, _) = keys_of(&name);
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    let again = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    assert_eq!(again.count, 2);
+    let released = lock.release(&first.token).await;
+    assert_eq!(released.count, 1);
+
+    let value: String = nodes.nodes[0].cmd(&["GET", &main]).await;
+    let mut fields: Vec<String> = value.split(' ').map(str::to_owned).collect();
+    assert_eq!(fields[4], "1", "the hold count's place in {value:?}");
+    fields[4] = "2".to_owned();
+    let _: () = nodes.nodes[0]
+        .cmd(&["SET", &main, &fields.join(" "), "KEEPTTL"])
+        .await;
+
+    let state = lock.inspect().await;
+    assert_eq!(state.holder_owners(), ["o"], "{state:?}");
+    assert_eq!(state.holders[0].count, 1, "{state:?}");
+}
+
 /// An owner of three holds releases one while one node was emptied (it
 /// restarted without the lease) and another hangs (SIGSTOP): the node that
 /// answers keeps two holds, and whether a majority does depends on the
