@@ -80,7 +80,40 @@ impl Error {
             _ => None,
         }
     }
+
+    /// This [`Error::Unavailable`] as that of a call that was sent and not
+    /// answered: it may have run (see [`Unanswered`]). Other errors are
+    /// answers, and stay as they are.
+    #[must_use]
+    pub fn unanswered(self) -> Error {
+        match self {
+            Error::Unavailable { op, source } => Error::Unavailable {
+                op,
+                source: Box::new(Unanswered(source)),
+            },
+            answered => answered,
+        }
+    }
+
+    /// Whether the call may have run although it failed: sent, and its
+    /// answer lost ([`Unanswered`]). Such a release or dequeue must not be
+    /// sent again as it was: a second run would take a second hold, one
+    /// its owner may have re-entered meanwhile.
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            Error::Unavailable { source, .. } => source.is::<Unanswered>(),
+            _ => false,
+        }
+    }
 }
+
+/// The source of an [`Error::Unavailable`] whose call reached the backend
+/// and whose answer never came back (a connection lost or a time limit
+/// passed after it was sent): it may have run. Its own source is the
+/// failure, which [`Cause::of`] reads.
+#[derive(Debug, thiserror::Error)]
+#[error("sent, no answer (it may have run)")]
+pub struct Unanswered(#[source] Box<dyn std::error::Error + Send + Sync>);
 
 /// Why a backend could not be reached, in words an operator reads (logs,
 /// 503s, the dashboard). Found from the error chain's own types and kinds
@@ -550,7 +583,9 @@ pub enum Status {
 /// # Errors
 ///
 /// [`Error::Unavailable`] when the backend cannot be reached; callers answer
-/// 503 and retry later. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
+/// 503 and retry later. A `release` or `dequeue` that was sent and not
+/// answered says so ([`Error::may_have_run`]): sent again by its token, a
+/// second run could take a hold its owner re-entered meanwhile. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
 /// are the client's mistakes with semaphores. [`Error::Unsupported`]: a claim
 /// this backend refuses (Redlock: semaphores with more than one permit),
 /// before anything is written. [`Error::KeyConflict`]: a key the claim needs
@@ -561,7 +596,10 @@ pub enum Status {
 /// A future dropped before completion may or may not have taken effect, as
 /// with any remote call. The core never drops `try_acquire` on the floor: it
 /// runs acquisitions in tasks of their own and releases grants nobody
-/// received. `release`, `dequeue` and `renew` may be retried.
+/// received. `release`, `dequeue` and `renew` may be retried, except a
+/// `release` that [may have run](Error::may_have_run); `dequeue` may be
+/// retried always (a backend that lost its answer no longer sends the
+/// ticket's token: the retry takes the queue place, never a lease).
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// What this backend is.

@@ -674,9 +674,12 @@ impl Core {
     /// unreachable: a lease given up but kept would hold the lock, and the
     /// queue behind it, until its ttl.
     async fn give_back(&self, key: &LockKey, token: &Token) {
-        let told = self.op("release", self.backend.release(key, token)).await;
-        if matches!(told, Err(Error::Unavailable { .. })) {
-            self.tell_later(key, Leaving::Release(token.clone()));
+        match self.release_own(key, token).await {
+            (Err(_), true) => unanswered_release(key),
+            (Err(Error::Unavailable { .. }), false) => {
+                self.tell_later(key, Leaving::Release(token.clone()));
+            }
+            _ => {}
         }
     }
 
@@ -704,6 +707,12 @@ impl Core {
                     Leaving::Release(t) => backend.release(&key, t).await.map(drop),
                     Leaving::Dequeue(ticket) => backend.dequeue(ticket).await,
                 };
+                if let (Leaving::Release(_), Err(e)) = (&leaving, &told)
+                    && e.may_have_run()
+                {
+                    unanswered_release(&key);
+                    return;
+                }
                 // Done, or answered (nothing of ours left to give back).
                 if told.as_ref().err().and_then(|e| e.cause()).is_none() {
                     return;
@@ -854,6 +863,18 @@ impl Core {
 /// keeps its last busy answer: all of them, kept by each waiter, would take
 /// memory in their product.
 const SHOWN_HOLDERS: usize = 100;
+
+/// Logs a release the sidecar sent on its own that went unanswered: it is
+/// not sent again (a second run could take a hold its owner re-entered
+/// meanwhile), so the lease, if it did not run, ends with its ttl — a lock
+/// held too long, never twice.
+fn unanswered_release(key: &LockKey) {
+    tracing::info!(
+        lock = %key,
+        "a lease given back went unanswered; not sent again (a second run could take a \
+         re-entered hold): the lease, if any, ends with its ttl"
+    );
+}
 
 /// `busy` as a waiter keeps it for as long as it waits, for its 409 at the
 /// end (holders and queue length), and as a try-once acquire answers it:

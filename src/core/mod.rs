@@ -229,6 +229,26 @@ impl Core {
         }
     }
 
+    /// [`Core::op`] for a release the sidecar sends on its own (a grant
+    /// given back, a revoked hold), and whether one that failed may have
+    /// run ([`backend::Error::may_have_run`]): such a release is not sent
+    /// again.
+    async fn release_own(
+        &self,
+        key: &LockKey,
+        token: &Token,
+    ) -> (Result<Option<u32>, Error>, bool) {
+        let mut may_have_run = false;
+        let released = self
+            .op("release", async {
+                let released = self.backend.release(key, token).await;
+                may_have_run = released.as_ref().is_err_and(backend::Error::may_have_run);
+                released
+            })
+            .await;
+        (released, may_have_run)
+    }
+
     /// Checks the backend answers (for `/readyz` and the health check).
     pub async fn ping(&self) -> Result<(), Error> {
         self.op("ping", self.backend.ping()).await

@@ -322,18 +322,19 @@ impl Core {
                 self.forget_revoked_lease(&lease);
                 return;
             }
-            match self
-                .op("release", self.backend.release(&lease.key, &lease.token))
-                .await
-            {
-                Ok(Some(n)) if n > 0 => continue,
-                Ok(_) => {
+            match self.release_own(&lease.key, &lease.token).await {
+                (Ok(Some(n)), _) if n > 0 => continue,
+                (Ok(_), _) => {
                     self.forget_revoked_lease(&lease);
                     return;
                 }
+                // Perhaps released: not owed again (a second run could take
+                // a hold its owner re-entered since); if it did not run,
+                // that hold ends with its ttl.
+                (Err(_), true) => {}
                 // Not released: still owed, by this lease or by the one
                 // that re-entered its token meanwhile (which took the rest).
-                Err(_) => {
+                (Err(_), false) => {
                     let mine = self
                         .lock_revoked()
                         .get(&lease.token)

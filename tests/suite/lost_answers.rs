@@ -121,6 +121,87 @@ pub async fn a_lost_grants_release_whose_answer_is_lost_is_not_sent_again(
     assert_owner_keeps_its_hold(direct, &name, &again.token).await;
 }
 
+/// A waiter's sidecar handed the lock when it is at its `--max-held` cap
+/// gives that lease back. Here the owner asked again through another
+/// sidecar before the give-back arrived and re-entered the handed lease
+/// (count 2); the give-back ran (2 → 1) and its answer was lost. It must
+/// not be sent again: it was, in the background, and its second run took
+/// the owner's own hold — the lease was deleted under it and another owner
+/// got the lock.
+/// `full` runs through the proxy with `--max-held 1`; `ticket` reads the
+/// token of the one waiter of lock `name` from the backend.
+pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again(
+    proxy: &CuttingProxy,
+    full: &SidecarGuard,
+    direct: &SidecarGuard,
+    ticket: impl AsyncFn(&str) -> String,
+) {
+    let name = unique_name("cap-give-back");
+    let owner = unique_name("owner");
+    let through = full.api().lock(&name);
+    let lock = direct.api().lock(&name);
+    // Prepares the statements (a release's included) on the proxied pool.
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+    let waiter = {
+        let (through, owner) = (through.clone(), owner.clone());
+        tokio::spawn(async move {
+            through
+                .acquire_raw(&[("owner", &owner), ("wait", "20s"), ("ttl", "60s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[owner.as_str()]).await;
+    let ticket = ticket(&name).await;
+    // The waiting sidecar reaches its cap.
+    let _filler = full
+        .api()
+        .lock(&unique_name("filler"))
+        .acquire(&[("ttl", "60s")])
+        .await;
+    // The give-back, the next call through the proxy naming the lease,
+    // reaches the database a second late and its answer is lost.
+    let late = Duration::from_secs(1);
+    proxy.delay_request(ticket.as_bytes(), late);
+    proxy.cut_later(ticket.as_bytes(), late + Duration::from_millis(300));
+    lock.release(&holder.token).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (ticket.as_str(), 2),
+        "the owner re-entered the lease handed to its waiter, before the give-back"
+    );
+    let refused = within("the waiter's answer", Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter's task");
+    assert_eq!(
+        refused.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "handed the lock at its cap"
+    );
+    assert!(!proxy.armed(), "the give-back went through the proxy");
+    // Past the background retries (250 ms, then 500 ms, ...).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let state = lock.inspect().await;
+    assert_eq!(
+        state
+            .holders
+            .iter()
+            .map(|h| (h.owner.as_str(), h.count))
+            .collect::<Vec<_>>(),
+        [(owner.as_str(), 1)],
+        "the owner keeps its one hold: {state:?}"
+    );
+    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    assert_eq!(lock.release(&again.token).await.count, 0);
+}
+
 /// Has a lock named after `prefix` granted through the proxy to a new
 /// owner, the answer lost (503): the lock's name and the owner.
 async fn lose_a_grant(

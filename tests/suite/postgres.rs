@@ -2458,6 +2458,136 @@ impl Proxied {
     }
 }
 
+/// A waiter that leaves the queue (its wait ran out) after PostgreSQL
+/// handed it the lock unheard, and whose owner meanwhile asked again
+/// through another sidecar and re-entered that lease (count 2), gives back
+/// its own hold once, also when the answer to that dequeue is lost after
+/// the database ran it: the owner keeps its one hold and nobody else gets
+/// the lock. Before the fix, the dequeue was sent again in the background
+/// (`tell_later`) with the same token. Its second run released the owner's
+/// hold too. The lease was deleted under the owner, and another owner got
+/// the lock while the first one still held it.
+#[tokio::test]
+async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
+    let p = Proxied::start().await;
+    let name = unique_name("leave-lost");
+    let owner = unique_name("owner");
+    let through = p.through_proxy.api().lock(&name);
+    let lock = p.direct.api().lock(&name);
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+
+    // The waiter, through the proxy. Its wait runs out at 3 s. That is
+    // before its sidecar's stalled heartbeat (5 s) makes it reconnect and
+    // look again.
+    let waiter = {
+        let (through, owner) = (through.clone(), owner.clone());
+        tokio::spawn(async move {
+            through
+                .acquire_raw(&[("owner", &owner), ("wait", "3s"), ("ttl", "60s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[owner.as_str()]).await;
+    let db = p.database.client().await;
+    let ticket: String = db
+        .query_one(
+            "SELECT token FROM sidelock.waiters WHERE name = $1",
+            &[&name],
+        )
+        .await
+        .expect("the waiter's row")
+        .get(0);
+    // Past the waiter's first look.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The proxied sidecar's LISTEN connection goes silent. Its server side
+    // still holds the instance's advisory lock, so the release below hands
+    // the lock to the waiter's row. The sidecar never hears of it.
+    assert_eq!(
+        p.proxy.silence(b"pg_try_advisory_lock("),
+        1,
+        "the LISTEN connection"
+    );
+    lock.release(&holder.token).await;
+    // The owner asks again, straight on the database, and re-enters the
+    // lease handed to its waiter.
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (ticket.as_str(), 2),
+        "the owner re-entered the lease handed to its waiter"
+    );
+
+    // The waiter's leave is `dequeue(seq, token)`. It releases the handed
+    // hold (2 -> 1) and commits. Then its answer is lost.
+    p.proxy.cut_after(ticket.as_bytes());
+    let left = within("the waiter's answer", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert_eq!(left.status(), StatusCode::CONFLICT, "the wait ran out");
+    assert!(
+        !p.proxy.armed(),
+        "the waiter's dequeue went through the proxy"
+    );
+    // Past the background retries (250 ms, then 500 ms, ...).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let state = lock.inspect().await;
+    assert_eq!(
+        state
+            .holders
+            .iter()
+            .map(|h| (h.owner.as_str(), h.count))
+            .collect::<Vec<_>>(),
+        [(owner.as_str(), 1)],
+        "the owner keeps its one hold: {state:?}"
+    );
+    let kept = lock.keepalive_raw(&again.token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    assert_eq!(lock.release(&again.token).await.count, 0);
+}
+
+/// A lease given back at the `--max-held` cap whose answer is lost is not
+/// released again (see
+/// [`lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again`]).
+#[tokio::test]
+async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again() {
+    let database = TestDatabase::new().await;
+    let proxy = common::proxy::CuttingProxy::start(common::postgres::PORT).await;
+    let full = SidecarBuilder::new(&common::postgres::url(proxy.port(), &database.name))
+        .flag("max-held", "1")
+        .start()
+        .await;
+    let direct = SidecarBuilder::new(&database.url()).start().await;
+    let db = database.client().await;
+    lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again(
+        &proxy,
+        &full,
+        &direct,
+        async |name: &str| -> String {
+            db.query_one(
+                "SELECT token FROM sidelock.waiters WHERE name = $1",
+                &[&name],
+            )
+            .await
+            .expect("the waiter's row")
+            .get(0)
+        },
+    )
+    .await;
+}
+
 /// An acquire whose answer is lost after PostgreSQL committed the grant (a
 /// proxy resets the connection under it, as a server stopped between the
 /// commit and the answer does) answers 503 — and the lease it made, which

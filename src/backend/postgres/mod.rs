@@ -291,6 +291,15 @@ impl Inner {
     }
 }
 
+/// The error of a statement whose [`Fate`] the caller has no use for but
+/// the core has: one that may have run says so ([`Error::may_have_run`]).
+fn said((error, fate): (Error, Fate)) -> Error {
+    match fate {
+        Fate::Unknown => error.unanswered(),
+        Fate::NotRun | Fate::Refused => error,
+    }
+}
+
 /// Gives back, in the background, the lease an attempt of `claim` with
 /// `token` may have been granted although its answer was lost (see
 /// [`release_unanswered`]). A join's waiter row, which nobody waits for,
@@ -513,26 +522,30 @@ impl Backend for Postgres {
             .map(|t| t.token.expose().to_owned())
             .unwrap_or_default();
         let seq = i64::try_from(ticket.seq).unwrap_or(i64::MAX);
-        let result: Result<bool, Error> = inner
-            .value(
+        let result: Result<bool, (Error, Fate)> = inner
+            .value_or_fate(
                 "dequeue",
                 &inner.sql.dequeue,
                 &[&seq, &token, &ms_i64(LAPSE_AFTER)],
             )
             .await;
-        if result.is_err() {
+        if let Err((_, fate)) = &result {
             // The row must not stay at the head of the queue: the heartbeat
             // removes it once the database is back.
             let mut tickets = inner.tickets();
             tickets.gone.insert(ticket.seq);
             // Kept for the caller's retry, which must give back a lease the
-            // database may have handed the ticket meanwhile.
-            if let Some(live) = taken {
+            // database may have handed the ticket meanwhile — unless this
+            // run may have given it back already: run again with the
+            // token, it would take a hold the owner re-entered since
+            // (the retry then takes the row alone; a lease this run did
+            // not reach is left to its ttl, held too long, never twice).
+            if let Some(live) = taken.filter(|_| *fate != Fate::Unknown) {
                 tickets.live.insert(ticket.seq, live);
                 tickets.leaving.insert(ticket.seq);
             }
         }
-        result.map(|_| ())
+        result.map(|_| ()).map_err(said)
     }
 
     async fn renew(
@@ -562,7 +575,7 @@ impl Backend for Postgres {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Option<u32>, Error> {
-        self.inner.release(key, token).await.map_err(|(e, _)| e)
+        self.inner.release(key, token).await.map_err(said)
     }
 
     async fn status(&self, key: &LockKey, token: &Token) -> Result<Status, Error> {
