@@ -294,29 +294,45 @@ fn see_other(to: &'static str) -> Response {
     (StatusCode::SEE_OTHER, [(header::LOCATION, to)]).into_response()
 }
 
+/// The sign-in form, its body read within the limits of every request's.
+///
+/// # Errors
+/// 413 and 408 as [`crate::http::params::read_body`]; 415 for another
+/// media type; 400 for a form that is not one `token`, in words that do not
+/// quote what was sent (a token).
+async fn sign_in_form(headers: &HeaderMap, body: axum::body::Body) -> Result<SignIn, Error> {
+    let bytes = crate::http::params::read_body(body).await?;
+    let is_form = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| {
+            t.trim()
+                .eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        });
+    if !is_form {
+        return Err(Error::UnsupportedMediaType(
+            "the sign-in form is sent as application/x-www-form-urlencoded: token=<the API or admin token>".into(),
+        ));
+    }
+    serde_urlencoded::from_bytes(&bytes).map_err(|_| {
+        Error::InvalidParameter(
+            "the sign-in form takes one parameter, once: token=<the API or admin token>".into(),
+        )
+    })
+}
+
 /// `POST /dashboard/sign-in` (form `token=`): starts a browser session.
 async fn sign_in(
     State(app): State<Arc<App>>,
     Extension(dashboard): Extension<Arc<Dashboard>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    form: Result<axum::Form<SignIn>, axum::extract::rejection::FormRejection>,
+    headers: HeaderMap,
+    body: axum::body::Body,
 ) -> Response {
-    // A problem document, as everywhere, rather than axum's plain text.
-    let form = match form {
-        Ok(axum::Form(form)) => form,
-        Err(e) if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE => {
-            return Error::UnsupportedMediaType(
-                "the sign-in form is sent as application/x-www-form-urlencoded: token=<the API or admin token>".into(),
-            )
-            .into_response();
-        }
-        // Not the parser's words: they could quote what was sent, a token.
-        Err(_) => {
-            return Error::InvalidParameter(
-                "the sign-in form takes one parameter, once: token=<the API or admin token>".into(),
-            )
-            .into_response();
-        }
+    let form = match sign_in_form(&headers, body).await {
+        Ok(form) => form,
+        Err(e) => return e.into_response(),
     };
     let s = &app.settings;
     let Some(api) = s.api_token.as_deref() else {

@@ -41,25 +41,32 @@ impl<S: Send + Sync, T: DeserializeOwned + Send + 'static> FromRequest<S> for Pa
 
 async fn read_params<T: DeserializeOwned>(req: Request) -> Result<Params<T>, Error> {
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, MAX_BODY).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return Err(Error::BodyTooLarge { limit: MAX_BODY });
-        }
-        Err(e) => {
-            return Err(match body_timeout(&*e) {
-                Some(timeout) => Error::BodyTimedOut {
-                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-                },
-                None => Error::InvalidParameter("the request body could not be read".into()),
-            });
-        }
-    };
+    let bytes = read_body(body).await?;
     let content_type = parts
         .headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
     parse(parts.uri.query(), content_type, &bytes).map(Params)
+}
+
+/// A request body of at most [`MAX_BODY`] bytes.
+///
+/// # Errors
+/// 413 `body-too-large` past [`MAX_BODY`]; 408 `body-timeout` when it did
+/// not come within the server's body timeout; a 400 when it broke off.
+pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Error> {
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Error::BodyTooLarge { limit: MAX_BODY })
+        }
+        Err(e) => Err(match body_timeout(&*e) {
+            Some(timeout) => Error::BodyTimedOut {
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            },
+            None => Error::InvalidParameter("the request body could not be read".into()),
+        }),
+    }
 }
 
 /// The body-read timeout, when `e` (or an error behind it) says it passed.
