@@ -154,12 +154,18 @@ pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_
     };
     lock.wait_for_waiters(&[owner.as_str()]).await;
     let ticket = ticket(&name).await;
-    // The waiting sidecar reaches its cap.
-    let _filler = full
-        .api()
-        .lock(&unique_name("filler"))
-        .acquire(&[("ttl", "60s")])
-        .await;
+    // The waiting sidecar reaches its cap (once the waiter's first try,
+    // queued already, has given back the place it took: 429 until then).
+    let filler = full.api().lock(&unique_name("filler"));
+    crate::common::eventually(
+        "a lease filling the cap",
+        Duration::from_secs(5),
+        async || {
+            let r = filler.acquire_raw(&[("ttl", "60s")]).await;
+            (r.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
     // The give-back, the next call through the proxy naming the lease,
     // reaches the database a second late and its answer is lost.
     let late = Duration::from_secs(1);

@@ -1925,6 +1925,36 @@ impl Proxied {
     }
 }
 
+/// A lease given back at the `--max-held` cap whose answer is lost is not
+/// released again (see
+/// [`lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again`]).
+#[tokio::test]
+async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let full = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .flag("max-held", "1")
+        .start()
+        .await;
+    let direct = sidecar(&server).await;
+    lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again(
+        &proxy,
+        &full,
+        &direct,
+        // A queue entry is "<seq> <mode> <token> ...".
+        async |name: &str| -> String {
+            let queue = format!("{{sidelock:{name}}}:q");
+            let entry: String = server.cmd(&["LINDEX", &queue, "0"]).await;
+            entry
+                .split(' ')
+                .nth(2)
+                .expect("the entry's token")
+                .to_owned()
+        },
+    )
+    .await;
+}
+
 /// An acquire whose answer is lost after Redis granted it (a proxy resets
 /// the connection under it) answers 503 — and the lease it made (an
 /// exclusive or read lease, a semaphore permit), which nobody holds, is

@@ -142,7 +142,16 @@ impl Member {
             suspect: &self.suspect,
             key: Some(key),
         };
-        let result = self.node.release_handing(key, token).await;
+        // Not sent without a connection; with one, a failure may come after
+        // the script ran.
+        let result = match self.node.connection("release").await {
+            Ok(_) => self
+                .node
+                .release_handing(key, token)
+                .await
+                .map_err(Error::unanswered),
+            Err(e) => Err(e),
+        };
         unanswered.key = None;
         let (holds, handed) = self.check(key, result)?;
         if let Some(h) = handed {
@@ -167,12 +176,13 @@ impl Member {
         key: &LockKey,
         token: &Token,
     ) -> Result<Option<u32>, Failed> {
-        if self.node.connection("release").await.is_err() {
-            return Err(Failed::NotRun);
-        }
-        self.release(key, token)
-            .await
-            .map_err(|_| Failed::Unanswered)
+        self.release(key, token).await.map_err(|e| {
+            if e.cause().is_some() && !e.may_have_run() {
+                Failed::NotRun
+            } else {
+                Failed::Unanswered
+            }
+        })
     }
 
     /// An acquire attempt that keeps the ticket bookkeeping. A queued
