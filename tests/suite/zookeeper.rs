@@ -2309,3 +2309,154 @@ async fn a_lock_root_a_curator_client_made_a_container_is_made_again_once_reaped
         answer.text().await.unwrap_or_default()
     );
 }
+
+/// A sidecar that reaches `server` through a proxy of its own.
+async fn behind_proxy(
+    server: &ZkServer,
+    chroot: &str,
+) -> (common::proxy::CuttingProxy, SidecarGuard) {
+    let proxy = common::proxy::CuttingProxy::start(server.client_port(0)).await;
+    let guard = sidecar(&format!("zk://127.0.0.1:{}{chroot}", proxy.port())).await;
+    (proxy, guard)
+}
+
+/// Releases what keeps `waiter` (owner `waiter_owner`, queued through
+/// `slow`) out, with its granting write held 400 ms on its way; then makes
+/// a try-once claim (owner `late_owner`, through `held`) whose create and
+/// listing run before that write, and whose answers are held 900 ms, so it
+/// reads the waiter's node once the waiter holds. Returns both grants,
+/// checking the waiter was answered first.
+async fn co_holder_granted_after_a_create(
+    (slow, waiter_owner): (&common::proxy::CuttingProxy, &str),
+    (held, late_owner): (&common::proxy::CuttingProxy, &str),
+    release: impl AsyncFnOnce(),
+    waiter: tokio::task::JoinHandle<reqwest::Response>,
+    late: impl FnOnce() -> tokio::task::JoinHandle<reqwest::Response>,
+) -> (common::Grant, common::Grant) {
+    let owner_of = |o: &str| format!(r#""owner":"{o}""#).into_bytes();
+    // Queued (its node rewritten as waiting): its next write is the grant.
+    slow.delay_request(&owner_of(waiter_owner), Duration::from_millis(400));
+    release().await;
+    held.hold_answer_after(&owner_of(late_owner), Duration::from_millis(900));
+    let late = late();
+    let granted = common::within("the waiter's grant", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(
+        !slow.delaying(),
+        "setup: the waiter's grant was not delayed"
+    );
+    let granted: common::Grant = common::api::expect_json(granted, StatusCode::OK).await;
+    assert!(
+        !late.is_finished(),
+        "setup: the try-once claim was answered before the waiter"
+    );
+    let late = common::within("the try-once answer", Duration::from_secs(10), late)
+        .await
+        .expect("the try-once task");
+    // 200: it read the waiter held (so it was fair) and was admitted beside it.
+    let late: common::Grant = common::api::expect_json(late, StatusCode::OK).await;
+    (granted, late)
+}
+
+/// A permit created granted (try-once) whose listing shows no child created
+/// or deleted after its create was fenced with the create's zxid. But the
+/// waiter ahead of it was granted by a setData after that create (a data
+/// change does not move the lock node's pzxid), and the try-once permit —
+/// fair only because it read that waiter held — was answered after it, with
+/// a lower fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_created_granted_is_fenced_above_a_co_holder_granted_after_its_create() {
+    let server = ZkServer::start().await;
+    let chroot = "/co-fence-sem";
+    let direct = sidecar(&server.url(chroot)).await;
+    let (slow, waiting_side) = behind_proxy(&server, chroot).await;
+    let (held, trying_side) = behind_proxy(&server, chroot).await;
+    let name = unique_name("co-fence-sem");
+    let (w_owner, late_owner) = (unique_name("w"), unique_name("late"));
+    let sem = direct.api().semaphore(&name);
+    let h1 = sem
+        .acquire(&[("owner", "h1"), ("limit", "2"), ("ttl", "60s")])
+        .await;
+    let h2 = sem
+        .acquire(&[("owner", "h2"), ("limit", "2"), ("ttl", "60s")])
+        .await;
+    let waiter = waiting_side.api().semaphore(&name).spawn_acquire_raw(&[
+        ("owner", &w_owner),
+        ("limit", "2"),
+        ("ttl", "60s"),
+        ("wait", "30s"),
+    ]);
+    sem.wait_for_waiters(&[w_owner.as_str()]).await;
+    let on_trying = trying_side.api().semaphore(&name);
+    let (w, late) = co_holder_granted_after_a_create(
+        (&slow, &w_owner),
+        (&held, &late_owner),
+        // Both: the waiter and the try-once claim are then the first two
+        // nodes, each admitted by place (limit 2).
+        async || {
+            sem.release(&h1.token).await;
+            sem.release(&h2.token).await;
+        },
+        waiter,
+        || on_trying.spawn_acquire_raw(&[("owner", &late_owner), ("limit", "2"), ("ttl", "60s")]),
+    )
+    .await;
+    assert!(w.fence > h1.fence.max(h2.fence));
+    let mut both = vec![w_owner.as_str(), late_owner.as_str()];
+    both.sort_unstable();
+    assert_eq!(sem.inspect().await.holder_owners(), both);
+    assert!(
+        late.fence > w.fence,
+        "a permit answered after the waiter's (fence {}) has fence {}",
+        w.fence,
+        late.fence
+    );
+}
+
+/// The same for a reader: a shared try-once claim created after the writer's
+/// release and before the granting write of a reader queued behind that
+/// writer (the tentative write a lock waiter sends with its listing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_created_granted_is_fenced_above_a_reader_granted_after_its_create() {
+    let server = ZkServer::start().await;
+    let chroot = "/co-fence-rw";
+    let direct = sidecar(&server.url(chroot)).await;
+    let (slow, waiting_side) = behind_proxy(&server, chroot).await;
+    let (held, trying_side) = behind_proxy(&server, chroot).await;
+    let name = unique_name("co-fence-rw");
+    let (r_owner, late_owner) = (unique_name("r"), unique_name("late"));
+    let lock = direct.api().lock(&name);
+    let writer = lock.acquire(&[("owner", "writer"), ("ttl", "60s")]).await;
+    let reader = waiting_side.api().lock(&name).spawn_acquire_raw(&[
+        ("owner", &r_owner),
+        ("mode", "shared"),
+        ("ttl", "60s"),
+        ("wait", "30s"),
+    ]);
+    lock.wait_for_waiters(&[r_owner.as_str()]).await;
+    let on_trying = trying_side.api().lock(&name);
+    let (r, late) = co_holder_granted_after_a_create(
+        (&slow, &r_owner),
+        (&held, &late_owner),
+        async || {
+            lock.release(&writer.token).await;
+        },
+        reader,
+        || {
+            on_trying.spawn_acquire_raw(&[
+                ("owner", &late_owner),
+                ("mode", "shared"),
+                ("ttl", "60s"),
+            ])
+        },
+    )
+    .await;
+    assert!(r.fence > writer.fence);
+    assert!(
+        late.fence > r.fence,
+        "a reader answered after the queued reader (fence {}) has fence {}",
+        r.fence,
+        late.fence
+    );
+}

@@ -883,12 +883,14 @@ impl ZooKeeper {
             }
             if by_place && fair && !delayed {
                 // Written as granted (created so, or by the write sent
-                // with the listing) and no claim joined or left since that
-                // write: it held from that write, whose zxid is its fence,
-                // above every earlier grant's (the claims ahead were gone
-                // before it). Else a claim ahead may have been granted
-                // after that write, and only a new write's zxid is sure to
-                // be above that.
+                // with the listing), no claim joined or left since that
+                // write, and no holder ahead (a reader, a permit) granted
+                // after it: it held from that write, whose zxid is its
+                // fence, above every earlier grant's. Else a claim ahead
+                // may have been granted after that write (a grant by
+                // `setData` moves no `pzxid`), and this grant, which
+                // counted on it being held (fairness), is answered after
+                // it: only a new write's zxid is sure to be above that.
                 // (Not after waiting for a tentative node: the write is
                 // then a second old, and a lock-delay may have ended in
                 // between — the write's zxid would be inside it.)
@@ -899,6 +901,9 @@ impl ZooKeeper {
                     && !awaited
                     && i64::try_from(delay_until).is_ok_and(|until| until <= own.stat.mtime)
                     && listing.untouched_since(own.stat.mzxid)
+                    && ahead
+                        .iter()
+                        .all(|n| n.fence() < u64::try_from(own.stat.mzxid).unwrap_or(0))
                 {
                     let lease = Lease::read(path.clone(), own.data.clone(), &own.stat);
                     let grant = me.hold(&zk, lease, listing.parent.clone(), false).await?;

@@ -182,6 +182,15 @@ impl Node {
     pub(super) fn is_held(&self) -> bool {
         self.data.as_ref().is_none_or(|d| d.held)
     }
+
+    /// The fence of the lease this node holds (0 while it waits); a node
+    /// sidelock did not write, its create's zxid.
+    pub(super) fn fence(&self) -> u64 {
+        match &self.data {
+            Some(d) => fence_of(d, &self.stat),
+            None => u64::try_from(self.stat.czxid).unwrap_or(0),
+        }
+    }
 }
 
 /// The fence of a claim node's lease: the one stored, else, for a held node

@@ -113,8 +113,10 @@
 //!   and no child created or deleted after the create (the parent's `pzxid`
 //!   is at most the create's zxid), it held from its creation: every earlier
 //!   grant's node was gone before it, so every earlier fence is below its
-//!   `czxid`. If a child came or went, a claim ahead may have been granted
-//!   after the create: one `setData` grants it again, with a newer zxid. Not
+//!   `czxid`. If a child came or went, or a holder ahead (a reader, a
+//!   permit) was granted after the create (a `setData` moves no `pzxid`),
+//!   a claim ahead may have been granted after the create: one `setData`
+//!   grants it again, with a newer zxid. Not
 //!   admitted, the node is deleted (busy: + the holders' data + the delete).
 //! * acquire of a lock that may wait, with no other waiter of this sidecar
 //!   on it: created as granted, as a try-once claim (2); not admitted, it
