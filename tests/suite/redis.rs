@@ -1925,6 +1925,52 @@ impl Proxied {
     }
 }
 
+/// First pages of listings asked at once share the keyspace scans: one
+/// under way, and one started after they all came (so each still shows
+/// every key in use when it was asked). Each scanned the whole keyspace
+/// of its own: the dashboard and `GET /v1/locks` need no token without an
+/// API token, so a client asking many at once made Redis walk every key
+/// (every fence counter ever written among them) once per request.
+#[tokio::test]
+async fn first_pages_asked_at_once_share_the_keyspace_scans() {
+    const PAGES: usize = 24;
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("listed");
+    let held = sidecar.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    // One scan alone: two SCAN patterns, one call each on a small keyspace.
+    let before = server.command_counts().await;
+    sidecar.api().list(&[]).await;
+    let after = server.command_counts().await;
+    let one = after["scan"] - before.get("scan").copied().unwrap_or(0);
+    assert!(
+        one >= 2,
+        "a first page scans: {}",
+        command_diff(&before, &after)
+    );
+
+    let before = server.command_counts().await;
+    let pages = futures::future::join_all((0..PAGES).map(|_| {
+        let api = sidecar.api();
+        async move { api.list(&[]).await }
+    }))
+    .await;
+    let after = server.command_counts().await;
+    for page in &pages {
+        assert!(
+            page.locks.iter().any(|l| l.name == name),
+            "every page shows the lock held when it was asked: {page:?}"
+        );
+    }
+    let scans = after["scan"] - before.get("scan").copied().unwrap_or(0);
+    assert!(
+        scans <= 2 * one,
+        "{PAGES} first pages at once ran {scans} SCAN calls, {one} a scan: {}",
+        command_diff(&before, &after)
+    );
+    sidecar.api().lock(&name).release(&held.token).await;
+}
+
 /// A lease given back at the `--max-held` cap whose answer is lost is not
 /// released again (see
 /// [`lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again`]).

@@ -16,7 +16,9 @@ const LEADS_FOREVER_MS: u64 = 10_000 * 365 * 24 * 3_600_000;
 
 /// How long one scan's keys serve the pages after a listing's first: a
 /// listing paged through reads the keyspace once, not once a page. A first
-/// page always scans, so it shows every key in use at the time.
+/// page is answered from a scan that started after it was asked, so it
+/// shows every key in use at the time; one scan runs at a time, and the
+/// first pages asked while it runs share the next.
 const LISTED_FOR: Duration = Duration::from_secs(2);
 
 use super::conn::{Conn, Target, config, scan, unavailable};
@@ -48,15 +50,27 @@ impl Node {
     }
 
     /// Every lock, semaphore and election with a key in use, sorted by
-    /// their `Display` form (listings' cursors): from a scan now when
-    /// `fresh`, else from one at most [`LISTED_FOR`] old.
+    /// their `Display` form (listings' cursors): when `fresh`, from a scan
+    /// that started after this call; else from one at most [`LISTED_FOR`]
+    /// old.
     pub(super) async fn keys_in_use(&self, fresh: bool) -> Result<Vec<LockKey>, Error> {
-        if !fresh
-            && let Some(listed) = lock(&self.listed).as_ref()
-            && listed.at.elapsed() < LISTED_FOR
-        {
+        let asked = Instant::now();
+        let reusable = |listed: &Listed| {
+            if fresh {
+                listed.started >= asked
+            } else {
+                listed.at.elapsed() < LISTED_FOR
+            }
+        };
+        if let Some(listed) = lock(&self.listed).as_ref().filter(|l| reusable(l)) {
             return Ok(listed.keys.clone());
         }
+        let _scanning = self.scanning.lock().await;
+        // The scan this call waited for may have started after it came.
+        if let Some(listed) = lock(&self.listed).as_ref().filter(|l| reusable(l)) {
+            return Ok(listed.keys.clone());
+        }
+        let started = Instant::now();
         self.drop_old_indexes().await?;
         let prefix = glob_escape(&self.prefix);
         let mut keys = Vec::new();
@@ -91,6 +105,7 @@ impl Node {
         keys.sort_by_cached_key(ToString::to_string);
         keys.dedup();
         *lock(&self.listed) = Some(Listed {
+            started,
             at: Instant::now(),
             keys: keys.clone(),
         });

@@ -54,6 +54,9 @@ pub struct Node {
     pub url: String,
     /// The keys in use, as the last listing found them (see [`super::listing`]).
     pub(super) listed: Mutex<Option<Listed>>,
+    /// Held while a listing scans the keyspace: one scan at a time, which
+    /// the listings waiting for it then share (see [`super::listing`]).
+    pub(super) scanning: tokio::sync::Mutex<()>,
     /// This sidecar process, as its queue entries, heartbeats and own
     /// channel name it: random, so that a sidecar restarted under the same
     /// id is not taken for the process that queued.
@@ -71,6 +74,9 @@ pub struct Node {
 
 /// The keys in use as one scan found them, sorted as listings page them.
 pub(super) struct Listed {
+    /// When the scan started: it answers the listings asked before.
+    pub(super) started: std::time::Instant,
+    /// When it ended.
     pub(super) at: std::time::Instant,
     pub(super) keys: Vec<LockKey>,
 }
@@ -163,6 +169,7 @@ impl Node {
             ahead: std::sync::atomic::AtomicI64::new(i64::MIN),
             url: crate::backend::redact(url),
             listed: Mutex::new(None),
+            scanning: tokio::sync::Mutex::new(()),
             instance: crate::lock::Token::generate().expose()[..16].to_owned(),
             stem: format!("{prefix}/sidecars/"),
             handoff,
