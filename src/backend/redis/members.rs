@@ -142,14 +142,18 @@ impl Member {
             suspect: &self.suspect,
             key: Some(key),
         };
-        // Not sent without a connection; with one, a failure may come after
-        // the script ran.
+        // A connection lost or a time limit passed once the script was
+        // sent: it may have run. (Not sent without a connection; a reply
+        // that is an error — READONLY, BUSY, LOADING — says it did not.)
         let result = match self.node.connection("release").await {
             Ok(_) => self
                 .node
                 .release_handing(key, token)
                 .await
-                .map_err(Error::unanswered),
+                .map_err(|e| match e.cause() {
+                    Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
+                    _ => e,
+                }),
             Err(e) => Err(e),
         };
         unanswered.key = None;
