@@ -597,9 +597,11 @@ pub enum Status {
 /// with any remote call. The core never drops `try_acquire` on the floor: it
 /// runs acquisitions in tasks of their own and releases grants nobody
 /// received. `release`, `dequeue` and `renew` may be retried, except a
-/// `release` that [may have run](Error::may_have_run); `dequeue` may be
-/// retried always (a backend that lost its answer no longer sends the
-/// ticket's token: the retry takes the queue place, never a lease).
+/// `release` that [may have run](Error::may_have_run). A `dequeue` is
+/// retried always, so a backend whose dequeue can release a lease handed to
+/// the ticket must not send the ticket's token again after a lost answer
+/// (PostgreSQL then removes the waiter row alone; Redis, Redlock and
+/// ZooKeeper do not yet make that distinction).
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// What this backend is.

@@ -1971,6 +1971,45 @@ async fn first_pages_asked_at_once_share_the_keyspace_scans() {
     sidecar.api().lock(&name).release(&held.token).await;
 }
 
+/// First pages asked at once while Redis does not answer share the failed
+/// scan too: each answers 503 within about one call's time limit, not one
+/// after another (a scan at a time, each failing after its own limit, made
+/// the last of them wait for all the others').
+#[tokio::test]
+async fn first_pages_asked_at_once_while_redis_hangs_all_fail_within_one_scans_time() {
+    const PAGES: usize = 4;
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    sidecar.api().list(&[]).await;
+    server.signal(Signal::SIGSTOP);
+    let pages = async |n: usize| {
+        let started = Instant::now();
+        let answers = futures::future::join_all((0..n).map(|_| {
+            let api = sidecar.api();
+            async move { api.get(&["v1", "locks"], &[]).await.status() }
+        }))
+        .await;
+        assert!(
+            answers
+                .iter()
+                .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+            "{answers:?}"
+        );
+        started.elapsed()
+    };
+    // One page alone, to time a failed scan here (the second: the first
+    // also finds the connection gone).
+    pages(1).await;
+    let one = pages(1).await;
+    let took = pages(PAGES).await;
+    server.signal(Signal::SIGCONT);
+    eprintln!("one page {one:?}, {PAGES} at once {took:?}");
+    assert!(
+        took < one * 2,
+        "{PAGES} first pages at once took {took:?} to fail, one alone {one:?}"
+    );
+}
+
 /// A lease given back at the `--max-held` cap whose answer is lost is not
 /// released again (see
 /// [`lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again`]).

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use crate::backend::{Error, MOST_STALE, StaleKey, Summary};
+use crate::backend::{Cause, Error, MOST_STALE, Outage, StaleKey, Summary};
 use crate::clock::ms;
 use crate::lock::{Kind, LockKey};
 
@@ -66,11 +66,39 @@ impl Node {
             return Ok(listed.keys.clone());
         }
         let _scanning = self.scanning.lock().await;
-        // The scan this call waited for may have started after it came.
+        // The scan this call waited for may have started after it came:
+        // its keys are the answer. And a scan that failed while it waited
+        // is its answer too (each waiter trying its own in turn, the last
+        // waited for all the others').
         if let Some(listed) = lock(&self.listed).as_ref().filter(|l| reusable(l)) {
             return Ok(listed.keys.clone());
         }
+        if let Some((_, cause)) = lock(&self.scan_failed).filter(|(at, _)| *at >= asked) {
+            return Err(Error::Unavailable {
+                op: "list",
+                source: Outage::boxed(cause, "the keyspace scan this listing waited for failed"),
+            });
+        }
         let started = Instant::now();
+        let scanned = self.scan_keys().await;
+        match &scanned {
+            Ok(keys) => {
+                *lock(&self.listed) = Some(Listed {
+                    started,
+                    at: Instant::now(),
+                    keys: keys.clone(),
+                });
+            }
+            Err(e) => {
+                *lock(&self.scan_failed) =
+                    Some((Instant::now(), e.cause().unwrap_or(Cause::Failed)));
+            }
+        }
+        scanned
+    }
+
+    /// Every key in use, from a scan now (see [`Node::keys_in_use`]).
+    async fn scan_keys(&self) -> Result<Vec<LockKey>, Error> {
         self.drop_old_indexes().await?;
         let prefix = glob_escape(&self.prefix);
         let mut keys = Vec::new();
@@ -104,11 +132,6 @@ impl Node {
         }
         keys.sort_by_cached_key(ToString::to_string);
         keys.dedup();
-        *lock(&self.listed) = Some(Listed {
-            started,
-            at: Instant::now(),
-            keys: keys.clone(),
-        });
         Ok(keys)
     }
 

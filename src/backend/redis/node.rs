@@ -57,6 +57,9 @@ pub struct Node {
     /// Held while a listing scans the keyspace: one scan at a time, which
     /// the listings waiting for it then share (see [`super::listing`]).
     pub(super) scanning: tokio::sync::Mutex<()>,
+    /// When the last listing scan that failed ended, and why it failed:
+    /// the answer of the listings that waited for it.
+    pub(super) scan_failed: Mutex<Option<(std::time::Instant, crate::backend::Cause)>>,
     /// This sidecar process, as its queue entries, heartbeats and own
     /// channel name it: random, so that a sidecar restarted under the same
     /// id is not taken for the process that queued.
@@ -170,6 +173,7 @@ impl Node {
             url: crate::backend::redact(url),
             listed: Mutex::new(None),
             scanning: tokio::sync::Mutex::new(()),
+            scan_failed: Mutex::new(None),
             instance: crate::lock::Token::generate().expose()[..16].to_owned(),
             stem: format!("{prefix}/sidecars/"),
             handoff,
