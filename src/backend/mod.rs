@@ -601,7 +601,8 @@ pub enum Status {
 /// retried always, so a backend whose dequeue can release a lease handed to
 /// the ticket must not send the ticket's token again after a lost answer
 /// (PostgreSQL then removes the waiter row alone; Redis, Redlock and
-/// ZooKeeper do not yet make that distinction).
+/// ZooKeeper do not make that distinction — on Redis a test finds no
+/// second run taking a re-entered hold, the others are not tested so).
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// What this backend is.

@@ -2010,6 +2010,89 @@ async fn first_pages_asked_at_once_while_redis_hangs_all_fail_within_one_scans_t
     );
 }
 
+/// A waiter that leaves the queue (its wait ran out) after Redis handed it
+/// the lock unheard (its sidecar's pub/sub connection silent), and whose owner meanwhile re-entered that lease
+/// through another sidecar (count 2), gives back its own hold once, also
+/// when the answer to that dequeue is lost after it ran: the owner keeps
+/// its one hold. (On PostgreSQL such a dequeue was sent again with the
+/// ticket's token, and its second run took the owner's hold: the lease was
+/// deleted under it, and another owner got the lock. A review read Redis's
+/// abandoned tickets as doing the same; this holds that it does not.)
+#[tokio::test]
+async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
+    let p = Proxied::start().await;
+    let name = unique_name("leave-lost");
+    let owner = unique_name("owner");
+    let through = p.through_proxy.api().lock(&name);
+    let lock = p.direct.api().lock(&name);
+    // Loads the scripts on the proxied connection.
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+    let waiter = {
+        let (through, owner) = (through.clone(), owner.clone());
+        tokio::spawn(async move {
+            through
+                .acquire_raw(&[("owner", &owner), ("wait", "3s"), ("ttl", "60s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[owner.as_str()]).await;
+    // Past the head's first look.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A queue entry is "<seq> <mode> <token> ...".
+    let entry: String = p
+        .server
+        .cmd(&["LINDEX", &format!("{{sidelock:{name}}}:q"), "0"])
+        .await;
+    let ticket = entry
+        .split(' ')
+        .nth(2)
+        .expect("the entry's token")
+        .to_owned();
+    p.silence_pubsub();
+    lock.release(&holder.token).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (ticket.as_str(), 2),
+        "the owner re-entered the lease handed to its waiter"
+    );
+    // Its leave, in RESP the dequeue script's entry then its token (which
+    // no other call sends side by side), releases the handed hold (2 -> 1),
+    // and its answer is lost.
+    let dequeue = format!("{entry}\r\n${}\r\n{ticket}\r\n", ticket.len());
+    p.proxy.cut_after(dequeue.as_bytes());
+    let left = within("the waiter's answer", Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter's task");
+    assert!(!left.status().is_success(), "{}", left.status());
+    assert!(
+        !p.proxy.armed(),
+        "the waiter's dequeue went through the proxy"
+    );
+    // Past the retries (the core's pauses of 250 ms, 500 ms, ...; the
+    // reconciling once the pub/sub connection is back, about 7 s).
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let state = lock.inspect().await;
+    assert_eq!(
+        state
+            .holders
+            .iter()
+            .map(|h| (h.owner.as_str(), h.count))
+            .collect::<Vec<_>>(),
+        [(owner.as_str(), 1)],
+        "the owner keeps its one hold: {state:?}"
+    );
+    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds"
+    );
+    assert_eq!(lock.release(&again.token).await.count, 0);
+}
+
 /// A lease given back at the `--max-held` cap whose answer is lost is not
 /// released again (see
 /// [`lost_answers::a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_again`]).
