@@ -140,19 +140,7 @@ pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_
     let owner = unique_name("owner");
     let through = full.api().lock(&name);
     let lock = direct.api().lock(&name);
-    // Prepares the statements (a release's included) on the proxied pool.
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
-    let waiter = {
-        let (through, owner) = (through.clone(), owner.clone());
-        tokio::spawn(async move {
-            through
-                .acquire_raw(&[("owner", &owner), ("wait", "20s"), ("ttl", "60s")])
-                .await
-        })
-    };
-    lock.wait_for_waiters(&[owner.as_str()]).await;
+    let (holder, waiter) = queue_behind_a_holder(&through, &lock, &owner, "20s").await;
     let ticket = ticket(&name).await;
     // The waiting sidecar reaches its cap (once the waiter's first try,
     // queued already, has given back the place it took: 429 until then).
@@ -189,6 +177,40 @@ pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_
     assert!(!proxy.armed(), "the give-back went through the proxy");
     // Past the background retries (250 ms, then 500 ms, ...).
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_holds_once(&lock, &owner, &again.token).await;
+}
+
+/// Has `lock` (through the direct sidecar) held by "holder" for 120 s and
+/// `owner` wait `wait` behind it `through` the proxy, once the scripts are
+/// loaded or the statements prepared there (a release's included): the
+/// holder's grant, and the waiter's request under way.
+pub async fn queue_behind_a_holder(
+    through: &crate::common::api::Resource,
+    lock: &crate::common::api::Resource,
+    owner: &str,
+    wait: &str,
+) -> (
+    crate::common::api::Grant,
+    tokio::task::JoinHandle<reqwest::Response>,
+) {
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
+    let waiter = {
+        let (through, owner, wait) = (through.clone(), owner.to_owned(), wait.to_owned());
+        tokio::spawn(async move {
+            through
+                .acquire_raw(&[("owner", &owner), ("wait", &wait), ("ttl", "60s")])
+                .await
+        })
+    };
+    lock.wait_for_waiters(&[owner]).await;
+    (holder, waiter)
+}
+
+/// Asserts that `owner` alone holds the lock of `lock`, once (by `token`),
+/// that another owner is refused it, and releases that one hold.
+pub async fn assert_holds_once(lock: &crate::common::api::Resource, owner: &str, token: &str) {
     let state = lock.inspect().await;
     assert_eq!(
         state
@@ -196,7 +218,7 @@ pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_
             .iter()
             .map(|h| (h.owner.as_str(), h.count))
             .collect::<Vec<_>>(),
-        [(owner.as_str(), 1)],
+        [(owner, 1)],
         "the owner keeps its one hold: {state:?}"
     );
     let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
@@ -205,7 +227,7 @@ pub async fn a_lease_given_back_at_the_cap_whose_answer_is_lost_is_not_released_
         StatusCode::CONFLICT,
         "another owner got the lock its owner holds"
     );
-    assert_eq!(lock.release(&again.token).await.count, 0);
+    assert_eq!(lock.release(token).await.count, 0);
 }
 
 /// Has a lock named after `prefix` granted through the proxy to a new

@@ -2474,22 +2474,7 @@ async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     let owner = unique_name("owner");
     let through = p.through_proxy.api().lock(&name);
     let lock = p.direct.api().lock(&name);
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
-
-    // The waiter, through the proxy. Its wait runs out at 3 s. That is
-    // before its sidecar's stalled heartbeat (5 s) makes it reconnect and
-    // look again.
-    let waiter = {
-        let (through, owner) = (through.clone(), owner.clone());
-        tokio::spawn(async move {
-            through
-                .acquire_raw(&[("owner", &owner), ("wait", "3s"), ("ttl", "60s")])
-                .await
-        })
-    };
-    lock.wait_for_waiters(&[owner.as_str()]).await;
+    let (holder, waiter) = lost_answers::queue_behind_a_holder(&through, &lock, &owner, "3s").await;
     let db = p.database.client().await;
     let ticket: String = db
         .query_one(
@@ -2532,30 +2517,7 @@ async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     );
     // Past the background retries (250 ms, then 500 ms, ...).
     tokio::time::sleep(Duration::from_secs(2)).await;
-
-    let state = lock.inspect().await;
-    assert_eq!(
-        state
-            .holders
-            .iter()
-            .map(|h| (h.owner.as_str(), h.count))
-            .collect::<Vec<_>>(),
-        [(owner.as_str(), 1)],
-        "the owner keeps its one hold: {state:?}"
-    );
-    let kept = lock.keepalive_raw(&again.token, &[]).await;
-    assert_eq!(
-        kept.status(),
-        StatusCode::OK,
-        "the owner's hold was released under it"
-    );
-    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    assert_eq!(lock.release(&again.token).await.count, 0);
+    lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
 }
 
 /// A lease given back at the `--max-held` cap whose answer is lost is not

@@ -2026,18 +2026,7 @@ async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     let through = p.through_proxy.api().lock(&name);
     let lock = p.direct.api().lock(&name);
     // Loads the scripts on the proxied connection.
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "120s")]).await;
-    let waiter = {
-        let (through, owner) = (through.clone(), owner.clone());
-        tokio::spawn(async move {
-            through
-                .acquire_raw(&[("owner", &owner), ("wait", "3s"), ("ttl", "60s")])
-                .await
-        })
-    };
-    lock.wait_for_waiters(&[owner.as_str()]).await;
+    let (holder, waiter) = lost_answers::queue_behind_a_holder(&through, &lock, &owner, "3s").await;
     // Past the head's first look.
     tokio::time::sleep(Duration::from_millis(300)).await;
     // A queue entry is "<seq> <mode> <token> ...".
@@ -2074,23 +2063,7 @@ async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     // Past the retries (the core's pauses of 250 ms, 500 ms, ...; the
     // reconciling once the pub/sub connection is back, about 7 s).
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let state = lock.inspect().await;
-    assert_eq!(
-        state
-            .holders
-            .iter()
-            .map(|h| (h.owner.as_str(), h.count))
-            .collect::<Vec<_>>(),
-        [(owner.as_str(), 1)],
-        "the owner keeps its one hold: {state:?}"
-    );
-    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
-    assert_eq!(
-        intruder.status(),
-        StatusCode::CONFLICT,
-        "another owner got the lock its owner holds"
-    );
-    assert_eq!(lock.release(&again.token).await.count, 0);
+    lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
 }
 
 /// A lease given back at the `--max-held` cap whose answer is lost is not
