@@ -585,8 +585,9 @@ pub enum Status {
 /// [`Error::Unavailable`] when the backend cannot be reached; callers answer
 /// 503 and retry later. A `release` or `dequeue` that was sent and not
 /// answered says so ([`Error::may_have_run`]): sent again by its token, a
-/// second run could take a hold its owner re-entered meanwhile. [`Error::LimitMismatch`] and [`Error::LimitRequired`]
-/// are the client's mistakes with semaphores. [`Error::Unsupported`]: a claim
+/// second run could take a hold its owner re-entered meanwhile.
+/// [`Error::LimitMismatch`] and [`Error::LimitRequired`] are the client's
+/// mistakes with semaphores. [`Error::Unsupported`]: a claim
 /// this backend refuses (Redlock: semaphores with more than one permit),
 /// before anything is written. [`Error::KeyConflict`]: a key the claim needs
 /// holds foreign data; nothing is written either.

@@ -859,9 +859,8 @@ impl Backend for Redlock {
         let mut holders: Vec<Holder> = seen
             .into_values()
             .filter(|(counts, _)| counts.len() >= quorum)
-            .map(|(mut counts, mut h)| {
-                counts.sort_unstable_by(|a, b| b.cmp(a));
-                h.count = counts[quorum - 1];
+            .map(|(counts, mut h)| {
+                h.count = kept_by_a_majority(counts.into_iter(), quorum);
                 h
             })
             .collect();
