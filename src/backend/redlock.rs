@@ -761,7 +761,12 @@ impl Backend for Redlock {
             )
             .await;
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
-            return Err(self.outage("release", answers.iter().filter_map(|a| a.as_ref().err())));
+            let outage = self.outage("release", answers.iter().filter_map(|a| a.as_ref().err()));
+            return Err(if ran_on_a_majority(&answers, quorum) {
+                outage.unanswered()
+            } else {
+                outage
+            });
         }
         Ok(majority_holds(&answers, self.quorum))
     }
@@ -1020,6 +1025,27 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32>
     (kept(u32::MAX) == least).then_some(least)
 }
 
+/// Whether a release that fewer than a quorum answered may have run on a
+/// quorum all the same: the nodes that answered ran it, and one whose
+/// answer was lost or late may have. Sent again, it would run a second
+/// time on those, and a second run on a majority takes a hold its owner
+/// may have re-entered meanwhile. (A second run on a minority changes
+/// nothing a majority keeps; a node that refused the connection, or
+/// answered an error, did not run it.)
+fn ran_on_a_majority<T>(answers: &[Answer<T>], quorum: usize) -> bool {
+    let ran = answers
+        .iter()
+        .filter(|a| match a {
+            Ok(_) => true,
+            Err(e) => {
+                e.may_have_run()
+                    || matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost))
+            }
+        })
+        .count();
+    ran >= quorum
+}
+
 /// Whether the release answers in so far decide [`majority_holds`]
 /// whatever the nodes still silent say.
 fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bool {
@@ -1051,7 +1077,29 @@ fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bo
 
 #[cfg(test)]
 mod tests {
-    use super::{majority_count, majority_holds, release_decided, timed_out};
+    use super::{majority_count, majority_holds, ran_on_a_majority, release_decided, timed_out};
+    use crate::backend::{Cause, Error, Outage};
+
+    #[test]
+    fn a_failed_release_may_have_run_only_where_a_majority_ran_it_or_went_silent() {
+        let refused = || {
+            Err::<Option<u32>, _>(Error::Unavailable {
+                op: "release",
+                source: Outage::boxed(Cause::ConnectionRefused, "down"),
+            })
+        };
+        let late = || Err::<Option<u32>, _>(timed_out("release"));
+        // Ran on one node, refused by two: a second run changes nothing a
+        // majority keeps, and the two that did not run it still owe it.
+        assert!(!ran_on_a_majority(&[Ok(Some(1)), refused(), refused()], 2));
+        // Ran on one, late on another: both may have run it.
+        assert!(ran_on_a_majority(&[Ok(Some(1)), late(), refused()], 2));
+        assert!(ran_on_a_majority(&[late(), late(), refused()], 2));
+        assert!(!ran_on_a_majority(
+            &[Ok(None), late(), refused(), refused(), refused()],
+            3
+        ));
+    }
 
     #[test]
     fn a_release_answers_before_a_silent_node_only_when_it_cannot_change_the_count() {

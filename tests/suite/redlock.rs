@@ -1415,3 +1415,75 @@ async fn redlock_pages_list_every_lock_semaphore_and_election_once() {
         assert_eq!(listed, expected, "limit {limit}");
     }
 }
+
+/// A lease this sidecar gave up (its renewal could not reach a majority
+/// near its expiry) is released in the background; when that release ran
+/// on a majority but their answers came too late, it must not be sent
+/// again. It was, and its second run took the hold its owner had taken
+/// through another sidecar meanwhile (count 2 → 0): the lease was deleted
+/// under an owner told it held it, and another owner got the lock.
+#[tokio::test]
+async fn a_revoked_lease_whose_release_answers_come_too_late_is_not_released_again() {
+    let nodes = RedisNodes::start(3).await;
+    let proxies = [
+        common::proxy::CuttingProxy::start(nodes.nodes[1].port()).await,
+        common::proxy::CuttingProxy::start(nodes.nodes[2].port()).await,
+    ];
+    let url = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        nodes.nodes[0].port(),
+        proxies[0].port(),
+        proxies[1].port()
+    );
+    let a = SidecarBuilder::new(&url).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("revoked-late");
+    let owner = unique_name("owner");
+    let through_a = a.api().lock(&name);
+    let lock = b.api().lock(&name);
+    // Loads the scripts on the proxied connections.
+    let warm = through_a.acquire(&[]).await;
+    through_a.release(&warm.token).await;
+
+    let first = through_a.acquire(&[("owner", &owner), ("ttl", "2s")]).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (first.token.as_str(), 2),
+        "the owner re-entered its lease through the other sidecar"
+    );
+    // From here on, the two proxied nodes run what this sidecar sends and
+    // answer it after its per-node limit (500 ms): a majority that is
+    // there, and late.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for proxy in &proxies {
+        proxy.slow_answers(Duration::from_millis(900));
+    }
+    // A renewal near the lease's expiry (asking for the other sidecar's
+    // ttl, so that, run, it does not shorten that hold) fails, and is
+    // under way at the lease's last check: the lease is given up, and
+    // released in the background.
+    let kept = through_a
+        .keepalive_raw(&first.token, &[("ttl", "60s")])
+        .await;
+    assert!(
+        [StatusCode::SERVICE_UNAVAILABLE, StatusCode::GONE].contains(&kept.status()),
+        "the renewal reached no majority in time: {}",
+        kept.status()
+    );
+    common::eventually("the lease given up", Duration::from_secs(3), async || {
+        let kept = through_a
+            .keepalive_raw(&first.token, &[("ttl", "60s")])
+            .await;
+        (kept.status() == StatusCode::GONE).then_some(())
+    })
+    .await;
+    // Past the background release's retries (100 ms, 200 ms, ... while
+    // answers come late), then answers on time again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    for proxy in &proxies {
+        proxy.slow_answers(Duration::ZERO);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    crate::lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
+}
