@@ -2460,3 +2460,61 @@ async fn a_reader_created_granted_is_fenced_above_a_reader_granted_after_its_cre
         late.fence
     );
 }
+
+/// A lease this sidecar gave up (a renewal near its expiry failed) is
+/// released in the background; when that release
+/// wrote one hold off (its owner had re-entered through another sidecar:
+/// count 2 → 1) and its answer was lost, it must not be sent again. It
+/// was: the second run read one hold left and deleted the lease under an
+/// owner told it held it, and another owner got the lock.
+#[tokio::test]
+async fn a_revoked_lease_whose_release_answer_is_lost_is_not_released_again() {
+    let server = ZkServer::start().await;
+    let p = Proxied::start(&server, "/revoked-lost").await;
+    let (name, owner) = (unique_name("revoked-lost"), unique_name("owner"));
+    let through = p.through_proxy.api().lock(&name);
+    let lock = p.direct.api().lock(&name);
+    let first = through.acquire(&[("owner", &owner), ("ttl", "2s")]).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        (again.token.as_str(), again.count),
+        (first.token.as_str(), 2),
+        "the owner re-entered its lease through the other sidecar"
+    );
+    // This sidecar's record of the lease is brought up to date (a renewal
+    // that finds it changed reads it again), so that its release's write
+    // goes through; the lease's ttl is now 10 s here and in ZooKeeper.
+    through.keepalive(&first.token, &[("ttl", "10s")]).await;
+    // A renewal within the last tenth of the lease's ttl (asking for the
+    // other sidecar's ttl) does not reach ZooKeeper (its connection is
+    // reset instead): the lease is given up, and released in the
+    // background. That release writes one hold off (2 → 1), and its
+    // answer is lost.
+    tokio::time::sleep(Duration::from_millis(9200)).await;
+    p.proxy.refuse(br#""count":2,"#, 1);
+    p.proxy.cut_after(br#""count":1,"#);
+    let kept = through.keepalive_raw(&first.token, &[("ttl", "60s")]).await;
+    assert!(
+        [StatusCode::SERVICE_UNAVAILABLE, StatusCode::GONE].contains(&kept.status()),
+        "the renewal did not get through: {}",
+        kept.status()
+    );
+    assert!(!p.proxy.refusing(), "the renewal went through the proxy");
+    common::within("the release's write", Duration::from_secs(5), async {
+        while p.proxy.armed() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // The owner's own renewal, before the 10 s run out.
+    let renewed = lock.keepalive_raw(&again.token, &[("ttl", "60s")]).await;
+    assert_eq!(
+        renewed.status(),
+        StatusCode::OK,
+        "the owner's hold was released under it"
+    );
+    // Past the background release's retries (100 ms, 200 ms, ...) and
+    // the reconnection they wait for.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    crate::lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
+}

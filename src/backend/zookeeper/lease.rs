@@ -13,7 +13,8 @@ use zookeeper_client as zk;
 
 use super::data::{Lease, NodeData};
 use super::request::{
-    CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unavailable,
+    CLAIM_ROUNDS, Failed, Message, PARENT_ROUNDS, Round, call, retry_on_conflict, unanswered_write,
+    unavailable,
 };
 use super::tree::Listing;
 use super::{Inner, Record, lock};
@@ -368,7 +369,15 @@ impl Inner {
                 let mut next = lease.next();
                 next.count -= 1;
                 let count = next.count;
-                return Ok(match self.rewrite(zk, op, token, &record, next).await? {
+                // Lost after it was sent, the write may have taken the hold
+                // off: sent again, it would take a second one, which its
+                // owner may have re-entered meanwhile. (A lease's last hold
+                // ends with its node, which a second run finds gone.)
+                let written = self
+                    .rewrite(zk, op, token, &record, next)
+                    .await
+                    .map_err(unanswered_write)?;
+                return Ok(match written {
                     Round::Done(written) => Round::Done(written.then_some(count)),
                     Round::Conflict => Round::Conflict,
                 });

@@ -27,6 +27,23 @@ pub(super) fn unavailable(
 #[error("ZooKeeper did not answer within {0:?}")]
 struct TimedOut(Duration);
 
+/// `error`, the outage of a write, as that of one that may have been
+/// applied ([`Error::unanswered`]): unless the client had no connection to
+/// send it on or was closed, it failed after it was sent (the connection
+/// lost or silent, the time limit passed), and ZooKeeper may have applied
+/// it.
+pub(super) fn unanswered_write(error: Error) -> Error {
+    let unsent = matches!(
+        &error,
+        Error::Unavailable { source, .. } if matches!(
+            source.downcast_ref::<zk::Error>(),
+            Some(zk::Error::NoHosts | zk::Error::ClientClosed)
+        )
+    );
+    // (Other errors are answers, which `unanswered` leaves as they are.)
+    if unsent { error } else { error.unanswered() }
+}
+
 /// Why a request failed, when ZooKeeper's answer does not say it.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
