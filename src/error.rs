@@ -72,6 +72,11 @@ pub enum Error {
     KeyConflict(String),
     #[error("lock is held")]
     Busy { busy: Box<Busy>, waited_ms: u64 },
+    /// A re-entry past the most holds one lease may have.
+    #[error(
+        "this lease already has {max} holds, the most one lease may have: release one before re-entering it"
+    )]
+    TooManyHolds { max: u32 },
     #[error(
         "the token does not hold this lock: the lease expired, was released, or was force-released"
     )]

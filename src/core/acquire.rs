@@ -139,6 +139,13 @@ fn same_lock(lease: &Local, claim: &Claim) -> bool {
     lease.key == claim.key && lease.owner == claim.owner && lease.mode == claim.mode
 }
 
+/// The most holds one lease may have: a re-entry past it is given back
+/// and refused (409 `too-many-holds`). One below PostgreSQL's `integer`,
+/// so that the backend's count of the re-entry refused still fits every
+/// backend's (PostgreSQL's overflowed into a 503, the memory and ZooKeeper
+/// backends' `u32` would wrap to no hold at all).
+pub(super) const MAX_HOLDS: u32 = i32::MAX as u32 - 1;
+
 /// At most this many local leases are checked by one
 /// [`Core::reclaim_gone`].
 const RECLAIM_BATCH: usize = 256;
@@ -747,10 +754,20 @@ impl Core {
 
     /// One acquire attempt; a failure is counted as the acquire's result
     /// (`error` for an outage, `rejected` for a refused claim).
+    ///
+    /// # Errors
+    /// The backend's; [`Error::TooManyHolds`] for a re-entry past
+    /// [`MAX_HOLDS`], whose hold is given back.
     pub(super) async fn attempt(&self, claim: &Claim, turn: Turn<'_>) -> Result<Attempt, Error> {
-        let result = self
+        let mut result = self
             .op("try_acquire", self.backend.try_acquire(claim, turn))
             .await;
+        if let Ok(Attempt::Granted(g)) = &result
+            && g.count > MAX_HOLDS
+        {
+            self.give_back(&claim.key, &g.token).await;
+            result = Err(Error::TooManyHolds { max: MAX_HOLDS });
+        }
         match &result {
             Err(Error::Unavailable { .. }) => self.metrics.acquired(&claim.key, "error"),
             Err(_) => self.metrics.acquired(&claim.key, "rejected"),

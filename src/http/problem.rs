@@ -42,6 +42,7 @@ impl Error {
             Error::NotFound(_) => (S::NOT_FOUND, "not-found"),
             Error::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method-not-allowed"),
             Error::Busy { .. } => (S::CONFLICT, "lock-busy"),
+            Error::TooManyHolds { .. } => (S::CONFLICT, "too-many-holds"),
             Error::KeyConflict(_) => (S::CONFLICT, "key-conflict"),
             Error::LeaseLost => (S::GONE, "lease-lost"),
             Error::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
@@ -90,6 +91,9 @@ impl Error {
             }
             Error::LimitMismatch { active } => {
                 extensions.insert("limit".into(), json!(active));
+            }
+            Error::TooManyHolds { max } => {
+                extensions.insert("limit".into(), json!(max));
             }
             Error::SidecarFull { cap, limit, .. } => {
                 extensions.insert("cap".into(), json!(cap));

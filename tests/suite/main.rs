@@ -8,7 +8,7 @@
 //!   `sidelock-test-support` crate, shared with the bench).
 //! * [`conformance`]: the HTTP contract, once per backend (leader election in `conformance::elections`).
 //! * [`safety`]: the safety checker — several sidecars, random clients, faults.
-//! * [`hostile`]: the hostile-client suite.
+//! * [`hostile`]: the hostile-client suite; [`holds`]: the bound on a lease's hold count.
 //! * [`reliability`], [`partition`], [`outage`]: worst days, cut links, unreachable backends.
 //! * [`redis`], [`redlock`], [`postgres`], [`zookeeper`]: each backend beyond the shared contract;
 //!   [`lost_answers`]: checks of answers lost on the way back, shared by Redis and PostgreSQL.
@@ -24,6 +24,7 @@ mod conformance;
 mod dashboard;
 mod first_run;
 mod global_work;
+mod holds;
 mod hostile;
 mod layers;
 mod listen;
