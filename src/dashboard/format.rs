@@ -59,9 +59,14 @@ pub(super) fn trim_float(v: f64, decimals: usize) -> String {
     }
 }
 
-/// `2026-11-21 07:45:52 UTC`.
+/// The last second RFC 3339 writes (9999-12-31 23:59:59), in ms.
+const LAST_SHOWN_MS: u64 = 253_402_300_799_000;
+
+/// `2026-11-21 07:45:52 UTC`; a time past year 9999 (only a backend key
+/// written by hand holds one) as that year's last second, which the
+/// formatter refuses to go past.
 pub fn fmt_utc(ms: u64) -> String {
-    let at = std::time::UNIX_EPOCH + Duration::from_millis(ms);
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(ms.min(LAST_SHOWN_MS));
     humantime::format_rfc3339_seconds(at)
         .to_string()
         .replacen('T', " ", 1)
