@@ -762,7 +762,7 @@ impl Backend for Redlock {
             .await;
         if answers.iter().filter(|a| a.is_ok()).count() < self.quorum {
             let outage = self.outage("release", answers.iter().filter_map(|a| a.as_ref().err()));
-            return Err(if ran_on_a_majority(&answers, quorum) {
+            return Err(if ran_anywhere(&answers) {
                 outage.unanswered()
             } else {
                 outage
@@ -1025,25 +1025,22 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32>
     (kept(u32::MAX) == least).then_some(least)
 }
 
-/// Whether a release that fewer than a quorum answered may have run on a
-/// quorum all the same: the nodes that answered ran it, and one whose
-/// answer was lost or late may have. Sent again, it would run a second
-/// time on those, and a second run on a majority takes a hold its owner
-/// may have re-entered meanwhile. (A second run on a minority changes
-/// nothing a majority keeps; a node that refused the connection, or
-/// answered an error, did not run it.)
-fn ran_on_a_majority<T>(answers: &[Answer<T>], quorum: usize) -> bool {
-    let ran = answers
-        .iter()
-        .filter(|a| match a {
-            Ok(_) => true,
-            Err(e) => {
-                e.may_have_run()
-                    || matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost))
-            }
-        })
-        .count();
-    ran >= quorum
+/// Whether a release that fewer than a quorum answered may have run
+/// anywhere: on the nodes that answered it, and on those whose answers
+/// came late or were lost. Sent again, it would run a second time there —
+/// harmless on a minority once, but every failed resend is sent again, so
+/// minorities add up (one node runs one, another the next: two of three a
+/// hold short), and with an even number of nodes half of them running it
+/// twice is already too many. The nodes that refused it (an error answer,
+/// no connection) did not run it: a release only they refused is sent
+/// again.
+fn ran_anywhere<T>(answers: &[Answer<T>]) -> bool {
+    answers.iter().any(|a| match a {
+        Ok(_) => true,
+        Err(e) => {
+            e.may_have_run() || matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost))
+        }
+    })
 }
 
 /// Whether the release answers in so far decide [`majority_holds`]
@@ -1077,11 +1074,11 @@ fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bo
 
 #[cfg(test)]
 mod tests {
-    use super::{majority_count, majority_holds, ran_on_a_majority, release_decided, timed_out};
+    use super::{majority_count, majority_holds, ran_anywhere, release_decided, timed_out};
     use crate::backend::{Cause, Error, Outage};
 
     #[test]
-    fn a_failed_release_may_have_run_only_where_a_majority_ran_it_or_went_silent() {
+    fn a_failed_release_may_have_run_wherever_a_node_ran_it_or_went_silent() {
         let refused = || {
             Err::<Option<u32>, _>(Error::Unavailable {
                 op: "release",
@@ -1089,16 +1086,20 @@ mod tests {
             })
         };
         let late = || Err::<Option<u32>, _>(timed_out("release"));
-        // Ran on one node, refused by two: a second run changes nothing a
-        // majority keeps, and the two that did not run it still owe it.
-        assert!(!ran_on_a_majority(&[Ok(Some(1)), refused(), refused()], 2));
-        // Ran on one, late on another: both may have run it.
-        assert!(ran_on_a_majority(&[Ok(Some(1)), late(), refused()], 2));
-        assert!(ran_on_a_majority(&[late(), late(), refused()], 2));
-        assert!(!ran_on_a_majority(
-            &[Ok(None), late(), refused(), refused(), refused()],
-            3
-        ));
+        // Ran on one node, refused by two: sent again, it may run there
+        // again, and the next resend on another node (two of three a hold
+        // short).
+        assert!(ran_anywhere(&[Ok(Some(1)), refused(), refused()]));
+        assert!(ran_anywhere(&[late(), refused(), refused()]));
+        assert!(ran_anywhere(&[
+            Ok(None),
+            refused(),
+            refused(),
+            refused(),
+            refused()
+        ]));
+        // Refused everywhere: it ran nowhere, and is still owed.
+        assert!(!ran_anywhere(&[refused(), refused(), refused()]));
     }
 
     #[test]

@@ -1487,3 +1487,80 @@ async fn a_revoked_lease_whose_release_answers_come_too_late_is_not_released_aga
     tokio::time::sleep(Duration::from_secs(3)).await;
     crate::lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
 }
+
+/// A background release that one node ran while the others refused it
+/// (an error reply: here `NOREPLICAS`, as `LOADING` during a rolling
+/// restart) is not sent again: each resend that ran on a minority was
+/// harmless alone, but a second node running the next one left two of
+/// three nodes a hold short — the owner's hold, re-entered through another
+/// sidecar, gone on a majority, and another owner let in.
+#[tokio::test]
+async fn a_background_release_that_ran_on_a_minority_is_not_sent_again() {
+    let nodes = RedisNodes::start(3).await;
+    let a = SidecarBuilder::new(&nodes.url()).start().await;
+    let b = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("minority-runs");
+    let owner = unique_name("owner");
+    let through_a = a.api().lock(&name);
+    let lock = b.api().lock(&name);
+    let first = through_a
+        .acquire(&[("owner", &owner), ("ttl", "10s")])
+        .await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        again.count, 2,
+        "the owner re-entered through the other sidecar"
+    );
+    let (main, _) = keys_of(&name);
+    let writes = async |node: usize, on: bool| {
+        let n = if on { "0" } else { "1" };
+        let _: () = nodes.nodes[node]
+            .cmd(&["CONFIG", "SET", "min-replicas-to-write", n])
+            .await;
+    };
+    let count_on = async |node: usize| -> String {
+        let lease: Option<String> = nodes.nodes[node].cmd(&["GET", &main]).await;
+        lease.map_or_else(
+            || "gone".to_owned(),
+            |l| l.split(' ').nth(4).unwrap_or("?").to_owned(),
+        )
+    };
+    for node in 0..3 {
+        writes(node, false).await;
+    }
+    // A renewal within the last tenth of the lease's ttl fails: the lease
+    // is given up, and its release sent in the background, refused.
+    tokio::time::sleep(Duration::from_millis(9300)).await;
+    let kept = through_a
+        .keepalive_raw(&first.token, &[("ttl", "60s")])
+        .await;
+    assert!(
+        [StatusCode::SERVICE_UNAVAILABLE, StatusCode::GONE].contains(&kept.status()),
+        "{}",
+        kept.status()
+    );
+    // Node 0 takes the next release (2 -> 1); nodes 1 and 2 refuse it.
+    writes(0, true).await;
+    common::eventually(
+        "node 0 runs the release",
+        Duration::from_secs(5),
+        async || (count_on(0).await == "1").then_some(()),
+    )
+    .await;
+    writes(0, false).await;
+    // Node 1 alone takes any release sent again.
+    writes(1, true).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    writes(0, true).await;
+    writes(2, true).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let counts = [count_on(0).await, count_on(1).await, count_on(2).await];
+    let intruder = lock.acquire_raw(&[("owner", "intruder")]).await;
+    assert_eq!(
+        intruder.status(),
+        StatusCode::CONFLICT,
+        "another owner got the lock its owner holds (holds per node {counts:?})"
+    );
+    let kept = lock.keepalive_raw(&again.token, &[]).await;
+    assert_eq!(kept.status(), StatusCode::OK, "holds per node {counts:?}");
+}
