@@ -601,9 +601,9 @@ pub enum Status {
 /// `release` that [may have run](Error::may_have_run). A `dequeue` is
 /// retried always, so a backend whose dequeue can release a lease handed to
 /// the ticket must not send the ticket's token again after a lost answer
-/// (PostgreSQL then removes the waiter row alone; Redis, Redlock and
-/// ZooKeeper do not make that distinction — on Redis a test finds no
-/// second run taking a re-entered hold, the others are not tested so).
+/// (PostgreSQL then removes the waiter row alone, Redis and Redlock the
+/// queue entry alone; ZooKeeper's dequeue forgets the ticket before it
+/// releases anything, so a retry finds nothing to do).
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// What this backend is.

@@ -2021,10 +2021,12 @@ async fn first_pages_asked_at_once_while_redis_hangs_all_fail_within_one_scans_t
 /// the lock unheard (its sidecar's pub/sub connection silent), and whose owner meanwhile re-entered that lease
 /// through another sidecar (count 2), gives back its own hold once, also
 /// when the answer to that dequeue is lost after it ran: the owner keeps
-/// its one hold. (On PostgreSQL such a dequeue was sent again with the
-/// ticket's token, and its second run took the owner's hold: the lease was
-/// deleted under it, and another owner got the lock. A review read Redis's
-/// abandoned tickets as doing the same; this holds that it does not.)
+/// its one hold. Such a dequeue was kept as abandoned and sent again with
+/// the ticket's token, and its second run took the owner's hold: the lease
+/// was deleted under it, and another owner got the lock (as on
+/// PostgreSQL). An earlier version of this test passed all the same: the
+/// dequeue script was not loaded yet, so the call it cut was refused
+/// (`NOSCRIPT`) and never ran.
 #[tokio::test]
 async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     let p = Proxied::start().await;
@@ -2032,7 +2034,20 @@ async fn a_dequeue_whose_answer_is_lost_does_not_take_a_re_entered_hold() {
     let owner = unique_name("owner");
     let through = p.through_proxy.api().lock(&name);
     let lock = p.direct.api().lock(&name);
-    // Loads the scripts on the proxied connection.
+    // Loads the dequeue script too (a waiter that leaves), so that the cut
+    // call is the dequeue itself: left unloaded, its first call was
+    // refused (`NOSCRIPT`) and the cut lost that answer, not a run's.
+    let warm = unique_name("warm");
+    let held = p.direct.api().lock(&warm).acquire(&[]).await;
+    let left = p
+        .through_proxy
+        .api()
+        .lock(&warm)
+        .acquire_raw(&[("wait", "100ms")])
+        .await;
+    assert_eq!(left.status(), StatusCode::CONFLICT);
+    p.direct.api().lock(&warm).release(&held.token).await;
+    // Loads the other scripts on the proxied connection.
     let (holder, waiter) = lost_answers::queue_behind_a_holder(&through, &lock, &owner, "3s").await;
     // Past the head's first look.
     tokio::time::sleep(Duration::from_millis(300)).await;

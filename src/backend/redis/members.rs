@@ -21,7 +21,7 @@ use super::node::{Node, Step};
 use super::pubsub::{
     Channel, LINGER, MAX_LINGERING, Sub, Subscribing, Watched, Watchers, deliver, pubsub,
 };
-use super::tickets::{Numbering, Queued, Tickets, track};
+use super::tickets::{Abandoned, Numbering, Queued, Tickets, track};
 use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 
 /// One node as a backend uses it: the node, this sidecar's tickets on it
@@ -285,30 +285,60 @@ impl Member {
     /// sent again by the next call for it or the key's reconciling:
     /// forgotten, a lock handed to its claim later went to nobody until the
     /// lease's ttl.
+    ///
+    /// A leaving sent with the ticket's token that may have run (its answer
+    /// lost) is sent again without it: the second run of the first, which
+    /// had given back the lease handed to the ticket, took the hold its
+    /// owner had re-entered meanwhile through another sidecar.
     pub async fn dequeue(&self, key: &LockKey, seq: u64) -> Result<(), Error> {
-        let q = match self.queued(key, seq) {
+        let (q, token_spent) = match self.queued(key, seq) {
             Some(q) => {
                 self.track(key, seq, None);
-                q
+                (q, false)
             }
             None => match lock(&self.tickets).abandoned.remove(&(key.clone(), seq)) {
-                Some(q) => q,
+                Some(a) => (a.queued, a.token_spent),
                 None => return Ok(()),
             },
         };
-        let result = match self.node.dequeue(key, &q.entry, &q.token).await {
-            // Neither queued nor holding the lock exclusively: a shared or
-            // semaphore claim may have been granted by an attempt whose
-            // answer was lost (its waiter then left): that hold goes too.
-            Ok(0) if key.kind == Kind::Semaphore || !exclusive(&q.entry) => {
-                self.release(key, &q.token).await.map(|_| ())
+        let result = if token_spent {
+            self.node.drop_entry(key, &q.entry).await.map(|_| ())
+        } else {
+            match self.leave(key, &q).await {
+                // Neither queued nor holding the lock exclusively: a shared
+                // or semaphore claim may have been granted by an attempt
+                // whose answer was lost (its waiter then left): that hold
+                // goes too.
+                Ok(0) if key.kind == Kind::Semaphore || !exclusive(&q.entry) => {
+                    self.release(key, &q.token).await.map(|_| ())
+                }
+                other => other.map(|_| ()),
             }
-            other => other.map(|_| ()),
         };
-        if result.is_err() {
-            lock(&self.tickets).abandoned.insert((key.clone(), seq), q);
+        if let Err(e) = &result {
+            let token_spent = token_spent || e.may_have_run();
+            lock(&self.tickets).abandoned.insert(
+                (key.clone(), seq),
+                Abandoned {
+                    queued: q,
+                    token_spent,
+                },
+            );
         }
         self.check(key, result)
+    }
+
+    /// Runs the dequeue script for `q`: an error once it was sent on a
+    /// connection that was then lost or timed out says it may have run.
+    async fn leave(&self, key: &LockKey, q: &Queued) -> Result<i64, Error> {
+        self.node.connection("dequeue").await?;
+        self.node
+            .dequeue(key, &q.entry, &q.token)
+            .await
+            .map_err(|e| match e.cause() {
+                Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
+                _ => e,
+            })
     }
 }
 

@@ -18,6 +18,15 @@ pub(super) struct Queued {
     pub(super) entry: String,
 }
 
+/// A ticket whose leaving is still to be sent ([`Tickets::abandoned`]).
+pub(super) struct Abandoned {
+    pub(super) queued: Queued,
+    /// A leaving that may have run was sent with the ticket's token: sent
+    /// again, it only takes the entry out of the queue, as a second run by
+    /// the token would take a hold its owner may have re-entered since.
+    pub(super) token_spent: bool,
+}
+
 /// How long a ticket that left the queue is remembered ([`Tickets::finished`]).
 const FINISHED_FOR: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -32,7 +41,7 @@ pub(super) struct Tickets {
     /// Tickets whose waiter left while the node could not be told: their
     /// leaving is sent again (the key's reconciling, the caller's retries),
     /// and a lock handed to one meanwhile is given back.
-    pub(super) abandoned: HashMap<(LockKey, u64), Queued>,
+    pub(super) abandoned: HashMap<(LockKey, u64), Abandoned>,
     /// Tokens of joins whose answer was lost, while their background
     /// release may still take the lost grant's hold (`false`) or has taken
     /// it (`true`, until the lease's ttl): a lock handed to one of them is
