@@ -357,6 +357,9 @@ impl Backend for Memory {
                 if let Some(cap) = l.cap_ms {
                     until = until.min(cap);
                 }
+                // Never sooner than it ends now: a re-entry may have given
+                // it longer, and told its client so.
+                let until = until.max(l.expires_at_ms);
                 l.expires_at_ms = until;
                 until
             });

@@ -869,7 +869,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
     let client = database.client().await;
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     );
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
@@ -918,7 +918,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     );
 
     let lock = sidecar.api().lock(&name);
@@ -3110,7 +3110,7 @@ async fn a_role_without_create_on_the_database_runs_on_a_schema_made_for_it() {
     }
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     );
     drop(client);
     drop(database);

@@ -189,6 +189,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "acquire and release take short paths for the free exclusive lock nobody waits for and a claim behind a live holder",
         sql: include_str!("0010_short_paths.sql"),
     },
+    Migration {
+        version: 11,
+        description: "a renewal never shortens a lease",
+        sql: include_str!("0011_renew_never_shortens.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.

@@ -9,6 +9,9 @@ if not m or (IS_LOCK and m.m ~= "s") then return {NOW, -1} end
 if ttl == 0 then ttl = m.ttl end
 local e = NOW + ttl
 if m.cap > 0 and e > m.cap then e = m.cap end
+-- Never sooner than it ends now: a re-entry (through any sidecar) may have
+-- given it longer, and told its client so.
+if m.e > e then e = m.e end
 m.e = e
 put_holder(token, m)
 redis.call("ZADD", EXPIRY, e, token)

@@ -16,6 +16,9 @@ do
         if want == 0 then want = ttl + 0 end
         local ends = NOW + want
         if mh + 0 > 0 and ends > t0 + mh then ends = t0 + mh end
+        -- Never sooner than it ends now: a re-entry (through any sidecar)
+        -- may have given it longer, and told its client so.
+        if e + 0 > ends then ends = e + 0 end
         -- Past its max_hold, it ends now.
         local kept = math.max(ends, NOW + 1)
         redis.call("SET", MAIN, string.format("%s %s %s %d %s %s", t, f, t0, kept, c, spec),

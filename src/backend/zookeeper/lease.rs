@@ -317,6 +317,9 @@ impl Inner {
             if let Some(cap) = next.cap_ms {
                 until = until.min(cap);
             }
+            // Never sooner than it ends now: a re-entry through another
+            // sidecar may have given it longer, and told its client so.
+            let until = until.max(next.expires_at_ms);
             next.expires_at_ms = until;
             Ok(match self.rewrite(zk, op, token, &record, next).await? {
                 Round::Done(written) => Round::Done(written.then(|| self.clock.earliest(until))),

@@ -600,6 +600,36 @@ mod leases {
         lock.release(&again.token).await;
     }
 
+    /// As [`a_hold_never_shortens_a_lease_a_reentry_lengthened`], with the
+    /// re-entry through another sidecar, which the hold's watchdog does not
+    /// know of: a renewal never shortens a lease. The watchdog renewed to
+    /// its hold's 1.5 s, cutting the 60 s the re-entry's client was told;
+    /// once the stream closed, the lease lapsed and another client was
+    /// granted the lock while the re-entry's client still held it.
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn a_hold_never_shortens_a_lease_a_reentry_through_another_sidecar_lengthened(
+        backend: TestBackend,
+    ) {
+        let guard = backend.start().await;
+        let sidecars = guard.sidecars(2).await;
+        let name = unique_name("lengthened-elsewhere");
+        let (here, there) = (sidecars[0].api().lock(&name), sidecars[1].api().lock(&name));
+        let mut hold = here.hold(&[("owner", "w"), ("ttl", "1500ms")]).await;
+        let grant = hold.expect_acquired().await;
+        let again = there.acquire(&[("owner", "w"), ("ttl", "60s")]).await;
+        assert_eq!((again.count, &again.token), (2, &grant.token));
+        match hold.next_within(ms(2000)).await {
+            Ok(Some(HoldEvent::Renewed(_))) => {}
+            other => panic!("expected the watchdog's renewal, got {other:?}"),
+        }
+        drop(hold);
+        tokio::time::sleep(ms(2500)).await;
+        there.acquire_busy(&[("owner", "other")]).await;
+        there.keepalive(&again.token, &[]).await;
+        there.release(&again.token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn keepalive_and_release_after_expiry_are_lease_lost(backend: TestBackend) {
