@@ -229,10 +229,11 @@ impl Core {
         }
     }
 
-    /// [`Core::op`] for a release the sidecar sends on its own (a grant
-    /// given back, a revoked hold), and whether one that failed may have
+    /// [`Core::op`] for a release, and whether one that failed may have
     /// run ([`backend::Error::may_have_run`]): such a release is not sent
-    /// again.
+    /// again by the sidecar (a grant given back, a revoked hold), and the
+    /// hold a client's release may have taken is no longer counted as one
+    /// to release at shutdown.
     async fn release_own(
         &self,
         key: &LockKey,

@@ -67,11 +67,23 @@ impl Core {
         if self.is_revoked(token) {
             return Err(Error::LeaseLost);
         }
-        let result = self.op("release", self.backend.release(key, token)).await?;
+        // The hold taken here that this releases, taken before the call: a
+        // release that may have run (its answer lost, or its client gone
+        // and the call dropped) leaves it taken, as the sidecar must not
+        // give it back again (at shutdown, or when the lease is revoked):
+        // released twice, it would take one its owner re-entered through
+        // another sidecar. Not run after all, it ends with the lease.
+        let mine = self.local_on(key, token).filter(|l| l.take_here());
+        let result = match self.release_own(key, token).await {
+            (Ok(result), _) => result,
+            (Err(e), may_have_run) => {
+                if let Some(mine) = mine.filter(|_| !may_have_run) {
+                    mine.count_here(true);
+                }
+                return Err(e);
+            }
+        };
         let local = self.local_on(key, token);
-        if let (Some(_), Some(local)) = (result, &local) {
-            local.count_here(false);
-        }
         match (result, local) {
             (Some(0), Some(local)) => {
                 self.end(&local, End::Released);

@@ -4445,3 +4445,71 @@ async fn a_limit_written_in_exponent_form_is_still_the_semaphores_limit() {
     semaphore.release(&second.token).await;
     semaphore.release(&first.token).await;
 }
+
+/// A client's release whose answer is lost after Redis ran it (503) is
+/// not sent again by the sidecar when it stops: SIGTERM releases the holds
+/// taken through it, and it still counted that one as its own, so the
+/// release ran twice and took the hold the owner had re-entered through
+/// another sidecar (count 2 → 0): another owner got the lock.
+#[tokio::test]
+async fn a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown() {
+    let mut p = Proxied::start().await;
+    let name = unique_name("lost-then-stop");
+    let owner = unique_name("owner");
+    let through = p.through_proxy.api().lock(&name);
+    let lock = p.direct.api().lock(&name);
+    // Loads the scripts on the proxied connection.
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let first = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        again.count, 2,
+        "the owner re-entered through the other sidecar"
+    );
+
+    p.proxy.cut_after(first.token.as_bytes());
+    let lost = through.release_raw(&first.token).await;
+    assert!(!p.proxy.armed(), "the release went through the proxy");
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    p.through_proxy.terminate();
+    p.through_proxy.wait_exit(Duration::from_secs(20)).await;
+    lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
+}
+
+/// As [`a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown`],
+/// with a release whose client hung up while it was on its way to Redis
+/// (the sidecar drops the request; the call, sent, still runs).
+#[tokio::test]
+async fn a_release_whose_client_hung_up_is_not_sent_again_at_shutdown() {
+    let mut p = Proxied::start().await;
+    let name = unique_name("left-then-stop");
+    let owner = unique_name("owner");
+    let through = p.through_proxy.api().lock(&name);
+    let lock = p.direct.api().lock(&name);
+    let warm = through.acquire(&[]).await;
+    through.release(&warm.token).await;
+    let first = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    assert_eq!(
+        again.count, 2,
+        "the owner re-entered through the other sidecar"
+    );
+
+    p.proxy
+        .delay_request(first.token.as_bytes(), Duration::from_millis(1000));
+    let gone = tokio::time::timeout(
+        Duration::from_millis(300),
+        through.release_raw(&first.token),
+    )
+    .await;
+    assert!(gone.is_err(), "the client hung up before the answer");
+    // The release reaches Redis and runs (2 -> 1).
+    common::eventually("the release to run", Duration::from_secs(5), async || {
+        (lock.inspect().await.holders.first().map(|h| h.count) == Some(1)).then_some(())
+    })
+    .await;
+    p.through_proxy.terminate();
+    p.through_proxy.wait_exit(Duration::from_secs(20)).await;
+    lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
+}
