@@ -37,7 +37,13 @@ do
         if about == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
           if type(fence) == "number" then
-            if fence <= LAST_EXACT then granted = fence else redis.call("DECR", TAG .. "fence") end
+            -- (A counter written by hand, signed or past exact: the full
+            -- script reports it.)
+            if fence >= 1 and fence <= LAST_EXACT then
+              granted = fence
+            else
+              redis.call("DECR", TAG .. "fence")
+            end
           end
         elseif (turn == "o" or (ARGV[12] or "0") == "0")
             and (fifo and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0
@@ -58,7 +64,7 @@ do
               if type(n) == "number" then return {0, 0, {}, n, 0, retry, 0} end
             else
               local seq = redis.pcall("INCR", TAG .. "seq")
-              if type(seq) == "number" and seq > LAST_EXACT then
+              if type(seq) == "number" and (seq < 1 or seq > LAST_EXACT) then
                 redis.call("DECR", TAG .. "seq")
                 seq = nil
               end
@@ -81,7 +87,7 @@ do
             if type(n) == "number" then return {0, 0, {holder}, n, 0, l.e, 0, l.dl} end
           elseif (ARGV[12] or "0") == "0" then
             local seq = redis.pcall("INCR", TAG .. "seq")
-            if type(seq) == "number" and seq > LAST_EXACT then
+            if type(seq) == "number" and (seq < 1 or seq > LAST_EXACT) then
               redis.call("DECR", TAG .. "seq")
               seq = nil
             end
@@ -116,7 +122,7 @@ do
         local first = (ARGV[14] or "1") ~= "1" or redis.pcall("LINDEX", Q, 0) == entry
         if first and redis.call("EXISTS", TAG .. "expiry", TAG .. "delay") == 0 then
           local fence = redis.pcall("INCR", TAG .. "fence")
-          if type(fence) == "number" and fence > LAST_EXACT then
+          if type(fence) == "number" and (fence < 1 or fence > LAST_EXACT) then
             redis.call("DECR", TAG .. "fence")
             fence = nil
           end

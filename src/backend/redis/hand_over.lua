@@ -94,7 +94,7 @@ local function hand_over(mode, alive, stem, keep, first, read)
     end
     if live then
       local fence = redis.pcall("INCR", TAG .. "fence")
-      if type(fence) == "number" and fence > LAST_EXACT then
+      if type(fence) == "number" and (fence < 1 or fence > LAST_EXACT) then
         redis.call("DECR", TAG .. "fence")
         fence = nil
       end

@@ -415,6 +415,9 @@ async fn a_corrupted_side_key_refuses_the_claim_without_a_partial_grant() {
         // A number INCR refuses, and one past which fences are not exact.
         ("fence", &["SET", "KEY", "007"]),
         ("fence", &["SET", "KEY", "9007199254740991"]),
+        // A signed one INCR takes: a grant's fence would be -1, then 0.
+        ("fence", &["SET", "KEY", "-2"]),
+        ("seq", &["SET", "KEY", "-2"]),
         ("seq", &["SET", "KEY", "1e3"]),
         ("limit", &["SET", "KEY", "1.5"]),
         ("fence", &["HSET", "KEY", "f", "v"]),
