@@ -19,7 +19,8 @@ use super::conn::unavailable;
 use super::leases::{NodeTurn, entry};
 use super::node::{Node, Step};
 use super::pubsub::{
-    Channel, LINGER, MAX_LINGERING, Sub, Subscribing, Watched, Watchers, deliver, pubsub,
+    Channel, LINGER, MAX_LINGERING, Sub, Subscribing, UNKNOWN_GRACE, Watched, Watchers, deliver,
+    pubsub,
 };
 use super::tickets::{Abandoned, Numbering, Queued, Tickets, track};
 use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
@@ -296,13 +297,42 @@ impl Member {
                 self.track(key, seq, None);
                 (q, false)
             }
-            None => match lock(&self.tickets).abandoned.remove(&(key.clone(), seq)) {
-                Some(a) => (a.queued, a.token_spent),
-                None => return Ok(()),
-            },
+            None => {
+                let mut tickets = lock(&self.tickets);
+                let at = (key.clone(), seq);
+                match tickets.abandoned.remove(&at) {
+                    // Left already; kept for a handoff's message until then.
+                    Some(a) if a.kept_until.is_some() => {
+                        if a.kept_until.is_some_and(|t| t > std::time::Instant::now()) {
+                            tickets.abandoned.insert(at, a);
+                        }
+                        return Ok(());
+                    }
+                    Some(a) => (a.queued, a.token_spent),
+                    None => return Ok(()),
+                }
+            }
         };
         let result = if token_spent {
-            self.node.drop_entry(key, &q.entry).await.map(|_| ())
+            match self.node.drop_entry(key, &q.entry).await {
+                Ok(0) => {
+                    let now = std::time::Instant::now();
+                    let mut tickets = lock(&self.tickets);
+                    tickets
+                        .abandoned
+                        .retain(|_, a| a.kept_until.is_none_or(|t| t > now));
+                    tickets.abandoned.insert(
+                        (key.clone(), seq),
+                        Abandoned {
+                            queued: q,
+                            token_spent,
+                            kept_until: Some(now + UNKNOWN_GRACE * 2),
+                        },
+                    );
+                    return Ok(());
+                }
+                other => other.map(|_| ()),
+            }
         } else {
             match self.leave(key, &q).await {
                 // Neither queued nor holding the lock exclusively: a shared
@@ -322,6 +352,7 @@ impl Member {
                 Abandoned {
                     queued: q,
                     token_spent,
+                    kept_until: None,
                 },
             );
         }

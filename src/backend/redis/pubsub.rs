@@ -415,7 +415,7 @@ pub(super) fn handed(payload: &[u8]) -> Option<Handed> {
 /// How long a handoff for a ticket this process does not know waits for
 /// the join that queued it to answer (a call's own time limit) before the
 /// lease is given back.
-const UNKNOWN_GRACE: Duration = CALL_TIMEOUT;
+pub(super) const UNKNOWN_GRACE: Duration = CALL_TIMEOUT;
 
 /// Gives a handed lease to the local waiter whose ticket it names (the
 /// ticket is done with once it took it). A ticket this process never knew

@@ -25,6 +25,13 @@ pub(super) struct Abandoned {
     /// again, it only takes the entry out of the queue, as a second run by
     /// the token would take a hold its owner may have re-entered since.
     pub(super) token_spent: bool,
+    /// Set once that entry-only leaving found the entry gone (a release may
+    /// have handed the lock to the ticket before): nothing more is sent,
+    /// and the ticket is kept until then so that the handoff's message,
+    /// which waits [`UNKNOWN_GRACE`](super::pubsub::UNKNOWN_GRACE) for a
+    /// ticket it does not know, still finds it abandoned and gives that
+    /// lease back (by its fence, unless it was re-entered).
+    pub(super) kept_until: Option<std::time::Instant>,
 }
 
 /// How long a ticket that left the queue is remembered ([`Tickets::finished`]).
