@@ -4446,19 +4446,24 @@ async fn a_limit_written_in_exponent_form_is_still_the_semaphores_limit() {
     semaphore.release(&first.token).await;
 }
 
-/// A client's release whose answer is lost after Redis ran it (503) is
-/// not sent again by the sidecar when it stops: SIGTERM releases the holds
-/// taken through it, and it still counted that one as its own, so the
-/// release ran twice and took the hold the owner had re-entered through
-/// another sidecar (count 2 → 0): another owner got the lock.
-#[tokio::test]
-async fn a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown() {
-    let mut p = Proxied::start().await;
-    let name = unique_name("lost-then-stop");
+/// A lease its owner holds once through each sidecar of a [`Proxied`].
+struct ReEntered {
+    owner: String,
+    /// The lock through the proxied sidecar, and through the direct one.
+    through: common::api::Resource,
+    lock: common::api::Resource,
+    /// The grant through the proxy, and the re-entry (count 2) directly.
+    first: common::api::Grant,
+    again: common::api::Grant,
+}
+
+/// Has a new owner acquire a lock named from `prefix` through the proxy
+/// (once the scripts are loaded there) and re-enter it directly.
+async fn re_entered_through_both(p: &Proxied, prefix: &str) -> ReEntered {
+    let name = unique_name(prefix);
     let owner = unique_name("owner");
     let through = p.through_proxy.api().lock(&name);
     let lock = p.direct.api().lock(&name);
-    // Loads the scripts on the proxied connection.
     let warm = through.acquire(&[]).await;
     through.release(&warm.token).await;
     let first = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
@@ -4467,6 +4472,30 @@ async fn a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown() {
         again.count, 2,
         "the owner re-entered through the other sidecar"
     );
+    ReEntered {
+        owner,
+        through,
+        lock,
+        first,
+        again,
+    }
+}
+
+/// A client's release whose answer is lost after Redis ran it (503) is
+/// not sent again by the sidecar when it stops: SIGTERM releases the holds
+/// taken through it, and it still counted that one as its own, so the
+/// release ran twice and took the hold the owner had re-entered through
+/// another sidecar (count 2 → 0): another owner got the lock.
+#[tokio::test]
+async fn a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown() {
+    let mut p = Proxied::start().await;
+    let ReEntered {
+        owner,
+        through,
+        lock,
+        first,
+        again,
+    } = re_entered_through_both(&p, "lost-then-stop").await;
 
     p.proxy.cut_after(first.token.as_bytes());
     let lost = through.release_raw(&first.token).await;
@@ -4483,18 +4512,13 @@ async fn a_release_whose_answer_is_lost_is_not_sent_again_at_shutdown() {
 #[tokio::test]
 async fn a_release_whose_client_hung_up_is_not_sent_again_at_shutdown() {
     let mut p = Proxied::start().await;
-    let name = unique_name("left-then-stop");
-    let owner = unique_name("owner");
-    let through = p.through_proxy.api().lock(&name);
-    let lock = p.direct.api().lock(&name);
-    let warm = through.acquire(&[]).await;
-    through.release(&warm.token).await;
-    let first = through.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
-    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
-    assert_eq!(
-        again.count, 2,
-        "the owner re-entered through the other sidecar"
-    );
+    let ReEntered {
+        owner,
+        through,
+        lock,
+        first,
+        again,
+    } = re_entered_through_both(&p, "left-then-stop").await;
 
     p.proxy
         .delay_request(first.token.as_bytes(), Duration::from_millis(1000));
