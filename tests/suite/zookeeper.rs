@@ -2474,8 +2474,8 @@ async fn a_revoked_lease_whose_release_answer_is_lost_is_not_released_again() {
     let (name, owner) = (unique_name("revoked-lost"), unique_name("owner"));
     let through = p.through_proxy.api().lock(&name);
     let lock = p.direct.api().lock(&name);
-    let first = through.acquire(&[("owner", &owner), ("ttl", "2s")]).await;
-    let again = lock.acquire(&[("owner", &owner), ("ttl", "60s")]).await;
+    let first = through.acquire(&[("owner", &owner), ("ttl", "20s")]).await;
+    let again = lock.acquire(&[("owner", &owner), ("ttl", "20s")]).await;
     assert_eq!(
         (again.token.as_str(), again.count),
         (first.token.as_str(), 2),
@@ -2483,14 +2483,15 @@ async fn a_revoked_lease_whose_release_answer_is_lost_is_not_released_again() {
     );
     // This sidecar's record of the lease is brought up to date (a renewal
     // that finds it changed reads it again), so that its release's write
-    // goes through; the lease's ttl is now 10 s here and in ZooKeeper.
-    through.keepalive(&first.token, &[("ttl", "10s")]).await;
-    // A renewal within the last tenth of the lease's ttl (asking for the
-    // other sidecar's ttl) does not reach ZooKeeper (its connection is
-    // reset instead): the lease is given up, and released in the
-    // background. That release writes one hold off (2 → 1), and its
-    // answer is lost.
-    tokio::time::sleep(Duration::from_millis(9200)).await;
+    // goes through; the lease now ends 20 s from here, in both views (a
+    // renewal never shortens a lease, so the other sidecar's ttl is this
+    // one's).
+    through.keepalive(&first.token, &[]).await;
+    // A renewal within the last tenth of the lease's ttl (asking for more)
+    // does not reach ZooKeeper (its connection is reset instead): the
+    // lease is given up, and released in the background. That release
+    // writes one hold off (2 → 1), and its answer is lost.
+    tokio::time::sleep(Duration::from_millis(18_700)).await;
     p.proxy.refuse(br#""count":2,"#, 1);
     p.proxy.cut_after(br#""count":1,"#);
     let kept = through.keepalive_raw(&first.token, &[("ttl", "60s")]).await;
@@ -2506,7 +2507,7 @@ async fn a_revoked_lease_whose_release_answer_is_lost_is_not_released_again() {
         }
     })
     .await;
-    // The owner's own renewal, before the 10 s run out.
+    // The owner's own renewal, before the 20 s run out.
     let renewed = lock.keepalive_raw(&again.token, &[("ttl", "60s")]).await;
     assert_eq!(
         renewed.status(),
