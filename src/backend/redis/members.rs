@@ -151,10 +151,7 @@ impl Member {
                 .node
                 .release_handing(key, token)
                 .await
-                .map_err(|e| match e.cause() {
-                    Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
-                    _ => e,
-                }),
+                .map_err(sent_unanswered),
             Err(e) => Err(e),
         };
         unanswered.key = None;
@@ -366,10 +363,18 @@ impl Member {
         self.node
             .dequeue(key, &q.entry, &q.token)
             .await
-            .map_err(|e| match e.cause() {
-                Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
-                _ => e,
-            })
+            .map_err(sent_unanswered)
+    }
+}
+
+/// The error of a script sent on a connection: one whose connection was
+/// then lost or whose time limit passed may have run
+/// ([`Error::unanswered`]); a reply that is an error (READONLY, BUSY,
+/// LOADING) says it did not.
+fn sent_unanswered(e: Error) -> Error {
+    match e.cause() {
+        Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
+        _ => e,
     }
 }
 
