@@ -630,6 +630,78 @@ mod leases {
         there.release(&again.token).await;
     }
 
+    /// As [`a_hold_never_shortens_a_lease_a_reentry_through_another_sidecar_lengthened`],
+    /// for a shared lock's reader (lengthened by a re-entry) and a
+    /// semaphore's permit (which never re-enters: lengthened by a keepalive
+    /// asking 60 s), whose renewals take the shared and counting paths of
+    /// every backend: the hold's watchdog through one sidecar must not cut
+    /// the 60 s the other sidecar gave the lease, so a writer (or another
+    /// permit of a one-permit semaphore) is still refused once the stream
+    /// closed (or, for the permit, which one release would free, once the
+    /// stream's sidecar died).
+    #[apply(shared_backends)]
+    #[tokio::test]
+    async fn a_shared_hold_never_shortens_a_lease_lengthened_through_another_sidecar(
+        backend: TestBackend,
+    ) {
+        let guard = backend.start().await;
+        let sidecars = guard.sidecars(2).await;
+        let name = unique_name("shared-lengthened-elsewhere");
+        let (here, there) = (sidecars[0].api().lock(&name), sidecars[1].api().lock(&name));
+        let reader = [("mode", "shared"), ("owner", "w")];
+        let mut hold = here.hold(&[reader[0], reader[1], ("ttl", "1500ms")]).await;
+        let grant = hold.expect_acquired().await;
+        let again = there.acquire(&[reader[0], reader[1], ("ttl", "60s")]).await;
+        assert_eq!((again.count, &again.token), (2, &grant.token));
+        let writer = [("owner", "writer")];
+        never_shortened_elsewhere(hold, &there, &grant.token, &writer).await;
+
+        let name = unique_name("permit-lengthened-elsewhere");
+        let (here, there) = (
+            sidecars[0].api().semaphore(&name),
+            sidecars[1].api().semaphore(&name),
+        );
+        let mut hold = here
+            .hold(&[("limit", "1"), ("owner", "w"), ("ttl", "1500ms")])
+            .await;
+        let grant = hold.expect_acquired().await;
+        there.keepalive(&grant.token, &[("ttl", "60s")]).await;
+        match hold.next_within(ms(2000)).await {
+            Ok(Some(HoldEvent::Renewed(_))) => {}
+            other => panic!("expected the watchdog's renewal, got {other:?}"),
+        }
+        // The permit is held once: closing the stream would release it, so
+        // the hold's sidecar dies instead, leaving the lease to its end.
+        sidecars[0].signal(nix::sys::signal::Signal::SIGKILL);
+        tokio::time::sleep(ms(2500)).await;
+        there
+            .acquire_busy(&[("limit", "1"), ("owner", "other")])
+            .await;
+        there.keepalive(&grant.token, &[]).await;
+        there.release(&grant.token).await;
+        drop(hold);
+    }
+
+    /// Lets `hold`'s watchdog (1.5 s ttl) renew once and closes the stream;
+    /// 2.5 s later the lease `token`, lengthened to 60 s through `there`,
+    /// must still be alive and the `rival` refused.
+    async fn never_shortened_elsewhere(
+        mut hold: HoldStream,
+        there: &Resource,
+        token: &str,
+        rival: Params<'_>,
+    ) {
+        match hold.next_within(ms(2000)).await {
+            Ok(Some(HoldEvent::Renewed(_))) => {}
+            other => panic!("expected the watchdog's renewal, got {other:?}"),
+        }
+        drop(hold);
+        tokio::time::sleep(ms(2500)).await;
+        there.acquire_busy(rival).await;
+        there.keepalive(token, &[]).await;
+        there.release(token).await;
+    }
+
     #[apply(backends)]
     #[tokio::test]
     async fn keepalive_and_release_after_expiry_are_lease_lost(backend: TestBackend) {
