@@ -186,7 +186,7 @@ impl Core {
         }
         if !events.send(HoldEvent::Acquired(Box::new(granted))) {
             // The client left as the grant arrived.
-            let _ = self.release(&lease.key, &lease.token).await;
+            self.release_left(&lease).await;
             if supervise {
                 self.supervise_elsewhere(&lease);
             }
@@ -281,7 +281,7 @@ impl Core {
                 // The top of the loop reports the end.
                 () = lease.ended.cancelled() => {}
                 () = events.left.cancelled() => {
-                    let _ = Box::pin(self.release(&lease.key, &lease.token)).await;
+                    Box::pin(self.release_left(lease)).await;
                     if self.shutdown.is_cancelled() {
                         // Shutdown came with the client's leaving: the
                         // lease's other holds here go too, with its last

@@ -64,8 +64,34 @@ impl Core {
     /// # Errors
     /// [`Error::LeaseLost`] when the token holds nothing; backend outages.
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<u32, Error> {
+        self.release_told(key, token).await.0
+    }
+
+    /// Releases the hold of a hold stream whose client left. A release the
+    /// backend surely did not run (an outage, a refusal) is sent again,
+    /// pauses doubling to 5 s, until it is answered, the lease ends or the
+    /// sidecar shuts down (whose release of the lease's holds takes this
+    /// one): kept, the lease would hold the lock, and the queue behind it,
+    /// until its ttl — a campaign that resigned, its election. One that may
+    /// have run is not sent again.
+    pub(super) async fn release_left(&self, lease: &Local) {
+        let mut pause = Duration::from_millis(250);
+        while let (Err(Error::Unavailable { .. }), false) =
+            self.release_told(&lease.key, &lease.token).await
+        {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                () = lease.ended.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// [`Core::release`], and whether a release that failed may have run.
+    async fn release_told(&self, key: &LockKey, token: &Token) -> (Result<u32, Error>, bool) {
         if self.is_revoked(token) {
-            return Err(Error::LeaseLost);
+            return (Err(Error::LeaseLost), false);
         }
         // The hold taken here that this releases, taken before the call: a
         // release that may have run (its answer lost, or its client gone
@@ -80,11 +106,11 @@ impl Core {
                 if let Some(mine) = mine.filter(|_| !may_have_run) {
                     mine.count_here(true);
                 }
-                return Err(e);
+                return (Err(e), may_have_run);
             }
         };
         let local = self.local_on(key, token);
-        match (result, local) {
+        let released = match (result, local) {
             (Some(0), Some(local)) => {
                 self.end(&local, End::Released);
                 Ok(0)
@@ -104,7 +130,8 @@ impl Core {
                 }
                 Err(Error::LeaseLost)
             }
-        }
+        };
+        (released, false)
     }
 
     /// Releases one hold of a lease once per `idempotency` key its client

@@ -4537,3 +4537,44 @@ async fn a_release_whose_client_hung_up_is_not_sent_again_at_shutdown() {
     p.through_proxy.wait_exit(Duration::from_secs(20)).await;
     lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
 }
+
+/// A hold stream whose client leaves while Redis refuses its release (an
+/// error reply, here `NOREPLICAS`, as `LOADING` during a restart: the
+/// release surely did not run) releases the lease once Redis takes writes
+/// again. The release was tried once: the lease then held the lock, and the
+/// waiter behind it on the other sidecar, until its 60 s ttl (with
+/// elections: a campaign that resigned kept leading).
+#[tokio::test]
+async fn a_hold_whose_release_was_refused_releases_once_redis_takes_it() {
+    let server = RedisServer::start().await;
+    let sidecars = [sidecar(&server).await, sidecar(&server).await];
+    let name = unique_name("refused-release");
+    let mut holder = sidecars[0]
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "holder"), ("ttl", "60s")])
+        .await;
+    holder.expect_acquired().await;
+    let waiter_lock = sidecars[1].api().lock(&name);
+    let mut waiter = waiter_lock
+        .hold(&[("owner", "waiter"), ("wait", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    let writes = async |n: &str| {
+        let _: () = server
+            .cmd(&["CONFIG", "SET", "min-replicas-to-write", n])
+            .await;
+    };
+    writes("1").await;
+    drop(holder);
+    // The release is refused meanwhile.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        waiter_lock.inspect().await.holder_owners(),
+        ["holder"],
+        "the refused release must not have run"
+    );
+    writes("0").await;
+    let grant = waiter.expect_acquired_within(Duration::from_secs(8)).await;
+    assert_eq!(grant.owner, "waiter");
+}
