@@ -25,6 +25,14 @@ use super::pubsub::{
 use super::tickets::{Abandoned, Numbering, Queued, Tickets, track};
 use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 
+/// The most keys kept suspect that this sidecar has no waiter or ticket
+/// on: past it, such a key is not reconciled, and a ticket a failed call
+/// may have left there lapses with this sidecar's heartbeat on the key
+/// (`HEARTBEAT_TTL`), as a dead sidecar's does. Keys with a local waiter or
+/// ticket are always kept (a lost release may have handed one the lock;
+/// their heartbeat would keep an orphan ticket alive).
+const MOST_SUSPECT_IDLE: usize = 1024;
+
 /// One node as a backend uses it: the node, this sidecar's tickets on it
 /// (kept alive by a heartbeat task), keys to reconcile after failed calls,
 /// and its pub/sub task.
@@ -77,8 +85,19 @@ impl Member {
 
     /// Notes a failed call on `key` and passes the result on.
     pub(super) fn check<T>(&self, key: &LockKey, result: Result<T, Error>) -> Result<T, Error> {
-        if let Err(Error::Unavailable { .. }) = &result {
-            lock(&self.suspect).insert(key.clone());
+        if let Err(e @ Error::Unavailable { .. }) = &result {
+            // Refused before it was sent, it changed nothing there.
+            let unsent = matches!(
+                e.cause(),
+                Some(
+                    Cause::ConnectionRefused
+                        | Cause::AuthenticationFailed
+                        | Cause::PermissionDenied
+                )
+            );
+            if !unsent {
+                suspect(&self.suspect, &self.tickets, &self.wakeups, key);
+            }
         }
         result
     }
@@ -101,7 +120,7 @@ impl Member {
         // Until it is done — also when its caller drops it (an attempt past
         // Redlock's time limit for the node) — the key stays suspect.
         let mut unfinished = Unanswered {
-            suspect: &self.suspect,
+            member: self,
             key: Some(key),
         };
         let abandoned: Vec<u64> = lock(&self.tickets)
@@ -140,7 +159,7 @@ impl Member {
         // Dropped before its answer (its caller went away), the release may
         // still run: the key is reconciled as after a lost answer.
         let mut unanswered = Unanswered {
-            suspect: &self.suspect,
+            member: self,
             key: Some(key),
         };
         // A connection lost or a time limit passed once the script was
@@ -244,7 +263,7 @@ impl Member {
         // the attempt may still run and queue the claim: the key is
         // reconciled as after a lost answer.
         let mut unanswered = Unanswered {
-            suspect: &self.suspect,
+            member: self,
             key: Some(&claim.key),
         };
         let result = self
@@ -624,15 +643,31 @@ fn exclusive(entry: &str) -> bool {
 /// it marks the key suspect (reconciled on the next heartbeat tick, and its
 /// local head looks again).
 struct Unanswered<'a> {
-    suspect: &'a Mutex<HashSet<LockKey>>,
+    member: &'a Member,
     key: Option<&'a LockKey>,
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key {
-            lock(self.suspect).insert(key.clone());
+            let m = self.member;
+            suspect(&m.suspect, &m.tickets, &m.wakeups, key);
         }
+    }
+}
+
+/// Marks `key` suspect: always when a local waiter or ticket is on it, else
+/// while fewer than [`MOST_SUSPECT_IDLE`] such keys are.
+fn suspect(
+    suspect: &Mutex<HashSet<LockKey>>,
+    tickets: &Mutex<Tickets>,
+    wakeups: &Wakeups,
+    key: &LockKey,
+) {
+    let waited_on = wakeups.len(key) > 0 || lock(tickets).on(key);
+    let mut suspect = lock(suspect);
+    if waited_on || suspect.len() < MOST_SUSPECT_IDLE {
+        suspect.insert(key.clone());
     }
 }
 
@@ -660,5 +695,94 @@ pub(super) async fn heartbeats(member: std::sync::Weak<Member>, stop: Cancellati
                 tracing::debug!(lock = %key, error = %e, "heartbeat failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::{MOST_SUSPECT_IDLE, Member, Step, lock};
+    use crate::backend::redis::node::Node;
+    use crate::backend::redis::tickets::Numbering;
+    use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
+    use crate::wakeups::Wakeups;
+
+    fn claim(i: usize) -> Claim {
+        Claim {
+            key: LockKey {
+                kind: Kind::Lock,
+                name: Name::parse(&format!("job-{i}")).expect("valid name"),
+            },
+            mode: Mode::Exclusive,
+            owner: "o".into(),
+            sidecar: "s".into(),
+            ttl: Duration::from_secs(10),
+            limit: None,
+            lock_delay: Duration::ZERO,
+            max_hold: None,
+        }
+    }
+
+    /// Acquires and releases `names` locks once each, all at once, through a
+    /// member whose node is at `url`, each call given up after `limit` (as
+    /// Redlock gives each node a time limit); returns how many keys it keeps
+    /// suspect.
+    async fn suspects_after(url: &str, names: usize, limit: Duration) -> usize {
+        let stop = CancellationToken::new();
+        let node = Node::open(url, "sidelock:", true, stop.clone()).expect("node");
+        let member = Member::start(
+            node,
+            &Default::default(),
+            &Wakeups::default(),
+            &stop,
+            Numbering::Shared,
+        );
+        let calls = (0..names).map(|i| {
+            let member = member.clone();
+            async move {
+                let (claim, token) = (claim(i), Token::generate());
+                let acquire = member.try_acquire(&claim, Step::Once, &token, true, 0, false);
+                let _ = tokio::time::timeout(limit, acquire).await;
+                let _ = tokio::time::timeout(limit, member.release(&claim.key, &token)).await;
+            }
+        });
+        futures::future::join_all(calls).await;
+        let kept = lock(&member.suspect).len();
+        stop.cancel();
+        kept
+    }
+
+    /// A node away keeps no suspect key per name a call failed on: one
+    /// refusing connections keeps none (nothing ran there), one whose calls
+    /// are given up unanswered (they may have run) at most
+    /// [`MOST_SUSPECT_IDLE`] that no local waiter or ticket needs. Each was kept for as long as the node
+    /// was away (Redlock grants with a node down): a name per job grew the
+    /// set without bound, and the node's return reconciled them all, one
+    /// call each, before the next waiter's heartbeat.
+    #[tokio::test]
+    async fn a_node_away_keeps_a_bounded_set_of_suspect_keys() {
+        let names = MOST_SUSPECT_IDLE + 200;
+        let limit = Duration::from_millis(300);
+        assert_eq!(suspects_after("redis://127.0.0.1:1", names, limit).await, 0);
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = hung.local_addr().expect("address").port();
+        // Accepted and kept, never answered.
+        let accepting = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((conn, _)) = hung.accept().await {
+                kept.push(conn);
+            }
+        });
+        let kept = suspects_after(&format!("redis://127.0.0.1:{port}"), names, limit).await;
+        assert!(
+            kept <= MOST_SUSPECT_IDLE,
+            "{kept} suspect keys kept of {names} names"
+        );
+        accepting.abort();
     }
 }

@@ -113,6 +113,14 @@ impl Finished {
 }
 
 impl Tickets {
+    /// Whether a ticket of this sidecar on `key` may still be on the node:
+    /// queued, abandoned, or a lost join's.
+    pub(super) fn on(&self, key: &LockKey) -> bool {
+        self.queued.contains_key(key)
+            || self.abandoned.keys().any(|(k, _)| k == key)
+            || self.lost.keys().any(|(k, _)| k == key)
+    }
+
     /// The tokens of lost joins on `key` whose background release is under
     /// way or took the lost grant's hold, and whether one is under way.
     pub(super) fn lost_on(&self, key: &LockKey) -> (Vec<Token>, bool) {
