@@ -230,13 +230,21 @@ impl Registry {
         self.lock().len()
     }
 
-    /// Closes the oldest connection without a request in flight; false when
-    /// every connection has one.
+    /// Closes the oldest connection without a request in flight, else the
+    /// oldest whose requests in flight all still wait for their body (a
+    /// client that sends a head and no body holds no work yet, and must not
+    /// keep a place from everyone else: some routes read a body before any
+    /// credential); false when every connection has work in flight.
     fn shed_oldest_idle(&self) -> bool {
         let mut connections = self.lock();
+        let idle = |c: &ConnState| c.in_flight.load(Ordering::Acquire) == 0;
+        let unsent = |c: &ConnState| {
+            c.in_flight.load(Ordering::Acquire) <= c.awaiting_body.load(Ordering::Acquire)
+        };
         let oldest = connections
             .iter()
-            .find(|(_, c)| c.in_flight.load(Ordering::Acquire) == 0)
+            .find(|(_, c)| idle(c))
+            .or_else(|| connections.iter().find(|(_, c)| unsent(c)))
             .map(|(id, _)| *id);
         match oldest.and_then(|id| connections.remove(&id)) {
             Some(c) => {
@@ -293,6 +301,9 @@ impl Stall {
 struct ConnState {
     /// Requests whose response has not been written to the end.
     in_flight: AtomicUsize,
+    /// Requests in flight whose body has not arrived to its end (nor been
+    /// dropped unread).
+    awaiting_body: AtomicUsize,
     /// Requests whose response has been written to the end (or dropped).
     finished: AtomicU64,
     /// The reader's waker, woken when a request in flight ends (so the idle
@@ -375,11 +386,13 @@ fn connection(
         let in_flight = InFlight::start(&state);
         let deadline = Instant::now() + body_read;
         let mut req = req.map(|body| {
+            let awaited = (!body.is_end_stream()).then(|| Awaited::start(&state));
             axum::body::Body::new(TimedBody {
                 inner: body,
                 deadline,
                 timeout: body_read,
                 sleep: None,
+                awaited,
             })
         });
         req.extensions_mut().insert(ConnectInfo(peer));
@@ -450,6 +463,25 @@ struct TimedBody {
     /// Created on the first wait, so a body that is already there (or empty)
     /// costs no timer.
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Counts the request among its connection's awaiting their body, until
+    /// the body ends (or fails, or is dropped).
+    awaited: Option<Awaited>,
+}
+
+/// A request counted in [`ConnState::awaiting_body`] while it lives.
+struct Awaited(Arc<ConnState>);
+
+impl Awaited {
+    fn start(state: &Arc<ConnState>) -> Self {
+        state.awaiting_body.fetch_add(1, Ordering::AcqRel);
+        Awaited(state.clone())
+    }
+}
+
+impl Drop for Awaited {
+    fn drop(&mut self) {
+        self.0.awaiting_body.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The error of a request body that did not arrive within the body-read timeout.
@@ -470,6 +502,9 @@ impl HttpBody for TimedBody {
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            if !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream() {
+                this.awaited = None;
+            }
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         let deadline = this.deadline;
@@ -477,10 +512,13 @@ impl HttpBody for TimedBody {
             .sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(BodyTimedOut {
-                timeout: this.timeout,
+            Poll::Ready(()) => {
+                this.awaited = None;
+                Poll::Ready(Some(Err(BodyTimedOut {
+                    timeout: this.timeout,
+                }
+                .into())))
             }
-            .into()))),
             Poll::Pending => Poll::Pending,
         }
     }

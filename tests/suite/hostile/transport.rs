@@ -1558,3 +1558,51 @@ async fn observe_streams_are_capped() {
     )
     .await;
 }
+
+/// Review: connections whose request head has arrived and whose body never
+/// comes, on routes that read a body with no credential (`/ready` of an
+/// election, the dashboard's sign-in), fill every place: they count as
+/// requests in flight, which were never closed to make room, so the
+/// kubelet's probe was refused (429) until their body-read timeout — and
+/// the attacker opened them again. Such a connection is now closed to make
+/// room, as an idle one is, while a request whose body has arrived keeps
+/// its place.
+#[tokio::test]
+async fn requests_waiting_for_their_body_are_closed_to_make_room() {
+    const CAP: usize = 3;
+    let sidecar = SidecarBuilder::new("memory://")
+        .api_token("secret-api-token")
+        .env("SIDELOCK_BODY_READ_TIMEOUT", "30s")
+        .env("SIDELOCK_MAX_CONNECTIONS", &CAP.to_string())
+        .start()
+        .await;
+    let port = sidecar.port();
+    let mut slow = Vec::new();
+    for i in 0..CAP {
+        let mut stream = connect(port).await;
+        let route = if i % 2 == 0 {
+            "GET /v1/elections/x/ready"
+        } else {
+            "POST /dashboard/sign-in"
+        };
+        let head = format!(
+            "{route} HTTP/1.1\r\nHost: localhost\r\nContent-Type: \
+             application/x-www-form-urlencoded\r\nContent-Length: 65536\r\n\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.expect("send head");
+        slow.push(stream);
+    }
+    // Their heads are read.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answer = within(
+        "the probe is answered",
+        Duration::from_secs(3),
+        raw_exchange(
+            port,
+            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        ),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(slow);
+}
