@@ -312,7 +312,9 @@ impl Core {
                     } else {
                         settle = SETTLE;
                     }
-                    if let Some(expires) = view.leader_expires_at_ms {
+                    // 0: a leader with no expiry (a key written by hand),
+                    // which only the refresh looks at again.
+                    if let Some(expires) = view.leader_expires_at_ms.filter(|&e| e > 0) {
                         // A leader that dies without releasing lapses then.
                         let lapse = instant_at(expires.saturating_add(1)).max(after(SETTLE));
                         next = next.min(lapse);

@@ -4578,3 +4578,50 @@ async fn a_hold_whose_release_was_refused_releases_once_redis_takes_it() {
     let grant = waiter.expect_acquired_within(Duration::from_secs(8)).await;
     assert_eq!(grant.owner, "waiter");
 }
+
+/// An election key written by hand with no expiry (a foreign leader that
+/// never lapses) is watched at the refresh's pace: its expiry read as 0 made
+/// the observer's next look due at once, and each observed election cost
+/// its sidecar an `inspect` every 5 ms for as long as the key stayed. A
+/// campaign waiting behind it must not poll either.
+#[tokio::test]
+async fn an_election_key_without_expiry_is_not_read_in_a_loop() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("foreign-leader");
+    let _: () = server
+        .cmd(&["SET", &format!("sidelock:elections/{name}"), "x"])
+        .await;
+    let api = sidecar.api();
+    let inspects = async || {
+        api.metric_sum("sidelock_backend_operations_total", "op=\"inspect\"")
+            .await
+    };
+    let before = inspects().await;
+    let observer = api
+        .open_stream(&["v1", "elections", &name, "observe"], &[])
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let read = inspects().await - before;
+    assert!(
+        read <= 5.0,
+        "{read} inspects in 2 s of observing a leader that never lapses"
+    );
+    drop(observer);
+    // A campaign waiting behind it tries at the same pace.
+    let attempts = async || {
+        api.metric_sum("sidelock_backend_operations_total", "op=\"try_acquire\"")
+            .await
+    };
+    let before = attempts().await;
+    let campaign = api
+        .open_stream(&["v1", "elections", &name, "campaign"], &[])
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let tried = attempts().await - before;
+    assert!(
+        tried <= 5.0,
+        "{tried} attempts in 2 s of waiting behind a leader that never lapses"
+    );
+    drop(campaign);
+}
