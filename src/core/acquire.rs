@@ -682,6 +682,10 @@ impl Core {
     /// queue behind it, until its ttl.
     async fn give_back(&self, key: &LockKey, token: &Token) {
         match self.release_own(key, token).await {
+            // Observers elsewhere may have read it leading (handed over
+            // while this sidecar could not take it), and a lease given back
+            // with nobody waiting wakes nobody.
+            (Ok(_), _) if key.kind == crate::lock::Kind::Election => self.announce_key(key),
             (Err(_), true) => unanswered_release(key),
             (Err(Error::Unavailable { .. }), false) => {
                 self.tell_later(key, Leaving::Release(token.clone()));

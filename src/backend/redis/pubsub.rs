@@ -12,7 +12,7 @@ use redis::{ErrorKind, RedisError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::lock::LockKey;
+use crate::lock::{Kind, LockKey};
 use crate::wakeups::{Handoff, Wakeups};
 
 use super::node::Node;
@@ -462,6 +462,10 @@ pub(super) fn deliver(
                     // A lost join's, whose release may still take it: looked at
                     // again once that release has run (it may find nothing).
                     Ok(GaveBack::LeftToRelease) if pending => continue,
+                    // Observers elsewhere may have read its campaign leading.
+                    Ok(GaveBack::Given) if key.kind == Kind::Election => {
+                        let _ = node.announce(&key).await;
+                    }
                     Ok(_) => {}
                     Err(e) => {
                         tracing::debug!(lock = %key, error = %e, "could not give back a lease nobody waits for");
