@@ -4702,3 +4702,50 @@ async fn a_handed_leadership_given_back_is_announced_to_observers() {
         .await;
     drop((second, plain));
 }
+
+/// A semaphore waiter sent without `limit` (allowed while the semaphore is
+/// in use: it takes the limit in force) whose sidecar was paused past its
+/// heartbeat, and whose semaphore went idle meanwhile (the release dropped
+/// the lapsed place, and with nothing held or queued, the limit), takes a
+/// permit when its sidecar resumes: its attempt found no limit and none
+/// given, and answered 400 `invalid-parameter` ("limit is required") to a
+/// request that was valid, and the waiter left the queue.
+#[tokio::test]
+async fn a_semaphore_waiter_without_limit_whose_sidecar_paused_takes_a_permit() {
+    let server = RedisServer::start().await;
+    let releasing = sidecar(&server).await;
+    let waiting = sidecar(&server).await;
+    let name = unique_name("unlimited-waiter");
+    let holder = releasing
+        .api()
+        .semaphore(&name)
+        .acquire(&[("limit", "1"), ("ttl", "60s")])
+        .await;
+    let mut waiter = waiting
+        .api()
+        .semaphore(&name)
+        .hold(&[("owner", "waiter"), ("wait", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    // Nothing of the waiting sidecar's in flight when it stops (a call's
+    // time limit would pass during the pause).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    waiting.signal(Signal::SIGSTOP);
+    // Past the 15 s heartbeat window: the release drops the waiter's place.
+    tokio::time::sleep(Duration::from_millis(16_500)).await;
+    releasing
+        .api()
+        .semaphore(&name)
+        .release(&holder.token)
+        .await;
+    waiting.signal(Signal::SIGCONT);
+    let grant = waiter.expect_acquired_within(Duration::from_secs(10)).await;
+    assert_eq!(grant.owner, "waiter");
+    // One permit: a claim with `limit=1` is refused while it holds.
+    let other = releasing
+        .api()
+        .semaphore(&name)
+        .acquire_raw(&[("limit", "1")])
+        .await;
+    assert_eq!(other.status(), StatusCode::CONFLICT);
+}

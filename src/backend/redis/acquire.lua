@@ -42,16 +42,25 @@ local was_idle = idle()
 local limit = 0
 if not IS_LOCK then
   local active = tonumber(redis.call("GET", LIMIT) or "0")
+  local unset = false
   if active > 0 and not was_idle then
     if asked > 0 and asked ~= active then return {2, NOW, active} end
     limit = active
+  elseif asked == 0 and turn == "q" then
+    -- Queued without a limit (it took the one in force), its place dropped
+    -- while its sidecar could not heartbeat and the semaphore idle since,
+    -- its limit gone with it (or its place put back, and no limit in
+    -- force): one permit is within any limit, so it may take one when none
+    -- is held, and leaves the limit to the next claim that gives one.
+    limit = active
+    if limit == 0 then limit, unset = 1, true end
   else
     if asked == 0 then return {3, NOW} end
     limit = asked
   end
   -- Before the limit or anything else is written.
   if most > 0 and limit > most then return {4, NOW, limit} end
-  if limit ~= active then redis.call("SET", LIMIT, string.format("%d", limit)) end
+  if limit ~= active and not unset then redis.call("SET", LIMIT, string.format("%d", limit)) end
 end
 
 local function leave_queue()
