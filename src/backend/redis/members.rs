@@ -388,13 +388,32 @@ impl Member {
 
 /// The error of a script sent on a connection: one whose connection was
 /// then lost or whose time limit passed may have run
-/// ([`Error::unanswered`]); a reply that is an error (READONLY, BUSY,
-/// LOADING) says it did not.
+/// ([`Error::unanswered`]), as may one that failed otherwise after the
+/// call went out (a TLS alert or garbage mid-reply, a reply of a shape
+/// nobody expected); a reply that is an error (READONLY, BUSY, LOADING)
+/// says it did not.
 fn sent_unanswered(e: Error) -> Error {
     match e.cause() {
         Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
+        Some(Cause::Failed) if !server_replied(&e) => e.unanswered(),
         _ => e,
     }
+}
+
+/// Whether `e` is the server's own error reply (it has a code): the
+/// call did not run.
+fn server_replied(e: &Error) -> bool {
+    let Error::Unavailable { source, .. } = e else {
+        return false;
+    };
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(err) = next {
+        if let Some(r) = err.downcast_ref::<RedisError>() {
+            return r.code().is_some();
+        }
+        next = err.source();
+    }
+    false
 }
 
 /// Subscribes `key`'s channel on every member (once per channel however many
@@ -704,7 +723,8 @@ mod tests {
 
     use tokio_util::sync::CancellationToken;
 
-    use super::{MOST_SUSPECT_IDLE, Member, Step, lock};
+    use super::{MOST_SUSPECT_IDLE, Member, Step, lock, sent_unanswered};
+    use crate::backend::Error;
     use crate::backend::redis::node::Node;
     use crate::backend::redis::tickets::Numbering;
     use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
@@ -784,5 +804,43 @@ mod tests {
             "{kept} suspect keys kept of {names} names"
         );
         accepting.abort();
+    }
+
+    /// A release whose reply failed to arrive whole for another reason than
+    /// a lost connection or a time limit (a TLS alert mid-reply, an I/O
+    /// error of another kind, a reply of an unexpected shape) may have run,
+    /// and is not sent again: it read as refused, and a shutdown or a
+    /// revocation released the hold a second time. The server's own error
+    /// reply still says it did not run.
+    #[test]
+    fn a_call_that_failed_after_it_was_sent_may_have_run_unless_the_server_refused_it() {
+        let failed = |e: redis::RedisError| {
+            sent_unanswered(Error::Unavailable {
+                op: "release",
+                source: Box::new(e),
+            })
+            .may_have_run()
+        };
+        let tls = std::io::Error::new(std::io::ErrorKind::InvalidData, "tls alert");
+        assert!(failed(tls.into()));
+        assert!(failed(redis::RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "an unexpected reply"
+        ))));
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(failed(reset.into()));
+        for kind in [
+            redis::ServerErrorKind::BusyLoading,
+            redis::ServerErrorKind::ReadOnly,
+            redis::ServerErrorKind::ResponseError,
+        ] {
+            assert!(
+                !failed(redis::RedisError::from((
+                    redis::ErrorKind::Server(kind),
+                    "refused"
+                ))),
+                "{kind:?}"
+            );
+        }
     }
 }
