@@ -185,11 +185,13 @@ impl Core {
             return None;
         }
         if !events.send(HoldEvent::Acquired(Box::new(granted))) {
-            // The client left as the grant arrived.
-            self.release_left(&lease).await;
+            // The client left as the grant arrived. Watched from now on:
+            // the release may take its time (resent while refused), and
+            // the lease, if re-entered, is kept.
             if supervise {
                 self.supervise_elsewhere(&lease);
             }
+            self.release_left(&lease).await;
             return None;
         }
         Some((lease, supervise))
@@ -281,6 +283,11 @@ impl Core {
                 // The top of the loop reports the end.
                 () = lease.ended.cancelled() => {}
                 () = events.left.cancelled() => {
+                    if supervise {
+                        // Watched while the release is resent (refused)
+                        // and after (re-entered, or not released).
+                        self.supervise_elsewhere(lease);
+                    }
                     Box::pin(self.release_left(lease)).await;
                     if self.shutdown.is_cancelled() {
                         // Shutdown came with the client's leaving: the
@@ -291,10 +298,6 @@ impl Core {
                             Box::pin(self.release_fully(lease)).await;
                         }
                         return;
-                    }
-                    if supervise {
-                        // Still held (re-entered, or the release failed).
-                        self.supervise_elsewhere(lease);
                     }
                     return;
                 }

@@ -84,6 +84,11 @@ impl Core {
                 () = lease.ended.cancelled() => return,
                 () = tokio::time::sleep(pause) => {}
             }
+            // Both may be due at once: shutdown releases the lease's holds
+            // here itself, this one among them.
+            if self.shutdown.is_cancelled() || lease.end.get().is_some() {
+                return;
+            }
             pause = (pause * 2).min(Duration::from_secs(5));
         }
     }

@@ -4749,3 +4749,48 @@ async fn a_semaphore_waiter_without_limit_whose_sidecar_paused_takes_a_permit() 
         .await;
     assert_eq!(other.status(), StatusCode::CONFLICT);
 }
+
+/// While a hold whose client left sends its refused release again, the
+/// lease's expiry is still watched: a re-entry of it through the same
+/// sidecar by a plain acquire (whose lease the hold watched) is
+/// reported when it ends (Redis still answers reads here: `expired`), with
+/// no keepalive asking. The first resending of the release left nobody
+/// watching: the lease's end was noticed only by the next resend, its
+/// pauses doubling to 5 s (about 8.8 s after the client left, for this
+/// 4 s lease), while its client, between keepalives, counted on it.
+#[tokio::test]
+async fn a_refused_release_sent_again_leaves_the_lease_watched() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("watched-while-resent");
+    let api = sidecar.api();
+    let lock = api.lock(&name);
+    let mut first = lock.hold(&[("owner", "o"), ("ttl", "4s")]).await;
+    first.expect_acquired().await;
+    let again = lock.acquire(&[("owner", "o"), ("ttl", "4s")]).await;
+    assert_eq!(again.count, 2);
+    let mut events = api.events().await;
+    let _: () = server
+        .cmd(&["CONFIG", "SET", "min-replicas-to-write", "1"])
+        .await;
+    drop(first);
+    eventually(
+        "the re-entry's lease reported when it ends (4 s)",
+        Duration::from_millis(5500),
+        async || {
+            events
+                .next_within(Duration::from_millis(100))
+                .await
+                .ok()
+                .flatten()
+                .filter(|e| {
+                    ["lost", "expired"].contains(&e.event.as_str())
+                        && e.json()["name"] == name.as_str()
+                })
+        },
+    )
+    .await;
+    let _: () = server
+        .cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"])
+        .await;
+}
