@@ -105,6 +105,34 @@ impl Error {
             _ => false,
         }
     }
+
+    /// Whether a Redis call that failed once sent may have run: its
+    /// connection was lost or its time limit passed, or it failed otherwise
+    /// (a TLS alert or garbage mid-reply, a reply of a shape nobody
+    /// expected). Only the server's own error reply, which has a code
+    /// (`LOADING`, `READONLY`, `BUSY`, `MOVED`), says it did not.
+    pub fn sent_may_have_run(&self) -> bool {
+        match self.cause() {
+            Some(Cause::ConnectionLost | Cause::TimedOut) => true,
+            Some(Cause::Failed) => !self.is_redis_reply(),
+            _ => false,
+        }
+    }
+
+    /// Whether this is a Redis server's error reply (it has a code).
+    fn is_redis_reply(&self) -> bool {
+        let Error::Unavailable { source, .. } = self else {
+            return false;
+        };
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+        while let Some(e) = next {
+            if let Some(r) = e.downcast_ref::<::redis::RedisError>() {
+                return r.code().is_some();
+            }
+            next = e.source();
+        }
+        false
+    }
 }
 
 /// The source of an [`Error::Unavailable`] whose call reached the backend

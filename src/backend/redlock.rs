@@ -1037,9 +1037,7 @@ fn majority_holds(answers: &[Answer<Option<u32>>], quorum: usize) -> Option<u32>
 fn ran_anywhere<T>(answers: &[Answer<T>]) -> bool {
     answers.iter().any(|a| match a {
         Ok(_) => true,
-        Err(e) => {
-            e.may_have_run() || matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost))
-        }
+        Err(e) => e.may_have_run() || e.sent_may_have_run(),
     })
 }
 
@@ -1100,6 +1098,28 @@ mod tests {
         ]));
         // Refused everywhere: it ran nowhere, and is still owed.
         assert!(!ran_anywhere(&[refused(), refused(), refused()]));
+        // Failed once sent, otherwise than by a lost connection or a time
+        // limit (a TLS alert mid-reply): it may have run there. It read as
+        // refused, and was sent again.
+        let garbled = || {
+            let tls = std::io::Error::new(std::io::ErrorKind::InvalidData, "tls alert");
+            Err::<Option<u32>, _>(Error::Unavailable {
+                op: "release",
+                source: Box::new(redis::RedisError::from(tls)),
+            })
+        };
+        assert!(ran_anywhere(&[garbled(), refused(), refused()]));
+        // The server's own error reply says it did not run.
+        let loading = || {
+            Err::<Option<u32>, _>(Error::Unavailable {
+                op: "release",
+                source: Box::new(redis::RedisError::from((
+                    redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading),
+                    "loading",
+                ))),
+            })
+        };
+        assert!(!ran_anywhere(&[loading(), refused(), refused()]));
     }
 
     #[test]

@@ -386,34 +386,14 @@ impl Member {
     }
 }
 
-/// The error of a script sent on a connection: one whose connection was
-/// then lost or whose time limit passed may have run
-/// ([`Error::unanswered`]), as may one that failed otherwise after the
-/// call went out (a TLS alert or garbage mid-reply, a reply of a shape
-/// nobody expected); a reply that is an error (READONLY, BUSY, LOADING)
-/// says it did not.
+/// The error of a script sent on a connection, marked unanswered when it
+/// may have run ([`Error::sent_may_have_run`]).
 fn sent_unanswered(e: Error) -> Error {
-    match e.cause() {
-        Some(Cause::ConnectionLost | Cause::TimedOut) => e.unanswered(),
-        Some(Cause::Failed) if !server_replied(&e) => e.unanswered(),
-        _ => e,
+    if e.sent_may_have_run() {
+        e.unanswered()
+    } else {
+        e
     }
-}
-
-/// Whether `e` is the server's own error reply (it has a code): the
-/// call did not run.
-fn server_replied(e: &Error) -> bool {
-    let Error::Unavailable { source, .. } = e else {
-        return false;
-    };
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
-    while let Some(err) = next {
-        if let Some(r) = err.downcast_ref::<RedisError>() {
-            return r.code().is_some();
-        }
-        next = err.source();
-    }
-    false
 }
 
 /// Subscribes `key`'s channel on every member (once per channel however many
