@@ -33,6 +33,12 @@ use super::{CALL_TIMEOUT, HEARTBEAT_EVERY, lock};
 /// their heartbeat would keep an orphan ticket alive).
 const MOST_SUSPECT_IDLE: usize = 1024;
 
+/// The most keys kept suspect after joins given up unanswered (a join may
+/// have queued a claim no ticket names yet: its place, left there, would be
+/// kept alive by this sidecar's heartbeat once another of its waiters
+/// queues on the key, ahead of everyone); past it, as any idle key.
+const MOST_SUSPECT_JOINS: usize = 16 * MOST_SUSPECT_IDLE;
+
 /// One node as a backend uses it: the node, this sidecar's tickets on it
 /// (kept alive by a heartbeat task), keys to reconcile after failed calls,
 /// and its pub/sub task.
@@ -85,6 +91,17 @@ impl Member {
 
     /// Notes a failed call on `key` and passes the result on.
     pub(super) fn check<T>(&self, key: &LockKey, result: Result<T, Error>) -> Result<T, Error> {
+        self.check_joining(key, result, false)
+    }
+
+    /// [`check`](Self::check), for a join when `joining` (which may have
+    /// queued a claim that none of this sidecar's tickets names yet).
+    fn check_joining<T>(
+        &self,
+        key: &LockKey,
+        result: Result<T, Error>,
+        joining: bool,
+    ) -> Result<T, Error> {
         if let Err(e @ Error::Unavailable { .. }) = &result {
             // Refused before it was sent, it changed nothing there.
             let unsent = matches!(
@@ -96,7 +113,7 @@ impl Member {
                 )
             );
             if !unsent {
-                suspect(&self.suspect, &self.tickets, &self.wakeups, key);
+                self.suspect(key, joining);
             }
         }
         result
@@ -122,6 +139,7 @@ impl Member {
         let mut unfinished = Unanswered {
             member: self,
             key: Some(key),
+            joining: false,
         };
         let abandoned: Vec<u64> = lock(&self.tickets)
             .abandoned
@@ -161,6 +179,7 @@ impl Member {
         let mut unanswered = Unanswered {
             member: self,
             key: Some(key),
+            joining: false,
         };
         // A connection lost or a time limit passed once the script was
         // sent: it may have run. (Not sent without a connection; a reply
@@ -262,16 +281,18 @@ impl Member {
         // Dropped before its answer (Redlock gives each node a time limit),
         // the attempt may still run and queue the claim: the key is
         // reconciled as after a lost answer.
+        let joining = matches!(step, Step::Join);
         let mut unanswered = Unanswered {
             member: self,
             key: Some(&claim.key),
+            joining,
         };
         let result = self
             .node
             .try_acquire(claim, turn, token, fifo, max_permits)
             .await;
         unanswered.key = None;
-        let attempt = self.check(&claim.key, result)?;
+        let attempt = self.check_joining(&claim.key, result, joining)?;
         match (&attempt, step) {
             (
                 Attempt::Busy(Busy {
@@ -644,29 +665,33 @@ fn exclusive(entry: &str) -> bool {
 struct Unanswered<'a> {
     member: &'a Member,
     key: Option<&'a LockKey>,
+    /// A join's: it may have queued a claim no ticket names yet.
+    joining: bool,
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key {
-            let m = self.member;
-            suspect(&m.suspect, &m.tickets, &m.wakeups, key);
+            self.member.suspect(key, self.joining);
         }
     }
 }
 
-/// Marks `key` suspect: always when a local waiter or ticket is on it, else
-/// while fewer than [`MOST_SUSPECT_IDLE`] such keys are.
-fn suspect(
-    suspect: &Mutex<HashSet<LockKey>>,
-    tickets: &Mutex<Tickets>,
-    wakeups: &Wakeups,
-    key: &LockKey,
-) {
-    let waited_on = wakeups.len(key) > 0 || lock(tickets).on(key);
-    let mut suspect = lock(suspect);
-    if waited_on || suspect.len() < MOST_SUSPECT_IDLE {
-        suspect.insert(key.clone());
+impl Member {
+    /// Marks `key` suspect: always when a local waiter or ticket is on it;
+    /// after a join (`joining`) while fewer than [`MOST_SUSPECT_JOINS`]
+    /// keys are; else while fewer than [`MOST_SUSPECT_IDLE`] are.
+    fn suspect(&self, key: &LockKey, joining: bool) {
+        let waited_on = self.wakeups.len(key) > 0 || lock(&self.tickets).on(key);
+        let most = if joining {
+            MOST_SUSPECT_JOINS
+        } else {
+            MOST_SUSPECT_IDLE
+        };
+        let mut suspect = lock(&self.suspect);
+        if waited_on || suspect.len() < most {
+            suspect.insert(key.clone());
+        }
     }
 }
 
@@ -753,6 +778,46 @@ mod tests {
         let kept = lock(&member.suspect).len();
         stop.cancel();
         kept
+    }
+
+    /// A join given up unanswered (it may have queued the claim, in none
+    /// of this sidecar's tickets yet) keeps its key suspect past the
+    /// bound: left out, its orphan place was never taken away, and a
+    /// waiter of this sidecar on that key kept it alive with its heartbeat,
+    /// ahead of everyone.
+    #[tokio::test]
+    async fn a_join_given_up_keeps_its_key_suspect_past_the_bound() {
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = hung.local_addr().expect("address").port();
+        let accepting = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((conn, _)) = hung.accept().await {
+                kept.push(conn);
+            }
+        });
+        let stop = CancellationToken::new();
+        let url = format!("redis://127.0.0.1:{port}");
+        let node = Node::open(&url, "sidelock:", true, stop.clone()).expect("node");
+        let member = Member::start(
+            node,
+            &Default::default(),
+            &Wakeups::default(),
+            &stop,
+            Numbering::Shared,
+        );
+        // Past the bound, also while the heartbeat task reconciles one.
+        for i in 0..MOST_SUSPECT_IDLE + 10 {
+            lock(&member.suspect).insert(claim(i).key);
+        }
+        let joining = claim(MOST_SUSPECT_IDLE + 10);
+        let token = Token::generate();
+        let join = member.try_acquire(&joining, Step::Join, &token, true, 0, false);
+        let _ = tokio::time::timeout(Duration::from_millis(300), join).await;
+        assert!(lock(&member.suspect).contains(&joining.key));
+        stop.cancel();
+        accepting.abort();
     }
 
     /// A node away keeps no suspect key per name a call failed on: one
