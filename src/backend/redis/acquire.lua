@@ -48,10 +48,11 @@ if not IS_LOCK then
     limit = active
   elseif asked == 0 and turn == "q" then
     -- Queued without a limit (it took the one in force), its place dropped
-    -- while its sidecar could not heartbeat and the semaphore idle since,
-    -- its limit gone with it (or its place put back, and no limit in
-    -- force): one permit is within any limit, so it may take one when none
-    -- is held, and leaves the limit to the next claim that gives one.
+    -- while its sidecar could not heartbeat and the semaphore idle since:
+    -- the limit still there is the one it queued under; gone with the
+    -- place (or the place put back, and no limit in force), one permit is
+    -- within any limit, so it may take one when none is held, and leaves
+    -- the limit to the next claim that gives one.
     limit = active
     if limit == 0 then limit, unset = 1, true end
   else
