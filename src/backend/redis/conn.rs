@@ -137,3 +137,21 @@ pub(super) fn unavailable(op: &'static str, e: RedisError) -> Error {
         source: Box::new(e),
     }
 }
+
+/// A server that accepts connections and never answers (a hung Redis),
+/// for unit tests: its port, and the task that keeps the connections,
+/// aborted on drop.
+#[cfg(test)]
+pub(super) async fn never_answering() -> (u16, tokio_util::task::AbortOnDropHandle<()>) {
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = hung.local_addr().expect("address").port();
+    let accepting = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((conn, _)) = hung.accept().await {
+            kept.push(conn);
+        }
+    });
+    (port, tokio_util::task::AbortOnDropHandle::new(accepting))
+}

@@ -104,14 +104,9 @@ impl Member {
     ) -> Result<T, Error> {
         if let Err(e @ Error::Unavailable { .. }) = &result {
             // Refused before it was sent, it changed nothing there.
-            let unsent = matches!(
-                e.cause(),
-                Some(
-                    Cause::ConnectionRefused
-                        | Cause::AuthenticationFailed
-                        | Cause::PermissionDenied
-                )
-            );
+            let unsent = e
+                .cause()
+                .is_some_and(|c| c == Cause::ConnectionRefused || c.is_refusal());
             if !unsent {
                 self.suspect(key, joining);
             }
@@ -724,12 +719,14 @@ pub(super) async fn heartbeats(member: std::sync::Weak<Member>, stop: Cancellati
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
     use tokio_util::sync::CancellationToken;
 
     use super::{MOST_SUSPECT_IDLE, Member, Step, lock, sent_unanswered};
     use crate::backend::Error;
+    use crate::backend::redis::conn::never_answering;
     use crate::backend::redis::node::Node;
     use crate::backend::redis::tickets::Numbering;
     use crate::lock::{Claim, Kind, LockKey, Mode, Name, Token};
@@ -751,20 +748,25 @@ mod tests {
         }
     }
 
+    /// A member whose node is at `url`, its tasks stopped by `stop`.
+    fn member(url: &str, stop: &CancellationToken) -> Arc<Member> {
+        let node = Node::open(url, "sidelock:", true, stop.clone()).expect("node");
+        Member::start(
+            node,
+            &Default::default(),
+            &Wakeups::default(),
+            stop,
+            Numbering::Shared,
+        )
+    }
+
     /// Acquires and releases `names` locks once each, all at once, through a
     /// member whose node is at `url`, each call given up after `limit` (as
     /// Redlock gives each node a time limit); returns how many keys it keeps
     /// suspect.
     async fn suspects_after(url: &str, names: usize, limit: Duration) -> usize {
         let stop = CancellationToken::new();
-        let node = Node::open(url, "sidelock:", true, stop.clone()).expect("node");
-        let member = Member::start(
-            node,
-            &Default::default(),
-            &Wakeups::default(),
-            &stop,
-            Numbering::Shared,
-        );
+        let member = member(url, &stop);
         let calls = (0..names).map(|i| {
             let member = member.clone();
             async move {
@@ -787,26 +789,9 @@ mod tests {
     /// ahead of everyone.
     #[tokio::test]
     async fn a_join_given_up_keeps_its_key_suspect_past_the_bound() {
-        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = hung.local_addr().expect("address").port();
-        let accepting = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Ok((conn, _)) = hung.accept().await {
-                kept.push(conn);
-            }
-        });
+        let (port, _hung) = never_answering().await;
         let stop = CancellationToken::new();
-        let url = format!("redis://127.0.0.1:{port}");
-        let node = Node::open(&url, "sidelock:", true, stop.clone()).expect("node");
-        let member = Member::start(
-            node,
-            &Default::default(),
-            &Wakeups::default(),
-            &stop,
-            Numbering::Shared,
-        );
+        let member = member(&format!("redis://127.0.0.1:{port}"), &stop);
         // Past the bound, also while the heartbeat task reconciles one.
         for i in 0..MOST_SUSPECT_IDLE + 10 {
             lock(&member.suspect).insert(claim(i).key);
@@ -817,38 +802,27 @@ mod tests {
         let _ = tokio::time::timeout(Duration::from_millis(300), join).await;
         assert!(lock(&member.suspect).contains(&joining.key));
         stop.cancel();
-        accepting.abort();
     }
 
     /// A node away keeps no suspect key per name a call failed on: one
     /// refusing connections keeps none (nothing ran there), one whose calls
     /// are given up unanswered (they may have run) at most
-    /// [`MOST_SUSPECT_IDLE`] that no local waiter or ticket needs. Each was kept for as long as the node
-    /// was away (Redlock grants with a node down): a name per job grew the
-    /// set without bound, and the node's return reconciled them all, one
-    /// call each, before the next waiter's heartbeat.
+    /// [`MOST_SUSPECT_IDLE`] that no local waiter or ticket needs. Each was
+    /// kept for as long as the node was away (Redlock grants with a node
+    /// down): a name per job grew the set without bound, and the node's
+    /// return reconciled them all, one call each, before the next waiter's
+    /// heartbeat.
     #[tokio::test]
     async fn a_node_away_keeps_a_bounded_set_of_suspect_keys() {
         let names = MOST_SUSPECT_IDLE + 200;
         let limit = Duration::from_millis(300);
         assert_eq!(suspects_after("redis://127.0.0.1:1", names, limit).await, 0);
-        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = hung.local_addr().expect("address").port();
-        // Accepted and kept, never answered.
-        let accepting = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Ok((conn, _)) = hung.accept().await {
-                kept.push(conn);
-            }
-        });
+        let (port, _hung) = never_answering().await;
         let kept = suspects_after(&format!("redis://127.0.0.1:{port}"), names, limit).await;
         assert!(
             kept <= MOST_SUSPECT_IDLE,
             "{kept} suspect keys kept of {names} names"
         );
-        accepting.abort();
     }
 
     /// A release whose reply failed to arrive whole for another reason than

@@ -616,17 +616,7 @@ mod tests {
     /// the client's own timeouts, past the sidecar's shutdown.
     #[tokio::test]
     async fn a_cluster_connect_under_way_ends_when_the_backend_closes() {
-        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = hung.local_addr().expect("address").port();
-        // Accepted and kept, never answered.
-        let accepting = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Ok((conn, _)) = hung.accept().await {
-                kept.push(conn);
-            }
-        });
+        let (port, _hung) = super::super::conn::never_answering().await;
         let stop = CancellationToken::new();
         let url = format!("redis+cluster://127.0.0.1:{port}");
         let node = Node::open(&url, "sidelock:", true, stop.clone()).expect("node");
@@ -643,6 +633,5 @@ mod tests {
             "the connect went on {:?} after the backend closed",
             closed.elapsed()
         );
-        accepting.abort();
     }
 }
