@@ -4,6 +4,9 @@
 //! Reading `SystemTime` for every lease would let an NTP step make leases
 //! expire early or late, so the clock is anchored to the wall clock once at
 //! start-up and advanced by the monotonic clock from then on.
+//!
+//! Also here: [`within`], the time limit of a backend call, which a pause
+//! of the whole process does not trip.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -55,4 +58,87 @@ pub fn ms(d: Duration) -> u64 {
 /// within this of its `max_hold` cap has reached the cap.
 pub fn drift_ms(ttl: Duration) -> u64 {
     ms(ttl) / 100 + 2
+}
+
+/// How late a time limit's timer must fire for this process to count as
+/// paused through its deadline (timers fire within a few milliseconds of
+/// theirs on a process that runs, tens on a loaded one).
+const LATE: Duration = Duration::from_millis(50);
+
+/// How long a call whose deadline passed while this process was paused
+/// still has to show an answer that came meanwhile: its connection's reader
+/// has to run once.
+const AFTER_PAUSE: Duration = Duration::from_millis(200);
+
+/// A call that did not end within its time limit.
+#[derive(Debug)]
+pub struct Elapsed;
+
+/// Runs `call` within `limit`, as `tokio::time::timeout` does, except when
+/// this process was paused through the deadline (SIGSTOP, a VM's or a CPU
+/// quota's pause: its timer then fires late). An answer that came during
+/// the pause waits unread in a socket, and the timer, firing at resume,
+/// came before the connection's reader (another task) had run: a call
+/// answered in time failed. So a call whose deadline fired late gets
+/// [`AFTER_PAUSE`] more; any other gets one more look when its deadline
+/// fires.
+///
+/// # Errors
+/// [`Elapsed`] when `call` did not end in time.
+pub async fn within<F: Future>(limit: Duration, call: F) -> Result<F::Output, Elapsed> {
+    let mut call = std::pin::pin!(call);
+    let deadline = after(limit);
+    if let Ok(out) = tokio::time::timeout_at(deadline, call.as_mut()).await {
+        return Ok(out);
+    }
+    let late = tokio::time::Instant::now().saturating_duration_since(deadline);
+    let grace = if late >= LATE {
+        AFTER_PAUSE
+    } else {
+        Duration::ZERO
+    };
+    tokio::time::timeout(grace, call).await.map_err(|_| Elapsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process paused through a call's deadline (the runtime's only
+    /// thread blocked), whose answer came meanwhile but is passed on by
+    /// another task (as a connection's reader does) that runs only after
+    /// the timer fired: the call is answered. `tokio::time::timeout` gave
+    /// up on it.
+    #[test]
+    fn a_call_answered_during_a_pause_through_its_deadline_is_answered() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        rt.block_on(async {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            // The reader: it has read the answer when the pause starts,
+            // and takes a few turns of the runtime after it to pass it on.
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                std::thread::sleep(Duration::from_millis(500));
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                let _ = tx.send(7);
+            });
+            let call = tokio::spawn(within(Duration::from_millis(100), rx));
+            let answer = call.await.expect("the call");
+            assert_eq!(answer.ok().and_then(Result::ok), Some(7));
+        });
+    }
+
+    /// A call that is not answered fails, not before its deadline.
+    #[tokio::test]
+    async fn a_call_unanswered_fails_once_its_deadline_passed() {
+        let started = tokio::time::Instant::now();
+        let answer = within(Duration::from_millis(100), std::future::pending::<()>()).await;
+        assert!(answer.is_err());
+        assert!(started.elapsed() >= Duration::from_millis(100));
+    }
 }

@@ -224,7 +224,7 @@ impl Redlock {
         join_all(self.members.iter().enumerate().map(|(i, m)| {
             let fut = f(m, i);
             async move {
-                tokio::time::timeout(limit, fut)
+                crate::clock::within(limit, fut)
                     .await
                     .unwrap_or_else(|_| Err(timed_out(op)))
             }
@@ -255,7 +255,7 @@ impl Redlock {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let call = tokio::spawn(tokio::time::timeout(limit, f(m.clone())));
+                let call = tokio::spawn(crate::clock::within(limit, f(m.clone())));
                 async move { (i, call.await) }
             })
             .collect();
@@ -547,7 +547,7 @@ impl Backend for Redlock {
                     .node
                     .raise_fence(&claim.key, fence, &g.token);
                 async move {
-                    tokio::time::timeout(left, raise)
+                    crate::clock::within(left, raise)
                         .await
                         .unwrap_or_else(|_| Err(timed_out("raise_fence")))
                 }

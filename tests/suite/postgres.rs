@@ -3185,3 +3185,43 @@ async fn a_waiter_leaving_during_an_outage_longer_than_max_ttl_is_forgotten() {
         beats.len()
     );
 }
+
+/// A statement answered while its sidecar was paused (SIGSTOP here; a VM's
+/// or a CPU quota's pause in production) past the statement's time limit
+/// (5 s) is answered, not timed out: at resume the timer fired before the
+/// connection's reader ran, and an acquire the database had granted
+/// answered 503. Here an operator's open `SELECT … FOR UPDATE` of the
+/// lock's key row holds the acquire until the sidecar is paused.
+#[tokio::test]
+async fn a_statement_answered_while_its_sidecar_was_paused_is_answered() {
+    let backend = postgres().await;
+    let schema = schema(&backend);
+    let sidecar = backend.start_sidecar().await;
+    let name = unique_name("paused-statement");
+    let lock = sidecar.api().lock(&name);
+    let first = lock.acquire(&[]).await;
+    lock.release(&first.token).await;
+    let mut locker = schema.client().await;
+    let tx = locker.transaction().await.expect("begin");
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM {} WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+            schema.table("keys")
+        ),
+        &[&name],
+    )
+    .await
+    .expect("lock the key");
+    let acquire = lock.spawn_acquire_raw(&[("ttl", "60s")]);
+    tokio::time::sleep(ms(500)).await;
+    assert!(!acquire.is_finished(), "the acquire waits for the key row");
+    sidecar.signal(Signal::SIGSTOP);
+    tokio::time::sleep(ms(200)).await;
+    tx.commit().await.expect("commit");
+    tokio::time::sleep(ms(5_300)).await;
+    sidecar.signal(Signal::SIGCONT);
+    let answer = acquire.await.expect("the acquire");
+    let status = answer.status();
+    let body = answer.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::OK, "{body}");
+}

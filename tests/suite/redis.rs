@@ -4747,8 +4747,9 @@ async fn a_semaphore_waiter_without_limit_whose_sidecar_paused_takes_a_permit() 
         .hold(&[("owner", "waiter"), ("wait", "60s")])
         .await;
     waiter.expect_queued().await;
-    // Nothing of the waiting sidecar's in flight when it stops (a call's
-    // time limit would pass during the pause).
+    // Nothing of the waiting sidecar's in flight when it stops: this test
+    // is about the pause past the heartbeat, not a call's answer waiting
+    // (`a_call_answered_while_its_sidecar_was_paused_is_answered`).
     tokio::time::sleep(Duration::from_millis(500)).await;
     waiting.signal(Signal::SIGSTOP);
     // Past the 15 s heartbeat window: the release drops the waiter's place.
@@ -4813,4 +4814,37 @@ async fn a_refused_release_sent_again_leaves_the_lease_watched() {
     let _: () = server
         .cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"])
         .await;
+}
+
+/// A call whose answer came while its sidecar was paused (SIGSTOP here; a
+/// VM's or a CPU quota's pause in production) past the call's time limit
+/// (2 s) is answered, not timed out: the answer waits in the socket when
+/// the sidecar resumes. The timer fired first at resume, before the
+/// connection's reader ran, and a try-once acquire Redis had granted
+/// answered 503 (its grant then given back), a waiter's join lost its
+/// place.
+#[tokio::test]
+async fn a_call_answered_while_its_sidecar_was_paused_is_answered() {
+    let server = RedisServer::start().await;
+    let sidecar = sidecar(&server).await;
+    let name = unique_name("paused-call");
+    let api = sidecar.api();
+    api.lock(&unique_name("warm-up")).acquire(&[]).await;
+    for round in 0..3 {
+        let name = format!("{name}-{round}");
+        // Redis holds the call unanswered until the sidecar is paused,
+        // then answers it at once.
+        server.signal(Signal::SIGSTOP);
+        let acquire = api.lock(&name).spawn_acquire_raw(&[("ttl", "60s")]);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sidecar.signal(Signal::SIGSTOP);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        server.signal(Signal::SIGCONT);
+        tokio::time::sleep(Duration::from_millis(2_800)).await;
+        sidecar.signal(Signal::SIGCONT);
+        let answer = acquire.await.expect("the acquire");
+        let status = answer.status();
+        let body = answer.text().await.unwrap_or_default();
+        assert_eq!(status, StatusCode::OK, "round {round}: {body}");
+    }
 }

@@ -1564,3 +1564,45 @@ async fn a_background_release_that_ran_on_a_minority_is_not_sent_again() {
     let kept = lock.keepalive_raw(&again.token, &[]).await;
     assert_eq!(kept.status(), StatusCode::OK, "holds per node {counts:?}");
 }
+
+/// An attempt answered while its sidecar was paused (SIGSTOP here; a VM's
+/// or a CPU quota's pause in production) past the nodes' time limit
+/// (ttl/10, at most 500 ms) is answered, not timed out: at resume the
+/// timers fired before the connections' readers ran, and an acquire the
+/// nodes had granted answered 503. The grant's validity counts the pause
+/// (ttl − the attempt's time, from its start). Here the nodes hang until
+/// the sidecar is paused.
+#[tokio::test]
+async fn an_attempt_answered_while_its_sidecar_was_paused_is_answered() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let api = sidecar.api();
+    api.lock(&unique_name("warm-up")).acquire(&[]).await;
+    let name = unique_name("paused-attempt");
+    for node in &nodes.nodes {
+        node.signal(Signal::SIGSTOP);
+    }
+    let sent_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64;
+    let acquire = api.lock(&name).spawn_acquire_raw(&[("ttl", "60s")]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sidecar.signal(Signal::SIGSTOP);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for node in &nodes.nodes {
+        node.signal(Signal::SIGCONT);
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    sidecar.signal(Signal::SIGCONT);
+    let answer = acquire.await.expect("the acquire");
+    let status = answer.status();
+    let body: serde_json::Value = answer.json().await.expect("a JSON body");
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Counted from the answer, the end would be 1.3 s later than this.
+    let expires_at_ms = body["expires_at_ms"].as_u64().expect("expires_at_ms");
+    assert!(
+        expires_at_ms <= sent_ms + 60_000,
+        "the pause counted: sent at {sent_ms}, {body}"
+    );
+}

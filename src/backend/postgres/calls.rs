@@ -208,7 +208,7 @@ impl Inner {
                     let at = now_ms();
                     Ok::<_, Failure>((client.query(&statement, params).await?, at))
                 };
-                let answer = tokio::time::timeout(OP_TIMEOUT, query).await;
+                let answer = crate::clock::within(OP_TIMEOUT, query).await;
                 if answer.is_ok() {
                     pending.answered();
                 }

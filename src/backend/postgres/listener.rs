@@ -310,7 +310,7 @@ impl Inner {
                     }
                 }
             }
-            match tokio::time::timeout(OP_TIMEOUT, self.connect_listener()).await {
+            match crate::clock::within(OP_TIMEOUT, self.connect_listener()).await {
                 Ok(Ok((client, notifications))) => {
                     backoff = MIN_BACKOFF;
                     self.listen(client, notifications).await;
@@ -467,7 +467,7 @@ impl Inner {
                     if !self.has_tickets() {
                         continue;
                     }
-                    match tokio::time::timeout(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
+                    match crate::clock::within(OP_TIMEOUT, self.heartbeat(&client, &beat)).await {
                         Ok(Ok(_)) => self.wakeups.heard(),
                         Ok(Err(e)) => {
                             tracing::warn!(error = %chain(&e), "heartbeat failed; reconnecting");

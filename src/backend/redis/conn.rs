@@ -11,6 +11,7 @@ use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, Cmd, RedisError, RedisFuture, Value};
 
 use crate::backend::Error;
+use crate::clock::within;
 
 use super::CALL_TIMEOUT;
 
@@ -35,12 +36,26 @@ pub(super) enum Conn {
     Cluster(ClusterConnection),
 }
 
+/// The error of a call past its time limit: the one the redis crate's own
+/// response timeout gives, so that it is classified alike.
+pub(super) fn call_timed_out() -> RedisError {
+    std::io::Error::from(std::io::ErrorKind::TimedOut).into()
+}
+
+/// Every call is timed here, with [`CALL_TIMEOUT`], by [`within`] rather
+/// than by the crate's response timeout: a pause of this process through
+/// a call's deadline does not fail a call answered meanwhile.
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
+        let call = match self {
             Conn::Plain(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
+        };
+        Box::pin(async move {
+            within(CALL_TIMEOUT, call)
+                .await
+                .unwrap_or_else(|_| Err(call_timed_out()))
+        })
     }
 
     fn req_packed_commands<'a>(
@@ -49,10 +64,15 @@ impl ConnectionLike for Conn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
+        let call = match self {
             Conn::Plain(c) => c.req_packed_commands(cmd, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
+        };
+        Box::pin(async move {
+            within(CALL_TIMEOUT, call)
+                .await
+                .unwrap_or_else(|_| Err(call_timed_out()))
+        })
     }
 
     fn get_db(&self) -> i64 {
@@ -63,10 +83,11 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// A plain connection's settings: its calls are timed by [`Conn`].
 pub(super) fn config() -> AsyncConnectionConfig {
     AsyncConnectionConfig::new()
         .set_connection_timeout(Some(CALL_TIMEOUT))
-        .set_response_timeout(Some(CALL_TIMEOUT))
+        .set_response_timeout(None)
 }
 
 /// String keys matching `pattern` that have no expiry, on one server; the

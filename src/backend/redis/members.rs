@@ -544,7 +544,7 @@ async fn subscribe(
             {
                 break;
             }
-            match tokio::time::timeout(CALL_TIMEOUT, done).await {
+            match crate::clock::within(CALL_TIMEOUT, done).await {
                 Ok(Ok(Ok(()))) => return Ok(()),
                 Ok(Ok(Err(e))) => why = e,
                 _ => {}

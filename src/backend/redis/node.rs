@@ -139,7 +139,9 @@ impl Node {
                 let nodes: Vec<String> = hosts.iter().map(|h| format!("{base}://{h}")).collect();
                 let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(CALL_TIMEOUT)
-                    .response_timeout(CALL_TIMEOUT)
+                    // No response timeout of its own: every call is timed
+                    // by `Conn`, which a pause of this process does not
+                    // trip.
                     // Never sent twice: a script whose answer was lost may
                     // have run, and a second run of a release takes a second
                     // hold (or finds a lease it already handed over). A
@@ -335,13 +337,13 @@ impl Node {
         if let Some(c) = lock(&self.conn).clone() {
             return Ok(c);
         }
-        let c = tokio::time::timeout(CALL_TIMEOUT, self.connect())
+        let c = crate::clock::within(CALL_TIMEOUT, self.connect())
             .await
             .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
             .map_err(|e| unavailable(op, e))?;
         *lock(&self.conn) = Some(c.clone());
         let (url, stop) = (self.url.clone(), self.stop.clone());
-        let check = tokio::time::timeout(CALL_TIMEOUT, warn_of_eviction(c.clone(), url));
+        let check = crate::clock::within(CALL_TIMEOUT, warn_of_eviction(c.clone(), url));
         tokio::spawn(async move { stop.run_until_cancelled(check).await });
         Ok(c)
     }
@@ -353,7 +355,7 @@ impl Node {
         op: &'static str,
         client: &ClusterClient,
     ) -> Result<Conn, Error> {
-        tokio::time::timeout(CALL_TIMEOUT, self.cluster_connect(client))
+        crate::clock::within(CALL_TIMEOUT, self.cluster_connect(client))
             .await
             .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
             .map_err(|e| unavailable(op, e))

@@ -96,7 +96,7 @@ pub(super) async fn pubsub(
         };
         let ps = tokio::select! {
             () = stop.cancelled() => return,
-            r = tokio::time::timeout(CALL_TIMEOUT, connected) => r,
+            r = crate::clock::within(CALL_TIMEOUT, connected) => r,
         };
         let Ok(Ok((ps, place))) = ps else {
             first_seed += 1;
@@ -284,7 +284,7 @@ async fn subscriptions(
         let sub = tokio::select! {
             sub = rx.recv() => sub,
             () = ping.notified() => {
-                let pong = tokio::time::timeout(CALL_TIMEOUT, sink.ping::<redis::Value>());
+                let pong = crate::clock::within(CALL_TIMEOUT, sink.ping::<redis::Value>());
                 if !matches!(pong.await, Ok(Ok(_))) {
                     return SinkEnd::Failed;
                 }
@@ -302,7 +302,7 @@ async fn subscriptions(
                 }
             }
             Sub::Unsubscribe(channel) => {
-                let unsubscribed = tokio::time::timeout(CALL_TIMEOUT, sink.unsubscribe(&channel));
+                let unsubscribed = crate::clock::within(CALL_TIMEOUT, sink.unsubscribe(&channel));
                 if !matches!(unsubscribed.await, Ok(Ok(()))) {
                     return SinkEnd::Failed;
                 }
@@ -315,7 +315,7 @@ async fn subscriptions(
 /// Subscribes `sink` to `channel`, an error when Redis does not confirm it
 /// within [`CALL_TIMEOUT`].
 async fn subscribe(sink: &mut PubSubSink, channel: &str) -> Result<(), RedisError> {
-    tokio::time::timeout(CALL_TIMEOUT, sink.subscribe(channel))
+    crate::clock::within(CALL_TIMEOUT, sink.subscribe(channel))
         .await
         .unwrap_or_else(|_| {
             Err(RedisError::from((

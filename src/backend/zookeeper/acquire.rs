@@ -480,7 +480,7 @@ impl Inner {
             };
             let done = tokio::select! {
                 () = self.closing.cancelled() => return,
-                r = tokio::time::timeout(OP_TIMEOUT, attempt) => r,
+                r = crate::clock::within(OP_TIMEOUT, attempt) => r,
             };
             match done {
                 Ok(

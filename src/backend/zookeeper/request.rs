@@ -55,7 +55,7 @@ pub(super) async fn call<T>(
     op: &'static str,
     fut: impl Future<Output = Result<T, zk::Error>>,
 ) -> Result<Result<T, zk::Error>, Error> {
-    match tokio::time::timeout(OP_TIMEOUT, fut).await {
+    match crate::clock::within(OP_TIMEOUT, fut).await {
         Err(_) => Err(unavailable(op, TimedOut(OP_TIMEOUT))),
         Ok(Err(
             e @ (zk::Error::ConnectionLoss
