@@ -686,7 +686,13 @@ impl Core {
             // while this sidecar could not take it), and a lease given back
             // with nobody waiting wakes nobody.
             (Ok(_), _) if key.kind == crate::lock::Kind::Election => self.announce_key(key),
-            (Err(_), true) => unanswered_release(key),
+            (Err(_), true) => {
+                unanswered_release(key);
+                // It may have run: observers then look once more.
+                if key.kind == crate::lock::Kind::Election {
+                    self.announce_key(key);
+                }
+            }
             (Err(Error::Unavailable { .. }), false) => {
                 self.tell_later(key, Leaving::Release(token.clone()));
             }
@@ -718,14 +724,19 @@ impl Core {
                     Leaving::Release(t) => backend.release(&key, t).await.map(drop),
                     Leaving::Dequeue(ticket) => backend.dequeue(ticket).await,
                 };
-                if let (Leaving::Release(_), Err(e)) = (&leaving, &told)
-                    && e.may_have_run()
-                {
+                let released = matches!(leaving, Leaving::Release(_));
+                let unanswered = released && told.as_ref().is_err_and(|e| e.may_have_run());
+                if unanswered {
                     unanswered_release(&key);
-                    return;
                 }
                 // Done, or answered (nothing of ours left to give back).
-                if told.as_ref().err().and_then(|e| e.cause()).is_none() {
+                let done = told.as_ref().err().and_then(|e| e.cause()).is_none();
+                if unanswered || done {
+                    // As `give_back` does: observers elsewhere may have
+                    // read the lease given back leading.
+                    if released && key.kind == crate::lock::Kind::Election {
+                        let _ = backend.announce(&key).await;
+                    }
                     return;
                 }
                 pause = (pause * 2).min(Duration::from_secs(5));
