@@ -74,30 +74,37 @@ const AFTER_PAUSE: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 pub struct Elapsed;
 
-/// Runs `call` within `limit`, as `tokio::time::timeout` does, except when
-/// this process was paused through the deadline (SIGSTOP, a VM's or a CPU
-/// quota's pause: its timer then fires late). An answer that came during
-/// the pause waits unread in a socket, and the timer, firing at resume,
-/// came before the connection's reader (another task) had run: a call
-/// answered in time failed. So a call whose deadline fired late gets
-/// [`AFTER_PAUSE`] more; any other gets one more look when its deadline
-/// fires.
+/// Runs `call` within `limit` from now, as `tokio::time::timeout` does,
+/// except when this process was paused through the deadline (SIGSTOP, a
+/// VM's or a CPU quota's pause: its timer then fires late). An answer that
+/// came during the pause waits unread in a socket, and the timer, firing at
+/// resume, came before the connection's reader (another task) had run: a
+/// call answered in time failed. So a call whose deadline fired late gets
+/// [`AFTER_PAUSE`] more, or `limit` more when that is shorter (Redlock's
+/// per-node limits are a tenth of a short lease, which the whole attempt
+/// must leave time of); any other, until the timer's next tick.
 ///
 /// # Errors
 /// [`Elapsed`] when `call` did not end in time.
-pub async fn within<F: Future>(limit: Duration, call: F) -> Result<F::Output, Elapsed> {
-    let mut call = std::pin::pin!(call);
+pub fn within<F: Future>(
+    limit: Duration,
+    call: F,
+) -> impl Future<Output = Result<F::Output, Elapsed>> {
+    // From the call, as `tokio::time::timeout`, not from its first poll.
     let deadline = after(limit);
-    if let Ok(out) = tokio::time::timeout_at(deadline, call.as_mut()).await {
-        return Ok(out);
+    async move {
+        let mut call = std::pin::pin!(call);
+        if let Ok(out) = tokio::time::timeout_at(deadline, call.as_mut()).await {
+            return Ok(out);
+        }
+        let late = tokio::time::Instant::now().saturating_duration_since(deadline);
+        let grace = if late >= LATE {
+            AFTER_PAUSE.min(limit)
+        } else {
+            Duration::ZERO
+        };
+        tokio::time::timeout(grace, call).await.map_err(|_| Elapsed)
     }
-    let late = tokio::time::Instant::now().saturating_duration_since(deadline);
-    let grace = if late >= LATE {
-        AFTER_PAUSE
-    } else {
-        Duration::ZERO
-    };
-    tokio::time::timeout(grace, call).await.map_err(|_| Elapsed)
 }
 
 #[cfg(test)]
@@ -130,6 +137,29 @@ mod tests {
             let call = tokio::spawn(within(Duration::from_millis(100), rx));
             let answer = call.await.expect("the call");
             assert_eq!(answer.ok().and_then(Result::ok), Some(7));
+        });
+    }
+
+    /// A short limit paused through gets no more than itself again: a
+    /// Redlock attempt with a short lease must still leave the lease its
+    /// time (10 ms, paused 100 ms: about 110 ms; with the whole 200 ms of
+    /// grace, about 300).
+    #[test]
+    fn a_short_limit_paused_through_gets_no_more_than_itself_again() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        rt.block_on(async {
+            let started = std::time::Instant::now();
+            let call = tokio::spawn(within(
+                Duration::from_millis(10),
+                std::future::pending::<()>(),
+            ));
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(call.await.expect("the call").is_err());
+            let took = started.elapsed();
+            assert!(took < Duration::from_millis(220), "{took:?}");
         });
     }
 

@@ -842,25 +842,35 @@ impl Backend for Redlock {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
+        let quorum = self.quorum;
+        // Answered once the nodes in decide every holder: a node still to
+        // answer could make one seen on a minority a majority's (a slow
+        // node of its majority showed a lock held as free).
         let answers = self
-            .all("inspect", Duration::from_secs(1), |m, _| {
-                m.node.inspect(key)
-            })
+            .all_until(
+                "inspect",
+                CALL_TIMEOUT,
+                |m| {
+                    let key = key.clone();
+                    async move { m.node.inspect(&key).await }
+                },
+                |answers| inspect_decided(answers, quorum),
+            )
             .await;
         self.need_quorum("inspect", &answers)?;
         let states: Vec<State> = answers.into_iter().filter_map(Result::ok).collect();
         // A holder is real when a majority of nodes has it.
         // Its hold count is the one a majority has (a release that reached
         // a quorum and not the rest leaves a minority a hold ahead).
-        let mut seen: HashMap<(String, String, String), (Vec<u32>, Holder)> = HashMap::new();
+        let mut seen: HashMap<HolderId, (Vec<u32>, Holder)> = HashMap::new();
         for h in states.iter().flat_map(|s| &s.holders) {
-            let id = (h.owner.clone(), h.sidecar.clone(), format!("{:?}", h.mode));
-            let entry = seen.entry(id).or_insert_with(|| (Vec::new(), h.clone()));
+            let entry = seen
+                .entry(holder_id(h))
+                .or_insert_with(|| (Vec::new(), h.clone()));
             entry.0.push(h.count);
             entry.1.fence = entry.1.fence.max(h.fence);
             entry.1.since_ms = entry.1.since_ms.min(h.since_ms);
         }
-        let quorum = self.quorum;
         let mut holders: Vec<Holder> = seen
             .into_values()
             .filter(|(counts, _)| counts.len() >= quorum)
@@ -983,6 +993,33 @@ impl Backend for Redlock {
 /// that, not the most any node keeps (a node one hold ahead, after a
 /// re-entry whose answer was lost, told the owner of a hold the majority
 /// does not have, which its releases then could not match).
+/// Who a holder on one node is, to count the nodes that have it: its
+/// owner, sidecar and mode.
+type HolderId = (String, String, crate::lock::Held);
+
+fn holder_id(h: &Holder) -> HolderId {
+    (h.owner.clone(), h.sidecar.clone(), h.mode)
+}
+
+/// Whether the inspect answers in so far (`None`: still to come) decide
+/// every holder: each one seen is on a majority, or could not be with the
+/// nodes still to answer; and a majority answered, or can no longer.
+fn inspect_decided(answers: &[Option<Answer<State>>], quorum: usize) -> bool {
+    let waiting = answers.iter().filter(|a| a.is_none()).count();
+    let states: Vec<&State> = answers
+        .iter()
+        .filter_map(|a| a.as_ref().and_then(|a| a.as_ref().ok()))
+        .collect();
+    if states.len() < quorum {
+        return states.len() + waiting < quorum;
+    }
+    let mut seen: HashMap<HolderId, usize> = HashMap::new();
+    for h in states.iter().flat_map(|s| &s.holders) {
+        *seen.entry(holder_id(h)).or_default() += 1;
+    }
+    seen.values().all(|&n| n >= quorum || n + waiting < quorum)
+}
+
 fn majority_count(counts: impl Iterator<Item = u32>, quorum: usize) -> u32 {
     kept_by_a_majority(counts, quorum).max(1)
 }

@@ -1606,3 +1606,43 @@ async fn an_attempt_answered_while_its_sidecar_was_paused_is_answered() {
         "the pause counted: sent at {sent_ms}, {body}"
     );
 }
+
+/// A holder a majority keeps is shown while one of its nodes is slow: the
+/// lease is on nodes 0 and 1 (node 2 lost it), and node 1 answers after
+/// 1.5 s. Inspect counted only the nodes that answered within 1 s (0 and 2:
+/// one of them has it) and showed the lock free while it was held; an
+/// election's observers showed no leader, then the leader again. It now
+/// waits for a node that could decide, within a call's time limit (2 s).
+#[tokio::test]
+async fn a_holder_is_shown_while_one_of_its_majority_is_slow() {
+    let nodes = RedisNodes::start(3).await;
+    let sidecar = SidecarBuilder::new(&nodes.url()).start().await;
+    let name = unique_name("slow-majority");
+    let (main, _) = keys_of(&name);
+    let lock = sidecar.api().lock(&name);
+    let held = lock.acquire(&[("owner", "o"), ("ttl", "60s")]).await;
+    let _: i64 = nodes.nodes[2].cmd(&["DEL", &main]).await;
+    assert_eq!(
+        lock.inspect().await.holders.len(),
+        1,
+        "held by nodes 0 and 1"
+    );
+    nodes.nodes[1].signal(Signal::SIGSTOP);
+    let inspect = {
+        let lock = lock.clone();
+        tokio::spawn(async move { lock.inspect().await })
+    };
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    nodes.nodes[1].signal(Signal::SIGCONT);
+    let state = inspect.await.expect("the inspect");
+    assert_eq!(
+        state
+            .holders
+            .iter()
+            .map(|h| h.owner.as_str())
+            .collect::<Vec<_>>(),
+        ["o"],
+        "{state:?}"
+    );
+    lock.release(&held.token).await;
+}

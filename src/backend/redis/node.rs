@@ -139,9 +139,13 @@ impl Node {
                 let nodes: Vec<String> = hosts.iter().map(|h| format!("{base}://{h}")).collect();
                 let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(CALL_TIMEOUT)
-                    // No response timeout of its own: every call is timed
-                    // by `Conn`, which a pause of this process does not
-                    // trip.
+                    // Calls are timed by `Conn`, which a pause of this
+                    // process does not trip; the crate's own commands (slot
+                    // refreshes, checks) by this longer limit per node,
+                    // which a pause of more than 2 s past a call's limit
+                    // still trips.
+                    .response_timeout(2 * CALL_TIMEOUT)
+                    .overall_response_timeout(None)
                     // Never sent twice: a script whose answer was lost may
                     // have run, and a second run of a release takes a second
                     // hold (or finds a lease it already handed over). A
