@@ -4934,3 +4934,40 @@ async fn a_call_answered_while_its_sidecar_was_paused_is_answered() {
         assert_eq!(status, StatusCode::OK, "round {round}: {body}");
     }
 }
+
+/// A try-once acquire whose answer came back garbled (a TLS alert or
+/// garbage mid-reply: the script ran and granted) answers 503 and its
+/// grant is released in the background, as one whose answer was lost or
+/// late is. Only a lost connection or a time limit counted as "may have
+/// run" there: the lease stayed, held by nobody, until its ttl (60 s here),
+/// and everyone else got 409.
+#[tokio::test]
+async fn a_grant_whose_answer_came_back_garbled_is_released() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let name = unique_name("garbled");
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+    proxy.garble_answer_after(name.as_bytes());
+    let first = lock
+        .acquire_raw(&[("owner", "first"), ("ttl", "60s")])
+        .await;
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    eventually(
+        "the garbled grant released",
+        Duration::from_secs(5),
+        async || {
+            let next = lock
+                .acquire_raw(&[("owner", "second"), ("ttl", "60s")])
+                .await;
+            (next.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+    let state = lock.inspect().await;
+    assert_eq!(state.holder_owners(), ["second"], "{state:?}");
+}

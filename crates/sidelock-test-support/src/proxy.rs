@@ -58,7 +58,14 @@ struct Slow {
     /// goes on (it and what its client sends after it; answers and other
     /// connections are not held).
     late: Option<(Vec<u8>, Duration)>,
+    /// The answer to the next request containing these bytes comes back
+    /// as bytes no protocol reads (the request ran; a TLS alert or garbage
+    /// mid-reply does this).
+    garble: Option<Vec<u8>>,
 }
+
+/// What a garbled answer is replaced by: no RESP type starts with `?`.
+const GARBLE: &[u8] = b"?garbled\r\n";
 
 impl CuttingProxy {
     /// Listens on a free loopback port, forwarding to `127.0.0.1:<target>`.
@@ -128,6 +135,12 @@ impl CuttingProxy {
     /// server: each one's client connection is reset instead.
     pub fn refuse(&self, needle: &[u8], times: usize) {
         self.slow.lock().expect("slow").refuse = (times > 0).then(|| (needle.to_vec(), times));
+    }
+
+    /// The answer to the next request containing `needle` comes back
+    /// garbled (the request reaches the server and runs).
+    pub fn garble_answer_after(&self, needle: &[u8]) {
+        self.slow.lock().expect("slow").garble = Some(needle.to_vec());
     }
 
     /// Holds the next request containing `needle` back by `delay` before
@@ -211,6 +224,8 @@ async fn relay(
     let cut: tokio::sync::watch::Sender<Option<Duration>> = tokio::sync::watch::Sender::new(None);
     // This connection's next answer is held back this long.
     let held: Mutex<Option<Duration>> = Mutex::new(None);
+    // This connection's next answer comes back garbled.
+    let garbled = std::sync::atomic::AtomicBool::new(false);
     let upstream = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -252,6 +267,10 @@ async fn relay(
                     .is_some_and(|(needle, _)| contains(needle))
                 {
                     *held.lock().expect("held") = slowed.once.take().map(|(_, d)| d);
+                }
+                if slowed.garble.as_ref().is_some_and(contains) {
+                    slowed.garble = None;
+                    garbled.store(true, std::sync::atomic::Ordering::SeqCst);
                 }
                 let refused = slowed
                     .refuse
@@ -303,7 +322,12 @@ async fn relay(
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            if to_client.write_all(&buf[..n]).await.is_err() {
+            let answer = if garbled.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                GARBLE
+            } else {
+                &buf[..n]
+            };
+            if to_client.write_all(answer).await.is_err() {
                 return;
             }
         }

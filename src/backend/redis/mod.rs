@@ -178,12 +178,12 @@ impl Backend for Redis {
                 result = again;
             }
         }
-        let lost = result.as_ref().err().and_then(Error::cause);
         if matches!(step, Step::Once | Step::Join)
-            && matches!(lost, Some(Cause::TimedOut | Cause::ConnectionLost))
+            && result.as_ref().is_err_and(Error::sent_may_have_run)
         {
             // The script may have granted the new token all the same (its
-            // answer lost): nobody would hold that lease until its ttl.
+            // answer lost, late or garbled): nobody would hold that lease
+            // until its ttl.
             let (member, key) = (self.member.clone(), claim.key.clone());
             let until = tokio::time::Instant::now() + claim.ttl;
             let lost = (key.clone(), token.clone());
