@@ -123,7 +123,8 @@ fn unsupported_semaphore(nodes: usize, limit: Option<u32>) -> Error {
 }
 
 /// The nodes whose answers an attempt gave up (timed out, connection
-/// lost): they may run its script after all and grant its token, a lease
+/// lost, garbled: [`Error::sent_may_have_run`]): they may run its script
+/// after all, or ran it, and grant its token, a lease
 /// nobody would hold until its ttl — a majority of them a whole lock. When
 /// dropped, it releases the token on each of them in the background (see
 /// [`release_unanswered`]), unless the attempt won with that token: then
@@ -486,7 +487,7 @@ impl Backend for Redlock {
                     refused.get_or_insert(e);
                 }
                 Err(e) => {
-                    if matches!(e.cause(), Some(Cause::TimedOut | Cause::ConnectionLost)) {
+                    if e.sent_may_have_run() {
                         late.members.push(self.members[i].clone());
                     }
                     failed.push(e);

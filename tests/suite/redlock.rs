@@ -1646,3 +1646,41 @@ async fn a_holder_is_shown_while_one_of_its_majority_is_slow() {
     );
     lock.release(&held.token).await;
 }
+
+/// An attempt that failed (node 1 hung, node 2's grant undone) whose
+/// answer from node 0 came back garbled (a TLS alert or garbage mid-reply:
+/// the script ran and granted) releases node 0's grant in the background,
+/// as it does a timed-out node's. Only a lost connection or a time limit
+/// counted: node 0 kept a lease nobody held until its ttl (60 s here), and
+/// the lock's next grants had one node fewer to lose.
+#[tokio::test]
+async fn a_failed_attempts_garbled_grant_is_released_on_its_node() {
+    let nodes = RedisNodes::start(3).await;
+    let proxy = common::proxy::CuttingProxy::start(nodes.nodes[0].port()).await;
+    let url = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        proxy.port(),
+        nodes.nodes[1].port(),
+        nodes.nodes[2].port()
+    );
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("garbled-grant");
+    let (main, _) = keys_of(&name);
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+    proxy.garble_answer_after(name.as_bytes());
+    nodes.nodes[1].signal(Signal::SIGSTOP);
+    let first = lock.acquire_raw(&[("ttl", "60s")]).await;
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    nodes.nodes[1].signal(Signal::SIGCONT);
+    common::eventually(
+        "node 0's garbled grant released",
+        Duration::from_secs(5),
+        async || {
+            let lease: Option<String> = nodes.nodes[0].cmd(&["GET", &main]).await;
+            lease.is_none().then_some(())
+        },
+    )
+    .await;
+}
