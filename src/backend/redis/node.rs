@@ -301,7 +301,10 @@ impl Node {
     }
 
     /// Runs `f` on the cached connection, reconnecting first if needed, and
-    /// forgets the connection after a connection-level failure.
+    /// forgets the connection after any failure but the server's own error
+    /// reply: after a garbled reply its framing is unknown, and the call
+    /// after it, sent there, failed as a lost connection (which may have
+    /// run, so a release was not sent again).
     pub(super) async fn with_conn<T, F>(&self, op: &'static str, f: F) -> Result<T, Error>
     where
         F: AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
@@ -310,10 +313,7 @@ impl Node {
         match f(&mut conn).await {
             Ok(v) => Ok(v),
             Err(e) => {
-                if e.is_connection_dropped()
-                    || e.is_io_error()
-                    || e.is_timeout()
-                    || e.is_connection_refusal()
+                if e.code().is_none()
                     || e.kind() == ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
                 {
                     match &self.target {
