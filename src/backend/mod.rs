@@ -112,9 +112,20 @@ impl Error {
     /// expected). Only the server's own error reply, which has a code
     /// (`LOADING`, `READONLY`, `BUSY`, `MOVED`), says it did not.
     pub fn sent_may_have_run(&self) -> bool {
+        if self.never_sent() {
+            return false;
+        }
         match self.cause() {
             Some(Cause::ConnectionLost | Cause::TimedOut) => true,
             Some(Cause::Failed) => !self.is_redis_reply(),
+            _ => false,
+        }
+    }
+
+    /// Whether the call failed before it was sent ([`Unsent`]).
+    fn never_sent(&self) -> bool {
+        match self {
+            Error::Unavailable { source, .. } => source.is::<Unsent>(),
             _ => false,
         }
     }
@@ -142,6 +153,14 @@ impl Error {
 #[derive(Debug, thiserror::Error)]
 #[error("sent, no answer (it may have run)")]
 pub struct Unanswered(#[source] Box<dyn std::error::Error + Send + Sync>);
+
+/// The source of an [`Error::Unavailable`] whose call was never sent: no
+/// connection could be made for it (a TLS handshake refused, Sentinel
+/// naming no master, a connect timed out), so it surely did not run. Its
+/// own source is the failure, which [`Cause::of`] reads.
+#[derive(Debug, thiserror::Error)]
+#[error("not sent, no connection")]
+pub struct Unsent(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// Why a backend could not be reached, in words an operator reads (logs,
 /// 503s, the dashboard). Found from the error chain's own types and kinds

@@ -844,20 +844,40 @@ impl Backend for Redlock {
 
     async fn inspect(&self, key: &LockKey) -> Result<State, Error> {
         let quorum = self.quorum;
-        // Answered once the nodes in decide every holder: a node still to
-        // answer could make one seen on a minority a majority's (a slow
-        // node of its majority showed a lock held as free).
-        let answers = self
-            .all_until(
-                "inspect",
-                CALL_TIMEOUT,
-                |m| {
-                    let key = key.clone();
-                    async move { m.node.inspect(&key).await }
+        // Every node's answer within 1 s (the waiters shown are the most
+        // any node has); past that, answered once those in decide every
+        // holder, within a call's time limit: a node still to answer could
+        // make one seen on a minority a majority's (a slow node of its
+        // majority showed a lock held as free).
+        let mut calls: FuturesUnordered<_> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| async move {
+                let answer = crate::clock::within(CALL_TIMEOUT, m.node.inspect(key)).await;
+                (i, answer.unwrap_or_else(|_| Err(timed_out("inspect"))))
+            })
+            .collect();
+        let mut answers: Vec<Option<Answer<State>>> = self.members.iter().map(|_| None).collect();
+        let everyone = tokio::time::sleep(Duration::from_secs(1));
+        tokio::pin!(everyone);
+        let mut waited = false;
+        loop {
+            tokio::select! {
+                next = calls.next() => match next {
+                    Some((i, answer)) => answers[i] = Some(answer),
+                    None => break,
                 },
-                |answers| inspect_decided(answers, quorum),
-            )
-            .await;
+                () = &mut everyone, if !waited => waited = true,
+            }
+            if waited && inspect_decided(&answers, quorum) {
+                break;
+            }
+        }
+        let answers: Vec<Answer<State>> = answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(timed_out("inspect"))))
+            .collect();
         self.need_quorum("inspect", &answers)?;
         let states: Vec<State> = answers.into_iter().filter_map(Result::ok).collect();
         // A holder is real when a majority of nodes has it.
@@ -990,10 +1010,6 @@ impl Backend for Redlock {
     }
 }
 
-/// The holds a majority of the granting nodes keeps: a re-entry answers
-/// that, not the most any node keeps (a node one hold ahead, after a
-/// re-entry whose answer was lost, told the owner of a hold the majority
-/// does not have, which its releases then could not match).
 /// Who a holder on one node is, to count the nodes that have it: its
 /// owner, sidecar and mode.
 type HolderId = (String, String, crate::lock::Held);
@@ -1021,6 +1037,10 @@ fn inspect_decided(answers: &[Option<Answer<State>>], quorum: usize) -> bool {
     seen.values().all(|&n| n >= quorum || n + waiting < quorum)
 }
 
+/// The holds a majority of the granting nodes keeps: a re-entry answers
+/// that, not the most any node keeps (a node one hold ahead, after a
+/// re-entry whose answer was lost, told the owner of a hold the majority
+/// does not have, which its releases then could not match).
 fn majority_count(counts: impl Iterator<Item = u32>, quorum: usize) -> u32 {
     kept_by_a_majority(counts, quorum).max(1)
 }

@@ -159,6 +159,15 @@ pub(super) fn unavailable(op: &'static str, e: RedisError) -> Error {
     }
 }
 
+/// A call for which no connection could be made: the backend is
+/// unavailable for `op`, and the call surely did not run.
+pub(super) fn not_connected(op: &'static str, e: RedisError) -> Error {
+    Error::Unavailable {
+        op,
+        source: Box::new(crate::backend::Unsent(Box::new(e))),
+    }
+}
+
 /// A server that accepts connections and never answers (a hung Redis),
 /// for unit tests: its port, and the task that keeps the connections,
 /// aborted on drop.

@@ -861,5 +861,10 @@ mod tests {
                 "{kind:?}"
             );
         }
+        // No connection made for it (a TLS handshake refused): never sent.
+        let handshake = std::io::Error::new(std::io::ErrorKind::InvalidData, "tls alert");
+        let unsent = super::super::conn::not_connected("release", handshake.into());
+        assert!(!unsent.sent_may_have_run());
+        assert!(!sent_unanswered(unsent).may_have_run());
     }
 }

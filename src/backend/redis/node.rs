@@ -17,7 +17,7 @@ use crate::backend::url::{Parts, bad_url};
 use crate::clock::now_ms;
 use crate::lock::{Kind, LockKey};
 
-use super::conn::{Clock, Conn, Connecting, Target, config, unavailable};
+use super::conn::{Clock, Conn, Connecting, Target, config, not_connected, unavailable};
 use super::scripts::{Call, Scripts};
 use super::{CALL_TIMEOUT, lock};
 
@@ -301,10 +301,10 @@ impl Node {
     }
 
     /// Runs `f` on the cached connection, reconnecting first if needed, and
-    /// forgets the connection after any failure but the server's own error
-    /// reply: after a garbled reply its framing is unknown, and the call
-    /// after it, sent there, failed as a lost connection (which may have
-    /// run, so a release was not sent again).
+    /// forgets the connection after a connection-level failure, a garbled
+    /// reply among them (its framing is unknown after it: the call after
+    /// it, sent there, failed as a lost connection, which may have run, so
+    /// a release was not sent again).
     pub(super) async fn with_conn<T, F>(&self, op: &'static str, f: F) -> Result<T, Error>
     where
         F: AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
@@ -313,7 +313,11 @@ impl Node {
         match f(&mut conn).await {
             Ok(v) => Ok(v),
             Err(e) => {
-                if e.code().is_none()
+                if e.is_connection_dropped()
+                    || e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_refusal()
+                    || e.kind() == ErrorKind::Parse
                     || e.kind() == ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
                 {
                     match &self.target {
@@ -343,8 +347,8 @@ impl Node {
         }
         let c = crate::clock::within(CALL_TIMEOUT, self.connect())
             .await
-            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
-            .map_err(|e| unavailable(op, e))?;
+            .map_err(|_| not_connected(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
+            .map_err(|e| not_connected(op, e))?;
         *lock(&self.conn) = Some(c.clone());
         let (url, stop) = (self.url.clone(), self.stop.clone());
         let check = crate::clock::within(CALL_TIMEOUT, warn_of_eviction(c.clone(), url));
@@ -361,8 +365,8 @@ impl Node {
     ) -> Result<Conn, Error> {
         crate::clock::within(CALL_TIMEOUT, self.cluster_connect(client))
             .await
-            .map_err(|_| unavailable(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
-            .map_err(|e| unavailable(op, e))
+            .map_err(|_| not_connected(op, RedisError::from((ErrorKind::Io, "connect timed out"))))?
+            .map_err(|e| not_connected(op, e))
     }
 
     /// The main key of `key`; its side keys are `{<base>}:<suffix>`.
