@@ -2519,29 +2519,3 @@ async fn a_revoked_lease_whose_release_answer_is_lost_is_not_released_again() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     crate::lost_answers::assert_holds_once(&lock, &owner, &again.token).await;
 }
-
-/// A request answered while its sidecar was paused (SIGSTOP here; a VM's or
-/// a CPU quota's pause in production) past the request's time limit (5 s)
-/// is answered, not timed out: at resume the timer fired before the
-/// session's reader ran, and an acquire ZooKeeper had granted answered 503.
-/// Here ZooKeeper itself hangs until the sidecar is paused.
-#[tokio::test]
-async fn a_request_answered_while_its_sidecar_was_paused_is_answered() {
-    let server = ZkServer::start().await;
-    let sidecar = sidecar(&server.url("/paused-request")).await;
-    let api = sidecar.api();
-    api.lock(&unique_name("warm-up")).acquire(&[]).await;
-    let name = unique_name("paused-request");
-    server.signal(0, Signal::SIGSTOP);
-    let acquire = api.lock(&name).spawn_acquire_raw(&[("ttl", "60s")]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    sidecar.signal(Signal::SIGSTOP);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    server.signal(0, Signal::SIGCONT);
-    tokio::time::sleep(Duration::from_millis(5_300)).await;
-    sidecar.signal(Signal::SIGCONT);
-    let answer = acquire.await.expect("the acquire");
-    let status = answer.status();
-    let body = answer.text().await.unwrap_or_default();
-    assert_eq!(status, StatusCode::OK, "{body}");
-}

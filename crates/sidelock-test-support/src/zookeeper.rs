@@ -343,19 +343,6 @@ impl ZkServer {
         proxy.silence_all()
     }
 
-    /// Sends `signal` to member `i` (SIGSTOP: it hangs, its connections
-    /// open; SIGCONT: it goes on).
-    ///
-    /// # Panics
-    /// If member `i` is not running.
-    pub fn signal(&self, i: usize, signal: nix::sys::signal::Signal) {
-        self.members[i]
-            .child
-            .as_ref()
-            .expect("a running member")
-            .signal(signal);
-    }
-
     /// Kills member `i` (SIGKILL) and reaps it.
     pub fn kill(&mut self, i: usize) {
         self.members[i].child = None;
