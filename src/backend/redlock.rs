@@ -1130,8 +1130,11 @@ fn release_decided(answers: &[Option<Answer<Option<u32>>>], quorum: usize) -> bo
 
 #[cfg(test)]
 mod tests {
-    use super::{majority_count, majority_holds, ran_anywhere, release_decided, timed_out};
-    use crate::backend::{Cause, Error, Outage};
+    use super::{
+        Answer, inspect_decided, majority_count, majority_holds, ran_anywhere, release_decided,
+        timed_out,
+    };
+    use crate::backend::{Cause, Error, Holder, Outage, State};
 
     #[test]
     fn a_failed_release_may_have_run_wherever_a_node_ran_it_or_went_silent() {
@@ -1199,6 +1202,59 @@ mod tests {
             &[held(1), Some(Err(timed_out("release"))), None],
             2
         ));
+    }
+
+    /// Inspect waits for a node still out only while it could make a
+    /// holder seen on a minority a majority's: for each holder of a shared
+    /// lock apart, with three nodes and with five, a failed node counting
+    /// as answered.
+    #[test]
+    fn inspect_waits_only_for_a_node_that_could_decide_a_holder() {
+        let holder = |owner: &str| Holder {
+            owner: owner.to_owned(),
+            sidecar: "s".to_owned(),
+            mode: crate::lock::Held::Shared,
+            fence: 1,
+            count: 1,
+            since_ms: 0,
+            expires_at_ms: 0,
+        };
+        let state = |owners: &[&str]| -> Option<Answer<State>> {
+            Some(Ok(State {
+                fence: 1,
+                limit: None,
+                holders: owners.iter().map(|o| holder(o)).collect(),
+                waiters: Vec::new(),
+            }))
+        };
+        let failed = || -> Option<Answer<State>> { Some(Err(timed_out("inspect"))) };
+        // Three nodes: a and b on both that answered, c on one.
+        assert!(inspect_decided(
+            &[state(&["a", "b"]), state(&["a", "b"]), None],
+            2
+        ));
+        assert!(!inspect_decided(
+            &[state(&["a", "c"]), state(&["a"]), None],
+            2
+        ));
+        assert!(inspect_decided(
+            &[state(&["a", "c"]), state(&["a"]), failed()],
+            2
+        ));
+        // Too few answers to decide yet, or ever.
+        assert!(!inspect_decided(&[state(&["a"]), None, None], 2));
+        assert!(inspect_decided(&[state(&["a"]), failed(), failed()], 2));
+        // Five nodes, quorum 3: one on one of three answers, two still out.
+        let five = [state(&["a", "x"]), state(&["a"]), state(&["a"]), None, None];
+        assert!(!inspect_decided(&five, 3));
+        let five = [
+            state(&["a", "x"]),
+            state(&["a"]),
+            state(&["a"]),
+            failed(),
+            None,
+        ];
+        assert!(inspect_decided(&five, 3));
     }
 
     #[test]

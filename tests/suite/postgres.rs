@@ -3201,23 +3201,20 @@ async fn a_statement_answered_while_its_sidecar_was_paused_is_answered() {
     let lock = sidecar.api().lock(&name);
     let first = lock.acquire(&[]).await;
     lock.release(&first.token).await;
-    let mut locker = schema.client().await;
-    let tx = locker.transaction().await.expect("begin");
-    tx.execute(
-        &format!(
-            "SELECT 1 FROM {} WHERE kind = 'lock' AND name = $1 FOR UPDATE",
+    let locker = schema.client().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {} WHERE kind = 'lock' AND name = '{name}' FOR UPDATE",
             schema.table("keys")
-        ),
-        &[&name],
-    )
-    .await
-    .expect("lock the key");
+        ))
+        .await
+        .expect("lock the key row");
     let acquire = lock.spawn_acquire_raw(&[("ttl", "60s")]);
     tokio::time::sleep(ms(500)).await;
     assert!(!acquire.is_finished(), "the acquire waits for the key row");
     sidecar.signal(Signal::SIGSTOP);
     tokio::time::sleep(ms(200)).await;
-    tx.commit().await.expect("commit");
+    locker.batch_execute("COMMIT").await.expect("commit");
     tokio::time::sleep(ms(5_300)).await;
     sidecar.signal(Signal::SIGCONT);
     let answer = acquire.await.expect("the acquire");
