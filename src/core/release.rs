@@ -67,6 +67,18 @@ impl Core {
         self.release_told(key, token).await.0
     }
 
+    /// Releases the hold of a plain acquire whose client left before its
+    /// grant arrived, as [`release_left`](Self::release_left) releases a
+    /// hold stream's: a release the backend surely did not run is sent
+    /// again until it is heard (kept, the lease would hold the lock, held
+    /// by nobody, until its ttl).
+    pub async fn release_unclaimed(&self, key: &LockKey, token: &Token) {
+        match self.local_on(key, token) {
+            Some(lease) => self.release_left(&lease).await,
+            None => drop(self.release(key, token).await),
+        }
+    }
+
     /// Releases the hold of a hold stream whose client left. A release the
     /// backend surely did not run (an outage, a refusal) is sent again,
     /// pauses doubling to 5 s, until it is answered, the lease ends or the

@@ -4916,3 +4916,49 @@ async fn a_grant_whose_answer_came_back_garbled_is_released() {
     let state = lock.inspect().await;
     assert_eq!(state.holder_owners(), ["second"], "{state:?}");
 }
+
+/// A grant that races its client's disconnect is released, and a release
+/// the backend refused (it surely did not run: `NOREPLICAS` here, as in a
+/// failover) is sent again until it is heard, as a hold stream's is. It
+/// was sent once: refused, the lease stayed, held by nobody, until its ttl
+/// (60 s here), and everyone else got 409.
+#[tokio::test]
+async fn a_grant_whose_client_left_is_released_after_a_refusal() {
+    let server = RedisServer::start().await;
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let name = unique_name("left-refused");
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+    let owner = unique_name("gone");
+    // The grant's answer comes 1 s late; its client is gone by then.
+    proxy.hold_answer_after(owner.as_bytes(), Duration::from_secs(1));
+    let leaving = lock.spawn_acquire_raw(&[("owner", &owner), ("ttl", "60s")]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    leaving.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The release that follows the grant is refused.
+    let _: () = server
+        .cmd(&["CONFIG", "SET", "min-replicas-to-write", "1"])
+        .await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let _: () = server
+        .cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"])
+        .await;
+    eventually(
+        "the grant of the client that left released",
+        Duration::from_secs(5),
+        async || {
+            let next = lock
+                .acquire_raw(&[("owner", "second"), ("ttl", "60s")])
+                .await;
+            (next.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+    let state = lock.inspect().await;
+    assert_eq!(state.holder_owners(), ["second"], "{state:?}");
+}

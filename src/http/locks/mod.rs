@@ -69,7 +69,7 @@ fn acquire(
                     && let Ok(Outcome::Granted(g)) = &outcome
                 {
                     tracing::debug!(lock = %g.lease.key, "client left before its grant; releasing");
-                    let _ = Box::pin(core.release(&g.lease.key, &g.lease.token)).await;
+                    Box::pin(core.release_unclaimed(&g.lease.key, &g.lease.token)).await;
                 }
                 outcome
             };
