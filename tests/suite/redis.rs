@@ -4962,3 +4962,78 @@ async fn a_grant_whose_client_left_is_released_after_a_refusal() {
     let state = lock.inspect().await;
     assert_eq!(state.holder_owners(), ["second"], "{state:?}");
 }
+
+/// A queue that a release took its only entry from and put back (a shared
+/// claim heads it: only woken, not handed the lock) keeps an expiry, and a
+/// try-once claim on the free lock whose queued claims' process stopped
+/// beating is granted, as the full script would grant it. The queue was
+/// put back without its expiry, and the try-once fast path answered 409
+/// behind the dead entry (its heartbeat gone, or lapsed) for as long as
+/// nobody ran a script that prunes: for good on a lock used only with
+/// try-once claims.
+#[tokio::test]
+async fn a_try_once_claim_is_not_held_back_by_a_dead_shared_waiter() {
+    let server = RedisServer::start().await;
+    let alive = sidecar(&server).await;
+    let mut doomed = SidecarBuilder::new(&server.url())
+        .sidecar_id("doomed")
+        .start()
+        .await;
+    let name = unique_name("dead-shared-head");
+    let lock = alive.api().lock(&name);
+    let holder = lock.acquire(&[("ttl", "60s")]).await;
+    let mut dead_waiter = doomed
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "doomed"), ("mode", "shared"), ("wait", "60s")])
+        .await;
+    dead_waiter.expect_queued().await;
+    doomed.signal(nix::sys::signal::Signal::SIGKILL);
+    doomed.wait_exit(Duration::from_secs(5)).await;
+    lock.release(&holder.token).await;
+    let queue = format!("{{sidelock:{name}}}:q");
+    let pttl: i64 = server.cmd(&["PTTL", &queue]).await;
+    assert!(pttl > 0, "the queue's expiry after the release: {pttl}");
+    lapse_heartbeat(&server, &name, "doomed").await;
+    let next = lock.acquire_raw(&[("owner", "next")]).await;
+    let status = next.status();
+    let body = next.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+/// A queued claim that finds its entry gone (pruned while its sidecar could
+/// not beat) is put back at its place with the queue's expiry: a queue it
+/// starts again had none, and kept the entry for good once its process
+/// died.
+#[tokio::test]
+async fn a_claim_queued_again_at_its_place_keeps_the_queue_expiring() {
+    let server = RedisServer::start().await;
+    let (a, b) = sides(&server).await;
+    let name = unique_name("requeued");
+    let holder = a.api().lock(&name).acquire(&[("ttl", "60s")]).await;
+    let mut waiter = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "waiter"), ("wait", "60s")])
+        .await;
+    waiter.expect_queued().await;
+    let queue = format!("{{sidelock:{name}}}:q");
+    let _: i64 = server.cmd(&["DEL", &queue]).await;
+    // The waiter looks again, finds its entry gone and queues it again.
+    let _: i64 = server
+        .cmd(&["PUBLISH", &format!("{{sidelock:{name}}}:wake"), "r"])
+        .await;
+    eventually(
+        "the claim queued again",
+        Duration::from_secs(5),
+        async || {
+            let n: i64 = server.cmd(&["LLEN", &queue]).await;
+            (n == 1).then_some(())
+        },
+    )
+    .await;
+    let pttl: i64 = server.cmd(&["PTTL", &queue]).await;
+    assert!(pttl > 0, "the queue's expiry: {pttl}");
+    a.api().lock(&name).release(&holder.token).await;
+    waiter.expect_acquired().await;
+}

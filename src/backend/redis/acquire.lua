@@ -244,7 +244,11 @@ if turn == "j" then
   ticket = redis.call("INCR", SEQ)
   position = redis.call("RPUSH", QUEUE,
     string.format("%d %s %s %s %s %s", ticket, mode, token, since, inst, spec))
+  -- A queue this join started expires unless heartbeats keep it (its
+  -- process may beat here already, and not write a beat now).
+  if position == 1 then redis.call("PEXPIRE", QUEUE, HEARTBEAT_TTL) end
   if beat > 0 then put_beat(inst, NOW + beat) end
-  set_expiries()
 end
+-- A claim put back at its place wrote its beat too.
+set_expiries()
 return {0, NOW, holder_rows(), redis.call("LLEN", QUEUE), position, retry, ticket}

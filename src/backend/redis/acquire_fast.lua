@@ -2,9 +2,10 @@
 -- nobody waits for is granted (the main key takes the lease, the fence
 -- counter moves: 4 commands inside the script); a claim on a lock another
 -- owner holds joins the queue's tail (3) or, trying once, is told who holds
--- it (2), and so is one on a free lock that claims are queued for
--- (5, or 4 trying once); a queued claim whose turn came (the lock free, it first in line,
--- or anywhere in line without FIFO) is granted, and one the lock was handed
+-- it (2), and so is one on a free lock that claims are queued for (5,
+-- also trying once, which reads the clock); a queued claim whose turn came
+-- (the lock free, it first in line, or anywhere in line without FIFO) is
+-- granted, and one the lock was handed
 -- to already (its message missed) gets that grant. Everything else — shared
 -- and semaphore claims, re-entry, foreign holders and markers, lock-delay,
 -- the first join of a sidecar (its heartbeat), keys written by hand — goes
@@ -60,8 +61,13 @@ do
             end
             local retry = first > 0 and first + 1 or 0
             if turn == "o" then
-              local n = redis.pcall("LLEN", TAG .. "q")
-              if type(n) == "number" then return {0, 0, {}, n, 0, retry, 0} end
+              -- Unless a process's beat lapsed (or none is kept): the full
+              -- script prunes its claims, and may grant this one. (A join
+              -- is told to look again then, and its look prunes.)
+              if first > 0 and first > clock() then
+                local n = redis.pcall("LLEN", TAG .. "q")
+                if type(n) == "number" then return {0, 0, {}, n, 0, retry, 0} end
+              end
             else
               local seq = redis.pcall("INCR", TAG .. "seq")
               if type(seq) == "number" and (seq < 1 or seq > LAST_EXACT) then

@@ -73,7 +73,11 @@ local function hand_over(mode, alive, stem, keep, first, read)
     if type(head) ~= "string" then break end
     local e = entry_of(head)
     if e and not (direct and IS_LOCK and e.m == "x") then
-      if taken then redis.call("LPUSH", Q, head) end
+      -- Put back: a queue its only entry left and came back to is a new
+      -- key, without the expiry heartbeats keep (as a join's first entry).
+      if taken and redis.call("LPUSH", Q, head) == 1 then
+        redis.call("PEXPIRE", Q, HEARTBEAT_TTL)
+      end
       if IS_LOCK and e.m == "x" then
         -- Only its sidecar can let it in: that sidecar alone wakes (on the
         -- lock's channel when nobody listens on its own, e.g. an older one).
@@ -100,7 +104,7 @@ local function hand_over(mode, alive, stem, keep, first, read)
       end
       if type(fence) ~= "number" then
         -- A fence counter written by hand: the full scripts report it.
-        redis.call("LPUSH", Q, head)
+        if redis.call("LPUSH", Q, head) == 1 then redis.call("PEXPIRE", Q, HEARTBEAT_TTL) end
         redis.call("PUBLISH", TAG .. "wake", "r")
         break
       end
