@@ -869,7 +869,7 @@ async fn sidecars_starting_at_once_on_an_empty_database_all_come_up() {
     let client = database.client().await;
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
     let registered: i64 = client
         .query_one("SELECT count(*) FROM sidelock.sidecars", &[])
@@ -918,7 +918,7 @@ async fn a_version_1_schema_is_migrated_and_keeps_its_fences() {
     assert_eq!(readyz_status(&sidecar).await, StatusCode::OK);
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
 
     let lock = sidecar.api().lock(&name);
@@ -3110,7 +3110,7 @@ async fn a_role_without_create_on_the_database_runs_on_a_schema_made_for_it() {
     }
     assert_eq!(
         migration_versions(&client).await,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
     drop(client);
     drop(database);
@@ -3221,4 +3221,76 @@ async fn a_statement_answered_while_its_sidecar_was_paused_is_answered() {
     let status = answer.status();
     let body = answer.text().await.unwrap_or_default();
     assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+/// Two releases that pass a killed sidecar's waiters by at once both find
+/// that sidecar dead. A release asked whether a waiter's sidecar lives by
+/// taking its instance's advisory lock for its transaction, exclusively:
+/// while one release held it (it passed that sidecar's waiter on another
+/// lock by, and had not committed), the other's try failed, read as the
+/// sidecar's live session, and it handed its lock to the dead waiter, held
+/// by nobody until its ttl (a minute here), the live waiter behind it kept
+/// waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_passing_a_killed_sidecars_waiters_by_at_once_both_find_it_dead() {
+    let (cluster, url) = cluster_with_database().await;
+    let doomed = SidecarBuilder::new(&url).start().await;
+    let survivor = SidecarBuilder::new(&url).start().await;
+    let (first, second) = (unique_name("dead-first"), unique_name("dead-second"));
+    let held = |name: &str| {
+        let lock = survivor.api().lock(name);
+        async move { lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await }
+    };
+    let (first_holder, second_holder) = (held(&first).await, held(&second).await);
+    let mut dead_waiters = Vec::new();
+    for name in [&first, &second] {
+        let mut waiter = doomed
+            .api()
+            .lock(name)
+            .hold(&[("owner", "doomed"), ("ttl", "60s"), ("wait", "60s")])
+            .await;
+        waiter.expect_queued().await;
+        dead_waiters.push(waiter);
+    }
+    let mut next = survivor
+        .api()
+        .lock(&second)
+        .hold(&[("owner", "next"), ("wait", "60s")])
+        .await;
+    assert_eq!(next.expect_queued().await.position, 2);
+    doomed.signal(Signal::SIGKILL);
+    drop(dead_waiters);
+    let db = cluster.client("sidelock").await;
+    eventually(
+        "the killed sidecar's session gone",
+        Duration::from_secs(10),
+        async || {
+            let row = db
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+                    &[],
+                )
+                .await
+                .expect("advisory locks");
+            // The survivor's LISTEN connection's alone.
+            (row.get::<_, i64>(0) == 1).then_some(())
+        },
+    )
+    .await;
+    // A release of the first lock, in a transaction left open: it passed
+    // the dead waiter there by, and keeps what it took to learn that.
+    db.batch_execute(&format!(
+        "BEGIN; SELECT sidelock.release('lock', '{first}', '{}', 10000)",
+        first_holder.token
+    ))
+    .await
+    .expect("the first lock's release");
+    survivor
+        .api()
+        .lock(&second)
+        .release(&second_holder.token)
+        .await;
+    let grant = next.expect_acquired_within(Duration::from_secs(3)).await;
+    assert_eq!(grant.owner, "next");
+    db.batch_execute("COMMIT").await.expect("commit");
 }

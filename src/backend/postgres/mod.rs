@@ -194,6 +194,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "a renewal never shortens a lease",
         sql: include_str!("0011_renew_never_shortens.sql"),
     },
+    Migration {
+        version: 12,
+        description: "a release asks whether a waiter's sidecar lives with a shared try of its advisory lock",
+        sql: include_str!("0012_liveness_tries_shared.sql"),
+    },
 ];
 
 /// The PostgreSQL backend.
