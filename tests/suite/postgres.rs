@@ -3294,3 +3294,110 @@ async fn releases_passing_a_killed_sidecars_waiters_by_at_once_both_find_it_dead
     assert_eq!(grant.owner, "next");
     db.batch_execute("COMMIT").await.expect("commit");
 }
+
+/// A ticket delivered while its sidecar's rejoin (after its LISTEN
+/// connection came back) waited for a pooled connection is not put back:
+/// the rejoin reads its tickets once it has the connection. It read them
+/// before: the row went back with the token its client had been handed,
+/// after that lease had expired and another client had held the lock, and
+/// the next release handed the same token again — so the first client's
+/// keepalive renewed a lease someone else had held in between (200, not
+/// 410). Here the sidecar has one pooled connection, and statements on
+/// locks whose key rows the test keeps locked hold it in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_ticket_delivered_while_a_rejoin_waited_is_not_put_back() {
+    let (cluster, url) = cluster_with_database().await;
+    let id = unique_name("rejoining");
+    let waiting = SidecarBuilder::new(&format!("{url}?pool_max_size=1"))
+        .sidecar_id(&id)
+        .start()
+        .await;
+    let releasing = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("handed-twice");
+    let lock = releasing.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let first = waiting.api().lock(&name).spawn_acquire_raw(&[
+        ("owner", "first"),
+        ("ttl", "1s"),
+        ("wait", "60s"),
+    ]);
+    eventually(
+        "the first waiter queued",
+        Duration::from_secs(5),
+        async || (lock.inspect().await.waiter_owners() == ["first"]).then_some(()),
+    )
+    .await;
+    // Renewed every few hundred ms on the sidecar's upkeep connections:
+    // statements that succeed keep its waits for a pooled connection going.
+    let mut keeper = waiting
+        .api()
+        .lock(&unique_name("keeper"))
+        .hold(&[("ttl", "1s")])
+        .await;
+    keeper.expect_acquired().await;
+    let mut blockers = Vec::new();
+    for _ in 0..3 {
+        let blocker = unique_name("blocker");
+        let grant = releasing.api().lock(&blocker).acquire(&[]).await;
+        releasing.api().lock(&blocker).release(&grant.token).await;
+        let db = cluster.client("sidelock").await;
+        db.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM sidelock.keys WHERE kind = 'lock' AND name = '{blocker}' FOR UPDATE"
+        ))
+        .await
+        .expect("lock a key row");
+        blockers.push((blocker, db));
+    }
+    // Each acquire on a blocked lock holds the one connection until its row
+    // is let go; the rejoin's statements queue for it in between.
+    let block = |i: usize| waiting.api().lock(&blockers[i].0).spawn_acquire_raw(&[]);
+    let _first_blocked = block(0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let admin = cluster.client("sidelock").await;
+    end_listen_connection(&admin, &id).await;
+    // Reconnected after 250 ms: the rejoin's heartbeat queues.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let _second_blocked = block(1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The heartbeat runs, then the second blocker holds the connection and
+    // the rejoin's statement queues behind it; a third queues behind that.
+    blockers[0]
+        .1
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let go");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _third_blocked = block(2);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    lock.release(&holder.token).await;
+    let handed = first.await.expect("the first waiter");
+    assert_eq!(handed.status(), StatusCode::OK);
+    let handed: serde_json::Value = handed.json().await.expect("a grant");
+    let token = handed["token"].as_str().expect("a token").to_owned();
+    // Its client says nothing more: the lease expires, and another client
+    // is granted the lock.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let second = lock.acquire(&[("owner", "second"), ("ttl", "60s")]).await;
+    // The rejoin's statement runs; the third blocker holds the connection.
+    blockers[1]
+        .1
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let go");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock.release(&second.token).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let kept = waiting.api().lock(&name).keepalive_raw(&token, &[]).await;
+    assert_eq!(
+        kept.status(),
+        StatusCode::GONE,
+        "the first client's lease, expired while another held the lock, renewed: {:?}",
+        lock.inspect().await
+    );
+    blockers[2]
+        .1
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let go");
+    drop(keeper);
+}

@@ -180,6 +180,20 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, (Error, Fate)> {
+        let rows = self.rows_as_of_sending(op, sql, || Some(params)).await?;
+        Ok(rows.unwrap_or_default())
+    }
+
+    /// As [`Inner::rows_or_fate`], with parameters that `build` reads once
+    /// a connection is had (each try), not before a wait for one: what they
+    /// say holds as of the statement. `None` from `build`: nothing to run
+    /// (answered `None`).
+    pub(super) async fn rows_as_of_sending<P: Params>(
+        &self,
+        op: &'static str,
+        sql: &str,
+        build: impl Fn() -> Option<P>,
+    ) -> Result<Option<Vec<Row>>, (Error, Fate)> {
         if let Some(e) = self.not_ready(op) {
             return Err((e, Fate::NotRun));
         }
@@ -204,9 +218,13 @@ impl Inner {
                 let query = async {
                     let client = pending.client();
                     let statement = client.prepare_cached(sql).await?;
+                    let Some(built) = build() else {
+                        return Ok(None);
+                    };
                     sent.store(true, Ordering::Relaxed);
                     let at = now_ms();
-                    Ok::<_, Failure>((client.query(&statement, params).await?, at))
+                    let rows = client.query(&statement, &built.refs()).await?;
+                    Ok::<_, Failure>(Some((rows, at)))
                 };
                 let answer = crate::clock::within(OP_TIMEOUT, query).await;
                 if answer.is_ok() {
@@ -215,13 +233,14 @@ impl Inner {
                 answer.unwrap_or_else(|_| Err(Failure::timeout(op)))
             };
             match run.await {
-                Ok((rows, sent_at)) => {
+                Ok(None) => return Ok(None),
+                Ok(Some((rows, sent_at))) => {
                     self.settle_offset((sent_at, now_ms()), &rows);
                     self.progress_ms.store(now_ms(), Ordering::Relaxed);
                     if !*self.listening.borrow() {
                         self.reconnect.notify_one();
                     }
-                    return Ok(rows);
+                    return Ok(Some(rows));
                 }
                 Err(f) if f.class == Class::Retry && tries < 3 => continue,
                 Err(f) if f.class == Class::Locked && !std::ptr::eq(pool, &self.pool) => {
@@ -341,6 +360,17 @@ pub(super) enum Fate {
     /// It was sent and no answer came back (or one that cannot be read):
     /// the database may have run and committed it.
     Unknown,
+}
+
+/// A statement's parameters, as [`Inner::rows_as_of_sending`] lends them.
+pub(super) trait Params {
+    fn refs(&self) -> Vec<&(dyn ToSql + Sync)>;
+}
+
+impl Params for &[&(dyn ToSql + Sync)] {
+    fn refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        self.to_vec()
+    }
 }
 
 /// A pooled connection with a statement on its way. Dropped before

@@ -138,24 +138,31 @@ impl Inner {
         }
         let delivered = {
             let _rejoining = self.rejoining.write().await;
-            let mut params = Rejoin::default();
-            {
+            // The tickets as the statement goes, not before its wait for a
+            // connection: one delivered meanwhile, its lease ended since
+            // (expired, or released), would be put back with the token its
+            // client was told, and handed that token again — its client's
+            // keepalives then renewing a lease someone held in between.
+            let build = || {
+                let mut params = Rejoin {
+                    instance: self.instance.clone(),
+                    ..Rejoin::default()
+                };
                 let t = self.tickets();
                 for (seq, live) in t.live.iter() {
                     if !t.gone.contains(seq) && !t.leaving.contains(seq) {
                         params.add(*seq, live);
                     }
                 }
-            }
-            if params.seqs.is_empty() {
-                return;
-            }
+                (!params.seqs.is_empty()).then_some(params)
+            };
             let rows = match self
-                .rows("rejoin", &self.sql.rejoin, &params.params(self))
+                .rows_as_of_sending("rejoin", &self.sql.rejoin, build)
                 .await
             {
-                Ok(rows) => rows,
-                Err(e) => {
+                Ok(Some(rows)) => rows,
+                Ok(None) => return,
+                Err((e, _)) => {
                     tracing::warn!(error = %e, "could not put waiter rows back");
                     return;
                 }
@@ -214,6 +221,7 @@ impl Inner {
 /// The arguments of the `rejoin` statement: one array per column.
 #[derive(Default)]
 struct Rejoin {
+    instance: String,
     seqs: Vec<i64>,
     kinds: Vec<&'static str>,
     names: Vec<String>,
@@ -240,10 +248,12 @@ impl Rejoin {
         self.max_holds.push(claim.max_hold.map(ms_i64));
         self.lock_delays.push(ms_i64(claim.lock_delay));
     }
+}
 
-    fn params<'a>(&'a self, inner: &'a Inner) -> [&'a (dyn ToSql + Sync); 11] {
-        [
-            &inner.instance,
+impl super::calls::Params for Rejoin {
+    fn refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.instance,
             &self.seqs,
             &self.kinds,
             &self.names,
