@@ -4889,32 +4889,44 @@ async fn a_call_answered_while_its_sidecar_was_paused_is_answered() {
 #[tokio::test]
 async fn a_grant_whose_answer_came_back_garbled_is_released() {
     let server = RedisServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-        .start()
-        .await;
-    let name = unique_name("garbled");
+    let (proxy, sidecar, name) = behind_a_proxy(&server, "garbled").await;
     let lock = sidecar.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
     proxy.garble_answer_after(name.as_bytes());
     let first = lock
         .acquire_raw(&[("owner", "first"), ("ttl", "60s")])
         .await;
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
-    eventually(
-        "the garbled grant released",
-        Duration::from_secs(5),
-        async || {
-            let next = lock
-                .acquire_raw(&[("owner", "second"), ("ttl", "60s")])
-                .await;
-            (next.status() == StatusCode::OK).then_some(())
-        },
-    )
+    granted_to_the_next("the garbled grant released", &lock).await;
+}
+
+/// Waits until `lock`, given back (`what`), is granted to another owner.
+async fn granted_to_the_next(what: &str, lock: &common::api::Resource) {
+    eventually(what, Duration::from_secs(5), async || {
+        let next = lock
+            .acquire_raw(&[("owner", "second"), ("ttl", "60s")])
+            .await;
+        (next.status() == StatusCode::OK).then_some(())
+    })
     .await;
     let state = lock.inspect().await;
     assert_eq!(state.holder_owners(), ["second"], "{state:?}");
+}
+
+/// A sidecar whose Redis connections go through a [`common::proxy::CuttingProxy`],
+/// and a lock it has granted and released once (its scripts loaded).
+async fn behind_a_proxy(
+    server: &RedisServer,
+    prefix: &str,
+) -> (common::proxy::CuttingProxy, SidecarGuard, String) {
+    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
+    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
+        .start()
+        .await;
+    let name = unique_name(prefix);
+    let lock = sidecar.api().lock(&name);
+    let warm = lock.acquire(&[]).await;
+    lock.release(&warm.token).await;
+    (proxy, sidecar, name)
 }
 
 /// A grant that races its client's disconnect is released, and a release
@@ -4925,14 +4937,8 @@ async fn a_grant_whose_answer_came_back_garbled_is_released() {
 #[tokio::test]
 async fn a_grant_whose_client_left_is_released_after_a_refusal() {
     let server = RedisServer::start().await;
-    let proxy = common::proxy::CuttingProxy::start(server.port()).await;
-    let sidecar = SidecarBuilder::new(&format!("redis://127.0.0.1:{}", proxy.port()))
-        .start()
-        .await;
-    let name = unique_name("left-refused");
+    let (proxy, sidecar, name) = behind_a_proxy(&server, "left-refused").await;
     let lock = sidecar.api().lock(&name);
-    let warm = lock.acquire(&[]).await;
-    lock.release(&warm.token).await;
     let owner = unique_name("gone");
     // The grant's answer comes 1 s late; its client is gone by then.
     proxy.hold_answer_after(owner.as_bytes(), Duration::from_secs(1));
@@ -4948,19 +4954,7 @@ async fn a_grant_whose_client_left_is_released_after_a_refusal() {
     let _: () = server
         .cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"])
         .await;
-    eventually(
-        "the grant of the client that left released",
-        Duration::from_secs(5),
-        async || {
-            let next = lock
-                .acquire_raw(&[("owner", "second"), ("ttl", "60s")])
-                .await;
-            (next.status() == StatusCode::OK).then_some(())
-        },
-    )
-    .await;
-    let state = lock.inspect().await;
-    assert_eq!(state.holder_owners(), ["second"], "{state:?}");
+    granted_to_the_next("the grant of the client that left released", &lock).await;
 }
 
 /// A queue that a release took its only entry from and put back (a shared
