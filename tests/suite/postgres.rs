@@ -3401,3 +3401,37 @@ async fn a_ticket_delivered_while_a_rejoin_waited_is_not_put_back() {
         .expect("let go");
     drop(keeper);
 }
+
+/// Expired leases on keys nobody touches again are all removed by the
+/// monitor's housekeeping, however many: it goes on while its batches come
+/// back full. One batch of 1,000 keys every 10 s (no sidecar heartbeating
+/// with waiters) let leases that expire faster, such as per-job locks left
+/// to expire, pile up without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_leases_are_all_tidied_however_many() {
+    const LEASES: usize = 2_500;
+    let (cluster, url) = cluster_with_database().await;
+    let sidecar = SidecarBuilder::new(&url).start().await;
+    let prefix = unique_name("left-to-expire");
+    let names: Vec<String> = (0..LEASES).map(|i| format!("{prefix}-{i}")).collect();
+    for chunk in names.chunks(64) {
+        futures::future::join_all(chunk.iter().map(|name| {
+            let lock = sidecar.api().lock(name);
+            async move { lock.acquire(&[("ttl", "100ms")]).await }
+        }))
+        .await;
+    }
+    let db = cluster.client("sidelock").await;
+    let expired = async || -> i64 {
+        db.query_one(
+            "SELECT count(*) FROM sidelock.leases WHERE expires_at <= clock_timestamp()",
+            &[],
+        )
+        .await
+        .expect("count expired leases")
+        .get(0)
+    };
+    // The monitor tidies every 10 s: at most two of its batches before.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(expired().await, 0, "expired leases left");
+}

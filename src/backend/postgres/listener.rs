@@ -41,12 +41,23 @@ impl Inner {
     /// last one is old (see [`Inner::heartbeat_is_old`]), and as the
     /// monitor's housekeeping.
     pub(super) async fn heartbeat_now(&self, op: &'static str) -> Result<(), Error> {
+        self.heartbeat_clearing(op).await.map(drop)
+    }
+
+    /// [`Inner::heartbeat_now`], answering how many expired leases it
+    /// removed.
+    pub(super) async fn heartbeat_clearing(&self, op: &'static str) -> Result<u64, Error> {
         let beat = self.beat();
         let reply = self
             .rows(op, &self.sql.heartbeat, &beat.params(self))
             .await?;
         self.beaten(&beat, reply.first());
-        Ok(())
+        let cleared = reply
+            .first()
+            .and_then(|r| r.try_get::<_, String>(0).ok())
+            .and_then(|json| serde_json::from_str::<serde_json::Value>(&json).ok())
+            .and_then(|v| v["leases"].as_u64());
+        Ok(cleared.unwrap_or(0))
     }
 
     /// The arguments of one heartbeat, from this sidecar's tickets now.

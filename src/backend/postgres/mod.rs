@@ -107,6 +107,14 @@ const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 const BUSY_POOL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest time one operation may take before it counts as an outage.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The keys whose expired leases one heartbeat removes at most (`LIMIT` in
+/// `heartbeat()`, `0006_queue_length.sql`).
+const TIDY_BATCH: u64 = 1_000;
+
+/// How long the monitor's housekeeping goes on removing expired leases in
+/// full batches, within its round (10 s).
+const TIDY_FOR: Duration = Duration::from_secs(3);
 /// Connections per sidecar unless the URL says `pool_max_size=N`.
 const DEFAULT_POOL_SIZE: usize = 10;
 /// Connections per sidecar kept for renewals, releases and status checks.
@@ -779,8 +787,16 @@ impl Backend for Postgres {
 
     /// The heartbeat statement, whose cleanup is everyone's: while no
     /// sidecar has waiters, nobody else sends it.
+    /// Heartbeats, each removing the expired leases of up to
+    /// [`TIDY_BATCH`] keys, while they come back full and for at most
+    /// [`TIDY_FOR`]: one a round let leases that expire faster than a
+    /// batch a round pile up.
     async fn tidy(&self) -> Result<(), Error> {
-        self.inner.heartbeat_now("tidy").await
+        let started = tokio::time::Instant::now();
+        while self.inner.heartbeat_clearing("tidy").await? >= TIDY_BATCH
+            && started.elapsed() < TIDY_FOR
+        {}
+        Ok(())
     }
 
     async fn watch(&self, _key: &LockKey) -> Result<Watch, Error> {
