@@ -43,6 +43,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd as _;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -316,6 +317,16 @@ struct ConnState {
     /// The [`Stall`] limit of the response in flight, in milliseconds; 0
     /// for none (the write timeout).
     stall_limit_ms: AtomicU64,
+    /// Whether the server is waiting to read the socket while a request is
+    /// in flight (its last read there found nothing), so that it sees the
+    /// client close it. It does not while it holds bytes the client sent
+    /// after the request (a pipelined one, a stray line end).
+    reading: AtomicBool,
+    /// The socket's descriptor, for [`ConnState::poll_departed`].
+    fd: std::sync::atomic::AtomicI32,
+    /// The timer of the next look at whether the client left, armed while
+    /// a request is in flight and the server is not reading.
+    departure: Mutex<Option<Pin<Box<Sleep>>>>,
 }
 
 impl ConnState {
@@ -327,6 +338,31 @@ impl ConnState {
         match &mut *reader {
             Some(w) if w.will_wake(waker) => {}
             slot => *slot = Some(waker.clone()),
+        }
+    }
+
+    /// Ready once the client is seen gone (it closed its side, or the
+    /// connection broke) while a request is in flight and the server does
+    /// not read the socket: looked at every [`DEPARTURE_LOOK`]. A
+    /// connection whose server reads sees the close itself.
+    fn poll_departed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut timer = self
+            .departure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.in_flight.load(Ordering::Acquire) == 0 || self.reading.load(Ordering::Acquire) {
+            *timer = None;
+            return Poll::Pending;
+        }
+        loop {
+            let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(DEPARTURE_LOOK)));
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            if peer_gone(self.fd.load(Ordering::Relaxed)) {
+                return Poll::Ready(());
+            }
+            sleep.as_mut().reset(Instant::now() + DEPARTURE_LOOK);
         }
     }
 
@@ -342,12 +378,34 @@ impl ConnState {
     }
 }
 
+/// How often a connection whose request is in flight, and whose socket the
+/// server does not read, is looked at for its client's leaving.
+const DEPARTURE_LOOK: Duration = Duration::from_secs(1);
+
+/// Whether the peer of socket `fd` closed its side or the connection broke
+/// (`POLLRDHUP`, `POLLHUP`, `POLLERR`), whatever it sent before that is still
+/// unread.
+fn peer_gone(fd: std::os::fd::RawFd) -> bool {
+    let mut look = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid `pollfd` for the call's duration, and no wait; the
+    // descriptor is the connection's own, open while its task (the caller)
+    // runs — a stale one would only answer POLLNVAL.
+    let found = unsafe { libc::poll(&raw mut look, 1, 0) };
+    found == 1 && look.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// One request in flight on its connection, from its head to the end of its
 /// response.
 struct InFlight(Arc<ConnState>);
 
 impl InFlight {
     fn start(state: &Arc<ConnState>) -> Self {
+        // What the server read before may hold bytes past this request.
+        state.reading.store(false, Ordering::Release);
         state.in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight(state.clone())
     }
@@ -380,6 +438,11 @@ fn connection(
 ) -> impl Future<Output = ()> + Send + 'static {
     let open = Open::count();
     let unix = matches!(stream, Either::Right(_));
+    let fd = match &stream {
+        Either::Left(tcp) => tcp.as_raw_fd(),
+        Either::Right(socket) => socket.as_raw_fd(),
+    };
+    member.state.fd.store(fd, Ordering::Relaxed);
     let state = member.state.clone();
     let body_read = limits.body_read;
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
@@ -434,17 +497,26 @@ fn connection(
     async move {
         let _open = open;
         tokio::select! {
+            // The connection first: a request it starts, and whether it then
+            // reads the socket, are what the next branch looks at.
+            biased;
             r = conn.as_mut() => log_end(r),
             // Shedding wakes this task through the reader's waker, which this
             // branch keeps set too: a connection whose reader is not polled (a
-            // stalled write with a pipelined request buffered) ends here.
-            () = std::future::poll_fn(|cx| {
+            // stalled write with a pipelined request buffered) ends here, as
+            // does one whose client left with a request in flight and bytes
+            // after it unread (the reader would never see the close).
+            shed = std::future::poll_fn(|cx| {
                 member.state.set_reader(cx.waker());
-                match member.state.shed.load(Ordering::Acquire) {
-                    true => Poll::Ready(()),
-                    false => Poll::Pending,
+                if member.state.shed.load(Ordering::Acquire) {
+                    return Poll::Ready(true);
                 }
-            }) => tracing::trace!("connection closed to make room"),
+                member.state.poll_departed(cx).map(|()| false)
+            }) => if shed {
+                tracing::trace!("connection closed to make room");
+            } else {
+                tracing::debug!("the client left with a request in flight");
+            },
             () = stop.cancelled() => {
                 conn.as_mut().graceful_shutdown();
                 log_end(conn.await);
@@ -661,7 +733,13 @@ impl AsyncRead for Watched {
             this.state.set_reader(cx.waker());
             // The request may have ended between the check and the waker being stored.
             if this.state.in_flight.load(Ordering::Acquire) > 0 {
-                return Pin::new(&mut this.inner).poll_read(cx, buf);
+                let before = buf.filled().len();
+                let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                // Waiting on the socket, it hears a close; bytes read may
+                // be more than it needs, and keep it from reading again.
+                let waiting = read.is_pending() || buf.filled().len() == before;
+                this.state.reading.store(waiting, Ordering::Release);
+                return read;
             }
         }
         let before = buf.filled().len();

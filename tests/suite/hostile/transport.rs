@@ -1606,3 +1606,43 @@ async fn requests_waiting_for_their_body_are_closed_to_make_room() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(slow);
 }
+
+/// A waiting acquire whose client sent more after its request (a request
+/// pipelined behind it, a stray line end) and then went is seen leaving:
+/// its place in the queue goes, and the lock passes on to the next claim
+/// when the holder releases it. The server read nothing more from a
+/// connection whose request was in flight while it had bytes of the next
+/// one buffered, so it never saw the close: the departed waiter kept its
+/// place for its whole wait, and was then granted a lease nobody held.
+#[tokio::test]
+async fn a_waiter_that_pipelined_more_and_left_is_seen_leaving() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let name = unique_name("pipelined-and-gone");
+    let lock = sidecar.api().lock(&name);
+    let holder = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    let mut stream = TcpStream::connect(("127.0.0.1", sidecar.port()))
+        .await
+        .expect("connect to the sidecar");
+    let request = format!(
+        "POST /v1/locks/{name}?owner=gone&wait=30s&ttl=30s HTTP/1.1\r\nHost: localhost\r\n\
+         Content-Length: 0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the requests");
+    eventually("the waiter queued", Duration::from_secs(5), async || {
+        (lock.inspect().await.waiter_owners() == ["gone"]).then_some(())
+    })
+    .await;
+    drop(stream);
+    eventually(
+        "the departed waiter's place gone",
+        Duration::from_secs(3),
+        async || lock.inspect().await.waiters.is_empty().then_some(()),
+    )
+    .await;
+    lock.release(&holder.token).await;
+    let next = lock.acquire_raw(&[("owner", "next")]).await;
+    assert_eq!(next.status(), StatusCode::OK);
+}
