@@ -385,6 +385,7 @@ const DEPARTURE_LOOK: Duration = Duration::from_secs(1);
 /// Whether the peer of socket `fd` closed its side or the connection broke
 /// (`POLLRDHUP`, `POLLHUP`, `POLLERR`), whatever it sent before that is still
 /// unread.
+#[cfg(any(target_os = "linux", target_os = "android"))]
 fn peer_gone(fd: std::os::fd::RawFd) -> bool {
     let mut look = libc::pollfd {
         fd,
@@ -396,6 +397,13 @@ fn peer_gone(fd: std::os::fd::RawFd) -> bool {
     // runs — a stale one would only answer POLLNVAL.
     let found = unsafe { libc::poll(&raw mut look, 1, 0) };
     found == 1 && look.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Where `poll` cannot tell a peer's closed side (no `POLLRDHUP`): never
+/// seen, as before (README).
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn peer_gone(_fd: std::os::fd::RawFd) -> bool {
+    false
 }
 
 /// One request in flight on its connection, from its head to the end of its

@@ -3406,13 +3406,35 @@ async fn a_ticket_delivered_while_a_rejoin_waited_is_not_put_back() {
 /// monitor's housekeeping, however many: it goes on while its batches come
 /// back full. One batch of 1,000 keys every 10 s (no sidecar heartbeating
 /// with waiters) let leases that expire faster, such as per-job locks left
-/// to expire, pile up without bound.
+/// to expire, pile up without bound. And no key without waiters is woken
+/// on the channel every sidecar listens on: each removal sent a
+/// notification, thousands a second once batches follow each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_leases_are_all_tidied_however_many() {
     const LEASES: usize = 2_500;
     let (cluster, url) = cluster_with_database().await;
     let sidecar = SidecarBuilder::new(&url).start().await;
+    let (listener, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("a listening connection");
     let prefix = unique_name("left-to-expire");
+    // Wake-ups of the test's keys (the monitor announces its own).
+    let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (counting, ours) = (heard.clone(), prefix.clone());
+    let _listening = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message
+                && n.payload().contains(&ours)
+            {
+                counting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    });
+    listener
+        .batch_execute("LISTEN sidelock_wake")
+        .await
+        .expect("listen");
     let names: Vec<String> = (0..LEASES).map(|i| format!("{prefix}-{i}")).collect();
     for chunk in names.chunks(64) {
         futures::future::join_all(chunk.iter().map(|name| {
@@ -3434,4 +3456,6 @@ async fn expired_leases_are_all_tidied_however_many() {
     // The monitor tidies every 10 s: at most two of its batches before.
     tokio::time::sleep(Duration::from_secs(11)).await;
     assert_eq!(expired().await, 0, "expired leases left");
+    let heard = heard.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(heard, 0, "wake-ups of keys nobody waits for");
 }

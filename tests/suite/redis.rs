@@ -4940,17 +4940,18 @@ async fn a_grant_whose_client_left_is_released_after_a_refusal() {
     let (proxy, sidecar, name) = behind_a_proxy(&server, "left-refused").await;
     let lock = sidecar.api().lock(&name);
     let owner = unique_name("gone");
-    // The grant's answer comes 1 s late; its client is gone by then.
-    proxy.hold_answer_after(owner.as_bytes(), Duration::from_secs(1));
+    // The grant's answer comes 1.5 s late; its client is gone by then.
+    proxy.hold_answer_after(owner.as_bytes(), Duration::from_millis(1_500));
     let leaving = lock.spawn_acquire_raw(&[("owner", &owner), ("ttl", "60s")]);
     tokio::time::sleep(Duration::from_millis(200)).await;
     leaving.abort();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // The release that follows the grant is refused.
+    // The release that follows the grant is refused, and so is the first
+    // time it is sent again (250 ms later).
     let _: () = server
         .cmd(&["CONFIG", "SET", "min-replicas-to-write", "1"])
         .await;
-    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
     let _: () = server
         .cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"])
         .await;

@@ -409,7 +409,9 @@ impl Inner {
             // dropped network). Handoffs would go to it, unheard, for as
             // long as it lasts: end it, then wait for the lock it frees. A
             // holder in a transaction is another sidecar's release asking
-            // whether we are alive (`pass_on()`): it is waited for, not ended.
+            // whether we are alive (`pass_on()`, which takes it shared, so
+            // one that just committed is not taken for ours): it is waited
+            // for, not ended.
             tracing::warn!(
                 "an earlier LISTEN connection of this sidecar still holds its session: ending it"
             );
@@ -417,6 +419,7 @@ impl Inner {
                 .execute(
                     "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
                       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                        AND l.mode = 'ExclusiveLock'
                         AND l.pid <> pg_backend_pid()
                         AND EXISTS (SELECT 1 FROM pg_stat_activity a
                                      WHERE a.pid = l.pid AND a.state = 'idle')

@@ -204,8 +204,8 @@ const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 12,
-        description: "a release asks whether a waiter's sidecar lives with a shared try of its advisory lock",
-        sql: include_str!("0012_liveness_tries_shared.sql"),
+        description: "a release asks whether a waiter's sidecar lives with a shared try of its advisory lock; the heartbeat wakes only keys with waiters (or elections)",
+        sql: include_str!("0012_shared_liveness_quiet_tidy.sql"),
     },
 ];
 

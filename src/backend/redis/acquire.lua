@@ -245,8 +245,9 @@ if turn == "j" then
   position = redis.call("RPUSH", QUEUE,
     string.format("%d %s %s %s %s %s", ticket, mode, token, since, inst, spec))
   -- A queue this join started expires unless heartbeats keep it (its
-  -- process may beat here already, and not write a beat now).
-  if position == 1 then redis.call("PEXPIRE", QUEUE, HEARTBEAT_TTL) end
+  -- process may beat here already, and not write a beat now; one that
+  -- writes its beat sets the expiry from it).
+  if position == 1 and beat == 0 then redis.call("PEXPIRE", QUEUE, HEARTBEAT_TTL) end
   if beat > 0 then put_beat(inst, NOW + beat) end
 end
 -- A claim put back at its place wrote its beat too.
