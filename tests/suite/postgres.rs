@@ -3295,6 +3295,30 @@ async fn releases_passing_a_killed_sidecars_waiters_by_at_once_both_find_it_dead
     db.batch_execute("COMMIT").await.expect("commit");
 }
 
+/// `n` locks, used once through `sidecar` so that their key rows exist,
+/// each with its key row locked by an open transaction of the test's:
+/// an acquire on one holds its connection until that transaction ends.
+async fn key_rows_locked(
+    cluster: &PgCluster,
+    sidecar: &SidecarGuard,
+    n: usize,
+) -> Vec<(String, tokio_postgres::Client)> {
+    let mut blockers = Vec::new();
+    for _ in 0..n {
+        let blocker = unique_name("blocker");
+        let grant = sidecar.api().lock(&blocker).acquire(&[]).await;
+        sidecar.api().lock(&blocker).release(&grant.token).await;
+        let db = cluster.client("sidelock").await;
+        db.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM sidelock.keys WHERE kind = 'lock' AND name = '{blocker}' FOR UPDATE"
+        ))
+        .await
+        .expect("lock a key row");
+        blockers.push((blocker, db));
+    }
+    blockers
+}
+
 /// A ticket delivered while its sidecar's rejoin (after its LISTEN
 /// connection came back) waited for a pooled connection is not put back:
 /// the rejoin reads its tickets once it has the connection. It read them
@@ -3335,19 +3359,7 @@ async fn a_ticket_delivered_while_a_rejoin_waited_is_not_put_back() {
         .hold(&[("ttl", "1s")])
         .await;
     keeper.expect_acquired().await;
-    let mut blockers = Vec::new();
-    for _ in 0..3 {
-        let blocker = unique_name("blocker");
-        let grant = releasing.api().lock(&blocker).acquire(&[]).await;
-        releasing.api().lock(&blocker).release(&grant.token).await;
-        let db = cluster.client("sidelock").await;
-        db.batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM sidelock.keys WHERE kind = 'lock' AND name = '{blocker}' FOR UPDATE"
-        ))
-        .await
-        .expect("lock a key row");
-        blockers.push((blocker, db));
-    }
+    let blockers = key_rows_locked(&cluster, &releasing, 3).await;
     // Each acquire on a blocked lock holds the one connection until its row
     // is let go; the rejoin's statements queue for it in between.
     let block = |i: usize| waiting.api().lock(&blockers[i].0).spawn_acquire_raw(&[]);
@@ -3399,6 +3411,111 @@ async fn a_ticket_delivered_while_a_rejoin_waited_is_not_put_back() {
         .batch_execute("ROLLBACK")
         .await
         .expect("let go");
+    drop(keeper);
+}
+
+/// A heartbeat sent through the pool reads the tickets it keeps alive once
+/// it has a connection, not before its wait for one. Read before, a waiter
+/// that queued while it waited was not among them, and the heartbeat,
+/// running more than a ghost's age (10 s) after that waiter's row went in,
+/// dropped the row as one whose join's answer was lost (its waiter, woken
+/// by the drop, queued again at its ticket: for a moment any release
+/// passed it by, and its wait showed as just begun). Here the sidecar has
+/// one pooled connection, held in turn by acquires on locks whose key rows
+/// the test keeps locked; a join queues behind the first, and the heartbeat
+/// a later join sends first (its last heartbeat is old: it had no tickets
+/// meanwhile) behind the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_that_queued_while_a_heartbeat_waited_keeps_its_place() {
+    let (cluster, url) = cluster_with_database().await;
+    let waiting = SidecarBuilder::new(&format!("{url}?pool_max_size=1"))
+        .start()
+        .await;
+    let holding = SidecarBuilder::new(&url).start().await;
+    // Renewed every few hundred ms on the sidecar's upkeep connections:
+    // statements that succeed keep its waits for a pooled connection going.
+    let mut keeper = waiting
+        .api()
+        .lock(&unique_name("keeper"))
+        .hold(&[("ttl", "1s")])
+        .await;
+    keeper.expect_acquired().await;
+    let name = unique_name("queued-meanwhile");
+    let lock = holding.api().lock(&name);
+    let _held = lock.acquire(&[("owner", "holder"), ("ttl", "60s")]).await;
+    // A waiter whose heartbeats keep the sidecar's last one fresh, until
+    // it is handed its lock.
+    let fresh = unique_name("fresh");
+    let fresh_held = holding.api().lock(&fresh).acquire(&[("ttl", "60s")]).await;
+    let beating = waiting
+        .api()
+        .lock(&fresh)
+        .spawn_acquire_raw(&[("wait", "60s")]);
+    eventually(
+        "the beating waiter queued",
+        Duration::from_secs(5),
+        async || (holding.api().lock(&fresh).inspect().await.waiters.len() == 1).then_some(()),
+    )
+    .await;
+    let blockers = key_rows_locked(&cluster, &holding, 4).await;
+    let block = |i: usize| waiting.api().lock(&blockers[i].0).spawn_acquire_raw(&[]);
+    let step = Duration::from_millis(150);
+    let _blocked = block(0);
+    tokio::time::sleep(step).await;
+    // Its last heartbeat is fresh: it joins without one, behind the first
+    // blocker.
+    let first = waiting
+        .api()
+        .lock(&name)
+        .spawn_acquire_raw(&[("owner", "first"), ("wait", "60s")]);
+    tokio::time::sleep(step).await;
+    let _more_blocked: Vec<_> = (1..4)
+        .map(|i| {
+            let b = block(i);
+            std::thread::sleep(Duration::from_millis(50));
+            b
+        })
+        .collect();
+    // The beating waiter is handed its lock: no tickets are left to
+    // heartbeat for, and the last heartbeat grows old.
+    holding.api().lock(&fresh).release(&fresh_held.token).await;
+    let handed = beating.await.expect("the beating waiter");
+    assert_eq!(handed.status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(2_600)).await;
+    // A second join sends a heartbeat first; it queues behind the blockers.
+    let _second = waiting
+        .api()
+        .lock(&name)
+        .spawn_acquire_raw(&[("owner", "second"), ("wait", "60s")]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first join goes in; then each blocker holds the connection for
+    // 4 s (under a statement's 5 s limit), 12 s before the heartbeat runs.
+    for (_, db) in &blockers {
+        db.batch_execute("ROLLBACK").await.expect("let go");
+        tokio::time::sleep(Duration::from_millis(4_000)).await;
+    }
+    eventually("both waiters queued", Duration::from_secs(5), async || {
+        (lock.inspect().await.waiter_owners().len() == 2).then_some(())
+    })
+    .await;
+    let state = lock.inspect().await;
+    assert_eq!(state.waiter_owners(), ["first", "second"]);
+    // Dropped, its row came back when its waiter looked again (woken by the
+    // drop), at its ticket but as a new row: for that moment a release
+    // would pass it by, and its wait shows as begun just now.
+    let since = |owner: &str| {
+        state
+            .waiters
+            .iter()
+            .find(|w| w.owner == owner)
+            .map(|w| w.since_ms)
+            .expect("queued")
+    };
+    assert!(
+        since("first") + 10_000 < since("second"),
+        "the first waiter's row, queued while the heartbeat waited, was dropped and made anew: {state:?}"
+    );
+    assert!(!first.is_finished(), "the first waiter still waits");
     drop(keeper);
 }
 

@@ -16,6 +16,7 @@ use crate::clock::{ms, now_ms};
 use crate::lock::LockKey;
 use crate::wakeups::Handoff;
 
+use super::calls::Params;
 use super::errors::Failure;
 use super::sql::{NOW_SQL, SESSION_SETUP, ms_i64, quote_ident};
 use super::{
@@ -31,7 +32,7 @@ impl Inner {
     ) -> Result<(), tokio_postgres::Error> {
         let beat = self.beat();
         let sent = now_ms();
-        let reply = client.query_one(statement, &beat.params(self)).await?;
+        let reply = client.query_one(statement, &beat.refs()).await?;
         self.settle_offset((sent, now_ms()), std::slice::from_ref(&reply));
         self.beaten(&beat, Some(&reply));
         Ok(())
@@ -45,13 +46,29 @@ impl Inner {
     }
 
     /// [`Inner::heartbeat_now`], answering how many expired leases it
-    /// removed.
+    /// removed. Its tickets are read once a connection is had, not before
+    /// a wait for one: a row queued meanwhile would be older than a ghost
+    /// by the time a long wait ended, and dropped as one.
     pub(super) async fn heartbeat_clearing(&self, op: &'static str) -> Result<u64, Error> {
-        let beat = self.beat();
+        let sent = std::sync::Mutex::new(None);
+        let build = || {
+            let beat = self.beat();
+            *sent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(beat.clone());
+            Some(beat)
+        };
         let reply = self
-            .rows(op, &self.sql.heartbeat, &beat.params(self))
-            .await?;
-        self.beaten(&beat, reply.first());
+            .rows_as_of_sending(op, &self.sql.heartbeat, build)
+            .await
+            .map_err(|(e, _)| e)?
+            .unwrap_or_default();
+        if let Some(beat) = sent
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            self.beaten(&beat, reply.first());
+        }
         let cleared = reply
             .first()
             .and_then(|r| r.try_get::<_, String>(0).ok())
@@ -67,6 +84,8 @@ impl Inner {
         };
         let t = self.tickets();
         Beat {
+            instance: self.instance.clone(),
+            sidecar: self.sidecar.clone(),
             live: as_i64(&mut t.live.keys()),
             gone: as_i64(&mut t.gone.iter()),
             lapse_ms: ms_i64(LAPSE_AFTER),
@@ -261,7 +280,7 @@ impl Rejoin {
     }
 }
 
-impl super::calls::Params for Rejoin {
+impl Params for Rejoin {
     fn refs(&self) -> Vec<&(dyn ToSql + Sync)> {
         vec![
             &self.instance,
@@ -291,18 +310,21 @@ fn suspect_gap_ms() -> i64 {
 }
 
 /// The arguments of `heartbeat` in the SQL.
+#[derive(Clone)]
 struct Beat {
+    instance: String,
+    sidecar: String,
     live: Vec<i64>,
     gone: Vec<i64>,
     lapse_ms: i64,
     ghost_ms: i64,
 }
 
-impl Beat {
-    fn params<'a>(&'a self, inner: &'a Inner) -> [&'a (dyn ToSql + Sync); 6] {
-        [
-            &inner.instance,
-            &inner.sidecar,
+impl Params for Beat {
+    fn refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.instance,
+            &self.sidecar,
             &self.lapse_ms,
             &self.live,
             &self.gone,
