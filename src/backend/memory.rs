@@ -15,8 +15,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{
-    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, Safety, StaleKey, State,
-    Status, Summary, Ticket, Turn, Waiter, Watch,
+    Attempt, Backend, Busy, Description, Error, Grant, Holder, Loss, SHOWN_HOLDERS, Safety,
+    StaleKey, State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
 use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
@@ -101,9 +101,38 @@ impl Entry {
         }
     }
 
+    /// Gives back the room its leases and queue grew to, once they hold
+    /// far less: a name keeps its entry for good, and kept its peak's room
+    /// with it (a semaphore that once had 100,000 holders, 20 MB).
+    fn trim(&mut self) {
+        fn fit<T>(v: &mut Vec<T>) {
+            if v.capacity() > 4 * v.len().max(1) {
+                v.shrink_to(2 * v.len());
+            }
+        }
+        fit(&mut self.leases);
+        fit(&mut self.queue);
+    }
+
+    /// The first [`SHOWN_HOLDERS`] holders, as a busy answer names them,
+    /// and how many others there are: copied under the backend's one
+    /// mutex, every holder of a semaphore of 100,000 would hold up every
+    /// other call for each refused claim.
+    fn shown_holders(&self, kind: Kind) -> (Vec<Holder>, usize) {
+        let shown = self.holders_of(kind, SHOWN_HOLDERS);
+        let omitted = self.leases.len() - shown.len();
+        (shown, omitted)
+    }
+
     fn holders(&self, kind: Kind) -> Vec<Holder> {
+        self.holders_of(kind, usize::MAX)
+    }
+
+    /// The first `most` holders.
+    fn holders_of(&self, kind: Kind, most: usize) -> Vec<Holder> {
         self.leases
             .iter()
+            .take(most)
             .map(|l| Holder {
                 owner: l.owner.clone(),
                 sidecar: l.sidecar.clone(),
@@ -207,6 +236,7 @@ impl Memory {
             let entry = keys.entry(key.clone()).or_default();
             let pruned = entry.prune(now);
             let (out, wake) = f(entry, now);
+            entry.trim();
             if entry.unused() {
                 keys.remove(key);
             }
@@ -303,9 +333,10 @@ impl Backend for Memory {
                 }
                 return (Ok(Attempt::Granted(grant)), false);
             }
+            let (holders, omitted) = e.shown_holders(claim.key.kind);
             let mut busy = Busy {
-                holders: e.holders(claim.key.kind),
-                omitted: 0,
+                holders,
+                omitted,
                 queue_length: e.queue.len(),
                 position: None,
                 retry_at_ms: e.retry_at(claim, now),
@@ -439,6 +470,7 @@ impl Backend for Memory {
                 }
                 if e.prune(now) {
                     woken.push(key.clone());
+                    e.trim();
                 }
                 if e.leases.is_empty() && e.queue.is_empty() {
                     continue;
@@ -597,5 +629,91 @@ mod tests {
         }
         let stale = memory.stale(Duration::ZERO).await.expect("stale");
         assert!(stale.is_empty(), "{stale:?}");
+    }
+
+    /// A semaphore claim of `name` by `owner`, with `limit` permits.
+    fn permit(name: &str, owner: &str, limit: u32) -> Claim {
+        Claim {
+            key: LockKey {
+                kind: Kind::Semaphore,
+                name: Name::parse(name).expect("a valid name"),
+            },
+            owner: owner.into(),
+            limit: Some(limit),
+            ..claim(name)
+        }
+    }
+
+    /// The room a name's leases and queue grew to is given back once they
+    /// empty: its entry is kept for good, and kept its peak's room (20 MB
+    /// for a semaphore that once had 100,000 holders, however many names).
+    #[tokio::test]
+    async fn a_name_does_not_keep_the_room_of_its_busiest_moment() {
+        const N: u32 = 1_000;
+        let memory = Memory::new(Wakeups::default());
+        let mut tokens = Vec::new();
+        for i in 0..N {
+            let claim = permit("busiest", &format!("holder-{i}"), N);
+            let Attempt::Granted(g) = memory
+                .try_acquire(&claim, Turn::Once)
+                .await
+                .expect("acquire")
+            else {
+                panic!("not granted");
+            };
+            tokens.push(g.token);
+        }
+        let waiter = permit("busiest", "waiter", N);
+        let mut tickets = Vec::new();
+        for _ in 0..N {
+            let Attempt::Busy(b) = memory.try_acquire(&waiter, Turn::Join).await.expect("join")
+            else {
+                panic!("granted");
+            };
+            tickets.push(b.ticket.expect("a ticket"));
+        }
+        let key = permit("busiest", "", N).key;
+        for token in &tokens {
+            memory.release(&key, token).await.expect("release");
+        }
+        for ticket in &tickets {
+            memory.dequeue(ticket).await.expect("dequeue");
+        }
+        let keys = memory.keys.lock().unwrap();
+        let entry = keys.get(&key).expect("kept: it was granted");
+        assert!(
+            entry.leases.capacity() <= 4 && entry.queue.capacity() <= 4,
+            "room kept: {} leases, {} queued",
+            entry.leases.capacity(),
+            entry.queue.capacity()
+        );
+    }
+
+    /// A refused claim names the first [`SHOWN_HOLDERS`] holders and counts
+    /// the others: the answer is built under the backend's one mutex, and
+    /// copying every holder of a large semaphore for each refusal held up
+    /// every other call meanwhile.
+    #[tokio::test]
+    async fn a_refusal_copies_no_more_holders_than_it_shows() {
+        let memory = Memory::new(Wakeups::default());
+        let held = 3 * SHOWN_HOLDERS as u32;
+        for i in 0..held {
+            let claim = permit("full", &format!("holder-{i}"), held);
+            memory
+                .try_acquire(&claim, Turn::Once)
+                .await
+                .expect("acquire");
+        }
+        let refused = permit("full", "late", held);
+        let Attempt::Busy(busy) = memory
+            .try_acquire(&refused, Turn::Once)
+            .await
+            .expect("acquire")
+        else {
+            panic!("granted past the limit");
+        };
+        assert_eq!(busy.holders.len(), SHOWN_HOLDERS);
+        assert_eq!(busy.omitted, held as usize - SHOWN_HOLDERS);
+        assert_eq!(busy.holders[0].owner, "holder-0");
     }
 }

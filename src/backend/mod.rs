@@ -433,6 +433,13 @@ pub struct Grant {
     pub expires_at_ms: u64,
 }
 
+/// The most holders a busy answer keeps and shows. A lock may have any
+/// number of shared holders (a semaphore, `limit` of them), and every waiter
+/// keeps its last busy answer: all of them, kept by each waiter, would take
+/// memory in their product. A backend may name only these (counting the
+/// others in [`Busy::omitted`]).
+pub const SHOWN_HOLDERS: usize = 100;
+
 /// Why a claim was not granted.
 #[derive(Debug, Clone, Default)]
 pub struct Busy {

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use futures::StreamExt as _;
 use rand::RngExt as _;
 
-use crate::backend::{Attempt, Busy, Grant, Status, Turn};
+use crate::backend::{Attempt, Busy, Grant, SHOWN_HOLDERS, Status, Turn};
 use crate::clock::{after, instant_at, ms};
 use crate::error::Error;
 use crate::lock::{Claim, Kind, LockKey, Mode, Token};
@@ -889,12 +889,6 @@ impl Core {
         }
     }
 }
-
-/// The most holders a busy answer keeps and shows. A lock may have any
-/// number of shared holders (a semaphore, `limit` of them), and every waiter
-/// keeps its last busy answer: all of them, kept by each waiter, would take
-/// memory in their product.
-const SHOWN_HOLDERS: usize = 100;
 
 /// Logs a release the sidecar sent on its own that went unanswered: it is
 /// not sent again (a second run could take a hold its owner re-entered
