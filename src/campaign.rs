@@ -24,8 +24,10 @@ Exit codes (as sidelock run):
   76            the leadership was lost while CMD ran (CMD got SIGTERM)
   127           CMD could not be started
 
-With --again, the campaign stands again after CMD exits or the leadership
-is lost, until this process is stopped or the sidecar cannot be reached.
+With --again, the campaign stands again after CMD exits (whatever its code)
+or the leadership is lost, until the sidecar cannot be reached or this
+process is stopped: SIGTERM or SIGINT goes to CMD while it runs (the exit is
+then CMD's), and ends the campaign at once while following (128+N).
 
 Environment read: SIDELOCK_URL (--url), SIDELOCK_API_TOKEN (--api-token).
 Environment CMD sees: SIDELOCK_ELECTION (the election's name),
@@ -63,16 +65,124 @@ pub struct CampaignArgs {
 
 /// Campaigns, runs `args.command` while leading; returns the exit code.
 pub async fn campaign(args: CampaignArgs) -> i32 {
+    if !args.again {
+        // Stopped while following by the signal's default action, as
+        // nothing listens for it before the term.
+        return match lead_once(&args, &Stop::default()).await {
+            Term::Ran(code) | Term::Failed(code) => code,
+            Term::Stopped(signal) => 128 + signal,
+        };
+    }
+    // A term's listeners for SIGTERM and SIGINT (which pass them to CMD)
+    // stay for the process's life, and the signals' default action (to
+    // end it) with them: heard here, they end the loop.
+    let stop = Stop::listen();
     loop {
-        let code = lead_once(&args).await;
-        if !args.again || code == EXIT_UNAVAILABLE || code == EXIT_CANNOT_EXEC {
-            return code;
+        let term = lead_once(&args, &stop).await;
+        if let Some(signal) = stop.signal() {
+            return match term {
+                // CMD got the signal too: its exit is the process's.
+                Term::Ran(code) | Term::Failed(code) => code,
+                Term::Stopped(_) => 128 + signal,
+            };
+        }
+        match term {
+            Term::Ran(_) => {}
+            Term::Failed(code) => return code,
+            Term::Stopped(signal) => return 128 + signal,
         }
     }
 }
 
+/// How one campaign ended.
+enum Term {
+    /// CMD ran as leader and ended with this code (its own, 128+N when
+    /// killed by signal N, or 76 when the leadership was lost).
+    Ran(i32),
+    /// sidelock's own failure before CMD ran: the sidecar cannot be reached
+    /// or refused (69), CMD cannot start (127).
+    Failed(i32),
+    /// Stopped by signal N before leading.
+    Stopped(i32),
+}
+
+/// The stop signals (SIGTERM, SIGINT) this process heard, once it listens.
+#[derive(Default)]
+struct Stop {
+    heard: tokio_util::sync::CancellationToken,
+    /// The first signal's number.
+    signal: std::sync::Arc<std::sync::atomic::AtomicI32>,
+}
+
+impl Stop {
+    /// Listens from now on, for the process's life.
+    fn listen() -> Self {
+        use tokio::signal::unix::{SignalKind, signal};
+        let stop = Self::default();
+        let (heard, number) = (stop.heard.clone(), stop.signal.clone());
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::spawn(async move {
+                let n = tokio::select! {
+                    _ = term.recv() => libc::SIGTERM,
+                    _ = int.recv() => libc::SIGINT,
+                };
+                number.store(n, std::sync::atomic::Ordering::Relaxed);
+                heard.cancel();
+            });
+        }
+        stop
+    }
+
+    /// The signal heard, if any.
+    fn signal(&self) -> Option<i32> {
+        self.heard
+            .is_cancelled()
+            .then(|| self.signal.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
 /// One campaign: waits for the leadership, runs the command while it lasts.
-async fn lead_once(args: &CampaignArgs) -> i32 {
+async fn lead_once(args: &CampaignArgs, stop: &Stop) -> Term {
+    let (mut events, leadership) = tokio::select! {
+        led = lead(args) => match led {
+            Ok(led) => led,
+            Err(code) => return Term::Failed(code),
+        },
+        () = stop.heard.cancelled() => {
+            return Term::Stopped(stop.signal().unwrap_or(libc::SIGTERM));
+        }
+    };
+    let fence = field(&leadership, "fence").map(|f| f.to_string());
+    let mut command = Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .env("SIDELOCK_ELECTION", &args.name)
+        .env("SIDELOCK_FENCE", fence.unwrap_or_default());
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sidelock campaign: cannot start {:?}: {e}", args.command[0]);
+            return Term::Failed(EXIT_CANNOT_EXEC);
+        }
+    };
+    if let (Some(signal), Some(pid)) = (stop.signal(), child.id()) {
+        // Heard as CMD started, before its supervision listens: passed on.
+        if let (Ok(pid), Ok(signal)) = (
+            i32::try_from(pid),
+            nix::sys::signal::Signal::try_from(signal),
+        ) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+        }
+    }
+    Term::Ran(supervise(&mut child, &mut events, "campaign", &leadership).await)
+}
+
+/// Opens the campaign and waits for its leadership: the stream and the
+/// `leader` event's data, or the exit code of a failure.
+async fn lead(args: &CampaignArgs) -> Result<(crate::run::Events, String), i32> {
     let pairs: Vec<(&str, &str)> = [
         ("ttl", &args.ttl),
         ("value", &args.value),
@@ -84,12 +194,12 @@ async fn lead_once(args: &CampaignArgs) -> i32 {
     let segments = ["elections", args.name.as_str(), "campaign"];
     let mut events = match open_stream(&args.sidecar, &segments, &pairs, "campaign").await {
         Ok(events) => events,
-        Err(code) => return code,
+        Err(code) => return Err(code),
     };
     let leadership = loop {
         let Some(msg) = next_event(&mut events).await else {
             eprintln!("sidelock campaign: the sidecar closed the stream before this campaign led");
-            return EXIT_UNAVAILABLE;
+            return Err(EXIT_UNAVAILABLE);
         };
         match msg.event.as_str() {
             "leader" => break msg.data,
@@ -116,22 +226,9 @@ async fn lead_once(args: &CampaignArgs) -> i32 {
             }
             other => {
                 eprintln!("sidelock campaign: {other} before leading: {}", msg.data);
-                return EXIT_UNAVAILABLE;
+                return Err(EXIT_UNAVAILABLE);
             }
         }
     };
-    let fence = field(&leadership, "fence").map(|f| f.to_string());
-    let mut command = Command::new(&args.command[0]);
-    command
-        .args(&args.command[1..])
-        .env("SIDELOCK_ELECTION", &args.name)
-        .env("SIDELOCK_FENCE", fence.unwrap_or_default());
-    let mut child = match command.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("sidelock campaign: cannot start {:?}: {e}", args.command[0]);
-            return EXIT_CANNOT_EXEC;
-        }
-    };
-    supervise(&mut child, &mut events, "campaign", &leadership).await
+    Ok((events, leadership))
 }

@@ -114,6 +114,11 @@ impl RunGuard {
         self.child.log()
     }
 
+    /// Sends `signal` to the sidelock process alone (not to CMD).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        self.child.signal(signal);
+    }
+
     pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         self.child.wait_exit(timeout).await
     }

@@ -520,6 +520,72 @@ mod campaign_command {
         }
         drop(run);
     }
+
+    /// `--again` stops when its process is told to (SIGTERM, as Kubernetes
+    /// stops a pod): its CMD gets the signal and no term follows. The first
+    /// term's signal handlers stayed for the process's life, so SIGTERM
+    /// only reached CMD, and the campaign stood again (and while following,
+    /// it was not heard at all) until SIGKILL.
+    #[tokio::test]
+    async fn again_stops_when_told_to_and_stands_no_more() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let mut run = RunBuilder::campaign(sidecar.base_url(), &unique_name("cli-stopped"))
+            .arg("--again")
+            .sh("echo term >> terms; exec sleep 30")
+            .spawn();
+        run.wait_for_file("terms").await;
+        run.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = run.wait_exit(Duration::from_secs(10)).await;
+        let terms = std::fs::read_to_string(run.file("terms")).unwrap_or_default();
+        assert_eq!(terms.lines().count(), 1, "a term after SIGTERM: {status}");
+        assert_eq!(status.code(), Some(128 + 15), "{}", run.log());
+    }
+
+    /// The same while following: the leader is another campaign, and this
+    /// one, between terms, stops at once.
+    #[tokio::test]
+    async fn again_stops_while_following_when_told_to() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let name = unique_name("cli-following");
+        let mut run = RunBuilder::campaign(sidecar.base_url(), &name)
+            .arg("--again")
+            .sh("echo term >> terms")
+            .spawn();
+        run.wait_for_file("terms").await;
+        // Another campaign leads now: this one follows.
+        let api = sidecar.api();
+        let mut other = campaign(&api, &name, &[("owner", "other")]).await;
+        other
+            .wait_for("leading", EVENT_TIMEOUT, |e| e.event == "leader")
+            .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        run.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = run.wait_exit(Duration::from_secs(10)).await;
+        assert_eq!(status.code(), Some(128 + 15), "{}", run.log());
+    }
+
+    /// With `--again`, CMD's own exit code ends no loop, whatever it is: 69
+    /// and 127, sidelock's own codes for an unreachable sidecar and a CMD
+    /// that cannot start, ended it for good when CMD exited with them (a
+    /// worker's `EX_UNAVAILABLE`, a shell's missing command).
+    #[tokio::test]
+    async fn again_stands_again_whatever_cmd_exits_with() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let run = RunBuilder::campaign(sidecar.base_url(), &unique_name("cli-sixty-nine"))
+            .arg("--again")
+            .sh("echo term >> terms; exit 69")
+            .spawn();
+        let terms = run.file("terms");
+        eventually("three terms", EVENT_TIMEOUT, async || {
+            let text = std::fs::read_to_string(&terms).unwrap_or_default();
+            (text.lines().count() >= 3).then_some(())
+        })
+        .await;
+        drop(run);
+    }
 }
 
 /// The sidecar's event stream (`/v1/events`, the dashboard's) named a
