@@ -169,6 +169,19 @@ impl Wakeups {
         true
     }
 
+    /// Anything may have changed, unheard (notifications missed while the
+    /// backend's connection was down): every local waiter looks again, as
+    /// in [`wake_all`](Self::wake_all), and every observer.
+    pub fn wake_everyone(&self) {
+        for key in self.keys() {
+            self.wake_all(&key);
+        }
+        let observers: Vec<Arc<Notify>> = lock(&self.observers).values().cloned().collect();
+        for notify in observers {
+            notify.notify_one();
+        }
+    }
+
     /// Something changed on `key` that lets no waiter in (a new holder was
     /// announced): tell its observer only. [`wake`](Self::wake) tells it too.
     pub fn changed(&self, key: &LockKey) {

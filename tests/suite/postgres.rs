@@ -1221,6 +1221,59 @@ async fn a_release_missed_while_the_listen_connection_was_down_still_wakes_the_w
     .await;
 }
 
+/// An election's observer hears of a new leader whose announcement came
+/// while its sidecar's LISTEN connection was down: on reconnecting, the
+/// sidecar woke its local waiters only, and the observer went on naming the
+/// leader that had resigned until its own look 30 s later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_hears_of_a_leader_announced_while_the_listen_connection_was_down() {
+    let backend = postgres().await;
+    let id = unique_name("observing");
+    let observing = backend.sidecar().sidecar_id(&id).start().await;
+    let campaigning = backend.start_sidecar().await;
+    let name = unique_name("led");
+    let campaign = |owner: &'static str| {
+        let api = campaigning.api();
+        let name = name.clone();
+        async move {
+            api.open_stream(
+                &["v1", "elections", &name, "campaign"],
+                &[("owner", owner), ("ttl", "60s")],
+            )
+            .await
+        }
+    };
+    let mut first = campaign("first").await;
+    first
+        .wait_for("first leads", EVENT_TIMEOUT, |e| e.event == "leader")
+        .await;
+    let mut observer = observing
+        .api()
+        .open_stream(&["v1", "elections", &name, "observe"], &[])
+        .await;
+    let leads = |owner: &'static str| {
+        move |e: &common::sse::SseEvent| e.event == "leader" && e.json()["owner"] == owner
+    };
+    observer
+        .wait_for("the first leader observed", EVENT_TIMEOUT, leads("first"))
+        .await;
+    let client = schema(&backend).client().await;
+    end_listen_connection(&client, &id).await;
+    // Before the sidecar has reconnected (it waits 250 ms first).
+    drop(first);
+    let mut second = campaign("second").await;
+    second
+        .wait_for("second leads", EVENT_TIMEOUT, |e| e.event == "leader")
+        .await;
+    observer
+        .wait_for(
+            "the second leader observed",
+            Duration::from_secs(5),
+            leads("second"),
+        )
+        .await;
+}
+
 /// Two waiters of one sidecar passed by while its LISTEN connection was
 /// down: the release's handoff took the first one's row as a dead
 /// sidecar's, and the second one's in the same breath (the instance's

@@ -152,9 +152,8 @@ impl Inner {
     /// went to a claim queued later through another sidecar).
     async fn rejoin(&self) {
         self.put_rows_back().await;
-        for key in self.wakeups.keys() {
-            self.wakeups.wake_all(&key);
-        }
+        // Observers too: a new leader's announcement may have been missed.
+        self.wakeups.wake_everyone();
     }
 
     /// [`Inner::rejoin`]'s statement, and the removal of rows it put back
