@@ -19,7 +19,7 @@ use super::{
     StaleKey, State, Status, Summary, Ticket, Turn, Waiter, Watch,
 };
 use crate::clock::{ms, now_ms};
-use crate::lock::{Claim, Held, Kind, LockKey, Mode, Token};
+use crate::lock::{Claim, Held, Kind, LockKey, Mode, Name, Token};
 use crate::wakeups::Wakeups;
 
 /// The in-process backend.
@@ -28,6 +28,9 @@ pub struct Memory {
     /// Source of ticket sequence numbers (global queue order).
     seq: AtomicU64,
     wakeups: Wakeups,
+    /// Entries a listing looked at, for the tests.
+    #[cfg(test)]
+    looked_at: std::sync::atomic::AtomicUsize,
 }
 
 /// Everything known about one key.
@@ -222,6 +225,8 @@ impl Memory {
             keys: Mutex::new(BTreeMap::new()),
             seq: AtomicU64::new(0),
             wakeups,
+            #[cfg(test)]
+            looked_at: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -459,28 +464,56 @@ impl Backend for Memory {
         let mut woken = Vec::new();
         let rows = {
             let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-            let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
             let mut rows = Vec::new();
-            for (key, e) in keys.range_mut((lower, Bound::Unbounded)) {
-                if rows.len() >= limit {
-                    break;
+            // Each kind's names that start with the prefix are together in
+            // the map: only they are looked at, not every name ever used
+            // (all kept, for their fences), under the backend's one mutex.
+            let mut spans = Vec::new();
+            if prefix.is_empty() {
+                spans.push((
+                    after.cloned().map_or(Bound::Unbounded, Bound::Excluded),
+                    None,
+                ));
+            } else if let Ok(start) = Name::parse(prefix) {
+                let mut kinds = [Kind::Lock, Kind::Semaphore, Kind::Election];
+                kinds.sort();
+                for kind in kinds {
+                    let first = LockKey {
+                        kind,
+                        name: start.clone(),
+                    };
+                    let lower = match after {
+                        Some(after) if *after >= first => Bound::Excluded(after.clone()),
+                        _ => Bound::Included(first),
+                    };
+                    spans.push((lower, Some(kind)));
                 }
-                if !key.name.as_str().starts_with(prefix) {
-                    continue;
+            }
+            'spans: for (lower, kind) in spans {
+                for (key, e) in keys.range_mut((lower, Bound::Unbounded)) {
+                    #[cfg(test)]
+                    self.looked_at.fetch_add(1, Ordering::Relaxed);
+                    if rows.len() >= limit {
+                        break 'spans;
+                    }
+                    if kind.is_some_and(|k| k != key.kind) || !key.name.as_str().starts_with(prefix)
+                    {
+                        break;
+                    }
+                    if e.prune(now) {
+                        woken.push(key.clone());
+                        e.trim();
+                    }
+                    if e.leases.is_empty() && e.queue.is_empty() {
+                        continue;
+                    }
+                    rows.push(Summary {
+                        key: key.clone(),
+                        holders: e.leases.len(),
+                        waiters: e.queue.len(),
+                        fence: e.fence,
+                    });
                 }
-                if e.prune(now) {
-                    woken.push(key.clone());
-                    e.trim();
-                }
-                if e.leases.is_empty() && e.queue.is_empty() {
-                    continue;
-                }
-                rows.push(Summary {
-                    key: key.clone(),
-                    holders: e.leases.len(),
-                    waiters: e.queue.len(),
-                    fence: e.fence,
-                });
             }
             rows
         };
@@ -715,5 +748,67 @@ mod tests {
         assert_eq!(busy.holders.len(), SHOWN_HOLDERS);
         assert_eq!(busy.omitted, held as usize - SHOWN_HOLDERS);
         assert_eq!(busy.holders[0].owner, "holder-0");
+    }
+
+    /// A listing by prefix looks at the names that start with it, not at
+    /// every name ever used (each is kept, for its fence) under the
+    /// backend's one mutex; pages by prefix and after a name go on across
+    /// kinds as before.
+    #[tokio::test]
+    async fn a_listing_by_prefix_looks_only_at_names_with_it() {
+        let memory = Memory::new(Wakeups::default());
+        for i in 0..1_000 {
+            let claim = claim(&format!("idle-{i}"));
+            let Attempt::Granted(g) = memory
+                .try_acquire(&claim, Turn::Once)
+                .await
+                .expect("acquire")
+            else {
+                panic!("not granted");
+            };
+            memory.release(&claim.key, &g.token).await.expect("release");
+        }
+        for claim in [
+            claim("held-a"),
+            claim("held-b"),
+            permit("held-c", "o", 2),
+            claim("other"),
+        ] {
+            memory
+                .try_acquire(&claim, Turn::Once)
+                .await
+                .expect("acquire");
+        }
+        let names = |rows: Vec<Summary>| -> Vec<String> {
+            rows.iter().map(|r| r.key.to_string()).collect()
+        };
+        let before = memory.looked_at.load(Ordering::Relaxed);
+        let all = memory.list("held-", None, 10).await.expect("list");
+        let looked = memory.looked_at.load(Ordering::Relaxed) - before;
+        assert_eq!(
+            names(all.clone()),
+            ["locks/held-a", "locks/held-b", "semaphores/held-c"]
+        );
+        assert!(looked <= 6, "{looked} entries looked at");
+        let first = memory.list("held-", None, 1).await.expect("list");
+        assert_eq!(names(first.clone()), ["locks/held-a"]);
+        let rest = memory
+            .list("held-", Some(&first[0].key), 10)
+            .await
+            .expect("list");
+        assert_eq!(names(rest), ["locks/held-b", "semaphores/held-c"]);
+        let after_kind = memory
+            .list("held-", Some(&all[2].key), 10)
+            .await
+            .expect("list");
+        assert!(after_kind.is_empty());
+        assert_eq!(memory.list("", None, 10).await.expect("list").len(), 4);
+        assert!(
+            memory
+                .list("no such/", None, 10)
+                .await
+                .expect("list")
+                .is_empty()
+        );
     }
 }
