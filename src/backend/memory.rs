@@ -621,25 +621,13 @@ mod tests {
         }
         assert_eq!(memory.keys.lock().unwrap().len(), 0);
         let claim = claim("granted");
-        let Attempt::Granted(grant) = memory
-            .try_acquire(&claim, Turn::Once)
-            .await
-            .expect("acquire")
-        else {
-            panic!("not granted");
-        };
+        let grant = granted(&memory, &claim).await;
         memory
             .release(&claim.key, &grant.token)
             .await
             .expect("release");
         assert_eq!(memory.keys.lock().unwrap().len(), 1);
-        let Attempt::Granted(again) = memory
-            .try_acquire(&claim, Turn::Once)
-            .await
-            .expect("acquire")
-        else {
-            panic!("not granted");
-        };
+        let again = granted(&memory, &claim).await;
         assert!(again.fence > grant.fence);
     }
 
@@ -662,6 +650,14 @@ mod tests {
         }
         let stale = memory.stale(Duration::ZERO).await.expect("stale");
         assert!(stale.is_empty(), "{stale:?}");
+    }
+
+    /// `claim`'s grant, tried once: it must be granted.
+    async fn granted(memory: &Memory, claim: &Claim) -> Grant {
+        match memory.try_acquire(claim, Turn::Once).await {
+            Ok(Attempt::Granted(g)) => g,
+            other => panic!("not granted: {other:?}"),
+        }
     }
 
     /// A semaphore claim of `name` by `owner`, with `limit` permits.
@@ -687,13 +683,7 @@ mod tests {
         let mut tokens = Vec::new();
         for i in 0..N {
             let claim = permit("busiest", &format!("holder-{i}"), N);
-            let Attempt::Granted(g) = memory
-                .try_acquire(&claim, Turn::Once)
-                .await
-                .expect("acquire")
-            else {
-                panic!("not granted");
-            };
+            let g = granted(&memory, &claim).await;
             tokens.push(g.token);
         }
         let waiter = permit("busiest", "waiter", N);
@@ -759,13 +749,7 @@ mod tests {
         let memory = Memory::new(Wakeups::default());
         for i in 0..1_000 {
             let claim = claim(&format!("idle-{i}"));
-            let Attempt::Granted(g) = memory
-                .try_acquire(&claim, Turn::Once)
-                .await
-                .expect("acquire")
-            else {
-                panic!("not granted");
-            };
+            let g = granted(&memory, &claim).await;
             memory.release(&claim.key, &g.token).await.expect("release");
         }
         for claim in [
