@@ -6,12 +6,14 @@
 //! it) and resigns the moment this process exits, however it exits. When the
 //! leadership is lost the command gets SIGTERM, then SIGKILL after a grace.
 
+use std::time::Duration;
+
 use clap::Args;
 use tokio::process::Command;
 
 use crate::run::{
-    EXIT_CANNOT_EXEC, EXIT_UNAVAILABLE, SidecarArgs, field, next_event, open_stream, run_duration,
-    supervise,
+    EXIT_CANNOT_EXEC, EXIT_UNAVAILABLE, SidecarArgs, Stop, field, next_event, open_stream,
+    run_duration, supervise,
 };
 
 /// What `sidelock campaign --help` adds below the flags.
@@ -28,6 +30,7 @@ With --again, the campaign stands again after CMD exits (whatever its code)
 or the leadership is lost, until the sidecar cannot be reached or this
 process is stopped: SIGTERM or SIGINT goes to CMD while it runs (the exit is
 then CMD's), and ends the campaign at once while following (128+N).
+Terms that end within 1 s are spaced out (200 ms doubling to 5 s).
 
 Environment read: SIDELOCK_URL (--url), SIDELOCK_API_TOKEN (--api-token).
 Environment CMD sees: SIDELOCK_ELECTION (the election's name),
@@ -68,17 +71,19 @@ pub async fn campaign(args: CampaignArgs) -> i32 {
     if !args.again {
         // Stopped while following by the signal's default action, as
         // nothing listens for it before the term.
-        return match lead_once(&args, &Stop::default()).await {
+        return match lead_once(&args, None).await {
             Term::Ran(code) | Term::Failed(code) => code,
             Term::Stopped(signal) => 128 + signal,
         };
     }
     // A term's listeners for SIGTERM and SIGINT (which pass them to CMD)
-    // stay for the process's life, and the signals' default action (to
-    // end it) with them: heard here, they end the loop.
+    // would stay for the process's life, and the signals' default action
+    // (to end it) with them: one listener for the whole loop ends it.
     let stop = Stop::listen();
+    let mut pause = Duration::ZERO;
     loop {
-        let term = lead_once(&args, &stop).await;
+        let began = tokio::time::Instant::now();
+        let term = lead_once(&args, Some(&stop)).await;
         if let Some(signal) = stop.signal() {
             return match term {
                 // CMD got the signal too: its exit is the process's.
@@ -91,8 +96,26 @@ pub async fn campaign(args: CampaignArgs) -> i32 {
             Term::Failed(code) => return code,
             Term::Stopped(signal) => return 128 + signal,
         }
+        // A CMD that fails at once (a missing binary, a bad config) would
+        // lead and resign as fast as the sidecar answers: terms that end
+        // quickly are spaced out, more and more.
+        pause = if began.elapsed() < QUICK_TERM {
+            (pause * 2).clamp(MIN_PAUSE, MAX_PAUSE)
+        } else {
+            Duration::ZERO
+        };
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            signal = stop.heard() => return 128 + signal,
+        }
     }
 }
+
+/// A term shorter than this (from campaigning to CMD's exit) is followed
+/// by a pause before the next, from [`MIN_PAUSE`] doubling to [`MAX_PAUSE`].
+const QUICK_TERM: Duration = Duration::from_secs(1);
+const MIN_PAUSE: Duration = Duration::from_millis(200);
+const MAX_PAUSE: Duration = Duration::from_secs(5);
 
 /// How one campaign ended.
 enum Term {
@@ -102,59 +125,29 @@ enum Term {
     /// sidelock's own failure before CMD ran: the sidecar cannot be reached
     /// or refused (69), CMD cannot start (127).
     Failed(i32),
-    /// Stopped by signal N before leading.
+    /// Stopped by signal N before CMD started.
     Stopped(i32),
 }
 
-/// The stop signals (SIGTERM, SIGINT) this process heard, once it listens.
-#[derive(Default)]
-struct Stop {
-    heard: tokio_util::sync::CancellationToken,
-    /// The first signal's number.
-    signal: std::sync::Arc<std::sync::atomic::AtomicI32>,
-}
-
-impl Stop {
-    /// Listens from now on, for the process's life.
-    fn listen() -> Self {
-        use tokio::signal::unix::{SignalKind, signal};
-        let stop = Self::default();
-        let (heard, number) = (stop.heard.clone(), stop.signal.clone());
-        if let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            tokio::spawn(async move {
-                let n = tokio::select! {
-                    _ = term.recv() => libc::SIGTERM,
-                    _ = int.recv() => libc::SIGINT,
-                };
-                number.store(n, std::sync::atomic::Ordering::Relaxed);
-                heard.cancel();
-            });
-        }
-        stop
-    }
-
-    /// The signal heard, if any.
-    fn signal(&self) -> Option<i32> {
-        self.heard
-            .is_cancelled()
-            .then(|| self.signal.load(std::sync::atomic::Ordering::Relaxed))
-    }
-}
-
-/// One campaign: waits for the leadership, runs the command while it lasts.
-async fn lead_once(args: &CampaignArgs, stop: &Stop) -> Term {
+/// One campaign: waits for the leadership, runs the command while it
+/// lasts. `stop`: the signals the loop listens for (none without
+/// `--again`: the command's supervision listens while it runs).
+async fn lead_once(args: &CampaignArgs, stop: Option<&Stop>) -> Term {
+    let deaf = Stop::deaf();
+    let listening = stop.unwrap_or(&deaf);
     let (mut events, leadership) = tokio::select! {
+        biased;
+        signal = listening.heard() => return Term::Stopped(signal),
         led = lead(args) => match led {
             Ok(led) => led,
             Err(code) => return Term::Failed(code),
         },
-        () = stop.heard.cancelled() => {
-            return Term::Stopped(stop.signal().unwrap_or(libc::SIGTERM));
-        }
     };
+    // Heard as the leadership came: CMD does not start (the stream,
+    // dropped, resigns).
+    if let Some(signal) = listening.signal() {
+        return Term::Stopped(signal);
+    }
     let fence = field(&leadership, "fence").map(|f| f.to_string());
     let mut command = Command::new(&args.command[0]);
     command
@@ -168,16 +161,7 @@ async fn lead_once(args: &CampaignArgs, stop: &Stop) -> Term {
             return Term::Failed(EXIT_CANNOT_EXEC);
         }
     };
-    if let (Some(signal), Some(pid)) = (stop.signal(), child.id()) {
-        // Heard as CMD started, before its supervision listens: passed on.
-        if let (Ok(pid), Ok(signal)) = (
-            i32::try_from(pid),
-            nix::sys::signal::Signal::try_from(signal),
-        ) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
-        }
-    }
-    Term::Ran(supervise(&mut child, &mut events, "campaign", &leadership).await)
+    Term::Ran(supervise(&mut child, &mut events, "campaign", &leadership, stop).await)
 }
 
 /// Opens the campaign and waits for its leadership: the stream and the

@@ -257,7 +257,7 @@ pub async fn run(args: RunArgs) -> i32 {
             return EXIT_CANNOT_EXEC;
         }
     };
-    supervise(&mut child, &mut events, "run", &acquired).await
+    supervise(&mut child, &mut events, "run", &acquired, None).await
 }
 
 /// When to stop the command unless a newer renewal comes, for the lease
@@ -274,24 +274,98 @@ fn give_up_at(data: &str) -> Option<tokio::time::Instant> {
     Some(tokio::time::Instant::now() + Duration::from_millis(ttl - margin))
 }
 
+/// The stop signals (SIGTERM, SIGINT) a process heard, from the moment it
+/// listens ([`Stop::listen`]) for the rest of its life: one listener, so
+/// that a signal heard at any moment (before a command starts, as it
+/// starts, while it runs) is never missed, and whoever asks later knows.
+pub(crate) struct Stop {
+    /// How many were heard, and the last one's number.
+    heard: tokio::sync::watch::Receiver<(u32, i32)>,
+    /// The first one's number (0: none yet).
+    first: std::sync::Arc<std::sync::atomic::AtomicI32>,
+}
+
+impl Stop {
+    /// Listens from now on (the signals' default action, ending the
+    /// process, is gone with that).
+    pub(crate) fn listen() -> Self {
+        let (tell, heard) = tokio::sync::watch::channel((0, 0));
+        let first = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let first_heard = first.clone();
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::spawn(async move {
+                loop {
+                    let n = tokio::select! {
+                        _ = term.recv() => Signal::SIGTERM,
+                        _ = int.recv() => Signal::SIGINT,
+                    } as i32;
+                    let _ = first_heard.compare_exchange(
+                        0,
+                        n,
+                        std::sync::atomic::Ordering::Relaxed,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    tell.send_modify(|(count, last)| (*count, *last) = (*count + 1, n));
+                }
+            });
+        }
+        Self { heard, first }
+    }
+
+    /// A stop that never hears anything (nobody listens for it).
+    pub(crate) fn deaf() -> Self {
+        let (_, heard) = tokio::sync::watch::channel((0, 0));
+        Self {
+            heard,
+            first: std::sync::Arc::default(),
+        }
+    }
+
+    /// The first signal heard, if any.
+    pub(crate) fn signal(&self) -> Option<i32> {
+        let (count, _) = *self.heard.borrow();
+        (count > 0).then(|| self.first.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Once a signal has been heard (at once if one was): the first.
+    pub(crate) async fn heard(&self) -> i32 {
+        let mut heard = self.heard.clone();
+        if heard.wait_for(|(count, _)| *count > 0).await.is_err() {
+            // Nobody listens: nothing will be heard.
+            std::future::pending::<()>().await;
+        }
+        self.first.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Waits for the command while watching the hold stream (`granted`: the
 /// data of the event that granted the lease) and forwarding SIGTERM/SIGINT
-/// to the command.
+/// to the command: those `stop` hears, or, without one, those heard from
+/// now on.
 pub(crate) async fn supervise<S, E>(
     child: &mut Child,
     events: &mut S,
     who: &str,
     granted: &str,
+    stop: Option<&Stop>,
 ) -> i32
 where
     S: Stream<Item = Result<Event, E>> + Unpin,
 {
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return exit_code(child.wait().await);
+    let listened;
+    let stop = match stop {
+        Some(stop) => stop,
+        None => {
+            listened = Stop::listen();
+            &listened
+        }
     };
+    // Every signal heard is passed on, those heard before CMD started too.
+    let mut heard = stop.heard.clone();
+    heard.mark_changed();
     let pid = child
         .id()
         .and_then(|p| i32::try_from(p).ok())
@@ -311,8 +385,12 @@ where
         };
         tokio::select! {
             status = child.wait() => return exit_code(status),
-            _ = term.recv() => send(Signal::SIGTERM),
-            _ = int.recv() => send(Signal::SIGINT),
+            Ok(()) = heard.changed() => {
+                let (count, n) = *heard.borrow_and_update();
+                if count > 0 {
+                    send(Signal::try_from(n).unwrap_or(Signal::SIGTERM));
+                }
+            }
             () = expired => {
                 break "no renewal from the sidecar as the lease's end drew near".to_owned();
             }

@@ -169,13 +169,9 @@ impl Wakeups {
         true
     }
 
-    /// Anything may have changed, unheard (notifications missed while the
-    /// backend's connection was down): every local waiter looks again, as
-    /// in [`wake_all`](Self::wake_all), and every observer.
-    pub fn wake_everyone(&self) {
-        for key in self.keys() {
-            self.wake_all(&key);
-        }
+    /// Every observer looks again: changes may have gone unheard
+    /// (notifications missed while the backend's connection was down).
+    pub fn wake_observers(&self) {
         let observers: Vec<Arc<Notify>> = lock(&self.observers).values().cloned().collect();
         for notify in observers {
             notify.notify_one();

@@ -151,9 +151,13 @@ impl Inner {
     /// the head: a release, or permits freed together, in the meantime
     /// went to a claim queued later through another sidecar).
     async fn rejoin(&self) {
+        // Observers need no rows back, only to look: a leader announced
+        // meanwhile is read at once, whatever the pool's wait.
+        self.wakeups.wake_observers();
         self.put_rows_back().await;
-        // Observers too: a new leader's announcement may have been missed.
-        self.wakeups.wake_everyone();
+        for key in self.wakeups.keys() {
+            self.wakeups.wake_all(&key);
+        }
     }
 
     /// [`Inner::rejoin`]'s statement, and the removal of rows it put back

@@ -566,6 +566,25 @@ mod campaign_command {
         assert_eq!(status.code(), Some(128 + 15), "{}", run.log());
     }
 
+    /// With `--again`, a CMD that fails at once (a missing binary, a bad
+    /// config) does not lead and resign as fast as the sidecar answers:
+    /// quick terms are spaced out, more and more (hundreds of terms in 3 s
+    /// before).
+    #[tokio::test]
+    async fn again_spaces_out_terms_that_end_at_once() {
+        let backend = TestBackend::Memory.start().await;
+        let sidecar = backend.start_sidecar().await;
+        let run = RunBuilder::campaign(sidecar.base_url(), &unique_name("cli-quick"))
+            .arg("--again")
+            .sh("echo term >> terms; exit 3")
+            .spawn();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let terms = std::fs::read_to_string(run.file("terms")).unwrap_or_default();
+        let terms = terms.lines().count();
+        assert!((2..=8).contains(&terms), "{terms} terms in 3 s");
+        drop(run);
+    }
+
     /// With `--again`, CMD's own exit code ends no loop, whatever it is: 69
     /// and 127, sidelock's own codes for an unreachable sidecar and a CMD
     /// that cannot start, ended it for good when CMD exited with them (a
