@@ -1175,6 +1175,18 @@ async fn queue_behind_a_lease_of(backend: &BackendGuard, ttl: &str) -> Queued {
     }
 }
 
+/// How many LISTEN connections sidecar `id` has open.
+async fn listen_connections(client: &tokio_postgres::Client, id: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("sidelock {id} listen")],
+        )
+        .await
+        .expect("read pg_stat_activity")
+        .get(0)
+}
+
 /// Ends sidecar `id`'s LISTEN connection's session, waiting until it is gone.
 async fn end_listen_connection(client: &tokio_postgres::Client, id: &str) {
     let killed: Vec<bool> = client
@@ -1271,15 +1283,7 @@ async fn an_observer_hears_of_a_leader_announced_while_the_listen_connection_was
         second
             .wait_for("second leads", EVENT_TIMEOUT, |e| e.event == "leader")
             .await;
-        let back: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-                &[&format!("sidelock {id} listen")],
-            )
-            .await
-            .expect("look for the LISTEN connection")
-            .get(0);
-        if back > 0 {
+        if listen_connections(&client, &id).await > 0 {
             continue;
         }
         observer
@@ -1653,17 +1657,7 @@ async fn a_listen_connection_coming_back_does_not_end_a_release_checking_its_sid
     eventually(
         "the sidecar's LISTEN connection to come back",
         EVENT_TIMEOUT,
-        async || {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-                    &[&format!("sidelock {id} listen")],
-                )
-                .await
-                .expect("read pg_stat_activity")
-                .get(0);
-            (n == 1).then_some(())
-        },
+        async || (listen_connections(&client, &id).await == 1).then_some(()),
     )
     .await;
     // Past its try for the lock (and, before, its ending of the holder).
