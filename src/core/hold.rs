@@ -451,8 +451,11 @@ impl Core {
                 };
                 match received {
                     Ok(token) => {
+                        // Past its expiry or cap here, it ended by that
+                        // (another sidecar deleted a lease re-entered here
+                        // as it expired).
                         if let Some(local) = me.local(&token) {
-                            me.end(&local, End::Lost(LostReason::Backend));
+                            me.end(&local, End::Lost(lapse_reason(&local)));
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {

@@ -1016,6 +1016,134 @@ async fn a_lease_reported_lost_is_never_re_entered_through_its_sidecar() {
     assert!(granted.fence > first.fence);
 }
 
+// A lease re-entered through another sidecar lives in the session of the
+// sidecar that granted it. When that session ends (its sidecar killed, and
+// the server expires it), the node goes and the next waiter is granted at
+// once — but the re-entering sidecar's hold stream learned of it only at
+// its next renewal, a third of its ttl later (20 s here), holding on in
+// the client's eyes beside the new holder. It now watches the node it
+// re-entered and reports the loss as the node goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_re_entered_through_another_sidecar_hears_at_once_that_its_lease_went() {
+    let server = ZkServer::start().await;
+    let url = format!("{}?session_timeout=4s", server.url("/reentered-gone"));
+    let a = SidecarBuilder::new(&url).start().await;
+    let b = SidecarBuilder::new(&url).start().await;
+    let name = unique_name("reentered-gone");
+    let mut first = a
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "o"), ("ttl", "60s")])
+        .await;
+    let granted = first.expect_acquired().await;
+    // Written held for good (no longer tentative), so that another sidecar
+    // re-enters it.
+    a.api().lock(&name).keepalive(&granted.token, &[]).await;
+    let mut again = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "o"), ("ttl", "60s")])
+        .await;
+    let reentered = again.expect_acquired().await;
+    assert_eq!(reentered.token, granted.token, "not a re-entry");
+    assert_eq!(reentered.count, 2);
+    let waiter = {
+        let lock = b.api().lock(&name);
+        tokio::spawn(async move {
+            let grant = lock
+                .acquire(&[("owner", "w"), ("ttl", "60s"), ("wait", "30s")])
+                .await;
+            (grant, Instant::now())
+        })
+    };
+    common::eventually("w waits", Duration::from_secs(10), async || {
+        (b.api().lock(&name).inspect().await.waiters.len() == 1).then_some(())
+    })
+    .await;
+
+    a.signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    assert_eq!(
+        again.expect_lost_within(Duration::from_secs(12)).await,
+        "backend"
+    );
+    let lost_at = Instant::now();
+    let (grant, granted_at) = waiter.await.expect("w's acquire");
+    assert_eq!(grant.owner, "w");
+    // As the node went: not a renewal later.
+    let late = lost_at.saturating_duration_since(granted_at);
+    assert!(
+        late < Duration::from_secs(2),
+        "the re-entered hold heard it was lost {late:?} after the next holder was granted \
+         ({:?} after its first sidecar was killed)",
+        lost_at - killed
+    );
+    b.api().lock(&name).keepalive_lost(&granted.token).await;
+}
+
+// The other side of the watch above: a lease re-entered through a sidecar
+// that then ends it itself — its last hold released there, or a
+// force-release through it — is no loss there. The watch fires as the
+// node goes, before the deleting request's answer; a loss reported then
+// would end the lease here as `lost` (410 to the release, `backend`
+// where `force_released` is due).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_re_entered_here_and_ended_here_is_no_loss() {
+    const ADMIN: &str = "admin-secret-token";
+    let server = ZkServer::start().await;
+    let url = server.url("/reentered-ended");
+    let a = SidecarBuilder::new(&url).start().await;
+    let b = SidecarBuilder::new(&url).admin_token(ADMIN).start().await;
+    let lost = async || b.api().metric_sum("sidelock_lost_total", "").await;
+    let re_enter = async |name: &str| {
+        let first = a
+            .api()
+            .lock(name)
+            .acquire(&[("owner", "o"), ("ttl", "60s")])
+            .await;
+        // Written held for good (no longer tentative), so that another
+        // sidecar re-enters it.
+        a.api().lock(name).keepalive(&first.token, &[]).await;
+        first
+    };
+
+    // Released through the first sidecar, then the last hold through this one.
+    for round in 0..5 {
+        let name = unique_name("reentered-ended");
+        let first = re_enter(&name).await;
+        let again = b
+            .api()
+            .lock(&name)
+            .acquire(&[("owner", "o"), ("ttl", "60s")])
+            .await;
+        assert_eq!(
+            (again.token.as_str(), again.count),
+            (first.token.as_str(), 2)
+        );
+        assert_eq!(a.api().lock(&name).release(&first.token).await.count, 1);
+        let last = b.api().lock(&name).release(&first.token).await;
+        assert!(last.released && last.count == 0, "round {round}");
+    }
+    // A hold re-entered through this sidecar, force-released through it.
+    let name = unique_name("reentered-ended");
+    let first = re_enter(&name).await;
+    let mut held = b
+        .api()
+        .lock(&name)
+        .hold(&[("owner", "o"), ("ttl", "60s")])
+        .await;
+    assert_eq!(held.expect_acquired().await.count, 2);
+    assert_eq!(b.api_with_token(ADMIN).lock(&name).force_release().await, 1);
+    assert_eq!(
+        held.expect_lost_within(Duration::from_secs(5)).await,
+        "force_released"
+    );
+    a.api().lock(&name).keepalive_lost(&first.token).await;
+    // Nothing more came of the watches.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(lost().await, 1.0, "only the force-release is a loss here");
+}
+
 /// DESIGN.md: after a lease ends by loss rather than by release, the lock
 /// is not granted again for its `lock_delay`. A ZooKeeper session that ends
 /// deletes its nodes without a word: a sidecar killed with its leases loses

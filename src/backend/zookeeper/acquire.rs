@@ -376,7 +376,7 @@ impl Inner {
     /// granting sidecar lost the answer of its grant has none yet). `None`
     /// when either changed meanwhile.
     async fn reenter(
-        &self,
+        self: &Arc<Self>,
         zk: &zk::Client,
         lease: &Lease,
         claim: &Claim,
@@ -423,11 +423,16 @@ impl Inner {
             }
         };
         let token = Token::from_client(next.token.clone());
-        if let Some(zk::MultiWriteResult::SetData { stat }) = results.first()
-            && let Some(record) = lock(&self.leases).get_mut(&token)
-        {
-            record.lease.data = next.clone();
-            record.lease.version = stat.version;
+        let ours = match (results.first(), lock(&self.leases).get_mut(&token)) {
+            (Some(zk::MultiWriteResult::SetData { stat }), Some(record)) => {
+                record.lease.data = next.clone();
+                record.lease.version = stat.version;
+                true
+            }
+            (_, record) => record.is_some(),
+        };
+        if !ours {
+            self.follow_reentered(zk, &claim.key, &lease.path, &token);
         }
         Ok(Some(Grant {
             token,

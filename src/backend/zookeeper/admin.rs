@@ -344,7 +344,19 @@ impl Inner {
                 };
                 let now = self.clock.now();
                 add_end_record(&mut writer, OP, &parent, &listing, fence, until, now)?;
-                match commit(OP, writer.commit()).await? {
+                // Its holders here hear of it as a force-release, not as a
+                // loss (the watch of a lease re-entered here fires first).
+                let mark_ending = |on| {
+                    for e in &ending {
+                        self.ending(e.token.expose(), on);
+                    }
+                };
+                mark_ending(true);
+                let committed = commit(OP, writer.commit()).await?;
+                if committed.is_err() {
+                    mark_ending(false);
+                }
+                match committed {
                     Ok(_) => break 'read ending,
                     // A lease that ended meanwhile is left out (its end was
                     // recorded with it); a tentative grant that changed may

@@ -53,6 +53,90 @@ impl Inner {
         });
     }
 
+    /// Watches the node at `path` of the lease `token` on `key`, which
+    /// this sidecar re-entered and another one granted: the lease lives in
+    /// that sidecar's session, and ends with it (the server deletes the
+    /// node as it expires the session, and the next waiter is granted at
+    /// once). Its deletion is reported as the lease's loss
+    /// ([`Backend::losses`](crate::backend::Backend::losses)) unless this
+    /// sidecar was ending the lease itself ([`Inner::ending`]); without
+    /// it, this sidecar's holders heard of it at their next renewal, a
+    /// third of a ttl later. One children watch (it fires for the node's
+    /// deletion only, not for the writes of renewals): one request per
+    /// lease followed, and one task, until the node goes. A watch that
+    /// ends otherwise (the session ended) leaves the loss to the renewals.
+    pub(super) fn follow_reentered(
+        self: &Arc<Self>,
+        zk: &zk::Client,
+        key: &LockKey,
+        path: &str,
+        token: &Token,
+    ) {
+        if lock(&self.reentered).insert(token.clone(), false).is_some() {
+            // Followed already (and, re-entered just now, not ending).
+            return;
+        }
+        let (me, zk, key, path, token) = (
+            self.clone(),
+            zk.clone(),
+            key.clone(),
+            path.to_owned(),
+            token.clone(),
+        );
+        tokio::spawn(async move {
+            let gone = async {
+                let watched = call("watch", zk.list_and_watch_children(&path)).await;
+                // Not held while the watch waits: the last handle dropped
+                // closes a session this sidecar gave up (its watcher holds
+                // none).
+                drop(zk);
+                match watched {
+                    Ok(Ok((_, watcher))) => {
+                        watcher.changed().await.event_type == zk::EventType::NodeDeleted
+                    }
+                    // Gone already, between the re-entry and the watch.
+                    Ok(Err(zk::Error::NoNode)) => true,
+                    Ok(Err(e)) => {
+                        tracing::debug!(backend = "zookeeper", lock = %key, error = %e,
+                            "could not watch a lease re-entered here");
+                        false
+                    }
+                    Err(e) => {
+                        tracing::debug!(backend = "zookeeper", lock = %key, error = %e,
+                            "could not watch a lease re-entered here");
+                        false
+                    }
+                }
+            };
+            let gone = tokio::select! {
+                () = me.closing.cancelled() => false,
+                gone = gone => gone,
+            };
+            if lock(&me.reentered).remove(&token) == Some(false) && gone {
+                tracing::debug!(backend = "zookeeper", lock = %key,
+                    "a lease re-entered here ended in the sidecar that granted it");
+                // No receiver (the core not following) only means nobody listens.
+                let _ = me.losses.send(token);
+            }
+        });
+    }
+
+    /// Marks the followed lease `token` as being ended by this sidecar
+    /// (`true`, before the request that deletes its node is sent: the
+    /// watch fires before the answer comes), or no longer (`false`, once
+    /// that request failed without running): its node's deletion is then
+    /// not reported, or again reported, as its loss
+    /// ([`Inner::follow_reentered`]).
+    pub(super) fn ending(&self, token: &str, ending: bool) {
+        let mut followed = lock(&self.reentered);
+        if followed.is_empty() {
+            return;
+        }
+        if let Some(e) = followed.get_mut(&Token::from_client(token.to_owned())) {
+            *e = ending;
+        }
+    }
+
     /// Whether the lease of `token` on `key`, ending at `end` on the
     /// servers' clock, is over for its holder, who was told it ends at
     /// [`earliest`](super::server_time::ServerClock::earliest)`(end)`,

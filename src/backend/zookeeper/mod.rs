@@ -282,6 +282,12 @@ struct Inner {
     /// Leases over for their holders whose nodes a check deletes once the
     /// servers' clock is surely past their end (one check each).
     lapsing: Mutex<std::collections::HashSet<Token>>,
+    /// Leases re-entered through this sidecar whose nodes another sidecar
+    /// granted (and whose session they live in), and whether this sidecar
+    /// is ending them: each node is watched, and its deletion by anyone
+    /// but this sidecar is reported as the lease's loss
+    /// ([`Inner::follow_reentered`]).
+    reentered: Mutex<HashMap<Token, bool>>,
     /// Where lost leases are announced ([`Backend::losses`]).
     losses: broadcast::Sender<Token>,
     /// Lock names whose exclusive claims are `__WRIT__` nodes (`?rw_locks=`).
@@ -404,6 +410,7 @@ impl ZooKeeper {
                 session: Mutex::new(None),
                 revoked: Mutex::new(HashMap::new()),
                 lapsing: Mutex::new(std::collections::HashSet::new()),
+                reentered: Mutex::new(HashMap::new()),
                 losses: broadcast::channel(4096).0,
                 rw_locks,
                 closing: tokio_util::sync::CancellationToken::new(),

@@ -461,7 +461,14 @@ impl Inner {
                 delay_until,
                 now,
             )?;
-            match commit(op, writer.commit()).await? {
+            self.ending(&lease.data.token, true);
+            let ended = commit(op, writer.commit()).await?;
+            if ended.is_err() {
+                // Did not run: the lease goes on (an answer that did not
+                // come leaves it marked, as it may have ended).
+                self.ending(&lease.data.token, false);
+            }
+            match ended {
                 // A lease without its mark: granted by an older version,
                 // or its mark was never made.
                 Err(Failed {
