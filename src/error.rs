@@ -17,6 +17,8 @@ pub enum HeadFault {
     UriTooLong,
     /// Request line and headers over the head limit.
     TooLarge { limit: usize },
+    /// More than one `Host` header (RFC 9112 §3.2).
+    Hosts,
 }
 
 impl HeadFault {
@@ -26,6 +28,9 @@ impl HeadFault {
                  `METHOD /path HTTP/1.1`, then `Name: value` header lines of visible ASCII \
                  (no control characters), each ended by CRLF, and an empty line; at most one \
                  Content-Length, a number, and no Transfer-Encoding other than chunked"
+                .to_owned(),
+            HeadFault::Hosts => "the request has more than one Host header: send exactly \
+                 one (RFC 9112 §3.2), Host: localhost"
                 .to_owned(),
             HeadFault::UriTooLong => "the request target is over 64 KiB: lock names are at \
                  most 200 characters, and parameters fit in a short query or a JSON body"

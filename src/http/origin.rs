@@ -100,6 +100,11 @@ fn refusal(
     headers: &HeaderMap,
 ) -> Option<Error> {
     let path = uri.path();
+    // The first of two would be served, where a proxy in front may have
+    // routed by the other.
+    if headers.get_all(header::HOST).iter().nth(1).is_some() {
+        return Some(Error::MalformedHead(crate::error::HeadFault::Hosts));
+    }
     let host = headers
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())

@@ -55,6 +55,13 @@ async fn read_params<T: DeserializeOwned>(req: Request) -> Result<Params<T>, Err
 /// 413 `body-too-large` past [`MAX_BODY`]; 408 `body-timeout` when it did
 /// not come within the server's body timeout; a 400 when it broke off.
 pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Error> {
+    // A Content-Length over the limit says so before any of it comes: not
+    // waited for (until the body timeout) to be refused.
+    if usize::try_from(axum::body::HttpBody::size_hint(&body).lower())
+        .map_or(true, |n| n > MAX_BODY)
+    {
+        return Err(Error::BodyTooLarge { limit: MAX_BODY });
+    }
     match Limited::new(body, MAX_BODY).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {

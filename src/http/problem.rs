@@ -56,7 +56,7 @@ impl Error {
             Error::TooManyEventStreams { .. } => (S::TOO_MANY_REQUESTS, "too-many-event-streams"),
             Error::BodyTimedOut { .. } => (S::REQUEST_TIMEOUT, "body-timeout"),
             Error::MalformedHead(fault) => match fault {
-                HeadFault::Malformed => (S::BAD_REQUEST, "malformed-request"),
+                HeadFault::Malformed | HeadFault::Hosts => (S::BAD_REQUEST, "malformed-request"),
                 HeadFault::UriTooLong => (S::URI_TOO_LONG, "uri-too-long"),
                 HeadFault::TooLarge { .. } => {
                     (S::REQUEST_HEADER_FIELDS_TOO_LARGE, "head-too-large")
@@ -118,10 +118,9 @@ impl Error {
             _ => {}
         }
         let detail = match self {
-            Error::Busy { waited_ms: 0, .. } => {
-                "the lock is held and wait=0 (try once); give wait=<duration> to queue for it"
-                    .into()
-            }
+            Error::Busy {
+                busy, waited_ms: 0, ..
+            } => busy_detail(busy),
             Error::Busy { waited_ms, .. } => {
                 format!("the lock was not granted within the wait of {waited_ms} ms")
             }
@@ -151,6 +150,32 @@ impl Error {
             extensions,
         }
     }
+}
+
+/// The detail of a try-once refusal: held, or — nobody holding it — why
+/// it was not free, and when it may be.
+fn busy_detail(busy: &crate::backend::Busy) -> String {
+    const QUEUE: &str = "wait=0 (try once); give wait=<duration> to queue for it";
+    if !busy.holders.is_empty() || busy.omitted > 0 {
+        return format!("the lock is held and {QUEUE}");
+    }
+    if busy.queue_length > 0 {
+        return format!(
+            "nobody holds the lock, but {} queued claim(s) go first (FIFO), and {QUEUE}",
+            busy.queue_length
+        );
+    }
+    let when = busy
+        .retry_at_ms
+        .map(|at| at.saturating_sub(crate::clock::now_ms()))
+        .filter(|&left| left > 0)
+        .map(|left| format!(" (it may be granted in about {left} ms)"))
+        .unwrap_or_default();
+    format!(
+        "nobody holds the lock, but it is not free: a lock-delay runs after a lease that ended \
+         without a release (expired or force-released), or another claim's grant is under way\
+         {when}; {QUEUE}"
+    )
 }
 
 impl IntoResponse for Error {

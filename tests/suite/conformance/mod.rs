@@ -1172,7 +1172,15 @@ mod hold {
             .await;
         // The lease has expired, the delay still runs (until >= 1800 ms).
         tokio::time::sleep_until((started + TTL + ms(400)).into()).await;
-        lock.acquire_busy(&[]).await;
+        let busy = lock.acquire_busy(&[]).await;
+        // Nobody holds it: the refusal says so, and why (it said "the
+        // lock is held", naming no holder).
+        assert_eq!(busy["holders"], json!([]), "{busy}");
+        let detail = busy["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("nobody holds") && detail.contains("lock-delay"),
+            "{detail}"
+        );
         lock.acquire(&[("wait", "10s")]).await;
         let elapsed = started.elapsed();
         assert!(
