@@ -1,11 +1,13 @@
 //! What the lock routes answer: the JSON bodies, as the OpenAPI document
 //! lists them.
 
+use std::time::Duration;
+
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::backend::{Holder, StaleKey, Waiter};
-use crate::clock::{ms, now_ms};
+use crate::clock::{drift_ms, ms, now_ms};
 use crate::core::Granted;
 use crate::lock::{Held, Kind};
 
@@ -97,16 +99,29 @@ pub struct ForceReleased {
 /// settles a server clock's offset to within 5 ms).
 const ROUNDING_MS: u64 = 5;
 
+/// How much sooner than its ttl a lease may end and still be answered
+/// its ttl, beyond the drift allowance (Redlock's) and the rounding of a
+/// backend's clock: the time its grant took to come back (a lease handed
+/// over runs from the handoff). A lease ending sooner than that is cut
+/// short by a cap the backend keeps.
+fn answer_slack_ms(ttl: Duration) -> u64 {
+    (ms(ttl) / 10).max(250) + drift_ms(ttl) + ROUNDING_MS
+}
+
 /// The time a grant gave: its claim's ttl, or more where a re-entry found
 /// the lease running longer (re-entries never shorten it), and no more than
-/// is left before `max_hold` ends the lease.
+/// is left before `max_hold` ends the lease — this claim's, or the one its
+/// first grant set, which a re-entry through another sidecar does not
+/// know but finds in the lease's end (`expires_at_ms`).
 fn granted_ttl_ms(g: &Granted) -> u64 {
     let now = now_ms();
     let left = g.expires_at_ms.saturating_sub(now);
     // Longer only where the lease really runs longer: a backend's clock
     // conversion may put a fresh lease's end a millisecond or two past
     // now + ttl (2001 for a 2 s claim on Redis Cluster).
-    let ttl_ms = if left > ms(g.ttl) + ROUNDING_MS {
+    let ttl_ms = if left > ms(g.ttl) + ROUNDING_MS
+        || left.saturating_add(answer_slack_ms(g.ttl)) < ms(g.ttl)
+    {
         left
     } else {
         ms(g.ttl)

@@ -50,6 +50,10 @@ fn ms(millis: u64) -> Duration {
     Duration::from_millis(millis)
 }
 
+fn ms_u64(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 fn owner_names(prefix: &str, count: usize) -> Vec<String> {
     (1..=count).map(|i| format!("{prefix}-{i}")).collect()
 }
@@ -1280,6 +1284,40 @@ mod reentrancy {
         assert!(granted.fence > holder.fence);
         assert_eq!(la.release(&granted.token).await.count, 1);
         assert_eq!(lb.release(&granted.token).await.count, 0);
+    }
+
+    /// A re-entry through another sidecar of a lease its first grant capped
+    /// (`max_hold`) was answered `ttl_ms` 10000 for a lease ending 1.5 s
+    /// later (its `expires_at_ms` was right): a client trusting `ttl_ms`
+    /// would hold on 8 s past the lease, beside the next holder. The
+    /// answer's `ttl_ms` is the time the lease runs.
+    #[apply(backends)]
+    #[tokio::test]
+    async fn a_re_entry_of_a_capped_lease_is_answered_the_time_it_runs(backend: TestBackend) {
+        let (backend, a) = setup(backend).await;
+        let b = match backend.backend().two_sidecars_share_state() {
+            true => Some(backend.start_sidecar().await),
+            false => None,
+        };
+        let name = unique_name("capped-reentry");
+        let la = a.api().lock(&name);
+        let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
+        let first = la
+            .acquire(&[("owner", "o"), ("ttl", "2s"), ("max_hold", "3s")])
+            .await;
+        let asked = Instant::now();
+        let again = lb.acquire(&[("owner", "o"), ("ttl", "30s")]).await;
+        let answered = asked.elapsed();
+        assert_eq!(
+            (again.token.as_str(), again.count),
+            (first.token.as_str(), 2)
+        );
+        assert!(
+            again.ttl_ms <= 3_000 && again.ttl_ms + ms_u64(answered) + 1_500 >= 3_000,
+            "a lease capped at 3 s answered ttl_ms {} (expires_at_ms {})",
+            again.ttl_ms,
+            again.expires_at_ms
+        );
     }
 
     /// A queued waiter must not make one release end a re-entered lease: the
