@@ -105,7 +105,7 @@ const ROUNDING_MS: u64 = 5;
 /// over runs from the handoff). A lease ending sooner than that is cut
 /// short by a cap the backend keeps.
 fn answer_slack_ms(ttl: Duration) -> u64 {
-    (ms(ttl) / 10).max(250) + drift_ms(ttl) + ROUNDING_MS
+    (ms(ttl) / 5).max(500) + drift_ms(ttl) + ROUNDING_MS
 }
 
 /// The time a grant gave: its claim's ttl, or more where a re-entry found
