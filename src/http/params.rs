@@ -56,10 +56,16 @@ async fn read_params<T: DeserializeOwned>(req: Request) -> Result<Params<T>, Err
 /// not come within the server's body timeout; a 400 when it broke off.
 pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Error> {
     // A Content-Length over the limit says so before any of it comes: not
-    // waited for (until the body timeout) to be refused.
+    // waited for (until the body timeout) to be refused. What the client
+    // sends meanwhile is still read, and dropped, behind the answer, as far
+    // as a refused body would have been read: a connection closed on
+    // unread bytes is reset, and the reset can overtake the answer.
     if usize::try_from(axum::body::HttpBody::size_hint(&body).lower())
         .map_or(true, |n| n > MAX_BODY)
     {
+        tokio::spawn(async move {
+            let _ = Limited::new(body, MAX_BODY).collect().await;
+        });
         return Err(Error::BodyTooLarge { limit: MAX_BODY });
     }
     match Limited::new(body, MAX_BODY).collect().await {

@@ -192,7 +192,6 @@ async fn slow_connections_are_closed_within_their_timeouts() {
         .start()
         .await;
     let port = sidecar.port();
-    let api = sidecar.api();
 
     let idle = async {
         let stream = connect(port).await;
@@ -221,6 +220,9 @@ async fn slow_connections_are_closed_within_their_timeouts() {
     let bodies = async {
         for kind in ["locks", "semaphores"] {
             for announced in [100_u64, 10_000_000] {
+                // A client of its own: a pooled connection idle for the
+                // 1 s idle timeout may be closed as it is used again.
+                let api = sidecar.api();
                 let name = unique_name("body");
                 let mut stream = connect(port).await;
                 stream
@@ -729,6 +731,35 @@ async fn a_body_announced_over_the_limit_gets_413_at_once() {
         "Content-Length: 99999999999",
     );
     assert!(sent.elapsed() < Duration::from_secs(10));
+}
+
+/// The other side of the answer at once: a client that sends a body over
+/// the limit whole, as an ordinary client does (70 KiB of JSON in one
+/// write), still reads its 413. Answered before its body was read, the
+/// connection closed on unread bytes and was reset, and the reset could
+/// overtake the answer (reqwest: "error sending request").
+#[tokio::test]
+async fn a_body_sent_over_the_limit_still_reads_its_413() {
+    let sidecar = SidecarBuilder::new("memory://").start().await;
+    let client = reqwest::Client::new();
+    let body = format!("{{\"owner\":\"{}\"}}", "x".repeat(70 * 1024));
+    for round in 0..200 {
+        let url = format!(
+            "{}/v1/locks/{}",
+            sidecar.base_url(),
+            unique_name("big-body")
+        );
+        let answer = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await;
+        match answer {
+            Ok(r) => assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE, "round {round}"),
+            Err(e) => panic!("round {round}: no answer: {e:?}"),
+        }
+    }
 }
 
 /// Finding 6: `--allowed-hosts` (here through its environment variable)
