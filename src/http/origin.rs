@@ -81,9 +81,21 @@ where
             request.uri(),
             request.headers(),
         ) {
-            Some(e) => super::auth::Checked::Refused {
-                response: Some(e.into_response()),
-            },
+            Some(e) => {
+                // A head the sidecar and a proxy in front may read two ways
+                // ends its connection, as a malformed head does.
+                let close = matches!(e, Error::MalformedHead(_));
+                let mut response = e.into_response();
+                if close {
+                    response.headers_mut().insert(
+                        header::CONNECTION,
+                        axum::http::HeaderValue::from_static("close"),
+                    );
+                }
+                super::auth::Checked::Refused {
+                    response: Some(response),
+                }
+            }
             None => super::auth::Checked::Allowed {
                 inner: self.inner.call(request),
             },

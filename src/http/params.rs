@@ -64,7 +64,14 @@ pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Erro
         .map_or(true, |n| n > MAX_BODY)
     {
         tokio::spawn(async move {
-            let _ = Limited::new(body, MAX_BODY).collect().await;
+            let mut body = body;
+            let mut read = 0;
+            while read <= MAX_BODY {
+                match body.frame().await {
+                    Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len()),
+                    _ => break,
+                }
+            }
         });
         return Err(Error::BodyTooLarge { limit: MAX_BODY });
     }

@@ -156,14 +156,21 @@ impl Error {
 /// it was not free, and when it may be.
 fn busy_detail(busy: &crate::backend::Busy) -> String {
     const QUEUE: &str = "wait=0 (try once); give wait=<duration> to queue for it";
+    // A try-once claim is refused while anyone waits, holders or not.
+    let queued = match busy.queue_length {
+        0 => String::new(),
+        n => format!("{n} queued claim(s) go first (FIFO), and "),
+    };
     if !busy.holders.is_empty() || busy.omitted > 0 {
-        return format!("the lock is held and {QUEUE}");
+        let queued = if queued.is_empty() {
+            queued
+        } else {
+            format!("or {queued}")
+        };
+        return format!("the lock is held {queued}and {QUEUE}");
     }
-    if busy.queue_length > 0 {
-        return format!(
-            "nobody holds the lock, but {} queued claim(s) go first (FIFO), and {QUEUE}",
-            busy.queue_length
-        );
+    if !queued.is_empty() {
+        return format!("nobody holds the lock, but {queued}{QUEUE}");
     }
     let when = busy
         .retry_at_ms

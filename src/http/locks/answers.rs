@@ -99,13 +99,14 @@ pub struct ForceReleased {
 /// settles a server clock's offset to within 5 ms).
 const ROUNDING_MS: u64 = 5;
 
-/// How much sooner than its ttl a lease may end and still be answered
-/// its ttl, beyond the drift allowance (Redlock's) and the rounding of a
-/// backend's clock: the time its grant took to come back (a lease handed
-/// over runs from the handoff). A lease ending sooner than that is cut
-/// short by a cap the backend keeps.
-fn answer_slack_ms(ttl: Duration) -> u64 {
-    (ms(ttl) / 5).max(500) + drift_ms(ttl) + ROUNDING_MS
+/// How much sooner than the ttl it asked for a re-entered lease may end
+/// and still be answered that ttl: the drift allowance (Redlock's), the
+/// rounding of a backend's clock, and the time the re-entry took to come
+/// back (Redlock counts the lease from the attempt's start). A lease
+/// ending sooner is cut short by a cap the backend keeps: its first
+/// grant's `max_hold`.
+fn reentry_slack_ms(ttl: Duration) -> u64 {
+    (ms(ttl) / 20).max(250) + drift_ms(ttl) + ROUNDING_MS
 }
 
 /// The time a grant gave: its claim's ttl, or more where a re-entry found
@@ -119,9 +120,11 @@ fn granted_ttl_ms(g: &Granted) -> u64 {
     // Longer only where the lease really runs longer: a backend's clock
     // conversion may put a fresh lease's end a millisecond or two past
     // now + ttl (2001 for a 2 s claim on Redis Cluster).
-    let ttl_ms = if left > ms(g.ttl) + ROUNDING_MS
-        || left.saturating_add(answer_slack_ms(g.ttl)) < ms(g.ttl)
-    {
+    // A re-entry through another sidecar does not know the cap of the
+    // lease's first grant (a fresh grant's own is `cap_ms`, below): the
+    // lease's end tells it.
+    let capped = g.count > 1 && left.saturating_add(reentry_slack_ms(g.ttl)) < ms(g.ttl);
+    let ttl_ms = if left > ms(g.ttl) + ROUNDING_MS || capped {
         left
     } else {
         ms(g.ttl)

@@ -1755,3 +1755,30 @@ async fn a_made_up_owner_is_refused_by_holds_shared_locks_and_semaphores() {
         assert!(lock.release(&grant.token).await.released, "{owner}");
     }
 }
+
+/// A try-once claim is refused while anyone waits, holders or not: a
+/// shared claim beside a shared holder, with an exclusive claim queued, was
+/// told "the lock is held" — which a shared holder does not make it for
+/// another shared claim. The detail names the queue too.
+#[tokio::test]
+async fn a_try_once_refused_for_the_queue_is_told_so() {
+    let sidecar = common::SidecarBuilder::new("memory://").start().await;
+    let lock = sidecar.api().lock(&unique_name("queued-first"));
+    lock.acquire(&[("owner", "reader"), ("mode", "shared")])
+        .await;
+    let writer = {
+        let lock = sidecar.api().lock(lock.name());
+        tokio::spawn(async move {
+            lock.acquire_raw(&[("owner", "writer"), ("wait", "30s")])
+                .await
+                .status()
+        })
+    };
+    lock.wait_for_waiters(&["writer"]).await;
+    let busy = lock
+        .acquire_busy(&[("owner", "second-reader"), ("mode", "shared")])
+        .await;
+    let detail = busy["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("1 queued claim(s) go first"), "{detail}");
+    writer.abort();
+}
