@@ -162,12 +162,10 @@ fn busy_detail(busy: &crate::backend::Busy) -> String {
         n => format!("{n} queued claim(s) go first (FIFO), and "),
     };
     if !busy.holders.is_empty() || busy.omitted > 0 {
-        let queued = if queued.is_empty() {
-            queued
-        } else {
-            format!("or {queued}")
-        };
-        return format!("the lock is held {queued}and {QUEUE}");
+        if queued.is_empty() {
+            return format!("the lock is held and {QUEUE}");
+        }
+        return format!("the lock is held, or {queued}{QUEUE}");
     }
     if !queued.is_empty() {
         return format!("nobody holds the lock, but {queued}{QUEUE}");

@@ -1779,6 +1779,10 @@ async fn a_try_once_refused_for_the_queue_is_told_so() {
         .acquire_busy(&[("owner", "second-reader"), ("mode", "shared")])
         .await;
     let detail = busy["detail"].as_str().unwrap_or_default();
-    assert!(detail.contains("1 queued claim(s) go first"), "{detail}");
+    assert_eq!(
+        detail,
+        "the lock is held, or 1 queued claim(s) go first (FIFO), and wait=0 (try once); \
+         give wait=<duration> to queue for it"
+    );
     writer.abort();
 }
