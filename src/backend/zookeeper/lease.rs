@@ -90,23 +90,18 @@ impl Inner {
                 // closes a session this sidecar gave up (its watcher holds
                 // none).
                 drop(zk);
-                match watched {
+                let error = match watched {
                     Ok(Ok((_, watcher))) => {
-                        watcher.changed().await.event_type == zk::EventType::NodeDeleted
+                        return watcher.changed().await.event_type == zk::EventType::NodeDeleted;
                     }
                     // Gone already, between the re-entry and the watch.
-                    Ok(Err(zk::Error::NoNode)) => true,
-                    Ok(Err(e)) => {
-                        tracing::debug!(backend = "zookeeper", lock = %key, error = %e,
-                            "could not watch a lease re-entered here");
-                        false
-                    }
-                    Err(e) => {
-                        tracing::debug!(backend = "zookeeper", lock = %key, error = %e,
-                            "could not watch a lease re-entered here");
-                        false
-                    }
-                }
+                    Ok(Err(zk::Error::NoNode)) => return true,
+                    Ok(Err(e)) => unavailable("watch", e),
+                    Err(e) => e,
+                };
+                tracing::debug!(backend = "zookeeper", lock = %key, error = %error,
+                    "could not watch a lease re-entered here");
+                false
             };
             let gone = tokio::select! {
                 () = me.closing.cancelled() => false,
