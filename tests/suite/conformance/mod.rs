@@ -35,6 +35,16 @@ async fn setup(backend: TestBackend) -> (BackendGuard, SidecarGuard) {
     (backend, sidecar)
 }
 
+/// A second sidecar on `backend` when two sidecars share its state (not
+/// the memory backend's, whose tests then use one).
+async fn second_sidecar(backend: &BackendGuard) -> Option<SidecarGuard> {
+    if backend.backend().two_sidecars_share_state() {
+        Some(backend.start_sidecar().await)
+    } else {
+        None
+    }
+}
+
 /// The most permits a semaphore may have on `backend`: Redlock refuses more
 /// than 1 (a majority quorum cannot bound a counting semaphore; see
 /// `refuses_more_permits_than_it_can_bound`), the others take any number.
@@ -1248,10 +1258,7 @@ mod reentrancy {
     #[tokio::test]
     async fn the_same_owner_reenters_through_another_sidecar_at_once(backend: TestBackend) {
         let (backend, a) = setup(backend).await;
-        let b = match backend.backend().two_sidecars_share_state() {
-            true => Some(backend.start_sidecar().await),
-            false => None,
-        };
+        let b = second_sidecar(&backend).await;
         let name = unique_name("reentrant-elsewhere");
         let la = a.api().lock(&name);
         let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
@@ -1295,29 +1302,37 @@ mod reentrancy {
     #[tokio::test]
     async fn a_re_entry_of_a_capped_lease_is_answered_the_time_it_runs(backend: TestBackend) {
         let (backend, a) = setup(backend).await;
-        let b = match backend.backend().two_sidecars_share_state() {
-            true => Some(backend.start_sidecar().await),
-            false => None,
-        };
-        let name = unique_name("capped-reentry");
-        let la = a.api().lock(&name);
-        let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
-        let first = la
-            .acquire(&[("owner", "o"), ("ttl", "2s"), ("max_hold", "3s")])
-            .await;
-        let asked = Instant::now();
-        let again = lb.acquire(&[("owner", "o"), ("ttl", "30s")]).await;
-        let answered = asked.elapsed();
-        assert_eq!(
-            (again.token.as_str(), again.count),
-            (first.token.as_str(), 2)
-        );
-        assert!(
-            again.ttl_ms <= 3_000 && again.ttl_ms + ms_u64(answered) + 1_500 >= 3_000,
-            "a lease capped at 3 s answered ttl_ms {} (expires_at_ms {})",
-            again.ttl_ms,
-            again.expires_at_ms
-        );
+        let b = second_sidecar(&backend).await;
+        // A shared lease too: its re-entry is answered by the same code.
+        for mode in ["exclusive", "shared"] {
+            let name = unique_name("capped-reentry");
+            let la = a.api().lock(&name);
+            let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
+            let first = la
+                .acquire(&[
+                    ("owner", "o"),
+                    ("mode", mode),
+                    ("ttl", "2s"),
+                    ("max_hold", "3s"),
+                ])
+                .await;
+            let asked = Instant::now();
+            let again = lb
+                .acquire(&[("owner", "o"), ("mode", mode), ("ttl", "30s")])
+                .await;
+            let answered = asked.elapsed();
+            assert_eq!(
+                (again.token.as_str(), again.count),
+                (first.token.as_str(), 2),
+                "{mode}"
+            );
+            assert!(
+                again.ttl_ms <= 3_000 && again.ttl_ms + ms_u64(answered) + 1_500 >= 3_000,
+                "{mode}: a lease capped at 3 s answered ttl_ms {} (expires_at_ms {})",
+                again.ttl_ms,
+                again.expires_at_ms
+            );
+        }
     }
 
     /// A queued waiter must not make one release end a re-entered lease: the
@@ -1444,10 +1459,7 @@ mod modes {
     #[tokio::test]
     async fn readers_queued_behind_a_re_entered_writer_are_granted_together(backend: TestBackend) {
         let (backend, a) = setup(backend).await;
-        let b = match backend.backend().two_sidecars_share_state() {
-            true => Some(backend.start_sidecar().await),
-            false => None,
-        };
+        let b = second_sidecar(&backend).await;
         let name = unique_name("rw-handoff");
         let la = a.api().lock(&name);
         let lb = b.as_ref().unwrap_or(&a).api().lock(&name);
@@ -2704,10 +2716,7 @@ mod lifecycle {
         let backend = backend.start().await;
         let mut sidecar = backend.sidecar().shutdown_grace("5s").start().await;
         // A second sidecar on a shared backend checks that the locks are released.
-        let observer = match backend.backend().two_sidecars_share_state() {
-            true => Some(backend.start_sidecar().await),
-            false => None,
-        };
+        let observer = second_sidecar(&backend).await;
         let lock = sidecar.api().lock(&unique_name("shutdown"));
         let mut holder = lock.hold(&[("owner", "holder")]).await;
         holder.expect_acquired().await;
